@@ -1,0 +1,179 @@
+//! The command line (SPEC §2). Exit codes: 0 ok, 1 invalid config or failure, 2 usage error.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+
+use crate::app::Server;
+use crate::config::Config;
+use crate::ttl::{self, TtlInputs};
+
+#[derive(Parser)]
+#[command(
+    name = "fencegate",
+    version,
+    about = "Refuses writes that carry stale fencing tokens"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the proxy; logs JSON to stderr.
+    Run {
+        #[arg(long, short, env = "FENCEGATE_CONFIG")]
+        config: PathBuf,
+    },
+    /// Validate a config and print the effective configuration.
+    Check {
+        #[arg(long, short, env = "FENCEGATE_CONFIG")]
+        config: PathBuf,
+    },
+    /// Derive a lease TTL from latency budgets.
+    Ttl {
+        #[arg(long, value_parser = duration)]
+        p99_work: Duration,
+        #[arg(long, value_parser = duration)]
+        p99_rtt: Duration,
+        #[arg(long, value_parser = duration)]
+        safety_margin: Duration,
+        #[arg(long, value_parser = duration, default_value = "0ms")]
+        drift_buffer: Duration,
+        #[arg(long, value_parser = duration, default_value = "500ms")]
+        round_to: Duration,
+        /// Print JSON (milliseconds) for scripts.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Walk through the slow-writer scenario in one process, no external services.
+    Demo,
+}
+
+fn duration(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s)
+        .map_err(|e| format!("`{s}` is not a duration like 1500ms, 2s or 1m: {e}"))
+}
+
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Check { config } => match Config::load(&config).and_then(|c| {
+            // TLS files are part of the config: a missing key should fail here, not at start.
+            if let Some(tls) = &c.tls {
+                crate::tls::server_config(tls).map_err(|message| {
+                    crate::config::ConfigError::Invalid {
+                        path: config.clone(),
+                        message: format!("tls: {message}"),
+                    }
+                })?;
+            }
+            Ok(c)
+        }) {
+            Ok(c) => {
+                println!("# {}: valid", config.display());
+                print!("{}", c.to_yaml());
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("error: {e}");
+                ExitCode::from(1)
+            }
+        },
+        Command::Ttl {
+            p99_work,
+            p99_rtt,
+            safety_margin,
+            drift_buffer,
+            round_to,
+            json,
+        } => {
+            let inputs = TtlInputs {
+                p99_work,
+                p99_rtt,
+                safety_margin,
+                drift_buffer,
+                round_to,
+            };
+            match ttl::derive(&inputs) {
+                Ok(d) if json => {
+                    let doc = serde_json::to_string(&ttl::DerivedJson::from(d))
+                        .expect("plain numbers serialise");
+                    println!("{doc}");
+                    ExitCode::SUCCESS
+                }
+                Ok(d) => {
+                    print!("{}", ttl::render(&inputs, &d));
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    ExitCode::from(2)
+                }
+            }
+        }
+        Command::Run { config } => {
+            init_logging();
+            let config = match Config::load(&config) {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::error!(error = %e, "invalid configuration");
+                    return ExitCode::from(1);
+                }
+            };
+            runtime().block_on(run(config))
+        }
+        Command::Demo => runtime().block_on(crate::demo::run()),
+    }
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("cannot start the async runtime")
+}
+
+async fn run(config: Config) -> ExitCode {
+    let server = match Server::start(&config).await {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot start");
+            return ExitCode::from(1);
+        }
+    };
+    let signal = shutdown_signal().await;
+    tracing::info!(
+        signal,
+        "shutting down: readiness off, draining in-flight requests"
+    );
+    server.shutdown();
+    server.wait().await;
+    tracing::info!("stopped");
+    ExitCode::SUCCESS
+}
+
+async fn shutdown_signal() -> &'static str {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("cannot install a SIGTERM handler");
+    let mut int = signal(SignalKind::interrupt()).expect("cannot install a SIGINT handler");
+    tokio::select! {
+        _ = term.recv() => "SIGTERM",
+        _ = int.recv() => "SIGINT",
+    }
+}
+
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("FENCEGATE_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .json()
+        .flatten_event(true)
+        .with_current_span(false)
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}

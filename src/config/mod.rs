@@ -1,0 +1,459 @@
+//! The YAML configuration (SPEC §3), parsed into validated types.
+//!
+//! Parsing is the validation: unknown fields, bad values and inconsistent routes fail at load
+//! with line, column and field path, so an invalid config can never reach the request path.
+
+pub(crate) mod checked;
+mod types;
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Deserializer, Serialize};
+
+pub use types::{
+    HeaderNameCfg, MethodCfg, PathTemplate, ResourcePart, ResourceTemplate, UpstreamUrl,
+};
+
+/// The whole configuration file.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// The fence proxy listener (ingress).
+    #[serde(default = "default_listen")]
+    pub listen: SocketAddr,
+    /// Metrics, probes and the fence inspection API, on their own port so probes answer under load.
+    #[serde(default = "default_admin")]
+    pub admin: SocketAddr,
+    /// The protected service.
+    pub upstream: UpstreamUrl,
+    /// Extra CA bundle (PEM) trusted for an `https` upstream, on top of the public roots.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub upstream_ca: Option<PathBuf>,
+    /// Serve `listen` over TLS.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls: Option<TlsConfig>,
+    #[serde(default)]
+    pub token: TokenConfig,
+    #[serde(default)]
+    pub store: StoreConfig,
+    #[serde(default)]
+    pub fence: FenceConfig,
+    #[serde(default, deserialize_with = "routes")]
+    pub routes: Vec<RouteConfig>,
+    #[serde(default)]
+    pub unmatched: Unmatched,
+    #[serde(default)]
+    pub timeouts: Timeouts,
+    #[serde(default)]
+    pub limits: Limits,
+    /// Accepted by the schema, refused until the lease agent exists, so nobody believes it runs.
+    #[serde(default, skip_serializing)]
+    pub leases: Option<NotYetSupported>,
+    #[serde(default, skip_serializing)]
+    pub egress: Option<NotYetSupported>,
+    #[serde(default, skip_serializing)]
+    pub idempotency: Option<NotYetSupported>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsConfig {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    /// When set, clients must present a certificate signed by this CA (mutual TLS).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_ca: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenConfig {
+    #[serde(default = "default_token_header")]
+    pub header: HeaderNameCfg,
+    #[serde(default)]
+    pub equal: EqualTokens,
+}
+
+impl Default for TokenConfig {
+    fn default() -> Self {
+        TokenConfig {
+            header: default_token_header(),
+            equal: EqualTokens::default(),
+        }
+    }
+}
+
+/// Whether a token equal to the recorded maximum (the same lease epoch writing again) passes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EqualTokens {
+    #[default]
+    Allow,
+    Reject,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StoreKind {
+    Memory,
+    #[default]
+    Embedded,
+    Redis,
+    Postgres,
+    Etcd,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct StoreConfig {
+    pub kind: StoreKind,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub path: Option<PathBuf>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub url: Option<String>,
+    pub prefix: String,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        StoreConfig {
+            kind: StoreKind::Embedded,
+            path: Some(PathBuf::from(DEFAULT_STORE_PATH)),
+            url: None,
+            prefix: default_prefix(),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for StoreConfig {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        checked::from_map::<D, RawStore, StoreConfig>(d)
+    }
+}
+
+const DEFAULT_STORE_PATH: &str = "/var/lib/fencegate/fences.db";
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawStore {
+    #[serde(default)]
+    kind: StoreKind,
+    path: Option<PathBuf>,
+    url: Option<String>,
+    #[serde(default = "default_prefix")]
+    prefix: String,
+}
+
+impl TryFrom<RawStore> for StoreConfig {
+    type Error = String;
+
+    fn try_from(raw: RawStore) -> Result<Self, Self::Error> {
+        match raw.kind {
+            StoreKind::Memory | StoreKind::Embedded => {
+                if raw.url.is_some() {
+                    return Err("`url` is for the redis, postgres and etcd stores".into());
+                }
+            }
+            StoreKind::Redis | StoreKind::Postgres | StoreKind::Etcd => {
+                return Err(format!(
+                    "store kind `{}` is not available in this version; use memory or embedded",
+                    serde_json::to_value(raw.kind)
+                        .ok()
+                        .and_then(|v| v.as_str().map(str::to_owned))
+                        .unwrap_or_default()
+                ));
+            }
+        }
+        if raw.kind == StoreKind::Memory && raw.path.is_some() {
+            return Err("`path` is for the embedded store".into());
+        }
+        if raw.prefix.is_empty() {
+            return Err("`prefix` must not be empty".into());
+        }
+        let path = match raw.kind {
+            StoreKind::Embedded => Some(raw.path.unwrap_or_else(|| DEFAULT_STORE_PATH.into())),
+            _ => None,
+        };
+        Ok(StoreConfig {
+            kind: raw.kind,
+            path,
+            url: raw.url,
+            prefix: raw.prefix,
+        })
+    }
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FenceConfig {
+    #[serde(default)]
+    pub authority: Authority,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Authority {
+    #[default]
+    None,
+    Leases,
+}
+
+checked::checked_from_str!(Authority);
+
+impl TryFrom<String> for Authority {
+    type Error = String;
+    fn try_from(raw: String) -> Result<Self, Self::Error> {
+        match raw.as_str() {
+            "none" => Ok(Authority::None),
+            "leases" => Err(
+                "`leases` authority needs the lease agent, which is not available \
+                             in this version; use `none`"
+                    .into(),
+            ),
+            other => Err(format!(
+                "unknown authority `{other}`, expected `none` or `leases`"
+            )),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteConfig {
+    pub name: String,
+    pub path: PathTemplate,
+    /// Fenced methods; `None` means every method except GET, HEAD and OPTIONS.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub methods: Option<Vec<MethodCfg>>,
+    /// Resource id template; `None` means the normalised request path.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resource: Option<ResourceTemplate>,
+    #[serde(default)]
+    pub missing_token: MissingToken,
+    #[serde(default)]
+    pub ordering: Ordering,
+    #[serde(default = "default_barrier_timeout", with = "humantime_serde")]
+    pub barrier_timeout: Duration,
+    #[serde(default = "default_true")]
+    pub fence: bool,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MissingToken {
+    #[default]
+    Reject,
+    Allow,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Ordering {
+    #[default]
+    None,
+    Serialize,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Unmatched {
+    #[default]
+    Forward,
+    Reject,
+}
+
+/// Bounds on how long any one party may make fencegate wait.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Timeouts {
+    /// A client must send its complete request head within this (slowloris guard).
+    #[serde(with = "humantime_serde")]
+    pub header_read: Duration,
+    /// The upstream must answer with response headers within this, else 504.
+    #[serde(with = "humantime_serde")]
+    pub upstream: Duration,
+    /// On SIGTERM, in-flight requests get this long to finish before the process exits.
+    #[serde(with = "humantime_serde")]
+    pub shutdown: Duration,
+    /// A fenced write waits at most this long for the store's answer, else 503.
+    #[serde(with = "humantime_serde")]
+    pub store: Duration,
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        Timeouts {
+            header_read: Duration::from_secs(10),
+            upstream: Duration::from_secs(30),
+            shutdown: Duration::from_secs(10),
+            store: Duration::from_secs(2),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Limits {
+    /// Largest request head accepted (HTTP/1 buffer, HTTP/2 header list); larger gets 431.
+    pub max_header_bytes: usize,
+    /// Most header fields in one HTTP/1 request head.
+    pub max_headers: usize,
+    /// Concurrent client connections; further connections wait in the accept queue.
+    pub max_connections: usize,
+    /// Longest resource id, in bytes; longer gets 400.
+    pub max_resource_bytes: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_header_bytes: 16 * 1024,
+            max_headers: 100,
+            max_connections: 10_000,
+            max_resource_bytes: 512,
+        }
+    }
+}
+
+/// A schema section whose feature this build does not have: refusing it beats ignoring it.
+#[derive(Debug, Clone)]
+pub struct NotYetSupported;
+
+impl<'de> Deserialize<'de> for NotYetSupported {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        // Refuse from inside the deserializer, so the error carries the section's location.
+        struct Refuse;
+        const WHY: &str = "this section is not available in this version of fencegate";
+        impl<'de> serde::de::Visitor<'de> for Refuse {
+            type Value = NotYetSupported;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(WHY)
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                _: A,
+            ) -> Result<Self::Value, A::Error> {
+                Err(serde::de::Error::custom(WHY))
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                _: A,
+            ) -> Result<Self::Value, A::Error> {
+                Err(serde::de::Error::custom(WHY))
+            }
+            fn visit_str<E: serde::de::Error>(self, _: &str) -> Result<Self::Value, E> {
+                Err(E::custom(WHY))
+            }
+        }
+        d.deserialize_any(Refuse)
+    }
+}
+
+fn routes<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<RouteConfig>, D::Error> {
+    checked::from_seq(d, check_routes)
+}
+
+/// Cross-route checks: unique names, captures that exist, paths the router accepts together.
+fn check_routes(routes: &[RouteConfig]) -> Result<(), String> {
+    let mut router = matchit::Router::new();
+    let mut seen_paths: Vec<(&str, usize)> = Vec::new();
+    for (i, route) in routes.iter().enumerate() {
+        if route.name.is_empty() {
+            return Err(format!("routes[{i}].name must not be empty"));
+        }
+        if let Some(j) = routes[..i].iter().position(|r| r.name == route.name) {
+            return Err(format!(
+                "routes[{i}].name `{}` is already used by routes[{j}]",
+                route.name
+            ));
+        }
+        if let Some(template) = &route.resource {
+            for capture in template.captures() {
+                if !route.path.captures.iter().any(|c| c == capture) {
+                    return Err(format!(
+                        "routes[{i}].resource uses `{{{capture}}}` but routes[{i}].path `{}` has no such capture",
+                        route.path.source
+                    ));
+                }
+            }
+        }
+        if matches!(&route.methods, Some(m) if m.is_empty()) {
+            return Err(format!(
+                "routes[{i}].methods is empty; leave it out to fence every method but GET, HEAD, OPTIONS"
+            ));
+        }
+        if seen_paths.iter().any(|(p, _)| *p == route.path.source) {
+            // Same path, different methods: the route table tries them in order.
+            continue;
+        }
+        router
+            .insert(route.path.source.as_str(), i)
+            .map_err(|e| format!("routes[{i}].path `{}`: {e}", route.path.source))?;
+        seen_paths.push((&route.path.source, i));
+    }
+    Ok(())
+}
+
+/// A configuration error, displayed with its location when it has one.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path}: {message}")]
+    Invalid { path: PathBuf, message: String },
+}
+
+impl Config {
+    /// Reads and validates a configuration file.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        Config::parse(&text).map_err(|message| ConfigError::Invalid {
+            path: path.to_owned(),
+            message,
+        })
+    }
+
+    /// Parses configuration text; the error names line, column and field path.
+    pub fn parse(text: &str) -> Result<Config, String> {
+        serde_yaml::from_str::<Config>(text).map_err(|e| e.to_string())
+    }
+
+    /// The effective configuration, defaults filled in, as YAML.
+    pub fn to_yaml(&self) -> String {
+        serde_yaml::to_string(self).unwrap_or_else(|e| format!("# cannot render: {e}\n"))
+    }
+}
+
+fn default_listen() -> SocketAddr {
+    SocketAddr::from(([0, 0, 0, 0], 7440))
+}
+
+fn default_admin() -> SocketAddr {
+    SocketAddr::from(([0, 0, 0, 0], 7441))
+}
+
+fn default_token_header() -> HeaderNameCfg {
+    HeaderNameCfg(http::header::HeaderName::from_static("fencing-token"))
+}
+
+fn default_prefix() -> String {
+    "fencegate".to_owned()
+}
+
+fn default_barrier_timeout() -> Duration {
+    Duration::from_secs(5)
+}
+
+fn default_true() -> bool {
+    true
+}
+
+#[cfg(test)]
+mod tests;

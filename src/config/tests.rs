@@ -1,0 +1,145 @@
+use super::*;
+
+const MINIMAL: &str = "upstream: http://127.0.0.1:8080\n";
+
+fn err(yaml: &str) -> String {
+    Config::parse(yaml).expect_err("config should be refused")
+}
+
+#[test]
+fn minimal_config_gets_spec_defaults() {
+    let c = Config::parse(MINIMAL).unwrap();
+    assert_eq!(c.listen.to_string(), "0.0.0.0:7440");
+    assert_eq!(c.admin.to_string(), "0.0.0.0:7441");
+    assert_eq!(c.token.header.0.as_str(), "fencing-token");
+    assert_eq!(c.token.equal, EqualTokens::Allow);
+    assert_eq!(c.store.kind, StoreKind::Embedded);
+    assert_eq!(c.store.path.as_deref(), Some(Path::new(DEFAULT_STORE_PATH)));
+    assert_eq!(c.unmatched, Unmatched::Forward);
+    assert!(c.routes.is_empty());
+}
+
+#[test]
+fn spec_example_routes_parse() {
+    let c = Config::parse(
+        r#"
+upstream: https://ledger.internal:8443
+token: { header: X-Fence, equal: reject }
+store: { kind: memory }
+routes:
+  - name: accounts
+    path: /accounts/{id}
+    methods: [POST, PUT, PATCH, DELETE]
+    resource: "account:{id}"
+    missing_token: reject
+    ordering: serialize
+    barrier_timeout: 1500ms
+  - name: health
+    path: /healthz
+    fence: false
+unmatched: reject
+"#,
+    )
+    .unwrap();
+    assert!(c.upstream.is_https());
+    assert_eq!(c.token.header.0.as_str(), "x-fence");
+    let r = &c.routes[0];
+    assert_eq!(r.ordering, Ordering::Serialize);
+    assert_eq!(r.barrier_timeout, Duration::from_millis(1500));
+    assert_eq!(
+        r.resource.as_ref().unwrap().captures().collect::<Vec<_>>(),
+        ["id"]
+    );
+    assert!(!c.routes[1].fence);
+}
+
+#[test]
+fn unknown_field_names_line_column_and_path() {
+    let e = err("upstream: http://a:1\nroutes:\n  - name: a\n    path: /a\n    resourse: x\n");
+    assert!(e.contains("routes[0]"), "{e}");
+    assert!(e.contains("unknown field `resourse`"), "{e}");
+    assert!(e.contains("line 5 column 5"), "{e}");
+}
+
+#[test]
+fn bad_values_name_their_field() {
+    let cases = [
+        (
+            "upstream: ftp://a\n",
+            "upstream",
+            "scheme must be http or https",
+        ),
+        (
+            "upstream: http://a:1/base\n",
+            "upstream",
+            "host and port only",
+        ),
+        (
+            "upstream: http://a:1\ntoken: { header: fencing_token }\n",
+            "token.header",
+            "`_`",
+        ),
+        (
+            "upstream: http://a:1\ntoken: { equal: sometimes }\n",
+            "token.equal",
+            "unknown variant",
+        ),
+        (
+            "upstream: http://a:1\nroutes: [{ name: a, path: /a, methods: [put] }]\n",
+            "routes[0].methods[0]",
+            "did you mean `PUT`",
+        ),
+        (
+            "upstream: http://a:1\nroutes: [{ name: a, path: /a, barrier_timeout: soon }]\n",
+            "routes[0].barrier_timeout",
+            "",
+        ),
+        (
+            "upstream: http://a:1\nroutes: [{ name: a, path: 'a/{id}' }]\n",
+            "routes[0].path",
+            "starts with `/`",
+        ),
+        (
+            "upstream: http://a:1\nroutes: [{ name: a, path: '/a/{id}', resource: 'x:{ic}' }]\n",
+            "routes",
+            "no such capture",
+        ),
+        (
+            "upstream: http://a:1\nroutes: [{ name: a, path: /a }, { name: a, path: /b }]\n",
+            "routes",
+            "already used",
+        ),
+        (
+            "upstream: http://a:1\nstore: { kind: redis, url: 'redis://x' }\n",
+            "store",
+            "not available in this version",
+        ),
+        (
+            "upstream: http://a:1\nleases: { ttl: 1s }\n",
+            "leases",
+            "not available",
+        ),
+        ("upstream: http://a:1\nlisten: 7440\n", "listen", ""),
+    ];
+    for (yaml, path, message) in cases {
+        let e = err(yaml);
+        assert!(
+            e.starts_with(&format!("{path}: "))
+                || e.contains(&format!(" {path}"))
+                || e.contains(path),
+            "{yaml}: {e}"
+        );
+        assert!(e.contains(message), "{yaml}: {e}");
+        assert!(e.contains("line "), "{yaml}: no location in {e}");
+    }
+}
+
+#[test]
+fn effective_config_roundtrips() {
+    let c = Config::parse(
+        "upstream: http://127.0.0.1:9\nstore: { kind: memory }\nroutes: [{ name: a, path: '/a/{id}', resource: 'a:{id}' }]\n",
+    )
+    .unwrap();
+    let again = Config::parse(&c.to_yaml()).unwrap();
+    assert_eq!(again.to_yaml(), c.to_yaml());
+}

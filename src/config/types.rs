@@ -1,0 +1,265 @@
+//! Validated newtypes for configuration values.
+//!
+//! Each type parses from the YAML string form and refuses bad values at load time, so the
+//! error carries the line, column and field path of the offending value.
+
+use std::fmt;
+
+use super::checked::checked_from_str;
+
+use http::header::HeaderName;
+use http::{Method, Uri};
+use serde::Serialize;
+
+/// The protected service: `http://host:port` or `https://host:port`, no path or query.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(into = "String")]
+pub struct UpstreamUrl {
+    /// Scheme + authority, kept parsed so the hot path only appends a path.
+    pub scheme: http::uri::Scheme,
+    pub authority: http::uri::Authority,
+}
+
+impl UpstreamUrl {
+    pub fn is_https(&self) -> bool {
+        self.scheme == http::uri::Scheme::HTTPS
+    }
+}
+
+impl TryFrom<String> for UpstreamUrl {
+    type Error = String;
+
+    fn try_from(raw: String) -> Result<Self, Self::Error> {
+        let uri: Uri = raw
+            .parse()
+            .map_err(|e| format!("`{raw}` is not a URL: {e}"))?;
+        let scheme = uri
+            .scheme()
+            .cloned()
+            .ok_or_else(|| format!("`{raw}` needs a scheme: http:// or https://"))?;
+        if scheme != http::uri::Scheme::HTTP && scheme != http::uri::Scheme::HTTPS {
+            return Err(format!("`{raw}`: scheme must be http or https"));
+        }
+        let authority = uri
+            .authority()
+            .cloned()
+            .ok_or_else(|| format!("`{raw}` needs a host"))?;
+        if !matches!(uri.path(), "" | "/") || uri.query().is_some() {
+            return Err(format!(
+                "`{raw}`: the upstream is a host and port only; requests keep their own path"
+            ));
+        }
+        Ok(UpstreamUrl { scheme, authority })
+    }
+}
+
+impl From<UpstreamUrl> for String {
+    fn from(u: UpstreamUrl) -> String {
+        u.to_string()
+    }
+}
+
+impl fmt::Display for UpstreamUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}://{}", self.scheme, self.authority)
+    }
+}
+
+/// An HTTP header name, stored lowercase.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(into = "String")]
+pub struct HeaderNameCfg(pub HeaderName);
+
+impl TryFrom<String> for HeaderNameCfg {
+    type Error = String;
+
+    fn try_from(raw: String) -> Result<Self, Self::Error> {
+        if raw.contains('_') {
+            // Underscored names are refused on the wire as aliases, so one cannot be the token.
+            return Err(format!("`{raw}`: header names with `_` are not allowed"));
+        }
+        HeaderName::try_from(raw.as_str())
+            .map(HeaderNameCfg)
+            .map_err(|_| format!("`{raw}` is not a valid header name"))
+    }
+}
+
+impl From<HeaderNameCfg> for String {
+    fn from(h: HeaderNameCfg) -> String {
+        h.0.as_str().to_owned()
+    }
+}
+
+/// An HTTP method as written in the config: uppercase, since methods are case-sensitive.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(into = "String")]
+pub struct MethodCfg(pub Method);
+
+impl TryFrom<String> for MethodCfg {
+    type Error = String;
+
+    fn try_from(raw: String) -> Result<Self, Self::Error> {
+        if raw.bytes().any(|b| b.is_ascii_lowercase()) {
+            return Err(format!(
+                "`{raw}`: methods are case-sensitive, did you mean `{}`?",
+                raw.to_ascii_uppercase()
+            ));
+        }
+        Method::from_bytes(raw.as_bytes())
+            .map(MethodCfg)
+            .map_err(|_| format!("`{raw}` is not a valid HTTP method"))
+    }
+}
+
+impl From<MethodCfg> for String {
+    fn from(m: MethodCfg) -> String {
+        m.0.as_str().to_owned()
+    }
+}
+
+/// One piece of a resource template such as `account:{id}:{header:X-Tenant}`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ResourcePart {
+    Literal(String),
+    /// A capture of the route's path template.
+    Capture(String),
+    /// A request header value (must be visible ASCII).
+    Header(HeaderName),
+    /// A query parameter, percent-decoded.
+    Query(String),
+}
+
+/// A parsed `resource:` template.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(into = "String")]
+pub struct ResourceTemplate {
+    pub parts: Vec<ResourcePart>,
+    source: String,
+}
+
+impl ResourceTemplate {
+    /// Names of path captures the template refers to.
+    pub fn captures(&self) -> impl Iterator<Item = &str> {
+        self.parts.iter().filter_map(|p| match p {
+            ResourcePart::Capture(name) => Some(name.as_str()),
+            _ => None,
+        })
+    }
+}
+
+impl TryFrom<String> for ResourceTemplate {
+    type Error = String;
+
+    fn try_from(raw: String) -> Result<Self, Self::Error> {
+        let mut parts = Vec::new();
+        let mut rest = raw.as_str();
+        while !rest.is_empty() {
+            match rest.find(['{', '}']) {
+                None => {
+                    parts.push(ResourcePart::Literal(rest.to_owned()));
+                    break;
+                }
+                Some(i) if rest.as_bytes()[i] == b'}' => {
+                    return Err(format!("`{raw}`: unmatched `}}`"));
+                }
+                Some(i) => {
+                    if i > 0 {
+                        parts.push(ResourcePart::Literal(rest[..i].to_owned()));
+                    }
+                    let close = rest[i..]
+                        .find('}')
+                        .ok_or_else(|| format!("`{raw}`: unclosed `{{`"))?;
+                    let inner = &rest[i + 1..i + close];
+                    parts.push(parse_placeholder(&raw, inner)?);
+                    rest = &rest[i + close + 1..];
+                }
+            }
+        }
+        if parts.is_empty() {
+            return Err("the resource template is empty".to_owned());
+        }
+        Ok(ResourceTemplate { parts, source: raw })
+    }
+}
+
+fn parse_placeholder(raw: &str, inner: &str) -> Result<ResourcePart, String> {
+    let valid_name = |s: &str| {
+        !s.is_empty()
+            && s.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+    };
+    if let Some(name) = inner.strip_prefix("header:") {
+        return HeaderName::try_from(name)
+            .map(ResourcePart::Header)
+            .map_err(|_| format!("`{raw}`: `{name}` is not a valid header name"));
+    }
+    if let Some(name) = inner.strip_prefix("query:") {
+        if !valid_name(name) {
+            return Err(format!(
+                "`{raw}`: `{name}` is not a valid query parameter name"
+            ));
+        }
+        return Ok(ResourcePart::Query(name.to_owned()));
+    }
+    let name = inner.strip_prefix('*').unwrap_or(inner);
+    if !valid_name(name) {
+        return Err(format!(
+            "`{raw}`: `{{{inner}}}` must be {{capture}}, {{header:Name}} or {{query:name}}"
+        ));
+    }
+    Ok(ResourcePart::Capture(name.to_owned()))
+}
+
+impl From<ResourceTemplate> for String {
+    fn from(t: ResourceTemplate) -> String {
+        t.source
+    }
+}
+
+/// A route path template such as `/accounts/{id}` or `/files/{*rest}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(into = "String")]
+pub struct PathTemplate {
+    pub source: String,
+    /// Capture names in order, without the `*` of a catch-all.
+    pub captures: Vec<String>,
+}
+
+impl TryFrom<String> for PathTemplate {
+    type Error = String;
+
+    fn try_from(raw: String) -> Result<Self, Self::Error> {
+        if !raw.starts_with('/') {
+            return Err(format!("`{raw}`: a path template starts with `/`"));
+        }
+        // The router is the authority on syntax; a throwaway insert reports any error.
+        let mut probe = matchit::Router::new();
+        probe
+            .insert(raw.as_str(), ())
+            .map_err(|e| format!("`{raw}`: {e}"))?;
+        let captures = raw
+            .split('{')
+            .skip(1)
+            .filter_map(|s| s.split_once('}').map(|(name, _)| name))
+            .map(|name| name.trim_start_matches('*').to_owned())
+            .collect();
+        Ok(PathTemplate {
+            source: raw,
+            captures,
+        })
+    }
+}
+
+impl From<PathTemplate> for String {
+    fn from(p: PathTemplate) -> String {
+        p.source
+    }
+}
+
+checked_from_str!(
+    UpstreamUrl,
+    HeaderNameCfg,
+    MethodCfg,
+    ResourceTemplate,
+    PathTemplate
+);

@@ -1,0 +1,6 @@
+//! The fence's decisions, as pure functions over values (no sockets, no clocks).
+
+pub mod barrier;
+pub mod path;
+pub mod routes;
+pub mod token;

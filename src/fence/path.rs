@@ -1,0 +1,183 @@
+//! Path normalisation (SPEC §4): the resource id and the forwarded path come from one form.
+//!
+//! Dot segments are resolved (RFC 3986 §5.2.4), `//` is merged, percent-encoded unreserved
+//! characters are decoded and the remaining escapes are upper-cased. What would let two
+//! spellings name different resources downstream is refused: encoded `/` or `\`, a raw `\`,
+//! NUL and other control bytes, malformed escapes.
+
+use std::borrow::Cow;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum PathError {
+    #[error("the path must start with `/`")]
+    NotOrigin,
+    #[error("the path contains an encoded `/` or `\\`, which servers disagree on")]
+    EncodedSeparator,
+    #[error("the path contains a `\\`, which some servers read as `/`")]
+    Backslash,
+    #[error("the path contains a control character")]
+    Control,
+    #[error("the path contains a malformed percent escape")]
+    BadEscape,
+}
+
+/// Returns the normalised path, borrowing when the input is already normal.
+pub fn normalise(path: &str) -> Result<Cow<'_, str>, PathError> {
+    let bytes = path.as_bytes();
+    if bytes.first() != Some(&b'/') {
+        return Err(PathError::NotOrigin);
+    }
+    let mut needs_work = false;
+    for (i, &b) in bytes.iter().enumerate() {
+        match b {
+            b'\\' => return Err(PathError::Backslash),
+            0..=0x1f | 0x7f => return Err(PathError::Control),
+            b'%' => needs_work = true,
+            b'/' if matches!(bytes.get(i + 1), Some(b'/' | b'.')) => needs_work = true,
+            _ => {}
+        }
+    }
+    if !needs_work {
+        return Ok(Cow::Borrowed(path));
+    }
+    let decoded = decode_unreserved(bytes)?;
+    Ok(Cow::Owned(remove_dot_segments(&decoded)))
+}
+
+/// Decodes `%XX` of unreserved characters, upper-cases the hex of the others.
+fn decode_unreserved(bytes: &[u8]) -> Result<String, PathError> {
+    let mut out = String::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let b = bytes[i];
+        if b != b'%' {
+            out.push(char::from(b));
+            i += 1;
+            continue;
+        }
+        let (hi, lo) = match (bytes.get(i + 1), bytes.get(i + 2)) {
+            (Some(&h), Some(&l)) => (hex(h)?, hex(l)?),
+            _ => return Err(PathError::BadEscape),
+        };
+        let value = hi << 4 | lo;
+        match value {
+            b'/' | b'\\' => return Err(PathError::EncodedSeparator),
+            0..=0x1f | 0x7f => return Err(PathError::Control),
+            v if v.is_ascii_alphanumeric() || matches!(v, b'-' | b'.' | b'_' | b'~') => {
+                out.push(char::from(v));
+            }
+            v => {
+                const HEX: &[u8; 16] = b"0123456789ABCDEF";
+                out.push('%');
+                out.push(char::from(HEX[usize::from(v >> 4)]));
+                out.push(char::from(HEX[usize::from(v & 0xf)]));
+            }
+        }
+        i += 3;
+    }
+    Ok(out)
+}
+
+fn hex(b: u8) -> Result<u8, PathError> {
+    match b {
+        b'0'..=b'9' => Ok(b - b'0'),
+        b'a'..=b'f' => Ok(b - b'a' + 10),
+        b'A'..=b'F' => Ok(b - b'A' + 10),
+        _ => Err(PathError::BadEscape),
+    }
+}
+
+/// Resolves `.` and `..`, merges empty segments, keeps a trailing slash.
+fn remove_dot_segments(path: &str) -> String {
+    let mut out: Vec<&str> = Vec::new();
+    let mut trailing_slash = false;
+    let segments: Vec<&str> = path[1..].split('/').collect();
+    let last = segments.len() - 1;
+    for (i, segment) in segments.into_iter().enumerate() {
+        match segment {
+            "" | "." => trailing_slash = i == last,
+            ".." => {
+                out.pop();
+                trailing_slash = i == last;
+            }
+            s => {
+                out.push(s);
+                trailing_slash = false;
+            }
+        }
+    }
+    let mut result = String::with_capacity(path.len());
+    for segment in &out {
+        result.push('/');
+        result.push_str(segment);
+    }
+    if result.is_empty() || trailing_slash {
+        result.push('/');
+    }
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn norm(p: &str) -> Result<String, PathError> {
+        normalise(p).map(Cow::into_owned)
+    }
+
+    #[test]
+    fn normal_paths_are_borrowed() {
+        assert!(matches!(normalise("/accounts/42"), Ok(Cow::Borrowed(_))));
+        assert!(matches!(normalise("/a.b/c-d_e~f"), Ok(Cow::Borrowed(_))));
+    }
+
+    #[test]
+    fn resolves_dots_and_merges_slashes() {
+        assert_eq!(norm("/a/./b").unwrap(), "/a/b");
+        assert_eq!(norm("//a").unwrap(), "/a");
+        assert_eq!(norm("/a//b///c").unwrap(), "/a/b/c");
+        assert_eq!(norm("/a/b/../c").unwrap(), "/a/c");
+        assert_eq!(norm("/../../a").unwrap(), "/a");
+        assert_eq!(norm("/a/..").unwrap(), "/");
+        assert_eq!(norm("/a/b/.").unwrap(), "/a/b/");
+        assert_eq!(norm("/a/").unwrap(), "/a/");
+        assert_eq!(norm("/a//").unwrap(), "/a/");
+        assert_eq!(norm("/").unwrap(), "/");
+        assert_eq!(norm("//").unwrap(), "/");
+        assert_eq!(norm("/a/.b/..c").unwrap(), "/a/.b/..c");
+    }
+
+    #[test]
+    fn decodes_unreserved_only() {
+        assert_eq!(norm("/%61ccounts/%34%32").unwrap(), "/accounts/42");
+        assert_eq!(norm("/a/%2e%2E/b").unwrap(), "/b");
+        assert_eq!(norm("/a%20b").unwrap(), "/a%20b");
+        assert_eq!(norm("/a%3ab").unwrap(), "/a%3Ab");
+        assert_eq!(norm("/%7e%2D%5f").unwrap(), "/~-_");
+    }
+
+    #[test]
+    fn refuses_ambiguous_paths() {
+        assert_eq!(norm("/a%2Fb"), Err(PathError::EncodedSeparator));
+        assert_eq!(norm("/a%2fb"), Err(PathError::EncodedSeparator));
+        assert_eq!(norm("/a%5Cb"), Err(PathError::EncodedSeparator));
+        assert_eq!(norm("/a\\b"), Err(PathError::Backslash));
+        assert_eq!(norm("/a%00"), Err(PathError::Control));
+        assert_eq!(norm("/a%0a"), Err(PathError::Control));
+        assert_eq!(norm("/a\x01"), Err(PathError::Control));
+        assert_eq!(norm("/a%"), Err(PathError::BadEscape));
+        assert_eq!(norm("/a%4"), Err(PathError::BadEscape));
+        assert_eq!(norm("/a%zz"), Err(PathError::BadEscape));
+        assert_eq!(norm("a/b"), Err(PathError::NotOrigin));
+        assert_eq!(norm("*"), Err(PathError::NotOrigin));
+        assert_eq!(norm(""), Err(PathError::NotOrigin));
+    }
+
+    #[test]
+    fn normalising_twice_changes_nothing() {
+        for p in ["/a/./b", "//a", "/%61/%2e%2e/c", "/x%20y//z/../", "/a/b/."] {
+            let once = norm(p).unwrap();
+            assert_eq!(norm(&once).unwrap(), once, "{p}");
+        }
+    }
+}

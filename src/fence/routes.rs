@@ -1,0 +1,286 @@
+//! The route table: which route a request is on, whether its method is fenced, and which
+//! resource it writes to. Built once per configuration; matching allocates only the resource id.
+
+use http::{HeaderMap, Method};
+
+use crate::config::{
+    MissingToken, Ordering, ResourcePart, ResourceTemplate, RouteConfig, Unmatched,
+};
+
+/// A configured route, ready for the hot path.
+#[derive(Debug)]
+pub struct Route {
+    pub name: String,
+    /// Position in the config, used to index per-route metrics without hashing labels.
+    pub index: usize,
+    /// `None`: every method but GET, HEAD and OPTIONS is fenced.
+    fenced_methods: Option<Vec<Method>>,
+    resource: Option<ResourceTemplate>,
+    pub missing_token: MissingToken,
+    pub ordering: Ordering,
+    pub barrier_timeout: std::time::Duration,
+    pub fence: bool,
+}
+
+impl Route {
+    pub fn fences(&self, method: &Method) -> bool {
+        self.fence
+            && match &self.fenced_methods {
+                Some(methods) => methods.contains(method),
+                None => !matches!(*method, Method::GET | Method::HEAD | Method::OPTIONS),
+            }
+    }
+}
+
+/// What the table says about one request.
+#[derive(Debug)]
+pub enum Matched<'a> {
+    /// No route; the `unmatched` policy applies.
+    None,
+    /// On a route, but this method is not fenced there.
+    Pass(&'a Route),
+    /// A fenced write to `resource`.
+    Fence { route: &'a Route, resource: String },
+}
+
+/// Why the resource id could not be built; the request is refused with 400.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ResourceError {
+    #[error("the request has no usable `{0}` header, which names the resource")]
+    Header(String),
+    #[error("the request has no usable `{0}` query parameter, which names the resource")]
+    Query(String),
+    #[error("the resource id is longer than {0} bytes")]
+    TooLong(usize),
+}
+
+pub struct RouteTable {
+    /// Path template → indexes of the routes sharing it, in config order.
+    router: matchit::Router<Vec<usize>>,
+    routes: Vec<Route>,
+    pub unmatched: Unmatched,
+    max_resource_bytes: usize,
+}
+
+impl RouteTable {
+    /// Builds the table; the config was validated at load, so insertion cannot conflict.
+    pub fn new(configs: &[RouteConfig], unmatched: Unmatched, max_resource_bytes: usize) -> Self {
+        let mut router = matchit::Router::new();
+        let mut groups: Vec<(String, Vec<usize>)> = Vec::new();
+        let routes = configs
+            .iter()
+            .enumerate()
+            .map(|(index, c)| {
+                match groups.iter_mut().find(|(p, _)| *p == c.path.source) {
+                    Some((_, members)) => members.push(index),
+                    None => groups.push((c.path.source.clone(), vec![index])),
+                }
+                Route {
+                    name: c.name.clone(),
+                    index,
+                    fenced_methods: c
+                        .methods
+                        .as_ref()
+                        .map(|m| m.iter().map(|m| m.0.clone()).collect()),
+                    resource: c.resource.clone(),
+                    missing_token: c.missing_token,
+                    ordering: c.ordering,
+                    barrier_timeout: c.barrier_timeout,
+                    fence: c.fence,
+                }
+            })
+            .collect();
+        for (path, members) in groups {
+            router
+                .insert(path, members)
+                .expect("route paths are validated when the config is loaded");
+        }
+        RouteTable {
+            router,
+            routes,
+            unmatched,
+            max_resource_bytes,
+        }
+    }
+
+    pub fn routes(&self) -> &[Route] {
+        &self.routes
+    }
+
+    /// Matches a normalised path.
+    pub fn lookup(
+        &self,
+        method: &Method,
+        path: &str,
+        query: Option<&str>,
+        headers: &HeaderMap,
+    ) -> Result<Matched<'_>, ResourceError> {
+        let Ok(found) = self.router.at(path) else {
+            return Ok(Matched::None);
+        };
+        let candidates = found.value.iter().map(|&i| &self.routes[i]);
+        let Some(route) = candidates.clone().find(|r| r.fences(method)) else {
+            let first = candidates
+                .clone()
+                .next()
+                .expect("route groups are never empty");
+            return Ok(Matched::Pass(first));
+        };
+        let resource = match &route.resource {
+            None => path.to_owned(),
+            Some(template) => {
+                let mut id = String::with_capacity(64);
+                for part in &template.parts {
+                    match part {
+                        ResourcePart::Literal(s) => id.push_str(s),
+                        ResourcePart::Capture(name) => {
+                            id.push_str(found.params.get(name).unwrap_or_default())
+                        }
+                        ResourcePart::Header(name) => id.push_str(header_value(headers, name)?),
+                        ResourcePart::Query(name) => id.push_str(&query_value(query, name)?),
+                    }
+                }
+                id
+            }
+        };
+        if resource.len() > self.max_resource_bytes {
+            return Err(ResourceError::TooLong(self.max_resource_bytes));
+        }
+        Ok(Matched::Fence { route, resource })
+    }
+}
+
+fn header_value<'h>(
+    headers: &'h HeaderMap,
+    name: &http::HeaderName,
+) -> Result<&'h str, ResourceError> {
+    let mut values = headers.get_all(name).iter();
+    match (values.next(), values.next()) {
+        (Some(v), None) => v
+            .to_str()
+            .ok()
+            .filter(|s| !s.is_empty())
+            .ok_or_else(|| ResourceError::Header(name.to_string())),
+        _ => Err(ResourceError::Header(name.to_string())),
+    }
+}
+
+fn query_value(query: Option<&str>, name: &str) -> Result<String, ResourceError> {
+    let missing = || ResourceError::Query(name.to_owned());
+    let mut found = None;
+    for pair in query.unwrap_or_default().split('&') {
+        let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+        if key == name {
+            if found.is_some() {
+                // Two values: the downstream may pick either, so neither names the resource.
+                return Err(missing());
+            }
+            found = Some(value);
+        }
+    }
+    let decoded = percent_encoding::percent_decode_str(found.ok_or_else(missing)?)
+        .decode_utf8()
+        .map_err(|_| missing())?;
+    if decoded.is_empty() || decoded.chars().any(char::is_control) {
+        return Err(missing());
+    }
+    Ok(decoded.into_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+
+    fn table(yaml_routes: &str) -> RouteTable {
+        let config = Config::parse(&format!(
+            "upstream: http://127.0.0.1:1\nroutes:\n{yaml_routes}"
+        ))
+        .unwrap();
+        RouteTable::new(&config.routes, config.unmatched, 64)
+    }
+
+    fn fenced(m: Matched<'_>) -> (String, String) {
+        match m {
+            Matched::Fence { route, resource } => (route.name.clone(), resource),
+            other => panic!("expected a fenced match, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn default_methods_fence_writes_and_unknown_methods() {
+        let t = table("  - { name: acc, path: '/accounts/{id}', resource: 'account:{id}' }\n");
+        let h = HeaderMap::new();
+        for m in ["POST", "PUT", "PATCH", "DELETE", "PURGE", "LOCK"] {
+            let method = Method::from_bytes(m.as_bytes()).unwrap();
+            let (name, res) = fenced(t.lookup(&method, "/accounts/7", None, &h).unwrap());
+            assert_eq!((name.as_str(), res.as_str()), ("acc", "account:7"));
+        }
+        for m in [Method::GET, Method::HEAD, Method::OPTIONS] {
+            assert!(matches!(
+                t.lookup(&m, "/accounts/7", None, &h),
+                Ok(Matched::Pass(_))
+            ));
+        }
+        assert!(matches!(
+            t.lookup(&Method::PUT, "/other", None, &h),
+            Ok(Matched::None)
+        ));
+    }
+
+    #[test]
+    fn same_path_routes_split_by_method() {
+        let t = table(concat!(
+            "  - { name: put, path: '/x/{id}', methods: [PUT], resource: 'p:{id}' }\n",
+            "  - { name: del, path: '/x/{id}', methods: [DELETE], resource: 'd:{id}' }\n",
+        ));
+        let h = HeaderMap::new();
+        assert_eq!(
+            fenced(t.lookup(&Method::PUT, "/x/1", None, &h).unwrap()).1,
+            "p:1"
+        );
+        assert_eq!(
+            fenced(t.lookup(&Method::DELETE, "/x/1", None, &h).unwrap()).1,
+            "d:1"
+        );
+        assert!(
+            matches!(t.lookup(&Method::POST, "/x/1", None, &h), Ok(Matched::Pass(r)) if r.name == "put")
+        );
+    }
+
+    #[test]
+    fn header_and_query_parts() {
+        let t = table("  - { name: q, path: '/jobs/{*rest}', resource: '{header:x-tenant}/{query:shard}/{rest}' }\n");
+        let mut h = HeaderMap::new();
+        h.insert("x-tenant", "acme".parse().unwrap());
+        let m = t
+            .lookup(&Method::POST, "/jobs/a/b", Some("x=1&shard=s%201"), &h)
+            .unwrap();
+        assert_eq!(fenced(m).1, "acme/s 1/a/b");
+        assert_eq!(
+            t.lookup(&Method::POST, "/jobs/a", Some("shard=1&shard=2"), &h)
+                .unwrap_err(),
+            ResourceError::Query("shard".into())
+        );
+        assert_eq!(
+            t.lookup(&Method::POST, "/jobs/a", None, &HeaderMap::new())
+                .unwrap_err(),
+            ResourceError::Header("x-tenant".into())
+        );
+        let long = format!("/jobs/{}", "z".repeat(80));
+        assert_eq!(
+            t.lookup(&Method::POST, &long, Some("shard=1"), &h)
+                .unwrap_err(),
+            ResourceError::TooLong(64)
+        );
+    }
+
+    #[test]
+    fn unfenced_route_passes_everything() {
+        let t = table("  - { name: h, path: /healthz, fence: false }\n");
+        assert!(matches!(
+            t.lookup(&Method::POST, "/healthz", None, &HeaderMap::new()),
+            Ok(Matched::Pass(_))
+        ));
+    }
+}

@@ -1,0 +1,197 @@
+//! The fencing token on the wire: grammar and header hygiene (SPEC §4).
+
+use http::header::{HeaderMap, HeaderName, CONNECTION};
+
+/// Largest token: tokens are signed 64-bit in every store we talk to.
+pub const MAX_TOKEN: u64 = i64::MAX as u64;
+
+/// Why a token header was refused; each maps to 400 `invalid-token`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TokenError {
+    #[error("the token must be a decimal integer from 0 to 9223372036854775807 without sign, spaces or leading zeros")]
+    Grammar,
+    #[error("the token exceeds 9223372036854775807")]
+    TooLarge,
+    #[error("more than one token header")]
+    Duplicate,
+    #[error("a header spelled `{0}` aliases the token header; use `-`, not `_`")]
+    Alias(String),
+    #[error("the Connection header names the token header, which would strip it in transit")]
+    ConnectionNominated,
+}
+
+/// Parses `0|[1-9][0-9]{0,18}` with a value of at most 2^63-1.
+pub fn parse_token(raw: &[u8]) -> Result<u64, TokenError> {
+    match raw {
+        [] => Err(TokenError::Grammar),
+        [b'0'] => Ok(0),
+        [b'0', ..] => Err(TokenError::Grammar),
+        _ if raw.len() > 19 => {
+            if raw.iter().all(u8::is_ascii_digit) {
+                Err(TokenError::TooLarge)
+            } else {
+                Err(TokenError::Grammar)
+            }
+        }
+        _ => {
+            let mut value: u64 = 0;
+            for &b in raw {
+                if !b.is_ascii_digit() {
+                    return Err(TokenError::Grammar);
+                }
+                // 19 digits fit in u64 (max 9_999_999_999_999_999_999 < 2^64).
+                value = value * 10 + u64::from(b - b'0');
+            }
+            if value > MAX_TOKEN {
+                Err(TokenError::TooLarge)
+            } else {
+                Ok(value)
+            }
+        }
+    }
+}
+
+/// Extracts the token from a request's headers.
+///
+/// `Ok(None)` means no token header at all. Duplicates, `_`-aliases (which some servers fold
+/// into the real name behind our back) and a `Connection` header naming the token are refused.
+pub fn token_from_headers(
+    headers: &HeaderMap,
+    name: &HeaderName,
+) -> Result<Option<u64>, TokenError> {
+    let mut values = headers.get_all(name).iter();
+    let first = values.next();
+    if values.next().is_some() {
+        return Err(TokenError::Duplicate);
+    }
+    for connection in headers.get_all(CONNECTION) {
+        let nominated = connection
+            .as_bytes()
+            .split(|&b| b == b',')
+            .map(<[u8]>::trim_ascii)
+            .any(|option| option.eq_ignore_ascii_case(name.as_str().as_bytes()));
+        if nominated {
+            return Err(TokenError::ConnectionNominated);
+        }
+    }
+    if let Some(alias) = headers.keys().find(|k| is_alias(k, name)) {
+        return Err(TokenError::Alias(alias.as_str().to_owned()));
+    }
+    first.map(|v| parse_token(v.as_bytes())).transpose()
+}
+
+/// `fencing_token` for `fencing-token`: same name once `_` is read as `-`, but not equal.
+fn is_alias(candidate: &HeaderName, name: &HeaderName) -> bool {
+    let (c, n) = (candidate.as_str().as_bytes(), name.as_str().as_bytes());
+    c.len() == n.len()
+        && c.contains(&b'_')
+        && c.iter()
+            .zip(n)
+            .all(|(&a, &b)| a == b || (a == b'_' && b == b'-'))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::HeaderValue;
+
+    #[test]
+    fn grammar_accepts_canonical_integers() {
+        assert_eq!(parse_token(b"0"), Ok(0));
+        assert_eq!(parse_token(b"7"), Ok(7));
+        assert_eq!(parse_token(b"1234567890"), Ok(1_234_567_890));
+        assert_eq!(parse_token(b"9223372036854775807"), Ok(MAX_TOKEN));
+    }
+
+    #[test]
+    fn grammar_refuses_every_other_form() {
+        for bad in [
+            &b""[..],
+            b"+5",
+            b"05",
+            b" 5",
+            b"5 ",
+            b"-1",
+            b"1e3",
+            b"0x10",
+            b"5.0",
+            b"\t5",
+            b"00",
+            b"1_000",
+            b"\xd9\xa3",
+            b"a",
+        ] {
+            assert_eq!(parse_token(bad), Err(TokenError::Grammar), "{bad:?}");
+        }
+        assert_eq!(
+            parse_token(b"9223372036854775808"),
+            Err(TokenError::TooLarge)
+        );
+        assert_eq!(
+            parse_token(b"18446744073709551616"),
+            Err(TokenError::TooLarge)
+        );
+        assert_eq!(
+            parse_token(b"99999999999999999999"),
+            Err(TokenError::TooLarge)
+        );
+    }
+
+    #[test]
+    fn every_u63_roundtrips() {
+        for v in [
+            0,
+            1,
+            9,
+            10,
+            99,
+            100,
+            4_294_967_296,
+            MAX_TOKEN - 1,
+            MAX_TOKEN,
+        ] {
+            assert_eq!(parse_token(v.to_string().as_bytes()), Ok(v));
+        }
+    }
+
+    fn name() -> HeaderName {
+        HeaderName::from_static("fencing-token")
+    }
+
+    #[test]
+    fn header_hygiene() {
+        let mut h = HeaderMap::new();
+        assert_eq!(token_from_headers(&h, &name()), Ok(None));
+        h.insert("fencing-token", HeaderValue::from_static("12"));
+        assert_eq!(token_from_headers(&h, &name()), Ok(Some(12)));
+
+        let mut dup = h.clone();
+        dup.append("fencing-token", HeaderValue::from_static("12"));
+        assert_eq!(
+            token_from_headers(&dup, &name()),
+            Err(TokenError::Duplicate)
+        );
+
+        let mut alias = h.clone();
+        alias.insert("fencing_token", HeaderValue::from_static("99"));
+        assert_eq!(
+            token_from_headers(&alias, &name()),
+            Err(TokenError::Alias("fencing_token".into()))
+        );
+
+        let mut conn = h.clone();
+        conn.insert(
+            "connection",
+            HeaderValue::from_static("keep-alive, Fencing-Token"),
+        );
+        assert_eq!(
+            token_from_headers(&conn, &name()),
+            Err(TokenError::ConnectionNominated)
+        );
+
+        let mut harmless = h.clone();
+        harmless.insert("connection", HeaderValue::from_static("keep-alive"));
+        harmless.insert("x_other", HeaderValue::from_static("1"));
+        assert_eq!(token_from_headers(&harmless, &name()), Ok(Some(12)));
+    }
+}

@@ -1,0 +1,32 @@
+//! # fencegate
+//!
+//! A reverse proxy that refuses writes carrying stale fencing tokens. It sits in front of an
+//! HTTP service, extracts a resource id from each write, and forwards the write only if its
+//! token is at least the highest token recorded for that resource (compare-and-raise).
+//!
+//! # Layout
+//! - [`config`]: the YAML schema, parsed into validated types (errors with line and column).
+//! - [`fence`]: the pure decisions: [`fence::token`] grammar and header hygiene,
+//!   [`fence::path`] normalisation, [`fence::routes`] route and resource matching,
+//!   [`fence::barrier`] the `ordering: serialize` in-flight barrier.
+//! - [`store`]: recorded maxima behind one trait: `memory`, `embedded` (redb, fsync'd,
+//!   group commit).
+//! - [`proxy`]: the request path, refusals as problem+json, header surgery, streaming bodies.
+//! - [`server`]: accept loop with TLS, HTTP/1 + HTTP/2, limits and graceful drain.
+//! - [`admin`]: metrics, probes and the fence inspection API; [`metrics`]: their definitions.
+//! - [`app`]: wiring and the shutdown order; [`cli`]: the command line; [`demo`]: the
+//!   slow-writer walk-through; [`ttl`]: TTL derivation.
+#![forbid(unsafe_code)]
+
+pub mod admin;
+pub mod app;
+pub mod cli;
+pub mod config;
+pub mod demo;
+pub mod fence;
+pub mod metrics;
+pub mod proxy;
+pub mod server;
+pub mod store;
+pub mod tls;
+pub mod ttl;

@@ -1,0 +1,210 @@
+//! Prometheus metrics (SPEC §6), created once from an injected registry.
+//!
+//! Per-route children are resolved when the route table is built, so the hot path only calls
+//! `.inc()` / `.observe()` and never hashes label values.
+
+use prometheus::{
+    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, Opts, Registry,
+};
+
+/// What happened to one request; the `outcome` label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Fenced write admitted and answered by the upstream.
+    Admitted,
+    /// Not fenced (read, unfenced route, unmatched with `forward`, tokenless `allow`).
+    Forwarded,
+    Stale,
+    TokenRequired,
+    InvalidToken,
+    InvalidPath,
+    InvalidResource,
+    StoreUnavailable,
+    BarrierTimeout,
+    UpstreamError,
+    UpstreamTimeout,
+    NoRoute,
+}
+
+impl Outcome {
+    pub const ALL: [Outcome; 12] = [
+        Outcome::Admitted,
+        Outcome::Forwarded,
+        Outcome::Stale,
+        Outcome::TokenRequired,
+        Outcome::InvalidToken,
+        Outcome::InvalidPath,
+        Outcome::InvalidResource,
+        Outcome::StoreUnavailable,
+        Outcome::BarrierTimeout,
+        Outcome::UpstreamError,
+        Outcome::UpstreamTimeout,
+        Outcome::NoRoute,
+    ];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Outcome::Admitted => "admitted",
+            Outcome::Forwarded => "forwarded",
+            Outcome::Stale => "stale",
+            Outcome::TokenRequired => "token_required",
+            Outcome::InvalidToken => "invalid_token",
+            Outcome::InvalidPath => "invalid_path",
+            Outcome::InvalidResource => "invalid_resource",
+            Outcome::StoreUnavailable => "store_unavailable",
+            Outcome::BarrierTimeout => "barrier_timeout",
+            Outcome::UpstreamError => "upstream_error",
+            Outcome::UpstreamTimeout => "upstream_timeout",
+            Outcome::NoRoute => "no_route",
+        }
+    }
+}
+
+/// Pre-resolved children for one route label.
+pub struct RouteMetrics {
+    outcomes: Vec<IntCounter>,
+    pub stale: IntCounter,
+    pub increments: IntCounter,
+    pub upstream: Histogram,
+}
+
+impl RouteMetrics {
+    pub fn outcome(&self, outcome: Outcome) -> &IntCounter {
+        &self.outcomes[outcome as usize]
+    }
+}
+
+pub struct Metrics {
+    pub registry: Registry,
+    requests: IntCounterVec,
+    stale: IntCounterVec,
+    increments: IntCounterVec,
+    upstream: HistogramVec,
+    pub store_raise: Histogram,
+    pub store_get: Histogram,
+    pub store_errors: IntCounter,
+}
+
+/// Label for requests that match no route (or whose path cannot be normalised).
+pub const UNMATCHED: &str = "-";
+
+impl Metrics {
+    pub fn new(registry: Registry) -> prometheus::Result<Self> {
+        let requests = IntCounterVec::new(
+            Opts::new("fencegate_requests_total", "Requests by route and outcome."),
+            &["route", "outcome"],
+        )?;
+        let stale = IntCounterVec::new(
+            Opts::new(
+                "fencegate_stale_write_rejected_total",
+                "Writes refused because their token was below the recorded maximum.",
+            ),
+            &["route"],
+        )?;
+        let increments = IntCounterVec::new(
+            Opts::new(
+                "fencegate_fencing_token_increments_total",
+                "Admitted writes that raised a resource's recorded maximum (new lease epochs).",
+            ),
+            &["route"],
+        )?;
+        let upstream = HistogramVec::new(
+            HistogramOpts::new(
+                "fencegate_upstream_duration_seconds",
+                "Time from forwarding a request to the upstream's response headers.",
+            )
+            .buckets(LATENCY_BUCKETS.to_vec()),
+            &["route"],
+        )?;
+        let store = HistogramVec::new(
+            HistogramOpts::new(
+                "fencegate_store_duration_seconds",
+                "Time the fence store took to answer, by operation.",
+            )
+            .buckets(LATENCY_BUCKETS.to_vec()),
+            &["op"],
+        )?;
+        let store_errors = IntCounter::new(
+            "fencegate_store_errors_total",
+            "Store operations that failed or timed out (the write was refused with 503).",
+        )?;
+        registry.register(Box::new(requests.clone()))?;
+        registry.register(Box::new(stale.clone()))?;
+        registry.register(Box::new(increments.clone()))?;
+        registry.register(Box::new(upstream.clone()))?;
+        registry.register(Box::new(store.clone()))?;
+        registry.register(Box::new(store_errors.clone()))?;
+        Ok(Metrics {
+            registry,
+            requests,
+            stale,
+            increments,
+            upstream,
+            store_raise: store.with_label_values(&["raise"]),
+            store_get: store.with_label_values(&["get"]),
+            store_errors,
+        })
+    }
+
+    /// Children for one route label; call once per route when the table is built.
+    pub fn route(&self, route: &str) -> RouteMetrics {
+        RouteMetrics {
+            outcomes: Outcome::ALL
+                .iter()
+                .map(|o| self.requests.with_label_values(&[route, o.label()]))
+                .collect(),
+            stale: self.stale.with_label_values(&[route]),
+            increments: self.increments.with_label_values(&[route]),
+            upstream: self.upstream.with_label_values(&[route]),
+        }
+    }
+
+    /// The text exposition format.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        let encoder = prometheus::TextEncoder::new();
+        if let Err(e) = encoder.encode_utf8(&self.registry.gather(), &mut out) {
+            out = format!("# encoding failed: {e}\n");
+        }
+        out
+    }
+}
+
+/// From 100 µs (a cached refusal) to 10 s (a slow upstream).
+const LATENCY_BUCKETS: [f64; 15] = [
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+    10.0,
+];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn outcome_order_matches_discriminants() {
+        for (i, o) in Outcome::ALL.iter().enumerate() {
+            assert_eq!(*o as usize, i);
+        }
+    }
+
+    #[test]
+    fn renders_spec_names() {
+        let m = Metrics::new(Registry::new()).unwrap();
+        let r = m.route("accounts");
+        r.outcome(Outcome::Stale).inc();
+        r.stale.inc();
+        r.increments.inc();
+        r.upstream.observe(0.01);
+        m.store_raise.observe(0.001);
+        let text = m.render();
+        for needle in [
+            "fencegate_requests_total{outcome=\"stale\",route=\"accounts\"} 1",
+            "fencegate_stale_write_rejected_total{route=\"accounts\"} 1",
+            "fencegate_fencing_token_increments_total{route=\"accounts\"} 1",
+            "fencegate_upstream_duration_seconds_count{route=\"accounts\"} 1",
+            "fencegate_store_duration_seconds_count{op=\"raise\"} 1",
+        ] {
+            assert!(text.contains(needle), "missing {needle} in\n{text}");
+        }
+    }
+}

@@ -1,0 +1,63 @@
+//! The response body fencegate sends: the upstream's, streamed, or one it wrote itself.
+
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::Full;
+use hyper::body::Incoming;
+
+use crate::fence::barrier::Ticket;
+
+pub enum ProxyBody {
+    /// Streamed from the upstream. The barrier ticket (under `ordering: serialize`) lives as
+    /// long as the body, so a higher token waits until this write has fully finished.
+    Upstream {
+        inner: Incoming,
+        _ticket: Option<Ticket>,
+    },
+    /// A response fencegate made (refusals, admin pages).
+    Local(Full<Bytes>),
+}
+
+impl ProxyBody {
+    pub fn local(bytes: impl Into<Bytes>) -> Self {
+        ProxyBody::Local(Full::new(bytes.into()))
+    }
+
+    pub fn empty() -> Self {
+        ProxyBody::Local(Full::new(Bytes::new()))
+    }
+}
+
+impl Body for ProxyBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        match self.get_mut() {
+            ProxyBody::Upstream { inner, .. } => Pin::new(inner).poll_frame(cx),
+            ProxyBody::Local(full) => Pin::new(full)
+                .poll_frame(cx)
+                .map_err(|never| match never {}),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            ProxyBody::Upstream { inner, .. } => inner.is_end_stream(),
+            ProxyBody::Local(full) => full.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            ProxyBody::Upstream { inner, .. } => inner.size_hint(),
+            ProxyBody::Local(full) => full.size_hint(),
+        }
+    }
+}

@@ -1,0 +1,414 @@
+//! The fence proxy: one request, start to finish.
+//!
+//! `normalise path → route match (resource id) → token parse → compare-and-raise → optional
+//! barrier → forward (streaming) → metrics + log`. Every early exit is a [`Refusal`], turned
+//! into a response in one place ([`Proxy::refuse`]), where it is also counted and logged.
+
+pub mod body;
+pub mod forward;
+pub mod problem;
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Instant;
+
+use http::header::HeaderName;
+use http::uri::PathAndQuery;
+use http::{Method, Request, Response, Uri, Version};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+
+use crate::config::{
+    Config, EqualTokens, MissingToken, Ordering, Timeouts, Unmatched, UpstreamUrl,
+};
+use crate::fence::barrier::{Barriers, Ticket};
+use crate::fence::path;
+use crate::fence::routes::{Matched, Route, RouteTable};
+use crate::fence::token::token_from_headers;
+use crate::metrics::{Metrics, Outcome, RouteMetrics, UNMATCHED};
+use crate::store::{FenceStore, StoreError, Verdict};
+use body::ProxyBody;
+use problem::{Refusal, Subject};
+
+pub type UpstreamClient = Client<hyper_rustls::HttpsConnector<HttpConnector>, Incoming>;
+
+/// Everything a request needs, built once per configuration.
+pub struct Proxy {
+    table: RouteTable,
+    token_header: HeaderName,
+    equal: EqualTokens,
+    store: Arc<dyn FenceStore>,
+    barriers: Arc<Barriers>,
+    metrics: Arc<Metrics>,
+    /// Per-route metric children, indexed like the route table; the last one is for requests
+    /// on no route.
+    route_metrics: Vec<RouteMetrics>,
+    client: UpstreamClient,
+    upstream: UpstreamUrl,
+    timeouts: Timeouts,
+    /// The listener's scheme, for `X-Forwarded-Proto`.
+    https: bool,
+}
+
+impl Proxy {
+    pub fn new(
+        config: &Config,
+        store: Arc<dyn FenceStore>,
+        metrics: Arc<Metrics>,
+    ) -> Result<Self, String> {
+        let table = RouteTable::new(
+            &config.routes,
+            config.unmatched,
+            config.limits.max_resource_bytes,
+        );
+        let mut route_metrics: Vec<RouteMetrics> = table
+            .routes()
+            .iter()
+            .map(|r| metrics.route(&r.name))
+            .collect();
+        route_metrics.push(metrics.route(UNMATCHED));
+        Ok(Proxy {
+            table,
+            token_header: config.token.header.0.clone(),
+            equal: config.token.equal,
+            store,
+            barriers: Barriers::new(),
+            metrics,
+            route_metrics,
+            client: upstream_client(config)?,
+            upstream: config.upstream.clone(),
+            timeouts: config.timeouts.clone(),
+            https: config.tls.is_some(),
+        })
+    }
+
+    pub fn store(&self) -> &Arc<dyn FenceStore> {
+        &self.store
+    }
+
+    /// The hyper service body: never fails, every problem becomes a response.
+    pub async fn handle(
+        self: Arc<Self>,
+        req: Request<Incoming>,
+        peer: SocketAddr,
+    ) -> Result<Response<ProxyBody>, Infallible> {
+        let normalised = match path::normalise(req.uri().path()) {
+            Ok(p) => p.into_owned(),
+            Err(e) => {
+                return Ok(self.refuse(
+                    Refusal::InvalidPath(e),
+                    None,
+                    Subject::default(),
+                    req.method(),
+                    req.uri().path(),
+                ))
+            }
+        };
+        let matched =
+            self.table
+                .lookup(req.method(), &normalised, req.uri().query(), req.headers());
+        let (route, resource) = match matched {
+            Err(e) => {
+                return Ok(self.refuse(
+                    Refusal::InvalidResource(e),
+                    None,
+                    Subject::default(),
+                    req.method(),
+                    req.uri().path(),
+                ))
+            }
+            Ok(Matched::None) if self.table.unmatched == Unmatched::Reject => {
+                return Ok(self.refuse(
+                    Refusal::NoRoute,
+                    None,
+                    Subject::default(),
+                    req.method(),
+                    req.uri().path(),
+                ))
+            }
+            Ok(Matched::None) => {
+                return Ok(self
+                    .forward(req, &normalised, None, Outcome::Forwarded, None, peer)
+                    .await)
+            }
+            Ok(Matched::Pass(route)) => {
+                return Ok(self
+                    .forward(
+                        req,
+                        &normalised,
+                        Some(route),
+                        Outcome::Forwarded,
+                        None,
+                        peer,
+                    )
+                    .await)
+            }
+            Ok(Matched::Fence { route, resource }) => (route, resource),
+        };
+        let mut subject = Subject {
+            route: Some(&route.name),
+            resource: Some(&resource),
+            token: None,
+        };
+        let token = match token_from_headers(req.headers(), &self.token_header) {
+            Err(e) => {
+                return Ok(self.refuse(
+                    Refusal::InvalidToken(e),
+                    Some(route),
+                    subject,
+                    req.method(),
+                    req.uri().path(),
+                ))
+            }
+            Ok(None) if route.missing_token == MissingToken::Allow => {
+                return Ok(self
+                    .forward(
+                        req,
+                        &normalised,
+                        Some(route),
+                        Outcome::Forwarded,
+                        None,
+                        peer,
+                    )
+                    .await)
+            }
+            Ok(None) => {
+                return Ok(self.refuse(
+                    Refusal::TokenRequired,
+                    Some(route),
+                    subject,
+                    req.method(),
+                    req.uri().path(),
+                ))
+            }
+            Ok(Some(token)) => token,
+        };
+        subject.token = Some(token);
+        let ticket =
+            (route.ordering == Ordering::Serialize).then(|| self.barriers.enter(&resource, token));
+        match self.check(&resource, token).await {
+            Ok(verdict @ Verdict::Admitted { .. }) => {
+                if verdict.raised(token) {
+                    self.route_metrics[route.index].increments.inc();
+                }
+            }
+            Ok(Verdict::Stale { current }) => {
+                self.route_metrics[route.index].stale.inc();
+                return Ok(self.refuse(
+                    Refusal::Stale { current },
+                    Some(route),
+                    subject,
+                    req.method(),
+                    req.uri().path(),
+                ));
+            }
+            Err(StoreError::Unavailable(e)) => {
+                return Ok(self.refuse(
+                    Refusal::StoreUnavailable(e),
+                    Some(route),
+                    subject,
+                    req.method(),
+                    req.uri().path(),
+                ))
+            }
+        }
+        if let Some(ticket) = &ticket {
+            if ticket.wait_turn(route.barrier_timeout).await.is_err() {
+                return Ok(self.refuse(
+                    Refusal::BarrierTimeout,
+                    Some(route),
+                    subject,
+                    req.method(),
+                    req.uri().path(),
+                ));
+            }
+        }
+        Ok(self
+            .forward(
+                req,
+                &normalised,
+                Some(route),
+                Outcome::Admitted,
+                ticket,
+                peer,
+            )
+            .await)
+    }
+
+    /// Compare-and-raise, bounded by the store timeout; a late answer counts as no answer.
+    async fn check(&self, resource: &str, token: u64) -> Result<Verdict, StoreError> {
+        let started = Instant::now();
+        let answer = tokio::time::timeout(
+            self.timeouts.store,
+            self.store.compare_and_raise(resource, token, self.equal),
+        )
+        .await
+        .unwrap_or_else(|_| {
+            Err(StoreError::Unavailable(format!(
+                "no answer within {:?}",
+                self.timeouts.store
+            )))
+        });
+        self.metrics
+            .store_raise
+            .observe(started.elapsed().as_secs_f64());
+        if answer.is_err() {
+            self.metrics.store_errors.inc();
+        }
+        answer
+    }
+
+    async fn forward(
+        &self,
+        req: Request<Incoming>,
+        normalised: &str,
+        route: Option<&Route>,
+        outcome: Outcome,
+        ticket: Option<Ticket>,
+        peer: SocketAddr,
+    ) -> Response<ProxyBody> {
+        let (mut parts, body) = req.into_parts();
+        let uri = match self.upstream_uri(normalised, parts.uri.query()) {
+            Ok(uri) => uri,
+            Err(e) => {
+                let refusal = Refusal::InvalidPath(e);
+                return self.refuse(
+                    refusal,
+                    route,
+                    Subject::default(),
+                    &parts.method,
+                    normalised,
+                );
+            }
+        };
+        let authority = parts.uri.authority().map(|a| a.as_str().to_owned());
+        forward::request_headers(
+            &mut parts.headers,
+            peer.ip(),
+            self.https,
+            authority.as_deref(),
+        );
+        parts.uri = uri;
+        // The upstream connection is HTTP/1.1 whatever the client spoke.
+        parts.version = Version::HTTP_11;
+        let metrics = self.metrics_for(route);
+        let method = parts.method.clone();
+        let path = normalised.to_owned();
+        let started = Instant::now();
+        let sent = tokio::time::timeout(
+            self.timeouts.upstream,
+            self.client.request(Request::from_parts(parts, body)),
+        )
+        .await;
+        metrics.upstream.observe(started.elapsed().as_secs_f64());
+        let refusal = match sent {
+            Ok(Ok(response)) => {
+                metrics.outcome(outcome).inc();
+                let (mut parts, inner) = response.into_parts();
+                forward::strip_hop_by_hop(&mut parts.headers);
+                let body = ProxyBody::Upstream {
+                    inner,
+                    _ticket: ticket,
+                };
+                return Response::from_parts(parts, body);
+            }
+            Ok(Err(e)) => Refusal::UpstreamError(error_chain(&e)),
+            Err(_) => Refusal::UpstreamTimeout,
+        };
+        let (status, kind, _, refusal_outcome) = refusal.kind();
+        metrics.outcome(refusal_outcome).inc();
+        tracing::warn!(
+            route = route.map(|r| r.name.as_str()),
+            %method,
+            path,
+            status = status.as_u16(),
+            r#type = kind,
+            detail = refusal.detail(&Subject::default()),
+            "upstream failed"
+        );
+        refusal.response(&Subject::default())
+    }
+
+    fn upstream_uri(&self, path: &str, query: Option<&str>) -> Result<Uri, path::PathError> {
+        let path_and_query = match query {
+            Some(q) => PathAndQuery::try_from(format!("{path}?{q}")),
+            None => PathAndQuery::try_from(path),
+        }
+        .map_err(|_| path::PathError::Control)?;
+        Uri::builder()
+            .scheme(self.upstream.scheme.clone())
+            .authority(self.upstream.authority.clone())
+            .path_and_query(path_and_query)
+            .build()
+            .map_err(|_| path::PathError::Control)
+    }
+
+    fn metrics_for(&self, route: Option<&Route>) -> &RouteMetrics {
+        let index = route.map_or(self.route_metrics.len() - 1, |r| r.index);
+        &self.route_metrics[index]
+    }
+
+    /// Counts, logs (one line per refusal) and answers.
+    fn refuse(
+        &self,
+        refusal: Refusal,
+        route: Option<&Route>,
+        subject: Subject<'_>,
+        method: &Method,
+        path: &str,
+    ) -> Response<ProxyBody> {
+        let (status, kind, _, outcome) = refusal.kind();
+        self.metrics_for(route).outcome(outcome).inc();
+        let current_token = match refusal {
+            Refusal::Stale { current } => Some(current),
+            _ => None,
+        };
+        tracing::warn!(
+            route = subject.route,
+            %method,
+            path,
+            resource = subject.resource,
+            fencing_token = subject.token,
+            current_token,
+            status = status.as_u16(),
+            r#type = kind,
+            detail = refusal.detail(&subject),
+            "write refused"
+        );
+        refusal.response(&subject)
+    }
+}
+
+/// `a: b: c` from an error and its sources, so a 502 body says what actually failed.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
+fn upstream_client(config: &Config) -> Result<UpstreamClient, String> {
+    let mut http = HttpConnector::new();
+    http.enforce_http(false);
+    http.set_nodelay(true);
+    http.set_connect_timeout(Some(config.timeouts.upstream));
+    let tls = crate::tls::client_config(config.upstream_ca.as_deref())?;
+    let connector = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_or_http()
+        .enable_http1()
+        .wrap_connector(http);
+    Ok(Client::builder(TokioExecutor::new())
+        // A write that reached the upstream must never be sent twice by us.
+        .retry_canceled_requests(false)
+        .pool_idle_timeout(std::time::Duration::from_secs(60))
+        .pool_max_idle_per_host(1024)
+        .build(connector))
+}

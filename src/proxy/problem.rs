@@ -1,0 +1,180 @@
+//! Refusals: every reason fencegate answers instead of the upstream, mapped to status, problem
+//! type and metric outcome in one exhaustive match (RFC 9457 problem+json bodies, SPEC §4).
+
+use http::header::{HeaderValue, CONTENT_TYPE, RETRY_AFTER};
+use http::{Response, StatusCode};
+use serde_json::json;
+
+use super::body::ProxyBody;
+use crate::fence::path::PathError;
+use crate::fence::routes::ResourceError;
+use crate::fence::token::TokenError;
+use crate::metrics::Outcome;
+
+/// Header carrying the recorded maximum on a stale refusal.
+pub const TOKEN_CURRENT: &str = "fencing-token-current";
+
+/// Why a request was not forwarded, or why forwarding failed. Grouped by whose fault it is.
+#[derive(Debug)]
+pub enum Refusal {
+    // The client's fault: fix the request.
+    InvalidToken(TokenError),
+    InvalidPath(PathError),
+    InvalidResource(ResourceError),
+    TokenRequired,
+    Stale { current: u64 },
+    NoRoute,
+    // Ours (or our store's): retry later.
+    StoreUnavailable(String),
+    BarrierTimeout,
+    // The upstream's.
+    UpstreamError(String),
+    UpstreamTimeout,
+}
+
+/// What a refusal was about, for the body and the log line.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Subject<'a> {
+    pub route: Option<&'a str>,
+    pub resource: Option<&'a str>,
+    pub token: Option<u64>,
+}
+
+impl Refusal {
+    /// Status, problem type, title and metric outcome.
+    pub fn kind(&self) -> (StatusCode, &'static str, &'static str, Outcome) {
+        match self {
+            Refusal::InvalidToken(_) => (
+                StatusCode::BAD_REQUEST,
+                "urn:fencegate:invalid-token",
+                "Invalid fencing token",
+                Outcome::InvalidToken,
+            ),
+            Refusal::InvalidPath(_) => (
+                StatusCode::BAD_REQUEST,
+                "urn:fencegate:invalid-path",
+                "Invalid request path",
+                Outcome::InvalidPath,
+            ),
+            Refusal::InvalidResource(_) => (
+                StatusCode::BAD_REQUEST,
+                "urn:fencegate:invalid-resource",
+                "Cannot tell which resource this write is for",
+                Outcome::InvalidResource,
+            ),
+            Refusal::TokenRequired => (
+                StatusCode::PRECONDITION_REQUIRED,
+                "urn:fencegate:token-required",
+                "Fencing token required",
+                Outcome::TokenRequired,
+            ),
+            Refusal::Stale { .. } => (
+                StatusCode::CONFLICT,
+                "urn:fencegate:stale-token",
+                "Stale fencing token",
+                Outcome::Stale,
+            ),
+            Refusal::NoRoute => (
+                StatusCode::NOT_FOUND,
+                "urn:fencegate:no-route",
+                "No route for this request",
+                Outcome::NoRoute,
+            ),
+            Refusal::StoreUnavailable(_) => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "urn:fencegate:store-unavailable",
+                "Fence store unavailable",
+                Outcome::StoreUnavailable,
+            ),
+            Refusal::BarrierTimeout => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "urn:fencegate:barrier-timeout",
+                "Earlier writes to this resource are still in flight",
+                Outcome::BarrierTimeout,
+            ),
+            Refusal::UpstreamError(_) => (
+                StatusCode::BAD_GATEWAY,
+                "urn:fencegate:upstream-error",
+                "Upstream failed",
+                Outcome::UpstreamError,
+            ),
+            Refusal::UpstreamTimeout => (
+                StatusCode::GATEWAY_TIMEOUT,
+                "urn:fencegate:upstream-timeout",
+                "Upstream timed out",
+                Outcome::UpstreamTimeout,
+            ),
+        }
+    }
+
+    pub fn detail(&self, subject: &Subject<'_>) -> String {
+        match self {
+            Refusal::InvalidToken(e) => e.to_string(),
+            Refusal::InvalidPath(e) => e.to_string(),
+            Refusal::InvalidResource(e) => e.to_string(),
+            Refusal::TokenRequired => {
+                "this route fences writes; send the lease's fencing token in the token header"
+                    .to_owned()
+            }
+            Refusal::Stale { current } => format!(
+                "token {} is below {current}, the highest token recorded for {}; the lease was \
+                 granted to a newer holder",
+                subject.token.unwrap_or_default(),
+                subject.resource.unwrap_or("this resource"),
+            ),
+            Refusal::NoRoute => "no configured route matches and `unmatched` is `reject`".into(),
+            Refusal::StoreUnavailable(e) => {
+                format!("the write was not forwarded because it could not be checked: {e}")
+            }
+            Refusal::BarrierTimeout => {
+                "writes with lower tokens did not finish within barrier_timeout; the write was \
+                 not forwarded, its token remains recorded"
+                    .into()
+            }
+            Refusal::UpstreamError(e) => {
+                format!("the upstream could not be reached or failed: {e}")
+            }
+            Refusal::UpstreamTimeout => {
+                "the upstream did not answer in time; the write may or may not have been applied"
+                    .into()
+            }
+        }
+    }
+
+    /// The problem+json response.
+    pub fn response(&self, subject: &Subject<'_>) -> Response<ProxyBody> {
+        let (status, kind, title, _) = self.kind();
+        let mut body = json!({
+            "type": kind,
+            "title": title,
+            "status": status.as_u16(),
+            "detail": self.detail(subject),
+        });
+        if let Some(resource) = subject.resource {
+            body["resource"] = resource.into();
+        }
+        if let Some(token) = subject.token {
+            body["token"] = token.into();
+        }
+        if let Refusal::Stale { current } = self {
+            body["current_token"] = (*current).into();
+        }
+        let mut response = Response::new(ProxyBody::local(body.to_string()));
+        *response.status_mut() = status;
+        let headers = response.headers_mut();
+        headers.insert(
+            CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        );
+        match self {
+            Refusal::Stale { current } => {
+                headers.insert(TOKEN_CURRENT, HeaderValue::from(*current));
+            }
+            Refusal::StoreUnavailable(_) | Refusal::BarrierTimeout => {
+                headers.insert(RETRY_AFTER, HeaderValue::from_static("1"));
+            }
+            _ => {}
+        }
+        response
+    }
+}

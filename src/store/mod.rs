@@ -1,0 +1,120 @@
+//! Where recorded maxima live. Every store implements [`FenceStore`] with one atomic
+//! compare-and-raise; the decision itself is the pure [`decide`], shared by all of them.
+
+mod embedded;
+mod memory;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+pub use embedded::EmbeddedStore;
+pub use memory::MemoryStore;
+
+use crate::config::{EqualTokens, StoreConfig, StoreKind};
+
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// The answer of a compare-and-raise.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// The token passed; the maximum is now at least the token. `previous` is the maximum
+    /// before (`None`: first write ever seen for the resource).
+    Admitted { previous: Option<u64> },
+    /// The token is below the maximum (or equal, under `equal: reject`); nothing changed.
+    Stale { current: u64 },
+}
+
+impl Verdict {
+    /// Whether this admission raised the maximum (a new lease epoch for the resource).
+    pub fn raised(&self, token: u64) -> bool {
+        matches!(self, Verdict::Admitted { previous } if previous.is_none_or(|p| token > p))
+    }
+}
+
+/// The fence decision: admit when `token >= current` (`>` under `equal: reject`).
+pub fn decide(current: Option<u64>, token: u64, equal: EqualTokens) -> Verdict {
+    match current {
+        None => Verdict::Admitted { previous: None },
+        Some(c) if token > c || (token == c && equal == EqualTokens::Allow) => {
+            Verdict::Admitted { previous: Some(c) }
+        }
+        Some(c) => Verdict::Stale { current: c },
+    }
+}
+
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum StoreError {
+    #[error("the fence store is unavailable: {0}")]
+    Unavailable(String),
+}
+
+/// A place that records, per resource, the highest admitted token.
+pub trait FenceStore: Send + Sync + 'static {
+    /// Atomically: if `token` passes against the recorded maximum, raise the maximum to it.
+    /// Returns only after the raise is as durable as the store promises.
+    fn compare_and_raise<'a>(
+        &'a self,
+        resource: &'a str,
+        token: u64,
+        equal: EqualTokens,
+    ) -> BoxFuture<'a, Result<Verdict, StoreError>>;
+
+    /// The recorded maximum, if any.
+    fn current<'a>(&'a self, resource: &'a str) -> BoxFuture<'a, Result<Option<u64>, StoreError>>;
+
+    /// Cheap readiness signal: false once the store is known to be unusable.
+    fn healthy(&self) -> bool;
+
+    fn kind(&self) -> &'static str;
+}
+
+/// Opens the store a config names.
+pub fn open(config: &StoreConfig) -> Result<Arc<dyn FenceStore>, StoreError> {
+    match config.kind {
+        StoreKind::Memory => Ok(Arc::new(MemoryStore::new())),
+        StoreKind::Embedded => {
+            let path = config
+                .path
+                .as_deref()
+                .expect("the embedded store always has a path after validation");
+            Ok(Arc::new(EmbeddedStore::open(path, &config.prefix)?))
+        }
+        StoreKind::Redis | StoreKind::Postgres | StoreKind::Etcd => Err(StoreError::Unavailable(
+            "this store kind is refused when the config is loaded".into(),
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use EqualTokens::{Allow, Reject};
+
+    #[test]
+    fn decide_is_the_fence() {
+        assert_eq!(decide(None, 0, Allow), Verdict::Admitted { previous: None });
+        assert_eq!(
+            decide(Some(5), 6, Allow),
+            Verdict::Admitted { previous: Some(5) }
+        );
+        assert_eq!(
+            decide(Some(5), 5, Allow),
+            Verdict::Admitted { previous: Some(5) }
+        );
+        assert_eq!(decide(Some(5), 5, Reject), Verdict::Stale { current: 5 });
+        assert_eq!(decide(Some(5), 4, Allow), Verdict::Stale { current: 5 });
+        assert_eq!(
+            decide(Some(5), 6, Reject),
+            Verdict::Admitted { previous: Some(5) }
+        );
+    }
+
+    #[test]
+    fn raised_only_when_higher() {
+        assert!(Verdict::Admitted { previous: None }.raised(0));
+        assert!(Verdict::Admitted { previous: Some(1) }.raised(2));
+        assert!(!Verdict::Admitted { previous: Some(2) }.raised(2));
+        assert!(!Verdict::Stale { current: 3 }.raised(2));
+    }
+}

@@ -1,0 +1,148 @@
+//! TTL derivation (design: TTL = p99 work + p99 RTT + safety margin [+ drift buffer], rounded
+//! up), with the renewal interval (TTL/3) and the dedup window (TTL + p99 work).
+
+use std::time::Duration;
+
+use serde::Serialize;
+
+#[derive(Debug, Clone, Copy)]
+pub struct TtlInputs {
+    pub p99_work: Duration,
+    pub p99_rtt: Duration,
+    pub safety_margin: Duration,
+    pub drift_buffer: Duration,
+    pub round_to: Duration,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Derived {
+    pub base: Duration,
+    pub ttl: Duration,
+    pub renew_every: Duration,
+    pub dedup_window: Duration,
+}
+
+pub fn derive(i: &TtlInputs) -> Result<Derived, String> {
+    if i.round_to.is_zero() {
+        return Err("round_to must be greater than zero".into());
+    }
+    let base = i.p99_work + i.p99_rtt + i.safety_margin + i.drift_buffer;
+    if base.is_zero() {
+        return Err("the inputs add up to zero; a lease needs a positive TTL".into());
+    }
+    let step = i.round_to.as_nanos();
+    let ttl_nanos = base.as_nanos().div_ceil(step) * step;
+    let ttl = Duration::from_nanos(u64::try_from(ttl_nanos).map_err(|_| "TTL too large")?);
+    Ok(Derived {
+        base,
+        ttl,
+        renew_every: ttl / 3,
+        dedup_window: ttl + i.p99_work,
+    })
+}
+
+/// The `ttl --json` document: milliseconds, for scripts.
+#[derive(Serialize)]
+pub struct DerivedJson {
+    pub base_ms: u128,
+    pub ttl_ms: u128,
+    pub renew_every_ms: u128,
+    pub dedup_window_ms: u128,
+}
+
+impl From<Derived> for DerivedJson {
+    fn from(d: Derived) -> Self {
+        DerivedJson {
+            base_ms: d.base.as_millis(),
+            ttl_ms: d.ttl.as_millis(),
+            renew_every_ms: d.renew_every.as_millis(),
+            dedup_window_ms: d.dedup_window.as_millis(),
+        }
+    }
+}
+
+pub fn render(i: &TtlInputs, d: &Derived) -> String {
+    let h = millis;
+    format!(
+        "base          {}  (p99 work {} + p99 rtt {} + safety margin {} + drift buffer {})\n\
+         ttl           {}  (base rounded up to a multiple of {})\n\
+         renew every   {}  (ttl / 3, with ±15% jitter)\n\
+         dedup window  {}  (ttl + p99 work)\n",
+        h(d.base),
+        h(i.p99_work),
+        h(i.p99_rtt),
+        h(i.safety_margin),
+        h(i.drift_buffer),
+        h(d.ttl),
+        h(i.round_to),
+        h(d.renew_every),
+        h(d.dedup_window),
+    )
+}
+
+/// `1040ms`, `333.333ms`: one unit, so the sums in the output can be checked by eye.
+fn millis(d: Duration) -> String {
+    let micros = d.as_micros();
+    if micros % 1000 == 0 {
+        format!("{}ms", micros / 1000)
+    } else {
+        format!("{}.{:03}ms", micros / 1000, micros % 1000)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ms(v: u64) -> Duration {
+        Duration::from_millis(v)
+    }
+
+    fn inputs(work: u64, rtt: u64, margin: u64, drift: u64, round: u64) -> TtlInputs {
+        TtlInputs {
+            p99_work: ms(work),
+            p99_rtt: ms(rtt),
+            safety_margin: ms(margin),
+            drift_buffer: ms(drift),
+            round_to: ms(round),
+        }
+    }
+
+    #[test]
+    fn the_design_example() {
+        let d = derive(&inputs(800, 40, 200, 0, 500)).unwrap();
+        assert_eq!(d.base, ms(1040));
+        assert_eq!(d.ttl, ms(1500));
+        assert_eq!(d.renew_every, ms(500));
+        assert_eq!(d.dedup_window, ms(2300));
+    }
+
+    #[test]
+    fn exact_multiples_are_kept_and_drift_counts() {
+        assert_eq!(derive(&inputs(800, 0, 200, 0, 500)).unwrap().ttl, ms(1000));
+        assert_eq!(
+            derive(&inputs(800, 40, 200, 100, 500)).unwrap().ttl,
+            ms(1500)
+        );
+        assert_eq!(
+            derive(&inputs(800, 40, 200, 500, 500)).unwrap().ttl,
+            ms(2000)
+        );
+        assert_eq!(derive(&inputs(1, 0, 0, 0, 1)).unwrap().ttl, ms(1));
+    }
+
+    #[test]
+    fn renders_in_milliseconds() {
+        let i = inputs(800, 40, 200, 0, 500);
+        let text = render(&i, &derive(&i).unwrap());
+        assert!(text.starts_with("base          1040ms"), "{text}");
+        assert!(text.contains("ttl           1500ms"), "{text}");
+        assert_eq!(millis(ms(1000) / 3), "333.333ms");
+    }
+
+    #[test]
+    fn refuses_degenerate_inputs() {
+        assert!(derive(&inputs(800, 40, 200, 0, 0)).is_err());
+        assert!(derive(&inputs(0, 0, 0, 0, 500)).is_err());
+    }
+}
