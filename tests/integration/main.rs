@@ -1,0 +1,11 @@
+//! Integration tests: the real server on port 0 in front of a real, recording HTTP upstream.
+//! One test binary (link time dominates on small machines); one module per concern.
+
+mod common;
+
+mod admin;
+mod concurrency;
+mod fence;
+mod process;
+mod proxy;
+mod tls;
