@@ -119,7 +119,9 @@ pub async fn serve<H, F>(
             }
         });
     }
+    let addr = listener.local_addr().ok();
     drop(listener);
+    tracing::info!(addr = ?addr, open = graceful.count(), "listener closed; draining connections");
     tokio::select! {
         () = graceful.shutdown() => {}
         () = tokio::time::sleep(settings.drain) => {

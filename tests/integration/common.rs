@@ -75,7 +75,11 @@ impl Upstream {
                 let tx = tx.clone();
                 async move {
                     let (parts, body) = req.into_parts();
-                    let body = body.collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+                    let body = body
+                        .collect()
+                        .await
+                        .map(|b| b.to_bytes())
+                        .unwrap_or_default();
                     let record = Seen {
                         method: parts.method,
                         target: parts
@@ -92,8 +96,10 @@ impl Upstream {
                         gate.acquire().await.unwrap().forget();
                     }
                     let mut resp = Response::new(ProxyBody::local("ok"));
-                    resp.headers_mut().insert("x-upstream", "yes".parse().unwrap());
-                    resp.headers_mut().insert("keep-alive", "timeout=5".parse().unwrap());
+                    resp.headers_mut()
+                        .insert("x-upstream", "yes".parse().unwrap());
+                    resp.headers_mut()
+                        .insert("keep-alive", "timeout=5".parse().unwrap());
                     Ok(resp)
                 }
             },
@@ -145,13 +151,19 @@ pub fn settings() -> ServerSettings {
 }
 
 /// The default test routes: `/accounts/{id}` fenced as `account:{id}`.
-pub const ACCOUNTS: &str = "routes:\n  - { name: accounts, path: '/accounts/{id}', resource: 'account:{id}' }\n";
+pub const ACCOUNTS: &str =
+    "routes:\n  - { name: accounts, path: '/accounts/{id}', resource: 'account:{id}' }\n";
 
 /// An in-process fencegate in front of `upstream`, with the memory store unless `extra` says
 /// otherwise. `extra` is appended YAML (routes, store, token, ...).
 pub async fn fencegate(upstream: &str, extra: &str) -> Server {
-    let store = if extra.contains("store:") { "" } else { "store: { kind: memory }\n" };
-    let yaml = format!("listen: 127.0.0.1:0\nadmin: 127.0.0.1:0\nupstream: {upstream}\n{store}{extra}");
+    let store = if extra.contains("store:") {
+        ""
+    } else {
+        "store: { kind: memory }\n"
+    };
+    let yaml =
+        format!("listen: 127.0.0.1:0\nadmin: 127.0.0.1:0\nupstream: {upstream}\n{store}{extra}");
     let config = Config::parse(&yaml).unwrap_or_else(|e| panic!("{e}\n{yaml}"));
     Server::start(&config).await.unwrap()
 }
@@ -181,7 +193,10 @@ impl Reply {
         let body = self.json();
         assert_eq!(body["type"], kind, "{body}");
         assert_eq!(body["status"], status, "{body}");
-        assert!(body["title"].is_string() && body["detail"].is_string(), "{body}");
+        assert!(
+            body["title"].is_string() && body["detail"].is_string(),
+            "{body}"
+        );
         body
     }
 }
@@ -225,7 +240,13 @@ pub async fn put(server: &Server, id: &str, token: &str) -> Reply {
 
 /// The recorded maximum for a resource, through the admin API.
 pub async fn recorded(server: &Server, resource: &str) -> Option<u64> {
-    let reply = send("GET", &format!("http://{}/v1/fences/{resource}", server.admin), &[], "").await;
+    let reply = send(
+        "GET",
+        &format!("http://{}/v1/fences/{resource}", server.admin),
+        &[],
+        "",
+    )
+    .await;
     match reply.status {
         StatusCode::OK => Some(reply.json()["token"].as_u64().unwrap()),
         StatusCode::NOT_FOUND => None,
@@ -261,11 +282,10 @@ pub async fn raw(addr: SocketAddr, request: &[u8]) -> String {
 fn complete_response(buf: &[u8]) -> Option<usize> {
     let text = std::str::from_utf8(buf).ok()?;
     let head_end = text.find("\r\n\r\n")? + 4;
-    let length = text[..head_end]
-        .lines()
-        .find_map(|l| {
-            let (k, v) = l.split_once(':')?;
-            k.eq_ignore_ascii_case("content-length").then(|| v.trim().parse::<usize>().ok())?
-        })?;
+    let length = text[..head_end].lines().find_map(|l| {
+        let (k, v) = l.split_once(':')?;
+        k.eq_ignore_ascii_case("content-length")
+            .then(|| v.trim().parse::<usize>().ok())?
+    })?;
     (buf.len() >= head_end + length).then_some(head_end + length)
 }

@@ -1,1 +1,342 @@
+//! Every status of SPEC §4, every refused token form, path normalisation, and the rule that a
+//! refused request never reaches the upstream nor changes the store.
+
 use crate::common::*;
+
+#[tokio::test]
+async fn stale_write_is_refused_with_409_and_current_token() {
+    let up = Upstream::start().await;
+    let fg = fencegate(&up.url(), ACCOUNTS).await;
+
+    assert_eq!(put(&fg, "42", "33").await.status, 200);
+    assert_eq!(put(&fg, "42", "34").await.status, 200);
+    let reply = put(&fg, "42", "33").await;
+    let body = reply.assert_problem(409, "urn:fencegate:stale-token");
+    assert_eq!(reply.headers["fencing-token-current"], "34");
+    assert_eq!(body["resource"], "account:42");
+    assert_eq!(body["token"], 33);
+    assert_eq!(body["current_token"], 34);
+    assert_eq!(body["title"], "Stale fencing token");
+
+    // Only the two admitted writes reached the upstream, each with its token forwarded.
+    let seen = up.seen();
+    assert_eq!(seen.len(), 2);
+    assert_eq!(
+        seen.iter().map(|s| s.token()).collect::<Vec<_>>(),
+        [Some(33), Some(34)]
+    );
+    assert_eq!(seen[1].body, "write with 34");
+    assert_eq!(recorded(&fg, "account:42").await, Some(34));
+    // Other resources are independent.
+    assert_eq!(put(&fg, "43", "1").await.status, 200);
+    assert_eq!(recorded(&fg, "account:43").await, Some(1));
+}
+
+#[tokio::test]
+async fn equal_token_is_the_same_epoch_unless_rejected() {
+    let up = Upstream::start().await;
+    let fg = fencegate(&up.url(), ACCOUNTS).await;
+    assert_eq!(put(&fg, "1", "5").await.status, 200);
+    assert_eq!(put(&fg, "1", "5").await.status, 200);
+    assert_eq!(up.count(), 2);
+
+    let strict = fencegate(
+        &up.url(),
+        &format!("token: {{ equal: reject }}\n{ACCOUNTS}"),
+    )
+    .await;
+    assert_eq!(put(&strict, "1", "5").await.status, 200);
+    let reply = put(&strict, "1", "5").await;
+    reply.assert_problem(409, "urn:fencegate:stale-token");
+    assert_eq!(reply.headers["fencing-token-current"], "5");
+    assert_eq!(put(&strict, "1", "6").await.status, 200);
+    assert_eq!(up.count(), 4);
+}
+
+#[tokio::test]
+async fn missing_token_is_428_or_forwarded_when_allowed() {
+    let up = Upstream::start().await;
+    let fg = fencegate(
+        &up.url(),
+        "routes:\n  - { name: accounts, path: '/accounts/{id}', resource: 'account:{id}' }\n  \
+         - { name: legacy, path: '/legacy/{id}', missing_token: allow }\n",
+    )
+    .await;
+    let url = format!("http://{}/accounts/9", fg.listen);
+    let reply = send("POST", &url, &[], "x").await;
+    let body = reply.assert_problem(428, "urn:fencegate:token-required");
+    assert_eq!(body["resource"], "account:9");
+    assert!(body.get("token").is_none());
+    assert_eq!(up.count(), 0);
+    assert_eq!(recorded(&fg, "account:9").await, None);
+
+    let reply = send("POST", &format!("http://{}/legacy/9", fg.listen), &[], "x").await;
+    assert_eq!(reply.status, 200);
+    assert_eq!(up.count(), 1);
+    // With a token, the allow route still fences (resource defaults to the normalised path).
+    assert_eq!(
+        send(
+            "POST",
+            &format!("http://{}/legacy/9", fg.listen),
+            &[("fencing-token", "3")],
+            ""
+        )
+        .await
+        .status,
+        200
+    );
+    assert_eq!(recorded(&fg, "%2Flegacy%2F9").await, Some(3));
+    let stale = send(
+        "POST",
+        &format!("http://{}/legacy/9", fg.listen),
+        &[("fencing-token", "2")],
+        "",
+    )
+    .await;
+    stale.assert_problem(409, "urn:fencegate:stale-token");
+}
+
+#[tokio::test]
+async fn every_malformed_token_is_400_and_leaves_no_trace() {
+    let up = Upstream::start().await;
+    let fg = fencegate(&up.url(), ACCOUNTS).await;
+    let url = format!("http://{}/accounts/1", fg.listen);
+    let cases: &[&[(&str, &str)]] = &[
+        &[("fencing-token", "+5")],
+        &[("fencing-token", "05")],
+        &[("fencing-token", "-1")],
+        &[("fencing-token", "1e3")],
+        &[("fencing-token", "0x10")],
+        &[("fencing-token", "5.0")],
+        &[("fencing-token", "9223372036854775808")],
+        &[("fencing-token", "18446744073709551616")],
+        &[("fencing-token", "")],
+        &[("fencing-token", "5"), ("fencing-token", "5")],
+        &[("fencing-token", "5"), ("fencing-token", "6")],
+        &[("fencing_token", "5")],
+        &[("fencing-token", "5"), ("fencing_token", "9")],
+        &[("fencing-token", "5"), ("connection", "fencing-token")],
+    ];
+    for headers in cases {
+        let reply = send("PUT", &url, headers, "x").await;
+        let body = reply.assert_problem(400, "urn:fencegate:invalid-token");
+        assert_eq!(body["resource"], "account:1", "{headers:?}");
+    }
+    assert_eq!(up.count(), 0);
+    assert_eq!(recorded(&fg, "account:1").await, None);
+    // The largest legal token is fine.
+    assert_eq!(put(&fg, "1", "9223372036854775807").await.status, 200);
+    assert_eq!(recorded(&fg, "account:1").await, Some(i64::MAX as u64));
+}
+
+#[tokio::test]
+async fn raw_wire_forms_of_the_token() {
+    let up = Upstream::start().await;
+    let fg = fencegate(&up.url(), ACCOUNTS).await;
+    let req = |token_line: &str| {
+        format!(
+            "PUT /accounts/7 HTTP/1.1\r\nHost: x\r\n{token_line}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+        )
+    };
+    // An empty value and a value with inner space are malformed.
+    for line in ["Fencing-Token:", "Fencing-Token: 5 5", "Fencing-Token: 5,6"] {
+        let resp = raw(fg.listen, req(line).as_bytes()).await;
+        assert!(resp.starts_with("HTTP/1.1 400"), "{line}: {resp}");
+        assert!(
+            resp.contains("urn:fencegate:invalid-token"),
+            "{line}: {resp}"
+        );
+    }
+    assert_eq!(up.count(), 0);
+    // Optional whitespace around an HTTP/1 field value is not part of it (RFC 9110 §5.5).
+    let resp = raw(fg.listen, req("Fencing-Token:   5  ").as_bytes()).await;
+    assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
+    assert_eq!(up.seen()[0].token(), Some(5));
+}
+
+#[tokio::test]
+async fn paths_are_normalised_before_matching_and_forwarding() {
+    let up = Upstream::start().await;
+    let fg = fencegate(&up.url(), ACCOUNTS).await;
+    let cases = [
+        ("/accounts/./7", "/accounts/7"),
+        ("//accounts/7", "/accounts/7"),
+        ("/accounts//7", "/accounts/7"),
+        ("/x/../accounts/7", "/accounts/7"),
+        ("/%61ccounts/%37", "/accounts/7"),
+        ("/accounts/%2e/7?q=1", "/accounts/7?q=1"),
+    ];
+    for (i, (sent, forwarded)) in cases.iter().enumerate() {
+        let token = (10 + i).to_string();
+        let resp = raw(
+            fg.listen,
+            format!("PUT {sent} HTTP/1.1\r\nHost: x\r\nFencing-Token: {token}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+                .as_bytes(),
+        )
+        .await;
+        assert!(resp.starts_with("HTTP/1.1 200"), "{sent}: {resp}");
+        assert_eq!(up.seen()[i].target, *forwarded, "{sent}");
+    }
+    // All six spellings were one resource: an older token through any of them is stale.
+    assert_eq!(recorded(&fg, "account:7").await, Some(15));
+    let resp = raw(
+        fg.listen,
+        b"PUT /accounts/./7 HTTP/1.1\r\nHost: x\r\nFencing-Token: 14\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(resp.starts_with("HTTP/1.1 409"), "{resp}");
+}
+
+#[tokio::test]
+async fn ambiguous_paths_are_400_and_never_forwarded() {
+    let up = Upstream::start().await;
+    let fg = fencegate(&up.url(), ACCOUNTS).await;
+    for path in [
+        "/accounts/7%2F8",
+        "/accounts/7%2f8",
+        "/accounts/7%5C8",
+        "/accounts/7\\8",
+        "/accounts/7%00",
+        "/accounts/7%0D%0A",
+        "/accounts/7%zz",
+        "/accounts/7%",
+    ] {
+        for method in ["PUT", "GET"] {
+            let resp = raw(
+                fg.listen,
+                format!("{method} {path} HTTP/1.1\r\nHost: x\r\nFencing-Token: 1\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+                    .as_bytes(),
+            )
+            .await;
+            // Either hyper refuses the request line itself, or fencegate answers problem+json.
+            assert!(resp.starts_with("HTTP/1.1 400"), "{method} {path}: {resp}");
+            if !resp.contains("content-length: 0") {
+                assert!(
+                    resp.contains("urn:fencegate:invalid-path"),
+                    "{method} {path}: {resp}"
+                );
+            }
+        }
+    }
+    assert_eq!(up.count(), 0);
+    assert_eq!(recorded(&fg, "account:7").await, None);
+}
+
+#[tokio::test]
+async fn methods_fenced_by_default_include_unknown_ones() {
+    let up = Upstream::start().await;
+    let fg = fencegate(&up.url(), ACCOUNTS).await;
+    let url = format!("http://{}/accounts/3", fg.listen);
+    for method in ["POST", "PUT", "PATCH", "DELETE", "PURGE", "LOCK"] {
+        send(method, &url, &[], "")
+            .await
+            .assert_problem(428, "urn:fencegate:token-required");
+    }
+    assert_eq!(up.count(), 0);
+    for method in ["GET", "HEAD", "OPTIONS"] {
+        assert_eq!(send(method, &url, &[], "").await.status, 200, "{method}");
+    }
+    assert_eq!(up.count(), 3);
+}
+
+#[tokio::test]
+async fn listed_methods_and_unfenced_routes() {
+    let up = Upstream::start().await;
+    let fg = fencegate(
+        &up.url(),
+        "routes:\n  - { name: jobs, path: '/jobs/{id}', methods: [PUT], resource: 'job:{id}' }\n  \
+         - { name: health, path: /healthz, fence: false }\n",
+    )
+    .await;
+    let base = format!("http://{}", fg.listen);
+    send("PUT", &format!("{base}/jobs/1"), &[], "")
+        .await
+        .assert_problem(428, "urn:fencegate:token-required");
+    // POST is not listed on this route: forwarded without a check.
+    assert_eq!(
+        send("POST", &format!("{base}/jobs/1"), &[], "")
+            .await
+            .status,
+        200
+    );
+    assert_eq!(
+        send("POST", &format!("{base}/healthz"), &[], "")
+            .await
+            .status,
+        200
+    );
+    assert_eq!(up.count(), 2);
+}
+
+#[tokio::test]
+async fn unmatched_forward_or_reject() {
+    let up = Upstream::start().await;
+    let forwarding = fencegate(&up.url(), ACCOUNTS).await;
+    assert_eq!(
+        send(
+            "POST",
+            &format!("http://{}/elsewhere", forwarding.listen),
+            &[],
+            ""
+        )
+        .await
+        .status,
+        200
+    );
+    assert_eq!(up.count(), 1);
+
+    let rejecting = fencegate(&up.url(), &format!("unmatched: reject\n{ACCOUNTS}")).await;
+    let reply = send(
+        "POST",
+        &format!("http://{}/elsewhere", rejecting.listen),
+        &[],
+        "",
+    )
+    .await;
+    reply.assert_problem(404, "urn:fencegate:no-route");
+    assert_eq!(up.count(), 1);
+}
+
+#[tokio::test]
+async fn resource_from_header_and_query() {
+    let up = Upstream::start().await;
+    let fg = fencegate(
+        &up.url(),
+        "routes:\n  - { name: t, path: '/t/{id}', resource: '{header:x-tenant}:{query:shard}:{id}' }\n",
+    )
+    .await;
+    let url = format!("http://{}/t/5?shard=eu%2D1", fg.listen);
+    let ok = send(
+        "PUT",
+        &url,
+        &[("x-tenant", "acme"), ("fencing-token", "2")],
+        "",
+    )
+    .await;
+    assert_eq!(ok.status, 200);
+    assert_eq!(recorded(&fg, "acme:eu-1:5").await, Some(2));
+    let reply = send("PUT", &url, &[("fencing-token", "2")], "").await;
+    reply.assert_problem(400, "urn:fencegate:invalid-resource");
+    assert_eq!(up.count(), 1);
+}
+
+#[tokio::test]
+async fn store_that_cannot_answer_in_time_is_503_never_forwarded() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    // A zero store timeout: every raise that needs the disk is "no answer", deterministically
+    // refused; only answers the store can give from memory get through.
+    let fg = fencegate(
+        &up.url(),
+        &format!(
+            "store: {{ kind: embedded, path: {} }}\ntimeouts: {{ store: 0s }}\n{ACCOUNTS}",
+            dir.path().join("f.db").display()
+        ),
+    )
+    .await;
+    let reply = put(&fg, "1", "5").await;
+    let body = reply.assert_problem(503, "urn:fencegate:store-unavailable");
+    assert_eq!(reply.headers["retry-after"], "1");
+    assert_eq!(body["token"], 5);
+    assert_eq!(up.count(), 0);
+}

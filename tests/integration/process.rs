@@ -1,1 +1,241 @@
+//! The real binary: durability across `kill -9`, the SIGTERM drain, JSON logs, `check`.
+//!
+//! Readiness is read from the process's own log lines (explicit signals, no sleeps).
+
+use std::path::Path;
+use std::process::Stdio;
+use std::time::Duration;
+
+use serde_json::Value;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+use tokio::sync::mpsc;
+
 use crate::common::*;
+
+const BIN: &str = env!("CARGO_BIN_EXE_fencegate");
+
+struct Process {
+    child: Child,
+    proxy: std::net::SocketAddr,
+    admin: std::net::SocketAddr,
+    /// Every JSON log line the process writes to stderr.
+    logs: mpsc::UnboundedReceiver<Value>,
+}
+
+impl Process {
+    async fn start(config: &Path) -> Process {
+        let mut child = Command::new(BIN)
+            .args(["run", "--config"])
+            .arg(config)
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let stderr = child.stderr.take().unwrap();
+        let (tx, mut logs) = mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            let mut lines = BufReader::new(stderr).lines();
+            while let Ok(Some(line)) = lines.next_line().await {
+                let value = serde_json::from_str(&line)
+                    .unwrap_or_else(|e| panic!("log line is not JSON ({e}): {line}"));
+                let _ = tx.send(value);
+            }
+        });
+        let started = wait_log(&mut logs, "fencegate started").await;
+        Process {
+            child,
+            proxy: started["listen"].as_str().unwrap().parse().unwrap(),
+            admin: started["admin"].as_str().unwrap().parse().unwrap(),
+            logs,
+        }
+    }
+
+    fn signal(&self, name: &str) {
+        let pid = self.child.id().unwrap().to_string();
+        let status = std::process::Command::new("kill")
+            .args([name, &pid])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+}
+
+async fn wait_log(logs: &mut mpsc::UnboundedReceiver<Value>, message: &str) -> Value {
+    let found = tokio::time::timeout(Duration::from_secs(20), async {
+        while let Some(line) = logs.recv().await {
+            if line["message"] == message {
+                return line;
+            }
+        }
+        panic!("process exited before logging `{message}`");
+    });
+    found
+        .await
+        .unwrap_or_else(|_| panic!("no `{message}` log line within 20s"))
+}
+
+fn write_config(dir: &Path, upstream: &str, extra: &str) -> std::path::PathBuf {
+    let path = dir.join("fencegate.yaml");
+    std::fs::write(
+        &path,
+        format!(
+            "listen: 127.0.0.1:0\nadmin: 127.0.0.1:0\nupstream: {upstream}\n\
+             store: {{ kind: embedded, path: {} }}\n{extra}{ACCOUNTS}",
+            dir.join("fences.db").display()
+        ),
+    )
+    .unwrap();
+    path
+}
+
+async fn put_to(addr: std::net::SocketAddr, id: &str, token: &str) -> Reply {
+    send(
+        "PUT",
+        &format!("http://{addr}/accounts/{id}"),
+        &[("fencing-token", token)],
+        "w",
+    )
+    .await
+}
+
+#[tokio::test]
+async fn kill_9_and_restart_keeps_the_maximum() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config(dir.path(), &up.url(), "");
+
+    let mut first = Process::start(&config).await;
+    assert_eq!(put_to(first.proxy, "1", "41").await.status, 200);
+    assert_eq!(put_to(first.proxy, "1", "42").await.status, 200);
+    assert_eq!(put_to(first.proxy, "2", "7").await.status, 200);
+    // No graceful anything: SIGKILL right after the 200s.
+    first.child.start_kill().unwrap();
+    first.child.wait().await.unwrap();
+
+    let mut second = Process::start(&config).await;
+    let reply = put_to(second.proxy, "1", "41").await;
+    reply.assert_problem(409, "urn:fencegate:stale-token");
+    assert_eq!(reply.headers["fencing-token-current"], "42");
+    put_to(second.proxy, "2", "6")
+        .await
+        .assert_problem(409, "urn:fencegate:stale-token");
+    let fence = send(
+        "GET",
+        &format!("http://{}/v1/fences/account:1", second.admin),
+        &[],
+        "",
+    )
+    .await;
+    assert_eq!(fence.json()["token"], 42);
+    assert_eq!(fence.json()["store"], "embedded");
+    assert_eq!(up.count(), 3);
+
+    // The refusal is one JSON log line with the fields an operator needs.
+    let refusal = wait_log(&mut second.logs, "write refused").await;
+    assert_eq!(refusal["level"], "WARN");
+    assert_eq!(refusal["route"], "accounts");
+    assert_eq!(refusal["resource"], "account:1");
+    assert_eq!(refusal["fencing_token"], 41);
+    assert_eq!(refusal["current_token"], 42);
+    assert_eq!(refusal["status"], 409);
+    assert_eq!(refusal["type"], "urn:fencegate:stale-token");
+    second.child.start_kill().unwrap();
+}
+
+#[tokio::test]
+async fn sigterm_drains_in_flight_requests_then_exits_0() {
+    let up = Upstream::gated().await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config(dir.path(), &up.url(), "timeouts: { shutdown: 30s }\n");
+    let mut p = Process::start(&config).await;
+
+    let in_flight = tokio::spawn(put_to(p.proxy, "1", "5"));
+    assert_eq!(up.arrival().await.token(), Some(5));
+    p.signal("-TERM");
+    wait_log(
+        &mut p.logs,
+        "shutting down: readiness off, draining in-flight requests",
+    )
+    .await;
+    let closed = wait_log(&mut p.logs, "listener closed; draining connections").await;
+    assert_eq!(closed["open"], 1, "{closed}");
+
+    // Draining: not ready, no new connections, the in-flight write still completes.
+    let ready = send("GET", &format!("http://{}/readyz", p.admin), &[], "").await;
+    assert_eq!(
+        (ready.status.as_u16(), ready.text().as_str()),
+        (503, "draining\n")
+    );
+    assert!(tokio::net::TcpStream::connect(p.proxy).await.is_err());
+    up.release(1);
+    let reply = in_flight.await.unwrap();
+    assert_eq!(reply.status, 200);
+    assert_eq!(reply.text(), "ok");
+
+    let status = tokio::time::timeout(Duration::from_secs(20), p.child.wait())
+        .await
+        .expect("did not exit after draining")
+        .unwrap();
+    assert_eq!(status.code(), Some(0));
+    wait_log(&mut p.logs, "stopped").await;
+}
+
+#[test]
+fn check_prints_the_effective_config_or_the_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = dir.path().join("good.yaml");
+    std::fs::write(
+        &good,
+        format!("upstream: http://127.0.0.1:8080\n{ACCOUNTS}"),
+    )
+    .unwrap();
+    let out = std::process::Command::new(BIN)
+        .args(["check", "--config"])
+        .arg(&good)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains("listen: 0.0.0.0:7440"), "{text}");
+    assert!(text.contains("header: fencing-token"), "{text}");
+    assert!(text.contains("barrier_timeout: 5s"), "{text}");
+
+    let bad = dir.path().join("bad.yaml");
+    std::fs::write(&bad, "upstream: http://127.0.0.1:8080\nroutes:\n  - name: a\n    path: /a\n    ordering: sometimes\n").unwrap();
+    let out = std::process::Command::new(BIN)
+        .args(["check", "--config"])
+        .arg(&bad)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(
+        err.contains("routes[0].ordering: unknown variant `sometimes`"),
+        "{err}"
+    );
+    assert!(err.contains("line 5 column 15"), "{err}");
+
+    let usage = std::process::Command::new(BIN)
+        .args(["check"])
+        .output()
+        .unwrap();
+    assert_eq!(usage.status.code(), Some(2));
+    let ttl = std::process::Command::new(BIN)
+        .args([
+            "ttl",
+            "--p99-work",
+            "800ms",
+            "--p99-rtt",
+            "40ms",
+            "--safety-margin",
+            "200ms",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8(ttl.stdout).unwrap().trim(),
+        r#"{"base_ms":1040,"ttl_ms":1500,"renew_every_ms":500,"dedup_window_ms":2300}"#
+    );
+}
