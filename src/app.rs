@@ -32,7 +32,9 @@ impl Server {
     /// Opens the store, binds both listeners and starts serving.
     pub async fn start(config: &Config) -> Result<Server, String> {
         crate::tls::install_default_provider();
-        let store = store::open(&config.store).map_err(|e| e.to_string())?;
+        let store = store::open(&config.store)
+            .await
+            .map_err(|e| e.to_string())?;
         let metrics =
             Arc::new(Metrics::new(prometheus::Registry::new()).map_err(|e| e.to_string())?);
         let proxy = Arc::new(Proxy::new(
@@ -93,7 +95,13 @@ impl Server {
             let _ = admin_stop.send(true);
             let _ = admin_task.await;
         });
-        tracing::info!(%listen, %admin, store = store.kind(), "fencegate started");
+        tracing::info!(
+            %listen,
+            %admin,
+            store = store.kind(),
+            store_url = config.store.url.as_ref().map(|u| u.to_string()),
+            "fencegate started"
+        );
         Ok(Server {
             listen,
             admin,

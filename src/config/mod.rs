@@ -13,7 +13,7 @@ use std::time::Duration;
 use serde::{Deserialize, Deserializer, Serialize};
 
 pub use types::{
-    HeaderNameCfg, MethodCfg, PathTemplate, ResourcePart, ResourceTemplate, UpstreamUrl,
+    HeaderNameCfg, MethodCfg, PathTemplate, ResourcePart, ResourceTemplate, SecretUrl, UpstreamUrl,
 };
 
 /// The whole configuration file.
@@ -110,9 +110,13 @@ pub struct StoreConfig {
     pub kind: StoreKind,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub path: Option<PathBuf>,
+    /// Printed and logged with its password masked.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub url: Option<String>,
+    pub url: Option<SecretUrl>,
     pub prefix: String,
+    /// Networked stores: how many resources' maxima are cached locally to answer refusals
+    /// without a round trip.
+    pub cache_size: usize,
 }
 
 impl Default for StoreConfig {
@@ -122,9 +126,12 @@ impl Default for StoreConfig {
             path: Some(PathBuf::from(DEFAULT_STORE_PATH)),
             url: None,
             prefix: default_prefix(),
+            cache_size: DEFAULT_CACHE_SIZE,
         }
     }
 }
+
+const DEFAULT_CACHE_SIZE: usize = 100_000;
 
 impl<'de> Deserialize<'de> for StoreConfig {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -140,9 +147,15 @@ struct RawStore {
     #[serde(default)]
     kind: StoreKind,
     path: Option<PathBuf>,
-    url: Option<String>,
+    url: Option<SecretUrl>,
     #[serde(default = "default_prefix")]
     prefix: String,
+    #[serde(default = "default_cache_size")]
+    cache_size: usize,
+}
+
+fn default_cache_size() -> usize {
+    DEFAULT_CACHE_SIZE
 }
 
 impl TryFrom<RawStore> for StoreConfig {
@@ -156,20 +169,32 @@ impl TryFrom<RawStore> for StoreConfig {
                 }
             }
             StoreKind::Redis | StoreKind::Postgres | StoreKind::Etcd => {
-                return Err(format!(
-                    "store kind `{}` is not available in this version; use memory or embedded",
-                    serde_json::to_value(raw.kind)
-                        .ok()
-                        .and_then(|v| v.as_str().map(str::to_owned))
-                        .unwrap_or_default()
-                ));
+                let Some(url) = &raw.url else {
+                    return Err("this store kind needs a `url`".into());
+                };
+                url.check(raw.kind)?;
+                if raw.path.is_some() {
+                    return Err("`path` is for the embedded store".into());
+                }
             }
         }
         if raw.kind == StoreKind::Memory && raw.path.is_some() {
             return Err("`path` is for the embedded store".into());
         }
-        if raw.prefix.is_empty() {
-            return Err("`prefix` must not be empty".into());
+        let identifier = raw.prefix.len() <= 40
+            && raw
+                .prefix
+                .starts_with(|c: char| c.is_ascii_alphabetic() || c == '_')
+            && raw
+                .prefix
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_');
+        if !identifier {
+            // It names a PostgreSQL table, a redb table and Redis/etcd key prefixes.
+            return Err(format!(
+                "`prefix` `{}` must be 1-40 letters, digits or `_`, not starting with a digit",
+                raw.prefix
+            ));
         }
         let path = match raw.kind {
             StoreKind::Embedded => Some(raw.path.unwrap_or_else(|| DEFAULT_STORE_PATH.into())),
@@ -180,6 +205,7 @@ impl TryFrom<RawStore> for StoreConfig {
             path,
             url: raw.url,
             prefix: raw.prefix,
+            cache_size: raw.cache_size,
         })
     }
 }

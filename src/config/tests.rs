@@ -110,9 +110,19 @@ fn bad_values_name_their_field() {
             "already used",
         ),
         (
-            "upstream: http://a:1\nstore: { kind: redis, url: 'redis://x' }\n",
+            "upstream: http://a:1\nstore: { kind: postgres }\n",
             "store",
-            "not available in this version",
+            "needs a `url`",
+        ),
+        (
+            "upstream: http://a:1\nstore: { kind: redis, url: 'postgres://x' }\n",
+            "store",
+            "does not fit",
+        ),
+        (
+            "upstream: http://a:1\nstore: { kind: redis, url: 'redis://x', prefix: my-app }\n",
+            "store",
+            "letters, digits or `_`",
         ),
         (
             "upstream: http://a:1\nleases: { ttl: 1s }\n",
@@ -142,4 +152,22 @@ fn effective_config_roundtrips() {
     .unwrap();
     let again = Config::parse(&c.to_yaml()).unwrap();
     assert_eq!(again.to_yaml(), c.to_yaml());
+}
+
+#[test]
+fn store_urls_never_print_their_password() {
+    let c = Config::parse(
+        "upstream: http://a:1\nstore: { kind: postgres, url: 'postgres://app:s3cret@db:5432/fences' }\n",
+    )
+    .unwrap();
+    let url = c.store.url.as_ref().unwrap();
+    assert_eq!(url.expose(), "postgres://app:s3cret@db:5432/fences");
+    assert_eq!(url.to_string(), "postgres://app:****@db:5432/fences");
+    assert_eq!(format!("{url:?}"), "postgres://app:****@db:5432/fences");
+    assert!(!c.to_yaml().contains("s3cret"));
+    assert!(!format!("{c:?}").contains("s3cret"));
+    let plain = SecretUrl::try_from("redis://127.0.0.1:6379/".to_owned()).unwrap();
+    assert_eq!(plain.to_string(), "redis://127.0.0.1:6379/");
+    let token_only = SecretUrl::try_from("redis://:pw@h/".to_owned()).unwrap();
+    assert_eq!(token_only.to_string(), "redis://:****@h/");
 }

@@ -256,7 +256,80 @@ impl From<PathTemplate> for String {
     }
 }
 
+/// A store URL. It may carry a password, so it displays and serialises masked.
+#[derive(Clone, PartialEq, Eq, Serialize)]
+#[serde(into = "String")]
+pub struct SecretUrl(String);
+
+impl SecretUrl {
+    /// The URL with its password, for the store client only.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+
+    /// Checks the scheme against the store kind.
+    pub fn check(&self, kind: super::StoreKind) -> Result<(), String> {
+        use super::StoreKind;
+        let ok = match kind {
+            StoreKind::Redis => self.0.starts_with("redis://") || self.0.starts_with("rediss://"),
+            StoreKind::Postgres => {
+                self.0.starts_with("postgres://") || self.0.starts_with("postgresql://")
+            }
+            StoreKind::Etcd => self.0.starts_with("etcd://") || self.0.starts_with("http://"),
+            StoreKind::Memory | StoreKind::Embedded => false,
+        };
+        if ok {
+            Ok(())
+        } else {
+            Err(format!(
+                "`{self}` does not fit this store kind (redis://, postgres://, etcd:// or http://)"
+            ))
+        }
+    }
+}
+
+impl TryFrom<String> for SecretUrl {
+    type Error = String;
+    fn try_from(raw: String) -> Result<Self, Self::Error> {
+        if raw.is_empty() || raw.chars().any(char::is_whitespace) {
+            return Err("a store url is non-empty and has no spaces".into());
+        }
+        Ok(SecretUrl(raw))
+    }
+}
+
+impl From<SecretUrl> for String {
+    fn from(u: SecretUrl) -> String {
+        u.to_string()
+    }
+}
+
+/// `scheme://user:****@host/...`: the password is never printed or logged.
+impl fmt::Display for SecretUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let Some((scheme, rest)) = self.0.split_once("://") else {
+            return f.write_str("****");
+        };
+        let authority_end = rest.find('/').unwrap_or(rest.len());
+        match rest[..authority_end].rfind('@') {
+            Some(at) => {
+                let userinfo = &rest[..at];
+                let user = userinfo.split_once(':').map_or(userinfo, |(u, _)| u);
+                write!(f, "{scheme}://{user}:****{}", &rest[at..])
+            }
+            None => f.write_str(&self.0),
+        }
+    }
+}
+
+impl fmt::Debug for SecretUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
+}
+
 checked_from_str!(
+    SecretUrl,
     UpstreamUrl,
     HeaderNameCfg,
     MethodCfg,

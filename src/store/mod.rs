@@ -2,7 +2,11 @@
 //! compare-and-raise; the decision itself is the pure [`decide`], shared by all of them.
 
 mod embedded;
+mod etcd;
 mod memory;
+mod postgres;
+mod redis;
+pub mod shared;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -69,8 +73,17 @@ pub trait FenceStore: Send + Sync + 'static {
     fn kind(&self) -> &'static str;
 }
 
-/// Opens the store a config names.
-pub fn open(config: &StoreConfig) -> Result<Arc<dyn FenceStore>, StoreError> {
+/// Opens the store a config names. Networked stores connect lazily: an unreachable store
+/// makes fencegate not ready (and its writes 503), not fail to start.
+pub async fn open(config: &StoreConfig) -> Result<Arc<dyn FenceStore>, StoreError> {
+    let url = || {
+        config
+            .url
+            .as_ref()
+            .map(|u| u.expose())
+            .expect("networked stores always have a url after validation")
+    };
+    let cache = config.cache_size;
     match config.kind {
         StoreKind::Memory => Ok(Arc::new(MemoryStore::new())),
         StoreKind::Embedded => {
@@ -80,9 +93,18 @@ pub fn open(config: &StoreConfig) -> Result<Arc<dyn FenceStore>, StoreError> {
                 .expect("the embedded store always has a path after validation");
             Ok(Arc::new(EmbeddedStore::open(path, &config.prefix)?))
         }
-        StoreKind::Redis | StoreKind::Postgres | StoreKind::Etcd => Err(StoreError::Unavailable(
-            "this store kind is refused when the config is loaded".into(),
-        )),
+        StoreKind::Redis => {
+            let remote = self::redis::RedisRemote::new(url(), &config.prefix)?;
+            Ok(Arc::new(shared::SharedStore::new(remote, cache)))
+        }
+        StoreKind::Postgres => {
+            let remote = self::postgres::PostgresRemote::new(url(), &config.prefix)?;
+            Ok(Arc::new(shared::SharedStore::new(remote, cache)))
+        }
+        StoreKind::Etcd => {
+            let remote = self::etcd::EtcdRemote::connect(url(), &config.prefix).await?;
+            Ok(Arc::new(shared::SharedStore::new(remote, cache)))
+        }
     }
 }
 

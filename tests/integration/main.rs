@@ -8,4 +8,6 @@ mod concurrency;
 mod fence;
 mod process;
 mod proxy;
+mod services;
+mod stores;
 mod tls;

@@ -15,16 +15,16 @@ use crate::common::*;
 
 const BIN: &str = env!("CARGO_BIN_EXE_fencegate");
 
-struct Process {
-    child: Child,
-    proxy: std::net::SocketAddr,
-    admin: std::net::SocketAddr,
+pub(crate) struct Process {
+    pub child: Child,
+    pub proxy: std::net::SocketAddr,
+    pub admin: std::net::SocketAddr,
     /// Every JSON log line the process writes to stderr.
-    logs: mpsc::UnboundedReceiver<Value>,
+    pub logs: mpsc::UnboundedReceiver<Value>,
 }
 
 impl Process {
-    async fn start(config: &Path) -> Process {
+    pub async fn start(config: &Path) -> Process {
         let mut child = Command::new(BIN)
             .args(["run", "--config"])
             .arg(config)
@@ -61,7 +61,7 @@ impl Process {
     }
 }
 
-async fn wait_log(logs: &mut mpsc::UnboundedReceiver<Value>, message: &str) -> Value {
+pub(crate) async fn wait_log(logs: &mut mpsc::UnboundedReceiver<Value>, message: &str) -> Value {
     let found = tokio::time::timeout(Duration::from_secs(20), async {
         while let Some(line) = logs.recv().await {
             if line["message"] == message {
@@ -89,7 +89,7 @@ fn write_config(dir: &Path, upstream: &str, extra: &str) -> std::path::PathBuf {
     path
 }
 
-async fn put_to(addr: std::net::SocketAddr, id: &str, token: &str) -> Reply {
+pub(crate) async fn put_to(addr: std::net::SocketAddr, id: &str, token: &str) -> Reply {
     send(
         "PUT",
         &format!("http://{addr}/accounts/{id}"),

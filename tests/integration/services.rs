@@ -1,0 +1,269 @@
+//! Throwaway Redis, PostgreSQL and etcd servers for tests that kill and restart them, and
+//! fresh names (key prefixes, tables) on the machine's shared servers for the rest.
+
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::process::{Child, Command};
+
+/// The machine's shared servers (CI starts them when absent).
+pub const REDIS_URL: &str = "redis://127.0.0.1:6379/";
+pub const POSTGRES_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
+
+/// A store prefix no other test (or earlier run) uses.
+pub fn fresh_prefix() -> String {
+    static N: AtomicU32 = AtomicU32::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos()
+        % 1_000_000_000_000;
+    format!(
+        "t{}_{nanos}_{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Kind {
+    Redis,
+    Postgres,
+    Etcd,
+}
+
+/// A server process owned by one test: killed with `kill -9`, restarted on the same port and
+/// data directory, removed when the test ends.
+pub struct Service {
+    pub kind: Kind,
+    pub port: u16,
+    child: Option<Child>,
+    dir: tempfile::TempDir,
+}
+
+impl Service {
+    pub async fn start(kind: Kind) -> Service {
+        let dir = tempfile::tempdir().unwrap();
+        if kind == Kind::Postgres {
+            init_postgres(&dir.path().to_path_buf()).await;
+        }
+        let mut service = Service {
+            kind,
+            port: free_port(),
+            child: None,
+            dir,
+        };
+        service.spawn().await;
+        service
+    }
+
+    pub fn url(&self) -> String {
+        match self.kind {
+            Kind::Redis => format!("redis://127.0.0.1:{}/", self.port),
+            Kind::Postgres => format!("postgres://postgres@127.0.0.1:{}/postgres", self.port),
+            Kind::Etcd => format!("etcd://127.0.0.1:{}", self.port),
+        }
+    }
+
+    async fn spawn(&mut self) {
+        let dir = self.dir.path();
+        let port = self.port.to_string();
+        let mut cmd = match self.kind {
+            Kind::Redis => {
+                let mut c = Command::new("redis-server");
+                // Durable like production should be: a maximum survives kill -9.
+                c.args([
+                    "--port",
+                    &port,
+                    "--bind",
+                    "127.0.0.1",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "yes",
+                    "--appendfsync",
+                    "always",
+                    "--dir",
+                ])
+                .arg(dir);
+                c
+            }
+            Kind::Etcd => {
+                let peer = free_port();
+                let mut c = Command::new("etcd");
+                c.arg("--data-dir").arg(dir.join("etcd")).args([
+                    "--listen-client-urls",
+                    &format!("http://127.0.0.1:{port}"),
+                    "--advertise-client-urls",
+                    &format!("http://127.0.0.1:{port}"),
+                    "--listen-peer-urls",
+                    &format!("http://127.0.0.1:{peer}"),
+                    "--initial-advertise-peer-urls",
+                    &format!("http://127.0.0.1:{peer}"),
+                    "--initial-cluster",
+                    &format!("default=http://127.0.0.1:{peer}"),
+                    "--log-level",
+                    "error",
+                ]);
+                c
+            }
+            Kind::Postgres => {
+                let mut c = Command::new("runuser");
+                c.args(["-u", "postgres", "--"])
+                    .arg(postgres_bin("postgres"))
+                    .arg("-D")
+                    .arg(dir.join("data"))
+                    .args(["-p", &port, "-c", "listen_addresses=127.0.0.1", "-k"])
+                    .arg(dir);
+                c
+            }
+        };
+        let child = cmd
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {:?}: {e}", self.kind));
+        self.child = Some(child);
+        self.wait_ready().await;
+    }
+
+    /// Polls the server's own readiness answer (PING, /health, a connection).
+    async fn wait_ready(&self) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if self.answers().await {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{:?} on port {} never became ready",
+                self.kind,
+                self.port
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    async fn answers(&self) -> bool {
+        let addr = ("127.0.0.1", self.port);
+        match self.kind {
+            Kind::Redis => {
+                let Ok(mut s) = TcpStream::connect(addr).await else {
+                    return false;
+                };
+                let mut buf = [0u8; 16];
+                s.write_all(b"PING\r\n").await.is_ok()
+                    && matches!(s.read(&mut buf).await, Ok(n) if buf[..n].starts_with(b"+PONG"))
+            }
+            Kind::Etcd => {
+                let Ok(mut s) = TcpStream::connect(addr).await else {
+                    return false;
+                };
+                let mut buf = vec![0u8; 1024];
+                s.write_all(b"GET /health HTTP/1.0\r\n\r\n").await.is_ok()
+                    && matches!(s.read(&mut buf).await, Ok(n) if String::from_utf8_lossy(&buf[..n]).contains("\"health\":\"true\""))
+            }
+            Kind::Postgres => {
+                let url = self.url();
+                match tokio_postgres::connect(&url, tokio_postgres::NoTls).await {
+                    Ok((client, conn)) => {
+                        tokio::spawn(conn);
+                        client.simple_query("SELECT 1").await.is_ok()
+                    }
+                    Err(_) => false,
+                }
+            }
+        }
+    }
+
+    pub async fn kill(&mut self) {
+        let mut child = self.child.take().expect("running");
+        if self.kind == Kind::Postgres {
+            // runuser forwards nothing on SIGKILL: kill the postmaster itself.
+            let pid = std::fs::read_to_string(self.dir.path().join("data/postmaster.pid")).unwrap();
+            let pid = pid.lines().next().unwrap().trim().to_owned();
+            std::process::Command::new("kill")
+                .args(["-9", &pid])
+                .status()
+                .unwrap();
+        }
+        child.start_kill().unwrap();
+        child.wait().await.unwrap();
+        if self.kind == Kind::Postgres {
+            // Backends outlive a killed postmaster for a moment; wait until the port is free.
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while TcpStream::connect(("127.0.0.1", self.port)).await.is_ok() {
+                assert!(
+                    Instant::now() < deadline,
+                    "postgres still listening after kill -9"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            let _ = std::fs::remove_file(self.dir.path().join("data/postmaster.pid"));
+        }
+    }
+
+    pub async fn restart(&mut self) {
+        assert!(self.child.is_none(), "kill first");
+        self.spawn().await;
+    }
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        if self.kind == Kind::Postgres {
+            if let Ok(pid) = std::fs::read_to_string(self.dir.path().join("data/postmaster.pid")) {
+                if let Some(pid) = pid.lines().next() {
+                    let _ = std::process::Command::new("kill")
+                        .args(["-9", pid.trim()])
+                        .status();
+                }
+            }
+        }
+    }
+}
+
+fn postgres_bin(name: &str) -> PathBuf {
+    let mut versions: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
+        .expect("PostgreSQL server binaries under /usr/lib/postgresql")
+        .map(|e| e.unwrap().path())
+        .collect();
+    versions.sort();
+    versions.last().unwrap().join("bin").join(name)
+}
+
+async fn init_postgres(dir: &PathBuf) {
+    let status = Command::new("chown")
+        .args(["-R", "postgres:postgres"])
+        .arg(dir)
+        .status()
+        .await
+        .unwrap();
+    assert!(status.success());
+    let status = Command::new("runuser")
+        .args(["-u", "postgres", "--"])
+        .arg(postgres_bin("initdb"))
+        .args(["-A", "trust", "-U", "postgres", "--no-sync", "-D"])
+        .arg(dir.join("data"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .await
+        .unwrap();
+    assert!(status.success(), "initdb failed");
+}

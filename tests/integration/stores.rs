@@ -1,0 +1,356 @@
+//! One conformance suite that every fence store passes, against real servers, plus the
+//! replica and failure behaviour of the shared stores.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use fencegate::config::{Config, EqualTokens};
+use fencegate::store::{self, FenceStore, Verdict};
+
+use crate::common::*;
+use crate::process::{put_to, Process};
+use crate::services::*;
+
+use EqualTokens::{Allow, Reject};
+
+/// A store of `kind` on a fresh prefix (and, for etcd, a throwaway server kept alive by the
+/// returned guard).
+async fn open(kind: &str) -> (Arc<dyn FenceStore>, Option<Service>, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let (yaml, service) = store_yaml(kind, &dir).await;
+    let config = Config::parse(&format!("upstream: http://127.0.0.1:1\n{yaml}")).unwrap();
+    (store::open(&config.store).await.unwrap(), service, dir)
+}
+
+async fn store_yaml(kind: &str, dir: &tempfile::TempDir) -> (String, Option<Service>) {
+    let prefix = fresh_prefix();
+    match kind {
+        "memory" => ("store: { kind: memory }\n".into(), None),
+        "embedded" => (
+            format!(
+                "store: {{ kind: embedded, path: {}, prefix: {prefix} }}\n",
+                dir.path().join("f.db").display()
+            ),
+            None,
+        ),
+        "redis" => (
+            format!("store: {{ kind: redis, url: '{REDIS_URL}', prefix: {prefix} }}\n"),
+            None,
+        ),
+        "postgres" => (
+            format!("store: {{ kind: postgres, url: '{POSTGRES_URL}', prefix: {prefix} }}\n"),
+            None,
+        ),
+        "etcd" => {
+            let etcd = Service::start(Kind::Etcd).await;
+            (
+                format!(
+                    "store: {{ kind: etcd, url: '{}', prefix: {prefix} }}\n",
+                    etcd.url()
+                ),
+                Some(etcd),
+            )
+        }
+        other => panic!("unknown store {other}"),
+    }
+}
+
+async fn raise_equal_stale(store: Arc<dyn FenceStore>) {
+    let r = "account:1";
+    assert_eq!(store.current(r).await.unwrap(), None);
+    assert_eq!(
+        store.compare_and_raise(r, 5, Allow).await.unwrap(),
+        Verdict::Admitted { previous: None }
+    );
+    assert_eq!(
+        store.compare_and_raise(r, 9, Allow).await.unwrap(),
+        Verdict::Admitted { previous: Some(5) }
+    );
+    assert_eq!(
+        store.compare_and_raise(r, 9, Allow).await.unwrap(),
+        Verdict::Admitted { previous: Some(9) }
+    );
+    assert_eq!(
+        store.compare_and_raise(r, 9, Reject).await.unwrap(),
+        Verdict::Stale { current: 9 }
+    );
+    assert_eq!(
+        store.compare_and_raise(r, 8, Allow).await.unwrap(),
+        Verdict::Stale { current: 9 }
+    );
+    assert_eq!(
+        store.compare_and_raise(r, 0, Allow).await.unwrap(),
+        Verdict::Stale { current: 9 }
+    );
+    assert_eq!(
+        store.compare_and_raise(r, 10, Reject).await.unwrap(),
+        Verdict::Admitted { previous: Some(9) }
+    );
+    assert_eq!(store.current(r).await.unwrap(), Some(10));
+    // Zero is a token like any other.
+    assert_eq!(
+        store.compare_and_raise("zero", 0, Allow).await.unwrap(),
+        Verdict::Admitted { previous: None }
+    );
+    assert_eq!(
+        store.compare_and_raise("zero", 0, Reject).await.unwrap(),
+        Verdict::Stale { current: 0 }
+    );
+}
+
+async fn very_large_tokens(store: Arc<dyn FenceStore>) {
+    // 2^53 + 1 is where doubles stop counting; 9 vs 10 is where strings stop ordering.
+    let two53 = 1u64 << 53;
+    assert!(matches!(
+        store
+            .compare_and_raise("f", two53 + 1, Allow)
+            .await
+            .unwrap(),
+        Verdict::Admitted { .. }
+    ));
+    assert_eq!(
+        store.compare_and_raise("f", two53, Allow).await.unwrap(),
+        Verdict::Stale { current: two53 + 1 }
+    );
+    assert!(matches!(
+        store.compare_and_raise("s", 9, Allow).await.unwrap(),
+        Verdict::Admitted { .. }
+    ));
+    assert!(matches!(
+        store.compare_and_raise("s", 10, Allow).await.unwrap(),
+        Verdict::Admitted { .. }
+    ));
+    assert_eq!(
+        store.compare_and_raise("s", 9, Allow).await.unwrap(),
+        Verdict::Stale { current: 10 }
+    );
+    let max = i64::MAX as u64;
+    assert!(matches!(
+        store.compare_and_raise("m", max - 1, Allow).await.unwrap(),
+        Verdict::Admitted { .. }
+    ));
+    assert_eq!(
+        store.compare_and_raise("m", max, Allow).await.unwrap(),
+        Verdict::Admitted {
+            previous: Some(max - 1)
+        }
+    );
+    assert_eq!(
+        store.compare_and_raise("m", max - 1, Allow).await.unwrap(),
+        Verdict::Stale { current: max }
+    );
+    assert_eq!(store.current("m").await.unwrap(), Some(max));
+}
+
+async fn concurrent_racing(store: Arc<dyn FenceStore>) {
+    let mut tasks = Vec::new();
+    for w in 0..8u64 {
+        let store = Arc::clone(&store);
+        tasks.push(tokio::spawn(async move {
+            let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ (w + 1);
+            let mut out = Vec::new();
+            for _ in 0..40 {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let token = x % 500;
+                out.push((
+                    token,
+                    store.compare_and_raise("race", token, Allow).await.unwrap(),
+                ));
+            }
+            out
+        }));
+    }
+    let mut admitted_max = None;
+    for t in tasks {
+        for (token, verdict) in t.await.unwrap() {
+            match verdict {
+                Verdict::Admitted { previous } => {
+                    assert!(
+                        previous.is_none_or(|p| p <= token),
+                        "{token} admitted over {previous:?}"
+                    );
+                    admitted_max = admitted_max.max(Some(token));
+                }
+                Verdict::Stale { current } => {
+                    assert!(current > token, "{token} refused against {current}")
+                }
+            }
+        }
+    }
+    assert_eq!(store.current("race").await.unwrap(), admitted_max);
+}
+
+async fn many_resources(store: Arc<dyn FenceStore>) {
+    let resources: Vec<String> = (0..300).map(|i| format!("account:{i}")).collect();
+    for (i, r) in resources.iter().enumerate() {
+        assert!(matches!(
+            store.compare_and_raise(r, i as u64, Allow).await.unwrap(),
+            Verdict::Admitted { previous: None }
+        ));
+    }
+    for (i, r) in resources.iter().enumerate() {
+        assert_eq!(store.current(r).await.unwrap(), Some(i as u64), "{r}");
+    }
+    if let Some(i) = (1..300u64).step_by(37).next() {
+        assert_eq!(
+            store
+                .compare_and_raise(&resources[i as usize], i - 1, Allow)
+                .await
+                .unwrap(),
+            Verdict::Stale { current: i }
+        );
+    }
+    assert!(store.healthy());
+}
+
+macro_rules! conformance {
+    ($($kind:ident),*) => {$(
+        mod $kind {
+            use super::*;
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn raise_equal_stale() { let (s, _g, _d) = open(stringify!($kind)).await; super::raise_equal_stale(s).await }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn very_large_tokens() { let (s, _g, _d) = open(stringify!($kind)).await; super::very_large_tokens(s).await }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn concurrent_racing() { let (s, _g, _d) = open(stringify!($kind)).await; super::concurrent_racing(s).await }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn many_resources() { let (s, _g, _d) = open(stringify!($kind)).await; super::many_resources(s).await }
+        }
+    )*};
+}
+
+conformance!(memory, embedded, redis, postgres, etcd);
+
+/// Two real fencegate processes sharing one store: a token seen by one fences the other.
+async fn two_replicas(kind: &str) {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (yaml, _service) = store_yaml(kind, &dir).await;
+    let config = |name: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(
+            &path,
+            format!(
+                "listen: 127.0.0.1:0\nadmin: 127.0.0.1:0\nupstream: {}\n{yaml}{ACCOUNTS}",
+                up.url()
+            ),
+        )
+        .unwrap();
+        path
+    };
+    let a = Process::start(&config("a.yaml")).await;
+    let b = Process::start(&config("b.yaml")).await;
+
+    assert_eq!(put_to(a.proxy, "1", "6").await.status, 200);
+    let refused = put_to(b.proxy, "1", "5").await;
+    refused.assert_problem(409, "urn:fencegate:stale-token");
+    assert_eq!(refused.headers["fencing-token-current"], "6");
+    // The other direction, past a cached maximum: A has 6 cached, but B raised to 7.
+    assert_eq!(put_to(b.proxy, "1", "7").await.status, 200);
+    let refused = put_to(a.proxy, "1", "6").await;
+    refused.assert_problem(409, "urn:fencegate:stale-token");
+    assert_eq!(refused.headers["fencing-token-current"], "7");
+    let tokens: Vec<_> = up.seen().iter().map(|s| s.token()).collect();
+    assert_eq!(tokens, [Some(6), Some(7)]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_replicas_share_redis() {
+    two_replicas("redis").await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_replicas_share_postgres() {
+    two_replicas("postgres").await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_replicas_share_etcd() {
+    two_replicas("etcd").await
+}
+
+async fn ready(admin: std::net::SocketAddr) -> u16 {
+    send("GET", &format!("http://{admin}/readyz"), &[], "")
+        .await
+        .status
+        .as_u16()
+}
+
+/// Waits (polling the readiness endpoint, the signal operators use) for `want`.
+async fn wait_ready(admin: std::net::SocketAddr, want: u16) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while ready(admin).await != want {
+        assert!(Instant::now() < deadline, "readiness never became {want}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The store dies mid-test: writes are refused with 503 (never forwarded); it comes back:
+/// writes flow again, same fencegate, no restart.
+async fn store_killed_and_back(kind: Kind) {
+    let up = Upstream::start().await;
+    let mut service = Service::start(kind).await;
+    let kind_name = match kind {
+        Kind::Redis => "redis",
+        Kind::Postgres => "postgres",
+        Kind::Etcd => "etcd",
+    };
+    let fg = fencegate(
+        &up.url(),
+        &format!(
+            "store: {{ kind: {kind_name}, url: '{}', prefix: {} }}\n{ACCOUNTS}",
+            service.url(),
+            fresh_prefix()
+        ),
+    )
+    .await;
+    wait_ready(fg.admin, 200).await;
+    assert_eq!(put(&fg, "1", "10").await.status, 200);
+
+    service.kill().await;
+    for token in ["11", "12", "13"] {
+        let reply = put(&fg, "1", token).await;
+        reply.assert_problem(503, "urn:fencegate:store-unavailable");
+        assert_eq!(reply.headers["retry-after"], "1");
+    }
+    // A token below a maximum seen before is still refused from the local cache.
+    put(&fg, "1", "9")
+        .await
+        .assert_problem(409, "urn:fencegate:stale-token");
+    wait_ready(fg.admin, 503).await;
+    assert_eq!(
+        up.count(),
+        1,
+        "a write was forwarded while the store was down"
+    );
+
+    service.restart().await;
+    wait_ready(fg.admin, 200).await;
+    assert_eq!(put(&fg, "1", "14").await.status, 200);
+    assert_eq!(recorded(&fg, "account:1").await, Some(14));
+    assert_eq!(up.count(), 2);
+    let metrics = send("GET", &format!("http://{}/metrics", fg.admin), &[], "")
+        .await
+        .text();
+    assert!(
+        metrics.contains("fencegate_store_errors_total 3"),
+        "{metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_killed_and_back() {
+    store_killed_and_back(Kind::Redis).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_killed_and_back() {
+    store_killed_and_back(Kind::Postgres).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_killed_and_back() {
+    store_killed_and_back(Kind::Etcd).await
+}
