@@ -79,7 +79,12 @@ impl Admin {
                 return json_response(StatusCode::BAD_REQUEST, json!({"error": "bad resource id"}))
             }
         };
-        match self.store.current(&resource).await {
+        let started = std::time::Instant::now();
+        let current = self.store.current(&resource).await;
+        self.metrics
+            .store_get
+            .observe(started.elapsed().as_secs_f64());
+        match current {
             Ok(Some(token)) => json_response(
                 StatusCode::OK,
                 json!({ "resource": resource, "token": token, "store": self.store.kind() }),

@@ -290,8 +290,7 @@ pub enum Unmatched {
 }
 
 /// Bounds on how long any one party may make fencegate wait.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
+#[derive(Debug, Clone, Serialize)]
 pub struct Timeouts {
     /// A client must send its complete request head within this (slowloris guard).
     #[serde(with = "humantime_serde")]
@@ -318,8 +317,7 @@ impl Default for Timeouts {
     }
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
+#[derive(Debug, Clone, Serialize)]
 pub struct Limits {
     /// Largest request head accepted (HTTP/1 buffer, HTTP/2 header list); larger gets 431.
     pub max_header_bytes: usize,
@@ -339,6 +337,112 @@ impl Default for Limits {
             max_connections: 10_000,
             max_resource_bytes: 512,
         }
+    }
+}
+
+// The same fields, unchecked: parsed first, then checked inside the deserializer (so errors
+// keep their location) by the `TryFrom`s below.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawTimeouts {
+    #[serde(with = "humantime_serde")]
+    header_read: Duration,
+    #[serde(with = "humantime_serde")]
+    upstream: Duration,
+    #[serde(with = "humantime_serde")]
+    shutdown: Duration,
+    #[serde(with = "humantime_serde")]
+    store: Duration,
+}
+
+impl Default for RawTimeouts {
+    fn default() -> Self {
+        let t = Timeouts::default();
+        RawTimeouts {
+            header_read: t.header_read,
+            upstream: t.upstream,
+            shutdown: t.shutdown,
+            store: t.store,
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Timeouts {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        checked::from_map::<D, RawTimeouts, Timeouts>(d)
+    }
+}
+
+impl<'de> Deserialize<'de> for Limits {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        checked::from_map::<D, RawLimits, Limits>(d)
+    }
+}
+
+impl TryFrom<RawTimeouts> for Timeouts {
+    type Error = String;
+    fn try_from(raw: RawTimeouts) -> Result<Self, String> {
+        for (name, value) in [
+            ("header_read", raw.header_read),
+            ("upstream", raw.upstream),
+            ("store", raw.store),
+        ] {
+            if value.is_zero() {
+                return Err(format!("`{name}` must be greater than zero"));
+            }
+        }
+        Ok(Timeouts {
+            header_read: raw.header_read,
+            upstream: raw.upstream,
+            shutdown: raw.shutdown,
+            store: raw.store,
+        })
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawLimits {
+    max_header_bytes: usize,
+    max_headers: usize,
+    max_connections: usize,
+    max_resource_bytes: usize,
+}
+
+impl Default for RawLimits {
+    fn default() -> Self {
+        let l = Limits::default();
+        RawLimits {
+            max_header_bytes: l.max_header_bytes,
+            max_headers: l.max_headers,
+            max_connections: l.max_connections,
+            max_resource_bytes: l.max_resource_bytes,
+        }
+    }
+}
+
+impl TryFrom<RawLimits> for Limits {
+    type Error = String;
+    fn try_from(raw: RawLimits) -> Result<Self, String> {
+        if raw.max_header_bytes < 8192 {
+            // hyper's HTTP/1 read buffer cannot be smaller.
+            return Err("`max_header_bytes` must be at least 8192".into());
+        }
+        for (name, value) in [
+            ("max_headers", raw.max_headers),
+            ("max_connections", raw.max_connections),
+            ("max_resource_bytes", raw.max_resource_bytes),
+        ] {
+            if value == 0 {
+                return Err(format!("`{name}` must be at least 1"));
+            }
+        }
+        Ok(Limits {
+            max_header_bytes: raw.max_header_bytes,
+            max_headers: raw.max_headers,
+            max_connections: raw.max_connections,
+            max_resource_bytes: raw.max_resource_bytes,
+        })
     }
 }
 
@@ -409,8 +513,20 @@ fn check_routes(routes: &[RouteConfig]) -> Result<(), String> {
                 "routes[{i}].methods is empty; leave it out to fence every method but GET, HEAD, OPTIONS"
             ));
         }
-        if seen_paths.iter().any(|(p, _)| *p == route.path.source) {
-            // Same path, different methods: the route table tries them in order.
+        if let Some(&(_, j)) = seen_paths.iter().find(|(p, _)| *p == route.path.source) {
+            // Same path: allowed when the routes fence different methods, else one would be
+            // unreachable.
+            for other in routes[j..i]
+                .iter()
+                .filter(|r| r.path.source == route.path.source)
+            {
+                if let Some(m) = shared_fenced_method(other, route) {
+                    return Err(format!(
+                        "routes[{i}] and `{}` both fence {m} on `{}`; give them disjoint `methods`",
+                        other.name, route.path.source
+                    ));
+                }
+            }
             continue;
         }
         router
@@ -419,6 +535,25 @@ fn check_routes(routes: &[RouteConfig]) -> Result<(), String> {
         seen_paths.push((&route.path.source, i));
     }
     Ok(())
+}
+
+/// A method both routes would fence, if any.
+fn shared_fenced_method(a: &RouteConfig, b: &RouteConfig) -> Option<String> {
+    let fenced = |r: &RouteConfig, m: &http::Method| match &r.methods {
+        Some(list) => list.iter().any(|x| x.0 == *m),
+        None => !matches!(
+            *m,
+            http::Method::GET | http::Method::HEAD | http::Method::OPTIONS
+        ),
+    };
+    let candidates: Vec<http::Method> = match (&a.methods, &b.methods) {
+        (Some(list), _) | (None, Some(list)) => list.iter().map(|m| m.0.clone()).collect(),
+        (None, None) => vec![http::Method::POST],
+    };
+    candidates
+        .into_iter()
+        .find(|m| fenced(a, m) && fenced(b, m))
+        .map(|m| m.to_string())
 }
 
 /// A configuration error, displayed with its location when it has one.

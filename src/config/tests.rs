@@ -120,6 +120,31 @@ fn bad_values_name_their_field() {
             "does not fit",
         ),
         (
+            "upstream: http://a:1\nstore: { kind: redis, url: 'rediss://x' }\n",
+            "store",
+            "not supported by this version",
+        ),
+        (
+            "upstream: http://a:1\nlimits: { max_connections: 0 }\n",
+            "limits",
+            "max_connections",
+        ),
+        (
+            "upstream: http://a:1\nlimits: { max_header_bytes: 1024 }\n",
+            "limits",
+            "8192",
+        ),
+        (
+            "upstream: http://a:1\ntimeouts: { upstream: 0s }\n",
+            "timeouts",
+            "greater than zero",
+        ),
+        (
+            "upstream: http://a:1\nroutes: [{ name: a, path: '/x/{id}' }, { name: b, path: '/x/{id}', methods: [PUT] }]\n",
+            "routes",
+            "both fence PUT",
+        ),
+        (
             "upstream: http://a:1\nstore: { kind: redis, url: 'redis://x', prefix: my-app }\n",
             "store",
             "letters, digits or `_`",
@@ -168,6 +193,13 @@ fn store_urls_never_print_their_password() {
     assert!(!format!("{c:?}").contains("s3cret"));
     let plain = SecretUrl::try_from("redis://127.0.0.1:6379/".to_owned()).unwrap();
     assert_eq!(plain.to_string(), "redis://127.0.0.1:6379/");
+    let query =
+        SecretUrl::try_from("postgres://db/x?user=a&password=pw&sslmode=disable".to_owned())
+            .unwrap();
+    assert_eq!(
+        query.to_string(),
+        "postgres://db/x?user=a&password=****&sslmode=disable"
+    );
     let token_only = SecretUrl::try_from("redis://:pw@h/".to_owned()).unwrap();
     assert_eq!(token_only.to_string(), "redis://:****@h/");
 }

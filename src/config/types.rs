@@ -271,7 +271,14 @@ impl SecretUrl {
     pub fn check(&self, kind: super::StoreKind) -> Result<(), String> {
         use super::StoreKind;
         let ok = match kind {
-            StoreKind::Redis => self.0.starts_with("redis://") || self.0.starts_with("rediss://"),
+            StoreKind::Redis if self.0.starts_with("rediss://") => {
+                return Err(
+                    "TLS to Redis (rediss://) is not supported by this version; \
+                            reach Redis over a private network or a TLS-terminating sidecar"
+                        .into(),
+                );
+            }
+            StoreKind::Redis => self.0.starts_with("redis://"),
             StoreKind::Postgres => {
                 self.0.starts_with("postgres://") || self.0.starts_with("postgresql://")
             }
@@ -310,15 +317,39 @@ impl fmt::Display for SecretUrl {
         let Some((scheme, rest)) = self.0.split_once("://") else {
             return f.write_str("****");
         };
+        let (rest, query) = match rest.split_once('?') {
+            Some((rest, query)) => (rest, Some(query)),
+            None => (rest, None),
+        };
         let authority_end = rest.find('/').unwrap_or(rest.len());
         match rest[..authority_end].rfind('@') {
             Some(at) => {
                 let userinfo = &rest[..at];
                 let user = userinfo.split_once(':').map_or(userinfo, |(u, _)| u);
-                write!(f, "{scheme}://{user}:****{}", &rest[at..])
+                write!(f, "{scheme}://{user}:****{}", &rest[at..])?;
             }
-            None => f.write_str(&self.0),
+            None => write!(f, "{scheme}://{rest}")?,
         }
+        if let Some(query) = query {
+            // Query parameters can carry secrets too (`?password=`): mask the likely ones.
+            f.write_str("?")?;
+            for (i, pair) in query.split('&').enumerate() {
+                if i > 0 {
+                    f.write_str("&")?;
+                }
+                let key = pair.split_once('=').map_or(pair, |(k, _)| k);
+                let lower = key.to_ascii_lowercase();
+                if ["pass", "secret", "token", "key"]
+                    .iter()
+                    .any(|s| lower.contains(s))
+                {
+                    write!(f, "{key}=****")?;
+                } else {
+                    f.write_str(pair)?;
+                }
+            }
+        }
+        Ok(())
     }
 }
 

@@ -1,7 +1,8 @@
 //! Path normalisation (SPEC §4): the resource id and the forwarded path come from one form.
 //!
 //! Dot segments are resolved (RFC 3986 §5.2.4), `//` is merged, percent-encoded unreserved
-//! characters are decoded and the remaining escapes are upper-cased. What would let two
+//! characters are decoded, the remaining escapes are upper-cased and raw non-ASCII bytes are
+//! escaped. What would let two
 //! spellings name different resources downstream is refused: encoded `/` or `\`, a raw `\`,
 //! NUL and other control bytes, malformed escapes.
 
@@ -32,7 +33,7 @@ pub fn normalise(path: &str) -> Result<Cow<'_, str>, PathError> {
         match b {
             b'\\' => return Err(PathError::Backslash),
             0..=0x1f | 0x7f => return Err(PathError::Control),
-            b'%' => needs_work = true,
+            b'%' | 0x80.. => needs_work = true,
             b'/' if matches!(bytes.get(i + 1), Some(b'/' | b'.')) => needs_work = true,
             _ => {}
         }
@@ -48,8 +49,20 @@ pub fn normalise(path: &str) -> Result<Cow<'_, str>, PathError> {
 fn decode_unreserved(bytes: &[u8]) -> Result<String, PathError> {
     let mut out = String::with_capacity(bytes.len());
     let mut i = 0;
+    const HEX: &[u8; 16] = b"0123456789ABCDEF";
+    let escape = |out: &mut String, v: u8| {
+        out.push('%');
+        out.push(char::from(HEX[usize::from(v >> 4)]));
+        out.push(char::from(HEX[usize::from(v & 0xf)]));
+    };
     while i < bytes.len() {
         let b = bytes[i];
+        if b >= 0x80 {
+            // Raw UTF-8 is not allowed in a URI; its escaped form is the one spelling.
+            escape(&mut out, b);
+            i += 1;
+            continue;
+        }
         if b != b'%' {
             out.push(char::from(b));
             i += 1;
@@ -66,12 +79,7 @@ fn decode_unreserved(bytes: &[u8]) -> Result<String, PathError> {
             v if v.is_ascii_alphanumeric() || matches!(v, b'-' | b'.' | b'_' | b'~') => {
                 out.push(char::from(v));
             }
-            v => {
-                const HEX: &[u8; 16] = b"0123456789ABCDEF";
-                out.push('%');
-                out.push(char::from(HEX[usize::from(v >> 4)]));
-                out.push(char::from(HEX[usize::from(v & 0xf)]));
-            }
+            v => escape(&mut out, v),
         }
         i += 3;
     }
@@ -154,6 +162,10 @@ mod tests {
         assert_eq!(norm("/a%20b").unwrap(), "/a%20b");
         assert_eq!(norm("/a%3ab").unwrap(), "/a%3Ab");
         assert_eq!(norm("/%7e%2D%5f").unwrap(), "/~-_");
+        // Raw UTF-8 and its escaped spelling are one path.
+        assert_eq!(norm("/accounts/\u{e9}").unwrap(), "/accounts/%C3%A9");
+        assert_eq!(norm("/x//\u{e9}").unwrap(), "/x/%C3%A9");
+        assert_eq!(norm("/accounts/%c3%a9").unwrap(), "/accounts/%C3%A9");
     }
 
     #[test]

@@ -114,10 +114,22 @@ impl RouteTable {
         path: &str,
         query: Option<&str>,
         headers: &HeaderMap,
-    ) -> Result<Matched<'_>, ResourceError> {
-        let Ok(found) = self.router.at(path) else {
-            return Ok(Matched::None);
+    ) -> Result<Matched<'_>, (Option<&Route>, ResourceError)> {
+        // `/accounts/42/` is `/accounts/42` to most frameworks, so it must be to the fence too.
+        let found = match self.router.at(path) {
+            Ok(found) => found,
+            Err(_) => match path.strip_suffix('/').filter(|p| !p.is_empty()) {
+                Some(trimmed) => match self.router.at(trimmed) {
+                    Ok(found) => found,
+                    Err(_) => return Ok(Matched::None),
+                },
+                None => return Ok(Matched::None),
+            },
         };
+        let path = path
+            .strip_suffix('/')
+            .filter(|p| !p.is_empty())
+            .unwrap_or(path);
         let candidates = found.value.iter().map(|&i| &self.routes[i]);
         let Some(route) = candidates.clone().find(|r| r.fences(method)) else {
             let first = candidates
@@ -136,15 +148,19 @@ impl RouteTable {
                         ResourcePart::Capture(name) => {
                             id.push_str(found.params.get(name).unwrap_or_default())
                         }
-                        ResourcePart::Header(name) => id.push_str(header_value(headers, name)?),
-                        ResourcePart::Query(name) => id.push_str(&query_value(query, name)?),
+                        ResourcePart::Header(name) => {
+                            id.push_str(header_value(headers, name).map_err(|e| (Some(route), e))?)
+                        }
+                        ResourcePart::Query(name) => {
+                            id.push_str(&query_value(query, name).map_err(|e| (Some(route), e))?)
+                        }
                     }
                 }
                 id
             }
         };
         if resource.len() > self.max_resource_bytes {
-            return Err(ResourceError::TooLong(self.max_resource_bytes));
+            return Err((Some(route), ResourceError::TooLong(self.max_resource_bytes)));
         }
         Ok(Matched::Fence { route, resource })
     }
@@ -229,6 +245,24 @@ mod tests {
     }
 
     #[test]
+    fn one_trailing_slash_is_the_same_resource() {
+        let t = table("  - { name: acc, path: '/accounts/{id}', resource: 'account:{id}' }\n  - { name: all, path: /ledger }\n");
+        let h = HeaderMap::new();
+        assert_eq!(
+            fenced(t.lookup(&Method::PUT, "/accounts/7/", None, &h).unwrap()).1,
+            "account:7"
+        );
+        assert_eq!(
+            fenced(t.lookup(&Method::PUT, "/ledger/", None, &h).unwrap()).1,
+            "/ledger"
+        );
+        assert!(matches!(
+            t.lookup(&Method::PUT, "/accounts/7/x", None, &h),
+            Ok(Matched::None)
+        ));
+    }
+
+    #[test]
     fn same_path_routes_split_by_method() {
         let t = table(concat!(
             "  - { name: put, path: '/x/{id}', methods: [PUT], resource: 'p:{id}' }\n",
@@ -259,18 +293,21 @@ mod tests {
         assert_eq!(fenced(m).1, "acme/s 1/a/b");
         assert_eq!(
             t.lookup(&Method::POST, "/jobs/a", Some("shard=1&shard=2"), &h)
-                .unwrap_err(),
+                .unwrap_err()
+                .1,
             ResourceError::Query("shard".into())
         );
         assert_eq!(
             t.lookup(&Method::POST, "/jobs/a", None, &HeaderMap::new())
-                .unwrap_err(),
+                .unwrap_err()
+                .1,
             ResourceError::Header("x-tenant".into())
         );
         let long = format!("/jobs/{}", "z".repeat(80));
         assert_eq!(
             t.lookup(&Method::POST, &long, Some("shard=1"), &h)
-                .unwrap_err(),
+                .unwrap_err()
+                .1,
             ResourceError::TooLong(64)
         );
     }

@@ -111,14 +111,18 @@ impl Proxy {
             self.table
                 .lookup(req.method(), &normalised, req.uri().query(), req.headers());
         let (route, resource) = match matched {
-            Err(e) => {
+            Err((route, e)) => {
+                let subject = Subject {
+                    route: route.map(|r| r.name.as_str()),
+                    ..Subject::default()
+                };
                 return Ok(self.refuse(
                     Refusal::InvalidResource(e),
-                    None,
-                    Subject::default(),
+                    route,
+                    subject,
                     req.method(),
                     req.uri().path(),
-                ))
+                ));
             }
             Ok(Matched::None) if self.table.unmatched == Unmatched::Reject => {
                 return Ok(self.refuse(
@@ -131,7 +135,15 @@ impl Proxy {
             }
             Ok(Matched::None) => {
                 return Ok(self
-                    .forward(req, &normalised, None, Outcome::Forwarded, None, peer)
+                    .forward(
+                        req,
+                        &normalised,
+                        None,
+                        Subject::default(),
+                        Outcome::Forwarded,
+                        None,
+                        peer,
+                    )
                     .await)
             }
             Ok(Matched::Pass(route)) => {
@@ -140,6 +152,10 @@ impl Proxy {
                         req,
                         &normalised,
                         Some(route),
+                        Subject {
+                            route: Some(&route.name),
+                            ..Subject::default()
+                        },
                         Outcome::Forwarded,
                         None,
                         peer,
@@ -169,6 +185,7 @@ impl Proxy {
                         req,
                         &normalised,
                         Some(route),
+                        subject,
                         Outcome::Forwarded,
                         None,
                         peer,
@@ -231,6 +248,7 @@ impl Proxy {
                 req,
                 &normalised,
                 Some(route),
+                subject,
                 Outcome::Admitted,
                 ticket,
                 peer,
@@ -261,11 +279,13 @@ impl Proxy {
         answer
     }
 
+    #[allow(clippy::too_many_arguments)]
     async fn forward(
         &self,
         req: Request<Incoming>,
         normalised: &str,
         route: Option<&Route>,
+        subject: Subject<'_>,
         outcome: Outcome,
         ticket: Option<Ticket>,
         peer: SocketAddr,
@@ -275,13 +295,7 @@ impl Proxy {
             Ok(uri) => uri,
             Err(e) => {
                 let refusal = Refusal::InvalidPath(e);
-                return self.refuse(
-                    refusal,
-                    route,
-                    Subject::default(),
-                    &parts.method,
-                    normalised,
-                );
+                return self.refuse(refusal, route, subject, &parts.method, normalised);
             }
         };
         let authority = parts.uri.authority().map(|a| a.as_str().to_owned());
@@ -318,18 +332,7 @@ impl Proxy {
             Ok(Err(e)) => Refusal::UpstreamError(error_chain(&e)),
             Err(_) => Refusal::UpstreamTimeout,
         };
-        let (status, kind, _, refusal_outcome) = refusal.kind();
-        metrics.outcome(refusal_outcome).inc();
-        tracing::warn!(
-            route = route.map(|r| r.name.as_str()),
-            %method,
-            path,
-            status = status.as_u16(),
-            r#type = kind,
-            detail = refusal.detail(&Subject::default()),
-            "upstream failed"
-        );
-        refusal.response(&Subject::default())
+        self.refuse(refusal, route, subject, &method, &path)
     }
 
     fn upstream_uri(&self, path: &str, query: Option<&str>) -> Result<Uri, path::PathError> {
@@ -376,7 +379,12 @@ impl Proxy {
             status = status.as_u16(),
             r#type = kind,
             detail = refusal.detail(&subject),
-            "write refused"
+            "{}",
+            if outcome == Outcome::UpstreamError || outcome == Outcome::UpstreamTimeout {
+                "upstream failed"
+            } else {
+                "write refused"
+            }
         );
         refusal.response(&subject)
     }

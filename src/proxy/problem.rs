@@ -116,12 +116,21 @@ impl Refusal {
                 "this route fences writes; send the lease's fencing token in the token header"
                     .to_owned()
             }
-            Refusal::Stale { current } => format!(
-                "token {} is below {current}, the highest token recorded for {}; the lease was \
-                 granted to a newer holder",
-                subject.token.unwrap_or_default(),
-                subject.resource.unwrap_or("this resource"),
-            ),
+            Refusal::Stale { current } => {
+                let token = subject.token.unwrap_or_default();
+                let resource = subject.resource.unwrap_or("this resource");
+                if token == *current {
+                    format!(
+                        "token {token} equals the highest token recorded for {resource} and \
+                         `token.equal` is `reject`: each write needs a new token"
+                    )
+                } else {
+                    format!(
+                        "token {token} is below {current}, the highest token recorded for \
+                         {resource}; the lease was granted to a newer holder"
+                    )
+                }
+            }
             Refusal::NoRoute => "no configured route matches and `unmatched` is `reject`".into(),
             Refusal::StoreUnavailable(e) => {
                 format!("the write was not forwarded because it could not be checked: {e}")

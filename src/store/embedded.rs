@@ -10,9 +10,10 @@
 //! ever holds durable values, and this process is the file's only writer (redb locks it).
 
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
+use std::time::Duration;
 
 use dashmap::DashMap;
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
@@ -90,9 +91,10 @@ impl EmbeddedStore {
         });
         let (queue, rx) = mpsc::channel();
         let writer_shared = Arc::clone(&shared);
+        let writer_path = path.to_owned();
         let writer = std::thread::Builder::new()
             .name("fencegate-store".into())
-            .spawn(move || writer(db, table_name, rx, writer_shared))
+            .spawn(move || writer(writer_path, db, table_name, rx, writer_shared))
             .map_err(|e| fail("cannot start the writer for", &e))?;
         Ok(EmbeddedStore {
             shared,
@@ -163,11 +165,39 @@ impl FenceStore for EmbeddedStore {
     }
 }
 
+/// How often a failed database is reopened and probed with a real write, so readiness comes
+/// back once the disk does (a failed redb commit poisons the handle until it is reopened).
+const RETRY: Duration = Duration::from_millis(500);
+
 /// The writer thread: block for one raise, take every other queued one, commit them together.
-fn writer(db: Database, table_name: String, rx: mpsc::Receiver<Raise>, shared: Arc<Shared>) {
+fn writer(
+    path: PathBuf,
+    db: Database,
+    table_name: String,
+    rx: mpsc::Receiver<Raise>,
+    shared: Arc<Shared>,
+) {
     let table = TableDefinition::<&str, u64>::new(&table_name);
+    let probe_name = format!("{table_name}.probe");
+    let probe = TableDefinition::<&str, u64>::new(&probe_name);
+    let mut db = Some(db);
     let mut batch = Vec::with_capacity(64);
-    while let Ok(first) = rx.recv() {
+    loop {
+        let first = if shared.healthy.load(Ordering::Relaxed) {
+            match rx.recv() {
+                Ok(first) => first,
+                Err(_) => return,
+            }
+        } else {
+            match rx.recv_timeout(RETRY) {
+                Ok(first) => first,
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    recover(&path, &mut db, probe, &shared);
+                    continue;
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => return,
+            }
+        };
         batch.push(first);
         while batch.len() < MAX_BATCH {
             match rx.try_recv() {
@@ -175,10 +205,19 @@ fn writer(db: Database, table_name: String, rx: mpsc::Receiver<Raise>, shared: A
                 Err(_) => break,
             }
         }
-        match commit_batch(&db, table, &batch, &shared) {
+        if db.is_none() {
+            db = Database::create(&path).ok();
+        }
+        let result = match &db {
+            Some(handle) => commit_batch(handle, table, &batch, &shared).map_err(|e| e.to_string()),
+            None => Err(format!("cannot reopen {}", path.display())),
+        };
+        match result {
             Ok((verdicts, raised)) => {
                 shared.commits.fetch_add(1, Ordering::Relaxed);
-                shared.healthy.store(true, Ordering::Relaxed);
+                if !shared.healthy.swap(true, Ordering::Relaxed) {
+                    tracing::info!(path = %path.display(), "fence store writable again");
+                }
                 // Publish only now that the values are durable.
                 for (resource, token) in raised {
                     let mut slot = shared.maxima.entry(resource).or_insert(token);
@@ -190,13 +229,46 @@ fn writer(db: Database, table_name: String, rx: mpsc::Receiver<Raise>, shared: A
             }
             Err(e) => {
                 shared.healthy.store(false, Ordering::Relaxed);
-                tracing::error!(error = %e, "fence store commit failed");
+                // Drop the handle: redb refuses further use after an I/O error.
+                db = None;
+                tracing::error!(path = %path.display(), error = %e, "fence store commit failed");
                 for raise in batch.drain(..) {
-                    let _ = raise
-                        .reply
-                        .send(Err(StoreError::Unavailable(e.to_string())));
+                    let _ = raise.reply.send(Err(StoreError::Unavailable(e.clone())));
                 }
             }
+        }
+    }
+}
+
+/// Reopens the database if needed and proves it writable with a real commit.
+fn recover(
+    path: &Path,
+    db: &mut Option<Database>,
+    probe: TableDefinition<&str, u64>,
+    shared: &Shared,
+) {
+    if db.is_none() {
+        *db = Database::create(path).ok();
+    }
+    let Some(handle) = db else { return };
+    let attempt = || -> Result<(), redb::Error> {
+        let txn = handle.begin_write()?;
+        {
+            let mut t = txn.open_table(probe)?;
+            let n = t.get("writes")?.map_or(0, |v| v.value());
+            t.insert("writes", n + 1)?;
+        }
+        txn.commit()?;
+        Ok(())
+    };
+    match attempt() {
+        Ok(()) => {
+            shared.healthy.store(true, Ordering::Relaxed);
+            tracing::info!(path = %path.display(), "fence store writable again");
+        }
+        Err(e) => {
+            *db = None;
+            tracing::debug!(path = %path.display(), error = %e, "fence store still not writable");
         }
     }
 }

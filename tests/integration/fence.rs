@@ -188,6 +188,36 @@ async fn paths_are_normalised_before_matching_and_forwarding() {
 }
 
 #[tokio::test]
+async fn trailing_slash_and_raw_utf8_name_the_same_resource() {
+    let up = Upstream::start().await;
+    let fg = fencegate(&up.url(), ACCOUNTS).await;
+    assert_eq!(put(&fg, "42", "36").await.status, 200);
+    let resp = raw(
+        fg.listen,
+        b"PUT /accounts/42/ HTTP/1.1\r\nHost: x\r\nFencing-Token: 1\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(resp.starts_with("HTTP/1.1 409"), "{resp}");
+    assert!(resp.contains("fencing-token-current: 36"), "{resp}");
+
+    let resp = raw(
+        fg.listen,
+        "PUT /accounts/\u{e9} HTTP/1.1\r\nHost: x\r\nFencing-Token: 3\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".as_bytes(),
+    )
+    .await;
+    assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
+    assert_eq!(up.seen()[1].target, "/accounts/%C3%A9");
+    assert_eq!(recorded(&fg, "account:%25C3%25A9").await, Some(3));
+    let resp = raw(
+        fg.listen,
+        b"PUT /accounts/%c3%a9 HTTP/1.1\r\nHost: x\r\nFencing-Token: 2\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(resp.starts_with("HTTP/1.1 409"), "{resp}");
+    assert_eq!(up.count(), 2);
+}
+
+#[tokio::test]
 async fn ambiguous_paths_are_400_and_never_forwarded() {
     let up = Upstream::start().await;
     let fg = fencegate(&up.url(), ACCOUNTS).await;
@@ -320,23 +350,114 @@ async fn resource_from_header_and_query() {
     assert_eq!(up.count(), 1);
 }
 
+/// A small tmpfs of the test's own, unmounted when the test ends.
+struct SmallDisk {
+    dir: tempfile::TempDir,
+}
+
+impl SmallDisk {
+    fn mount(size: &str) -> SmallDisk {
+        let dir = tempfile::tempdir().unwrap();
+        let status = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(dir.path())
+            .status()
+            .unwrap();
+        assert!(
+            status.success(),
+            "this test mounts a tmpfs, which needs root"
+        );
+        SmallDisk { dir }
+    }
+
+    /// Fills the disk with one file until the kernel says it is full.
+    fn fill(&self) -> std::path::PathBuf {
+        use std::io::Write;
+        let path = self.dir.path().join("filler");
+        let mut f = std::fs::File::create(&path).unwrap();
+        let chunk = vec![0u8; 64 * 1024];
+        loop {
+            match f.write_all(&chunk) {
+                Ok(()) => {}
+                Err(e) if e.raw_os_error() == Some(28) => break, // ENOSPC
+                Err(e) => panic!("{e}"),
+            }
+        }
+        let _ = f.write_all(&[0u8; 1]);
+        path
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg(self.dir.path())
+            .status();
+    }
+}
+
+async fn wait_ready(admin: std::net::SocketAddr, want: u16) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let status = send("GET", &format!("http://{admin}/readyz"), &[], "")
+            .await
+            .status;
+        if status.as_u16() == want {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "readiness never became {want}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
+
 #[tokio::test]
-async fn store_that_cannot_answer_in_time_is_503_never_forwarded() {
+async fn full_disk_is_503_never_forwarded_and_recovers() {
     let up = Upstream::start().await;
-    let dir = tempfile::tempdir().unwrap();
-    // A zero store timeout: every raise that needs the disk is "no answer", deterministically
-    // refused; only answers the store can give from memory get through.
+    let disk = SmallDisk::mount("4m");
     let fg = fencegate(
         &up.url(),
         &format!(
-            "store: {{ kind: embedded, path: {} }}\ntimeouts: {{ store: 0s }}\n{ACCOUNTS}",
-            dir.path().join("f.db").display()
+            "store: {{ kind: embedded, path: {} }}\n{ACCOUNTS}",
+            disk.dir.path().join("f.db").display()
         ),
     )
     .await;
-    let reply = put(&fg, "1", "5").await;
-    let body = reply.assert_problem(503, "urn:fencegate:store-unavailable");
-    assert_eq!(reply.headers["retry-after"], "1");
-    assert_eq!(body["token"], 5);
-    assert_eq!(up.count(), 0);
+    assert_eq!(put(&fg, "0", "1").await.status, 200);
+    let filler = disk.fill();
+
+    // New maxima cannot be made durable: refused, not forwarded, not ready.
+    let mut refused = 0;
+    for i in 1..200 {
+        let reply = put(&fg, &i.to_string(), "5").await;
+        if reply.status == 503 {
+            let body = reply.assert_problem(503, "urn:fencegate:store-unavailable");
+            assert_eq!(reply.headers["retry-after"], "1");
+            assert_eq!(body["token"], 5);
+            refused += 1;
+            break;
+        }
+        // redb may still have free pages in its file; each success is durable and forwarded.
+        assert_eq!(reply.status, 200, "{}", reply.text());
+    }
+    assert_eq!(refused, 1, "the store never ran out of space");
+    let forwarded_before = up.count();
+    wait_ready(fg.admin, 503).await;
+    put(&fg, "new", "5")
+        .await
+        .assert_problem(503, "urn:fencegate:store-unavailable");
+    // Known maxima still answer from memory: stale is refused, the current token admitted.
+    put(&fg, "0", "0")
+        .await
+        .assert_problem(409, "urn:fencegate:stale-token");
+    assert_eq!(put(&fg, "0", "1").await.status, 200);
+    assert_eq!(up.count(), forwarded_before + 1);
+
+    // Space comes back: the store reopens, proves itself writable, writes flow again.
+    std::fs::remove_file(filler).unwrap();
+    wait_ready(fg.admin, 200).await;
+    assert_eq!(put(&fg, "new", "5").await.status, 200);
+    assert_eq!(recorded(&fg, "account:new").await, Some(5));
 }

@@ -74,7 +74,9 @@ async fn upstream_down_is_502_and_the_raise_stays() {
         .unwrap();
     let fg = fencegate(&format!("http://{addr}"), ACCOUNTS).await;
     let reply = put(&fg, "1", "8").await;
-    reply.assert_problem(502, "urn:fencegate:upstream-error");
+    let body = reply.assert_problem(502, "urn:fencegate:upstream-error");
+    assert_eq!(body["resource"], "account:1");
+    assert_eq!(body["token"], 8);
     // Never lowered: the admitted token stays recorded although the write failed.
     assert_eq!(recorded(&fg, "account:1").await, Some(8));
     put(&fg, "1", "7")

@@ -127,14 +127,26 @@ impl Service {
                     .arg(postgres_bin("postgres"))
                     .arg("-D")
                     .arg(dir.join("data"))
-                    .args(["-p", &port, "-c", "listen_addresses=127.0.0.1", "-k"])
-                    .arg(dir);
+                    // TCP only: a socket lock file would outlive kill -9 and block the restart.
+                    .args([
+                        "-p",
+                        &port,
+                        "-c",
+                        "listen_addresses=127.0.0.1",
+                        "-c",
+                        "unix_socket_directories=",
+                    ]);
                 c
             }
         };
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(dir.join("server.log"))
+            .unwrap();
         let child = cmd
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(log)
             .kill_on_drop(true)
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start {:?}: {e}", self.kind));
