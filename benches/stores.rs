@@ -36,21 +36,33 @@ struct Row {
 async fn measure(kind: &'static str, store: Arc<dyn FenceStore>) -> Row {
     // Warm up connections and prepared statements.
     for i in 0..50u64 {
-        store.compare_and_raise(&format!("warm{i}"), i, EqualTokens::Allow).await.unwrap();
+        store
+            .compare_and_raise(&format!("warm{i}"), i, EqualTokens::Allow)
+            .await
+            .unwrap();
     }
     let mut admit = Vec::with_capacity(SEQUENTIAL);
     for i in 0..SEQUENTIAL {
         let resource = format!("account:{i}");
         let started = Instant::now();
-        let verdict = store.compare_and_raise(&resource, 7, EqualTokens::Allow).await.unwrap();
+        let verdict = store
+            .compare_and_raise(&resource, 7, EqualTokens::Allow)
+            .await
+            .unwrap();
         admit.push(started.elapsed());
         assert_eq!(verdict, Verdict::Admitted { previous: None });
     }
-    store.compare_and_raise("hot", 1000, EqualTokens::Allow).await.unwrap();
+    store
+        .compare_and_raise("hot", 1000, EqualTokens::Allow)
+        .await
+        .unwrap();
     let mut refuse = Vec::with_capacity(SEQUENTIAL);
     for _ in 0..SEQUENTIAL {
         let started = Instant::now();
-        let verdict = store.compare_and_raise("hot", 1, EqualTokens::Allow).await.unwrap();
+        let verdict = store
+            .compare_and_raise("hot", 1, EqualTokens::Allow)
+            .await
+            .unwrap();
         refuse.push(started.elapsed());
         assert_eq!(verdict, Verdict::Stale { current: 1000 });
     }
@@ -62,7 +74,10 @@ async fn measure(kind: &'static str, store: Arc<dyn FenceStore>) -> Row {
             tokio::spawn(async move {
                 for i in 0..CONCURRENT_OPS {
                     let resource = format!("c{t}:{i}");
-                    store.compare_and_raise(&resource, 1, EqualTokens::Allow).await.unwrap();
+                    store
+                        .compare_and_raise(&resource, 1, EqualTokens::Allow)
+                        .await
+                        .unwrap();
                 }
             })
         })
@@ -70,7 +85,8 @@ async fn measure(kind: &'static str, store: Arc<dyn FenceStore>) -> Row {
     for t in tasks {
         t.await.unwrap();
     }
-    let concurrent_ops = (CONCURRENT_TASKS * CONCURRENT_OPS) as f64 / started.elapsed().as_secs_f64();
+    let concurrent_ops =
+        (CONCURRENT_TASKS * CONCURRENT_OPS) as f64 / started.elapsed().as_secs_f64();
     admit.sort();
     refuse.sort();
     Row {
@@ -94,7 +110,11 @@ async fn open(yaml: &str) -> Arc<dyn FenceStore> {
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -133,15 +153,38 @@ async fn main() {
     rows.push(
         measure(
             "embedded",
-            open(&format!("store: {{ kind: embedded, path: {} }}", dir.path().join("f.db").display())).await,
+            open(&format!(
+                "store: {{ kind: embedded, path: {} }}",
+                dir.path().join("f.db").display()
+            ))
+            .await,
         )
         .await,
     );
-    rows.push(measure("redis", open(&format!("store: {{ kind: redis, url: '{redis}', prefix: {p} }}")).await).await);
     rows.push(
-        measure("postgres", open(&format!("store: {{ kind: postgres, url: '{postgres}', prefix: {p} }}")).await).await,
+        measure(
+            "redis",
+            open(&format!(
+                "store: {{ kind: redis, url: '{redis}', prefix: {p} }}"
+            ))
+            .await,
+        )
+        .await,
     );
-    let etcd_store = open(&format!("store: {{ kind: etcd, url: 'etcd://127.0.0.1:{etcd_port}', prefix: {p} }}")).await;
+    rows.push(
+        measure(
+            "postgres",
+            open(&format!(
+                "store: {{ kind: postgres, url: '{postgres}', prefix: {p} }}"
+            ))
+            .await,
+        )
+        .await,
+    );
+    let etcd_store = open(&format!(
+        "store: {{ kind: etcd, url: 'etcd://127.0.0.1:{etcd_port}', prefix: {p} }}"
+    ))
+    .await;
     // The etcd client connects lazily; wait for the server to answer.
     let deadline = Instant::now() + Duration::from_secs(30);
     while etcd_store.current("ready").await.is_err() {
@@ -179,6 +222,8 @@ async fn main() {
     }
     if let Ok((client, conn)) = tokio_postgres::connect(&postgres, tokio_postgres::NoTls).await {
         tokio::spawn(conn);
-        let _ = client.batch_execute(&format!("DROP TABLE IF EXISTS {p}_fences")).await;
+        let _ = client
+            .batch_execute(&format!("DROP TABLE IF EXISTS {p}_fences"))
+            .await;
     }
 }
