@@ -4,7 +4,10 @@
 //! (bounded by `timeouts.shutdown`), then the admin listener closes and the store is closed.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
+
+use arc_swap::ArcSwap;
 
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -14,6 +17,7 @@ use crate::admin::{Admin, Readiness};
 use crate::config::Config;
 use crate::metrics::Metrics;
 use crate::proxy::Proxy;
+use crate::reload::Reloader;
 use crate::server::{serve, ServerSettings};
 use crate::store::{self, FenceStore};
 
@@ -31,17 +35,26 @@ pub struct Server {
 impl Server {
     /// Opens the store, binds both listeners and starts serving.
     pub async fn start(config: &Config) -> Result<Server, String> {
+        Self::start_with(config, None).await
+    }
+
+    /// As [`Server::start`], and reloads the config from `path` on change or SIGHUP.
+    pub async fn start_watching(config: &Config, path: PathBuf) -> Result<Server, String> {
+        Self::start_with(config, Some(path)).await
+    }
+
+    async fn start_with(config: &Config, watch_path: Option<PathBuf>) -> Result<Server, String> {
         crate::tls::install_default_provider();
         let store = store::open(&config.store)
             .await
             .map_err(|e| e.to_string())?;
         let metrics =
             Arc::new(Metrics::new(prometheus::Registry::new()).map_err(|e| e.to_string())?);
-        let proxy = Arc::new(Proxy::new(
+        let proxy = Arc::new(ArcSwap::from_pointee(Proxy::new(
             config,
             Arc::clone(&store),
             Arc::clone(&metrics),
-        )?);
+        )?));
         let tls = match &config.tls {
             Some(tls) => Some(tokio_rustls::TlsAcceptor::from(crate::tls::server_config(
                 tls,
@@ -71,12 +84,21 @@ impl Server {
             max_connections: 64,
             ..settings.clone()
         };
+        let (stop, stopped) = watch::channel(false);
+        if let Some(path) = watch_path {
+            let reloader = Reloader {
+                path,
+                running: config.clone(),
+                proxy: Arc::clone(&proxy),
+                metrics: Arc::clone(&metrics),
+            };
+            tokio::spawn(reloader.run(stopped.clone()));
+        }
         let admin_service = Arc::new(Admin {
             metrics,
             store: Arc::clone(&store),
             readiness: Arc::clone(&readiness),
         });
-        let (stop, stopped) = watch::channel(false);
         let done = tokio::spawn(async move {
             let (admin_stop, admin_stopped) = watch::channel(false);
             let admin_task = tokio::spawn(serve(
@@ -88,7 +110,8 @@ impl Server {
             serve(
                 proxy_listener,
                 settings,
-                move |req, peer| Arc::clone(&proxy).handle(req, peer),
+                // One atomic load per request: a reload never tears a request's config.
+                move |req, peer| proxy.load_full().handle(req, peer),
                 wait_for(stopped),
             )
             .await;

@@ -117,14 +117,15 @@ pub fn main() -> ExitCode {
         }
         Command::Run { config } => {
             init_logging();
-            let config = match Config::load(&config) {
+            let path = config;
+            let config = match Config::load(&path) {
                 Ok(c) => c,
                 Err(e) => {
                     tracing::error!(error = %e, "invalid configuration");
                     return ExitCode::from(1);
                 }
             };
-            runtime().block_on(run(config))
+            runtime().block_on(run(config, path))
         }
         Command::Demo => runtime().block_on(crate::demo::run()),
     }
@@ -137,8 +138,8 @@ fn runtime() -> tokio::runtime::Runtime {
         .expect("cannot start the async runtime")
 }
 
-async fn run(config: Config) -> ExitCode {
-    let server = match Server::start(&config).await {
+async fn run(config: Config, path: PathBuf) -> ExitCode {
+    let server = match Server::start_watching(&config, path).await {
         Ok(s) => s,
         Err(e) => {
             tracing::error!(error = %e, "cannot start");

@@ -14,6 +14,7 @@
 //! - [`proxy`]: the request path, refusals as problem+json, header surgery, streaming bodies.
 //! - [`server`]: accept loop with TLS, HTTP/1 + HTTP/2, limits and graceful drain.
 //! - [`admin`]: metrics, probes and the fence inspection API; [`metrics`]: their definitions.
+//! - [`reload`]: live configuration (file change or SIGHUP).
 //! - [`app`]: wiring and the shutdown order; [`cli`]: the command line; [`demo`]: the
 //!   slow-writer walk-through; [`ttl`]: TTL derivation.
 #![forbid(unsafe_code)]
@@ -26,6 +27,7 @@ pub mod demo;
 pub mod fence;
 pub mod metrics;
 pub mod proxy;
+pub mod reload;
 pub mod server;
 pub mod store;
 pub mod tls;

@@ -83,6 +83,8 @@ pub struct Metrics {
     pub store_raise: Histogram,
     pub store_get: Histogram,
     pub store_errors: IntCounter,
+    pub reloads_ok: IntCounter,
+    pub reloads_refused: IntCounter,
 }
 
 /// Label for requests that match no route (or whose path cannot be normalised).
@@ -128,6 +130,14 @@ impl Metrics {
             "fencegate_store_errors_total",
             "Store operations that failed or timed out (the write was refused with 503).",
         )?;
+        let reloads = IntCounterVec::new(
+            Opts::new(
+                "fencegate_config_reloads_total",
+                "Configuration reloads (file change or SIGHUP), applied or refused as invalid.",
+            ),
+            &["result"],
+        )?;
+        registry.register(Box::new(reloads.clone()))?;
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(stale.clone()))?;
         registry.register(Box::new(increments.clone()))?;
@@ -143,6 +153,8 @@ impl Metrics {
             store_raise: store.with_label_values(&["raise"]),
             store_get: store.with_label_values(&["get"]),
             store_errors,
+            reloads_ok: reloads.with_label_values(&["applied"]),
+            reloads_refused: reloads.with_label_values(&["refused"]),
         })
     }
 

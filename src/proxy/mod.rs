@@ -48,6 +48,8 @@ pub struct Proxy {
     route_metrics: Vec<RouteMetrics>,
     client: UpstreamClient,
     upstream: UpstreamUrl,
+    /// Kept to tell whether a reload may reuse the pooled client.
+    upstream_ca: Option<std::path::PathBuf>,
     timeouts: Timeouts,
     /// The listener's scheme, for `X-Forwarded-Proto`.
     https: bool,
@@ -59,6 +61,35 @@ impl Proxy {
         store: Arc<dyn FenceStore>,
         metrics: Arc<Metrics>,
     ) -> Result<Self, String> {
+        let client = upstream_client(config)?;
+        Ok(Self::build(config, store, Barriers::new(), metrics, client))
+    }
+
+    /// A proxy for a reloaded config: same store, barriers and metrics (maxima and in-flight
+    /// writes carry over), same connection pool when the upstream did not change.
+    pub fn reconfigure(&self, config: &Config) -> Result<Self, String> {
+        let client = if config.upstream == self.upstream && config.upstream_ca == self.upstream_ca
+        {
+            self.client.clone()
+        } else {
+            upstream_client(config)?
+        };
+        Ok(Self::build(
+            config,
+            Arc::clone(&self.store),
+            Arc::clone(&self.barriers),
+            Arc::clone(&self.metrics),
+            client,
+        ))
+    }
+
+    fn build(
+        config: &Config,
+        store: Arc<dyn FenceStore>,
+        barriers: Arc<Barriers>,
+        metrics: Arc<Metrics>,
+        client: UpstreamClient,
+    ) -> Self {
         let table = RouteTable::new(
             &config.routes,
             config.unmatched,
@@ -70,19 +101,20 @@ impl Proxy {
             .map(|r| metrics.route(&r.name))
             .collect();
         route_metrics.push(metrics.route(UNMATCHED));
-        Ok(Proxy {
+        Proxy {
             table,
             token_header: config.token.header.0.clone(),
             equal: config.token.equal,
             store,
-            barriers: Barriers::new(),
+            barriers,
             metrics,
             route_metrics,
-            client: upstream_client(config)?,
+            client,
             upstream: config.upstream.clone(),
+            upstream_ca: config.upstream_ca.clone(),
             timeouts: config.timeouts.clone(),
             https: config.tls.is_some(),
-        })
+        }
     }
 
     pub fn store(&self) -> &Arc<dyn FenceStore> {
