@@ -30,7 +30,8 @@ pub struct Reloader {
 impl Reloader {
     /// Runs until `stop` turns true.
     pub async fn run(mut self, mut stop: watch::Receiver<bool>) {
-        let mut hangup = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
+        let mut hangup = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+        {
             Ok(signal) => Some(signal),
             Err(e) => {
                 tracing::warn!(error = %e, "cannot listen for SIGHUP; reloading on file change only");
@@ -79,7 +80,11 @@ impl Reloader {
 
     fn refuse(&self, trigger: &str, error: &str) {
         self.metrics.reloads_refused.inc();
-        tracing::error!(trigger, error, "configuration refused; the running one stays");
+        tracing::error!(
+            trigger,
+            error,
+            "configuration refused; the running one stays"
+        );
     }
 }
 

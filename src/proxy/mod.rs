@@ -68,8 +68,7 @@ impl Proxy {
     /// A proxy for a reloaded config: same store, barriers and metrics (maxima and in-flight
     /// writes carry over), same connection pool when the upstream did not change.
     pub fn reconfigure(&self, config: &Config) -> Result<Self, String> {
-        let client = if config.upstream == self.upstream && config.upstream_ca == self.upstream_ca
-        {
+        let client = if config.upstream == self.upstream && config.upstream_ca == self.upstream_ca {
             self.client.clone()
         } else {
             upstream_client(config)?

@@ -259,28 +259,51 @@ async fn config_reloads_live_and_refuses_invalid_edits() {
     // A keep-alive connection opened before the reload must survive it.
     let mut conn = tokio::net::TcpStream::connect(p.proxy).await.unwrap();
     let job_put = b"PUT /jobs/1 HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n";
-    assert!(http_on(&mut conn, job_put).await.starts_with("HTTP/1.1 200"));
+    assert!(http_on(&mut conn, job_put)
+        .await
+        .starts_with("HTTP/1.1 200"));
     assert_eq!(put_to(p.proxy, "1", "5").await.status, 200);
 
     // Add a route: it takes effect without a restart.
-    let with_jobs = format!(
-        "{original}  - {{ name: jobs, path: '/jobs/{{id}}', resource: 'job:{{id}}' }}\n"
-    );
+    let with_jobs =
+        format!("{original}  - {{ name: jobs, path: '/jobs/{{id}}', resource: 'job:{{id}}' }}\n");
     replace_config(&config, &with_jobs);
     let reloaded = wait_log(&mut p.logs, "configuration reloaded").await;
     assert_eq!(reloaded["routes"], 2);
-    send("PUT", &jobs, &[], "").await.assert_problem(428, "urn:fencegate:token-required");
-    assert!(http_on(&mut conn, job_put).await.starts_with("HTTP/1.1 428"));
+    send("PUT", &jobs, &[], "")
+        .await
+        .assert_problem(428, "urn:fencegate:token-required");
+    assert!(http_on(&mut conn, job_put)
+        .await
+        .starts_with("HTTP/1.1 428"));
     // Maxima carry over.
-    put_to(p.proxy, "1", "4").await.assert_problem(409, "urn:fencegate:stale-token");
+    put_to(p.proxy, "1", "4")
+        .await
+        .assert_problem(409, "urn:fencegate:stale-token");
 
     // An invalid edit is refused, with its location; traffic keeps flowing on the old config.
-    replace_config(&config, &format!("{with_jobs}  - {{ name: jobs, path: /dup }}\n"));
+    replace_config(
+        &config,
+        &format!("{with_jobs}  - {{ name: jobs, path: /dup }}\n"),
+    );
     let refused = wait_log(&mut p.logs, "configuration refused; the running one stays").await;
-    assert!(refused["error"].as_str().unwrap().contains("already used"), "{refused}");
-    assert!(refused["error"].as_str().unwrap().contains("line "), "{refused}");
-    assert_eq!(send("PUT", &jobs, &[("fencing-token", "1")], "").await.status, 200);
-    send("PUT", &jobs, &[], "").await.assert_problem(428, "urn:fencegate:token-required");
+    assert!(
+        refused["error"].as_str().unwrap().contains("already used"),
+        "{refused}"
+    );
+    assert!(
+        refused["error"].as_str().unwrap().contains("line "),
+        "{refused}"
+    );
+    assert_eq!(
+        send("PUT", &jobs, &[("fencing-token", "1")], "")
+            .await
+            .status,
+        200
+    );
+    send("PUT", &jobs, &[], "")
+        .await
+        .assert_problem(428, "urn:fencegate:token-required");
 
     // SIGHUP re-reads the file even when it did not change (here: still invalid).
     p.signal("-HUP");
@@ -289,9 +312,17 @@ async fn config_reloads_live_and_refuses_invalid_edits() {
     replace_config(&config, &with_jobs);
     wait_log(&mut p.logs, "configuration reloaded").await;
 
-    let metrics = send("GET", &format!("http://{}/metrics", p.admin), &[], "").await.text();
-    assert!(metrics.contains(r#"fencegate_config_reloads_total{result="applied"} 2"#), "{metrics}");
-    assert!(metrics.contains(r#"fencegate_config_reloads_total{result="refused"} 2"#), "{metrics}");
+    let metrics = send("GET", &format!("http://{}/metrics", p.admin), &[], "")
+        .await
+        .text();
+    assert!(
+        metrics.contains(r#"fencegate_config_reloads_total{result="applied"} 2"#),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains(r#"fencegate_config_reloads_total{result="refused"} 2"#),
+        "{metrics}"
+    );
     assert_eq!(up.count(), 3);
     p.child.start_kill().unwrap();
 }
@@ -304,13 +335,21 @@ async fn http_on(conn: &mut tokio::net::TcpStream, request: &[u8]) -> String {
     let mut buf = [0u8; 4096];
     loop {
         let n = conn.read(&mut buf).await.unwrap();
-        assert!(n > 0, "connection closed: {}", String::from_utf8_lossy(&out));
+        assert!(
+            n > 0,
+            "connection closed: {}",
+            String::from_utf8_lossy(&out)
+        );
         out.extend_from_slice(&buf[..n]);
         let text = String::from_utf8_lossy(&out).into_owned();
         if let Some(head_end) = text.find("\r\n\r\n") {
             let length: usize = text[..head_end]
                 .lines()
-                .find_map(|l| l.to_ascii_lowercase().strip_prefix("content-length:").map(|v| v.trim().parse().unwrap()))
+                .find_map(|l| {
+                    l.to_ascii_lowercase()
+                        .strip_prefix("content-length:")
+                        .map(|v| v.trim().parse().unwrap())
+                })
                 .unwrap_or(0);
             if out.len() >= head_end + 4 + length {
                 return text;
