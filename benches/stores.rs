@@ -193,6 +193,7 @@ async fn main() {
     }
     rows.push(measure("etcd", etcd_store).await);
     let _ = etcd.kill();
+    let _ = etcd.wait();
 
     println!("| store | admitted write p50 | p99 | cached refusal p50 | p99 | admitted writes/s, {CONCURRENT_TASKS} concurrent |");
     println!("|---|---|---|---|---|---|");

@@ -51,6 +51,37 @@ enum Command {
     },
     /// Walk through the slow-writer scenario in one process, no external services.
     Demo,
+    /// Add the fencegate sidecar to Kubernetes manifests (stdin or FILE to stdout).
+    Inject {
+        /// Manifests to read (`-` or absent: standard input).
+        #[arg(long = "filename", short = 'f')]
+        file: Option<PathBuf>,
+        /// Put the sidecar in `containers` instead of a native sidecar in `initContainers`
+        /// (which needs Kubernetes 1.29 or later).
+        #[arg(long)]
+        classic: bool,
+        /// Sidecar image [default: ghcr.io/fencegate/fencegate:<this version>].
+        #[arg(long)]
+        image: Option<String>,
+    },
+    /// Serve the mutating admission webhook that injects the sidecar (POST /mutate).
+    Webhook {
+        /// Serving certificate chain (PEM) for the webhook Service's DNS name.
+        #[arg(long)]
+        tls_cert: PathBuf,
+        /// Its private key (PEM: PKCS#8, PKCS#1 or SEC1).
+        #[arg(long)]
+        tls_key: PathBuf,
+        /// Address to serve HTTPS on.
+        #[arg(long, default_value = "0.0.0.0:8443")]
+        listen: std::net::SocketAddr,
+        /// Put the sidecar in `containers` instead of `initContainers` (clusters before 1.29).
+        #[arg(long)]
+        classic: bool,
+        /// Sidecar image [default: ghcr.io/fencegate/fencegate:<this version>].
+        #[arg(long)]
+        image: Option<String>,
+    },
 }
 
 fn duration(s: &str) -> Result<Duration, String> {
@@ -128,6 +159,83 @@ pub fn main() -> ExitCode {
             runtime().block_on(run(config, path))
         }
         Command::Demo => runtime().block_on(crate::demo::run()),
+        Command::Inject {
+            file,
+            classic,
+            image,
+        } => {
+            let options = crate::inject::Options {
+                image: image.unwrap_or_else(crate::inject::Options::default_image),
+                native: !classic,
+            };
+            let (name, input) = match file.as_deref().filter(|p| p.as_os_str() != "-") {
+                None => (
+                    "stdin".to_owned(),
+                    std::io::read_to_string(std::io::stdin()),
+                ),
+                Some(p) => (p.display().to_string(), std::fs::read_to_string(p)),
+            };
+            let input = match input {
+                Ok(text) => text,
+                Err(e) => {
+                    eprintln!("error: cannot read {name}: {e}");
+                    return ExitCode::from(1);
+                }
+            };
+            match crate::inject::inject_manifests(&input, &options) {
+                Ok(output) => {
+                    print!("{output}");
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("error: {name}: {e}");
+                    ExitCode::from(1)
+                }
+            }
+        }
+        Command::Webhook {
+            tls_cert,
+            tls_key,
+            listen,
+            classic,
+            image,
+        } => {
+            init_logging();
+            let options = crate::inject::Options {
+                image: image.unwrap_or_else(crate::inject::Options::default_image),
+                native: !classic,
+            };
+            let tls = crate::config::TlsConfig {
+                cert: tls_cert,
+                key: tls_key,
+                client_ca: None,
+            };
+            let tls = match crate::tls::server_config(&tls) {
+                Ok(t) => t,
+                Err(e) => {
+                    tracing::error!(error = %e, "invalid webhook TLS");
+                    return ExitCode::from(1);
+                }
+            };
+            runtime().block_on(async move {
+                let listener = match tokio::net::TcpListener::bind(listen).await {
+                    Ok(l) => l,
+                    Err(e) => {
+                        tracing::error!(error = %e, %listen, "cannot listen");
+                        return ExitCode::from(1);
+                    }
+                };
+                let addr = listener.local_addr().map(|a| a.to_string()).unwrap_or_default();
+                tracing::info!(listen = %addr, image = %options.image, native = options.native, "webhook started");
+                let shutdown = async {
+                    let signal = shutdown_signal().await;
+                    tracing::info!(signal, "shutting down: draining webhook connections");
+                };
+                crate::inject::webhook::serve_webhook(listener, tls, options, shutdown).await;
+                tracing::info!("stopped");
+                ExitCode::SUCCESS
+            })
+        }
     }
 }
 

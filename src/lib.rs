@@ -17,6 +17,8 @@
 //! - [`reload`]: live configuration (file change or SIGHUP).
 //! - [`app`]: wiring and the shutdown order; [`cli`]: the command line; [`demo`]: the
 //!   slow-writer walk-through; [`ttl`]: TTL derivation.
+//! - [`inject`]: the Kubernetes sidecar, defined once, added to manifests
+//!   ([`inject::manifest`]) and to pods by the admission webhook ([`inject::webhook`]).
 #![forbid(unsafe_code)]
 
 pub mod admin;
@@ -25,6 +27,7 @@ pub mod cli;
 pub mod config;
 pub mod demo;
 pub mod fence;
+pub mod inject;
 pub mod metrics;
 pub mod proxy;
 pub mod reload;

@@ -6,6 +6,7 @@ mod common;
 mod admin;
 mod concurrency;
 mod fence;
+mod inject;
 mod process;
 mod proxy;
 mod services;

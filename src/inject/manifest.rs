@@ -1,0 +1,170 @@
+//! `fencegate inject`: multi-document YAML in, the same documents out with the sidecar added
+//! to the pod templates that opted in.
+//!
+//! The input is split on `---` lines here rather than by the YAML library, so a document that
+//! needs no change is copied byte for byte, comments and all. A changed document is written
+//! again from its parsed value ([`super::yaml::emit`]): its comments and formatting are lost.
+
+use serde_json::Value;
+
+use super::yaml;
+use super::{inject_pod, Options, Outcome, PodError};
+
+/// Why `inject` refused its input. Every case is a problem with the input.
+#[derive(Debug, thiserror::Error)]
+pub enum InjectError {
+    #[error("document {document} (line {line}): not valid YAML: {message}")]
+    Yaml {
+        document: usize,
+        line: usize,
+        message: String,
+    },
+    #[error("document {document} (line {line}), {object}: cannot inject the sidecar: {error}")]
+    Pod {
+        document: usize,
+        line: usize,
+        /// `Kind name`, and the item's index inside a `List`.
+        object: String,
+        error: PodError,
+    },
+}
+
+/// One document of the input: its `---` line (empty for a first document without one) and
+/// everything up to the next `---` line.
+struct Document<'a> {
+    /// 1-based line of the document's first line, for messages.
+    line: usize,
+    text: &'a str,
+}
+
+/// A line that starts a new document: `---` alone, or followed by a space or tab.
+fn is_separator(line: &str) -> bool {
+    let line = line.trim_end_matches(['\n', '\r']);
+    line == "---" || line.starts_with("--- ") || line.starts_with("---\t")
+}
+
+fn split(input: &str) -> Vec<Document<'_>> {
+    let mut docs = Vec::new();
+    let (mut start, mut start_line, mut offset) = (0, 1, 0);
+    for (i, line) in input.split_inclusive('\n').enumerate() {
+        if is_separator(line) && offset > start {
+            docs.push(Document {
+                line: start_line,
+                text: &input[start..offset],
+            });
+            (start, start_line) = (offset, i + 1);
+        }
+        offset += line.len();
+    }
+    if offset > start || docs.is_empty() {
+        docs.push(Document {
+            line: start_line,
+            text: &input[start..],
+        });
+    }
+    docs
+}
+
+/// Only comments, blank lines, directives and markers: nothing to parse.
+fn is_blank(text: &str) -> bool {
+    text.lines().all(|l| {
+        let t = l.trim();
+        t.is_empty() || t.starts_with('#') || t.starts_with('%') || t == "---" || t == "..."
+    })
+}
+
+/// Injects every opted-in pod template of `input`; other documents are copied verbatim.
+pub fn inject_manifests(input: &str, options: &Options) -> Result<String, InjectError> {
+    let mut out = String::with_capacity(input.len() * 2);
+    for (index, doc) in split(input).iter().enumerate() {
+        let document = index + 1;
+        if is_blank(doc.text) {
+            out.push_str(doc.text);
+            continue;
+        }
+        let mut value = yaml::load(doc.text).map_err(|e| InjectError::Yaml {
+            document,
+            line: doc.line + e.location().map_or(0, |l| l.line().saturating_sub(1)),
+            message: e.to_string(),
+        })?;
+        let changed =
+            inject_object(&mut value, options).map_err(|(object, error)| InjectError::Pod {
+                document,
+                line: doc.line,
+                object,
+                error,
+            })?;
+        if !changed {
+            out.push_str(doc.text);
+            continue;
+        }
+        if !out.is_empty() && !out.ends_with('\n') {
+            out.push('\n');
+        }
+        let first = doc.text.split_inclusive('\n').next().unwrap_or_default();
+        if is_separator(first) {
+            out.push_str("---\n");
+        }
+        out.push_str(&yaml::emit(&value));
+    }
+    Ok(out)
+}
+
+/// Whether the object was changed; on error, which object (`Kind name`) failed.
+fn inject_object(object: &mut Value, options: &Options) -> Result<bool, (String, PodError)> {
+    let kind = object
+        .get("kind")
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .to_owned();
+    let name = object
+        .pointer("/metadata/name")
+        .and_then(Value::as_str)
+        .unwrap_or("(unnamed)")
+        .to_owned();
+    let describe = |e: PodError| (format!("{kind} {name}"), e);
+    // Volumes a StatefulSet creates from claim templates are in no pod spec.
+    let claims: Vec<String> = object
+        .pointer("/spec/volumeClaimTemplates")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter_map(|c| c.pointer("/metadata/name").and_then(Value::as_str))
+        .map(str::to_owned)
+        .collect();
+    let claims: Vec<&str> = claims.iter().map(String::as_str).collect();
+    let (template, prefix) = match kind.as_str() {
+        "Pod" => (Some(&mut *object), ""),
+        "Deployment"
+        | "StatefulSet"
+        | "DaemonSet"
+        | "ReplicaSet"
+        | "ReplicationController"
+        | "Job" => (object.pointer_mut("/spec/template"), "spec.template."),
+        "CronJob" => (
+            object.pointer_mut("/spec/jobTemplate/spec/template"),
+            "spec.jobTemplate.spec.template.",
+        ),
+        k if k == "List" || k.ends_with("List") => {
+            let mut changed = false;
+            if let Some(Value::Array(items)) = object.get_mut("items") {
+                for (i, item) in items.iter_mut().enumerate() {
+                    changed |= inject_object(item, options)
+                        .map_err(|(what, e)| (format!("{kind} item {i} ({what})"), e))?;
+                }
+            }
+            return Ok(changed);
+        }
+        _ => (None, ""),
+    };
+    let Some(template) = template.filter(|t| t.is_object()) else {
+        return Ok(false);
+    };
+    match inject_pod(template, options, &claims) {
+        Ok(outcome) => Ok(outcome == Outcome::Injected),
+        Err(mut e) => {
+            e.field = format!("{prefix}{}", e.field);
+            Err(describe(e))
+        }
+    }
+}

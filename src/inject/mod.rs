@@ -1,0 +1,158 @@
+//! The Kubernetes side (SPEC §7): the one definition of the sidecar container, and the pod
+//! surgery that adds it. `fencegate inject` applies it to manifests ([`manifest`]), the
+//! mutating admission webhook to pods at creation ([`webhook`]), so both produce the same pod.
+//!
+//! A pod opts in with the label `fencegate.io/inject: enabled` and may set the annotations
+//! `fencegate.io/config` (the ConfigMap holding `fencegate.yaml`, default `fencegate`) and
+//! `fencegate.io/upstream-port` (default `8080`). A pod that already has a container named
+//! `fencegate` is left alone, so injecting twice changes nothing.
+
+pub mod manifest;
+pub mod patch;
+pub mod sidecar;
+pub mod webhook;
+pub mod yaml;
+
+use serde_json::{json, Map, Value};
+
+pub use manifest::inject_manifests;
+pub use sidecar::*;
+
+/// Why a pod that opted in cannot get the sidecar. The pod's author has to fix the manifest.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {message}")]
+pub struct PodError {
+    /// Where in the pod, e.g. `spec.containers` or `metadata.annotations`.
+    pub field: String,
+    pub message: String,
+}
+
+fn pod_error(field: &str, message: impl Into<String>) -> PodError {
+    PodError {
+        field: field.to_owned(),
+        message: message.into(),
+    }
+}
+
+/// What [`inject_pod`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Injected,
+    /// A container named `fencegate` is already there.
+    AlreadyInjected,
+    /// No `fencegate.io/inject: enabled` label.
+    NotOptedIn,
+}
+
+/// Whether a pod's metadata carries the opt-in label.
+pub fn opted_in(metadata: Option<&Value>) -> bool {
+    metadata
+        .and_then(|m| m.get("labels"))
+        .and_then(|l| l.get(INJECT_LABEL))
+        .and_then(Value::as_str)
+        == Some(INJECT_ENABLED)
+}
+
+/// Adds the sidecar to a pod, or a pod template: an object with `metadata` and `spec`.
+///
+/// `claims` names volumes that will exist without being in the pod spec (a StatefulSet's
+/// `volumeClaimTemplates`). On error the pod is unchanged.
+pub fn inject_pod(
+    pod: &mut Value,
+    options: &Options,
+    claims: &[&str],
+) -> Result<Outcome, PodError> {
+    if !opted_in(pod.get("metadata")) {
+        return Ok(Outcome::NotOptedIn);
+    }
+    let metadata = pod.get("metadata").cloned();
+    let spec = match pod.get_mut("spec") {
+        Some(Value::Object(spec)) => spec,
+        _ => return Err(pod_error("spec", "missing or not a mapping")),
+    };
+    let containers = list(spec, "containers")?;
+    let init = list(spec, "initContainers")?;
+    let all = || {
+        let tagged = |field: &'static str| move |c| (field, c);
+        containers
+            .iter()
+            .map(tagged("spec.containers"))
+            .chain(init.iter().map(tagged("spec.initContainers")))
+    };
+    // Checked first, so an injected pod stays untouched whatever else it says.
+    if all().any(|(_, c)| c.get("name").and_then(Value::as_str) == Some(CONTAINER_NAME)) {
+        return Ok(Outcome::AlreadyInjected);
+    }
+    if containers.is_empty() {
+        return Err(pod_error("spec.containers", "missing or empty"));
+    }
+    let settings = PodSettings::from_metadata(metadata.as_ref())?;
+    for (field, c) in all() {
+        let name = c
+            .get("name")
+            .and_then(Value::as_str)
+            .ok_or_else(|| pod_error(field, "every container needs a name"))?;
+        let ports = c
+            .get("ports")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten();
+        for port in ports.filter_map(|p| p.get("containerPort").and_then(Value::as_u64)) {
+            if port == u64::from(PROXY_PORT) || port == u64::from(ADMIN_PORT) {
+                return Err(pod_error(
+                    field,
+                    format!(
+                        "container `{name}` uses port {port}, which the fencegate sidecar needs"
+                    ),
+                ));
+            }
+        }
+    }
+    let existing: Vec<String> = list(spec, "volumes")?
+        .iter()
+        .filter_map(|v| v.get("name").and_then(Value::as_str).map(str::to_owned))
+        .collect();
+
+    let container = sidecar(options, &settings);
+    if options.native {
+        match spec.get_mut("initContainers") {
+            Some(Value::Array(list)) => list.insert(0, container),
+            _ => {
+                // Placed just before `containers`, where a reader expects it.
+                let at = spec
+                    .keys()
+                    .position(|k| k == "containers")
+                    .unwrap_or(spec.len());
+                spec.shift_insert(at, "initContainers".to_owned(), json!([container]));
+            }
+        }
+    } else if let Some(Value::Array(list)) = spec.get_mut("containers") {
+        list.push(container);
+    }
+    for volume in volumes(&settings) {
+        let name = volume["name"].as_str().unwrap_or_default();
+        if existing.iter().any(|v| v == name) || claims.contains(&name) {
+            // The pod brings its own (a Secret for the config, a claim for the data).
+            continue;
+        }
+        match spec.get_mut("volumes") {
+            Some(Value::Array(list)) => list.push(volume),
+            _ => {
+                spec.insert("volumes".to_owned(), json!([volume]));
+            }
+        }
+    }
+    Ok(Outcome::Injected)
+}
+
+/// A list field of the pod spec: absent or null is empty, anything but a list is an error.
+fn list(spec: &Map<String, Value>, key: &str) -> Result<Vec<Value>, PodError> {
+    match spec.get(key) {
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(Value::Array(items)) if items.iter().all(Value::is_object) => Ok(items.clone()),
+        Some(_) => Err(pod_error(
+            &format!("spec.{key}"),
+            "must be a list of mappings",
+        )),
+    }
+}

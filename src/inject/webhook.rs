@@ -1,0 +1,230 @@
+//! `fencegate webhook`: a mutating admission webhook that injects the sidecar into pods at
+//! creation. `POST /mutate` takes an AdmissionReview v1 and answers one; `GET /healthz` and
+//! `GET /readyz` are for probes.
+//!
+//! The webhook never blocks a pod on its own account: anything it cannot or need not inject
+//! (another kind, a malformed pod, a bad annotation) is allowed unchanged, with a warning
+//! that `kubectl` shows. Only a body that is not an AdmissionReview at all gets a 400.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use base64::Engine as _;
+use http::header::{HeaderValue, CONTENT_TYPE};
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+use serde_json::{json, Value};
+use tokio::net::TcpListener;
+use tokio_rustls::TlsAcceptor;
+
+use super::{inject_pod, patch, Options, Outcome};
+use crate::proxy::body::ProxyBody;
+use crate::server::{serve, ServerSettings};
+
+/// An AdmissionReview carries the pod (and on updates the old one): objects are at most
+/// 1.5 MiB in etcd, so this leaves room without accepting anything unbounded.
+pub const MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
+/// The API server truncates longer warnings.
+const MAX_WARNING_CHARS: usize = 256;
+
+/// The answer to one request body: a status and a JSON document.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Reply {
+    pub status: StatusCode,
+    pub body: Value,
+}
+
+fn bad_request(message: impl Into<String>) -> Reply {
+    Reply {
+        status: StatusCode::BAD_REQUEST,
+        body: json!({"error": message.into()}),
+    }
+}
+
+/// Decides the answer to one `POST /mutate` body. Pure: no I/O, no clock.
+pub fn review(body: &[u8], options: &Options) -> Reply {
+    let review: Value = match serde_json::from_slice(body) {
+        Ok(v) => v,
+        Err(e) => return bad_request(format!("the body is not JSON: {e}")),
+    };
+    if review.get("kind").and_then(Value::as_str) != Some("AdmissionReview")
+        || review.get("apiVersion").and_then(Value::as_str) != Some("admission.k8s.io/v1")
+    {
+        return bad_request("expected an AdmissionReview of apiVersion admission.k8s.io/v1");
+    }
+    let Some(request) = review.get("request").filter(|r| r.is_object()) else {
+        return bad_request("the AdmissionReview has no `request`");
+    };
+    let Some(uid) = request.get("uid").and_then(Value::as_str) else {
+        return bad_request("the AdmissionReview request has no `uid`");
+    };
+    let mut response = json!({"uid": uid, "allowed": true});
+    match decide(request, options) {
+        Decision::Unchanged => {}
+        Decision::Warn(warning) => {
+            let warning: String = format!("fencegate: {warning}")
+                .chars()
+                .take(MAX_WARNING_CHARS)
+                .collect();
+            response["warnings"] = json!([warning]);
+        }
+        Decision::Patch(ops) => {
+            let encoded = serde_json::to_vec(&ops).expect("JSON values serialise");
+            response["patchType"] = json!("JSONPatch");
+            response["patch"] = json!(base64::engine::general_purpose::STANDARD.encode(encoded));
+        }
+    }
+    Reply {
+        status: StatusCode::OK,
+        body: json!({
+            "apiVersion": "admission.k8s.io/v1",
+            "kind": "AdmissionReview",
+            "response": response,
+        }),
+    }
+}
+
+enum Decision {
+    Unchanged,
+    Warn(String),
+    Patch(Vec<Value>),
+}
+
+fn decide(request: &Value, options: &Options) -> Decision {
+    let kind = request.get("kind");
+    let group = kind.and_then(|k| k.get("group")).and_then(Value::as_str);
+    let name = kind.and_then(|k| k.get("kind")).and_then(Value::as_str);
+    if group != Some("") || name != Some("Pod") {
+        let what = match (group, name) {
+            (Some(""), Some(n)) => n.to_owned(),
+            (Some(g), Some(n)) => format!("{g}/{n}"),
+            _ => "an object without request.kind".to_owned(),
+        };
+        return Decision::Warn(format!("{what} is not a Pod; passed unchanged"));
+    }
+    if let Some(sub) = request.get("subResource").and_then(Value::as_str) {
+        return Decision::Warn(format!("subresource {sub} passed unchanged"));
+    }
+    let operation = request.get("operation").and_then(Value::as_str);
+    if operation != Some("CREATE") {
+        return Decision::Warn(format!(
+            "injects at CREATE only; {} passed unchanged",
+            operation.unwrap_or("an unnamed operation")
+        ));
+    }
+    let Some(pod) = request.get("object").filter(|o| o.is_object()) else {
+        return Decision::Warn("the request has no pod object; passed unchanged".to_owned());
+    };
+    let mut injected = pod.clone();
+    match inject_pod(&mut injected, options, &[]) {
+        Ok(Outcome::Injected) => Decision::Patch(patch::diff(pod, &injected)),
+        Ok(Outcome::AlreadyInjected | Outcome::NotOptedIn) => Decision::Unchanged,
+        Err(e) => Decision::Warn(format!("sidecar not injected: {e}")),
+    }
+}
+
+fn json_response(reply: &Reply) -> Response<ProxyBody> {
+    let mut resp = Response::new(ProxyBody::local(reply.body.to_string()));
+    *resp.status_mut() = reply.status;
+    resp.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    resp
+}
+
+fn error(status: StatusCode, message: &str) -> Response<ProxyBody> {
+    json_response(&Reply {
+        status,
+        body: json!({"error": message}),
+    })
+}
+
+/// One HTTP request to the webhook.
+pub async fn handle(req: Request<Incoming>, options: Arc<Options>) -> Response<ProxyBody> {
+    match (req.method(), req.uri().path()) {
+        (&Method::GET | &Method::HEAD, "/healthz" | "/readyz") => {
+            Response::new(ProxyBody::local("ok"))
+        }
+        (&Method::POST, "/mutate") => {
+            let body = match Limited::new(req.into_body(), MAX_BODY_BYTES)
+                .collect()
+                .await
+            {
+                Ok(collected) => collected.to_bytes(),
+                Err(e)
+                    if e.downcast_ref::<http_body_util::LengthLimitError>()
+                        .is_some() =>
+                {
+                    return error(
+                        StatusCode::PAYLOAD_TOO_LARGE,
+                        "the body is larger than 8 MiB",
+                    )
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "reading an AdmissionReview failed");
+                    return error(StatusCode::BAD_REQUEST, "the body could not be read");
+                }
+            };
+            let reply = review(&body, &options);
+            log(&reply);
+            json_response(&reply)
+        }
+        (_, "/mutate" | "/healthz" | "/readyz") => {
+            error(StatusCode::METHOD_NOT_ALLOWED, "method not allowed")
+        }
+        _ => error(StatusCode::NOT_FOUND, "not found"),
+    }
+}
+
+fn log(reply: &Reply) {
+    let response = &reply.body["response"];
+    let uid = response["uid"].as_str().unwrap_or_default();
+    if reply.status != StatusCode::OK {
+        let error = reply.body["error"].as_str().unwrap_or_default();
+        tracing::warn!(
+            status = reply.status.as_u16(),
+            error,
+            "AdmissionReview refused"
+        );
+    } else if let Some(warning) = response["warnings"].get(0).and_then(Value::as_str) {
+        tracing::warn!(uid, warning, "admitted unchanged, with a warning");
+    } else {
+        let injected = response.get("patch").is_some();
+        tracing::info!(uid, injected, "admitted");
+    }
+}
+
+/// Connection settings for the webhook: the API server is the only client.
+pub fn settings(tls: Arc<rustls::ServerConfig>) -> ServerSettings {
+    ServerSettings {
+        tls: Some(TlsAcceptor::from(tls)),
+        header_read: Duration::from_secs(10),
+        max_header_bytes: 16 * 1024,
+        max_headers: 100,
+        max_connections: 1024,
+        // The API server's own timeout for a webhook call is at most 30 s.
+        drain: Duration::from_secs(10),
+    }
+}
+
+/// Serves the webhook over TLS on `listener` until `shutdown`, then drains.
+pub async fn serve_webhook(
+    listener: TcpListener,
+    tls: Arc<rustls::ServerConfig>,
+    options: Options,
+    shutdown: impl Future<Output = ()>,
+) {
+    let options = Arc::new(options);
+    serve(
+        listener,
+        settings(tls),
+        move |req, _peer| {
+            let options = Arc::clone(&options);
+            async move { Ok::<_, Infallible>(handle(req, options).await) }
+        },
+        shutdown,
+    )
+    .await;
+}

@@ -1,0 +1,573 @@
+//! The Kubernetes side: `fencegate inject` on real-world manifests against golden files in
+//! `tests/inject/`, and the admission webhook over real TLS, whose patch must produce exactly
+//! the pod that `inject` produces.
+//!
+//! Goldens are compared byte for byte. After an intended change, regenerate them with
+//! `FENCEGATE_BLESS=1 cargo test --test integration inject` and review the diff.
+
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::sync::Arc;
+
+use base64::Engine as _;
+use bytes::Bytes;
+use fencegate::config::TlsConfig;
+use fencegate::inject::{inject_manifests, yaml, Options};
+use http::{Method, Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper_rustls::HttpsConnectorBuilder;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use rustls::{ClientConfig, RootCertStore};
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::CertificateDer;
+use serde_json::{json, Value};
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+
+use crate::common::Reply;
+use crate::process::wait_log;
+
+const BIN: &str = env!("CARGO_BIN_EXE_fencegate");
+
+/// A fixed image, so the goldens do not change with every release.
+const IMAGE: &str = "ghcr.io/fencegate/fencegate:0.0.0-golden";
+
+fn native() -> Options {
+    Options {
+        image: IMAGE.to_owned(),
+        native: true,
+    }
+}
+
+fn classic() -> Options {
+    Options {
+        image: IMAGE.to_owned(),
+        native: false,
+    }
+}
+
+fn path(relative: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(relative)
+}
+
+fn read(relative: &str) -> String {
+    std::fs::read_to_string(path(relative))
+        .unwrap_or_else(|e| panic!("cannot read {relative}: {e}"))
+}
+
+/// Injects `tests/inject/<case>.yaml` and compares with `<case>.golden.yaml`; the output must
+/// also be a fixed point (injecting it again changes nothing).
+fn golden(case: &str, options: &Options) -> String {
+    let input = read(&format!("tests/inject/{case}.yaml"));
+    let output = inject_manifests(&input, options).unwrap_or_else(|e| panic!("{case}: {e}"));
+    let golden = format!("tests/inject/{case}.golden.yaml");
+    if std::env::var_os("FENCEGATE_BLESS").is_some() {
+        std::fs::write(path(&golden), &output).unwrap();
+    }
+    let expected = std::fs::read_to_string(path(&golden)).unwrap_or_else(|e| {
+        panic!(
+            "{golden}: {e}; create it with FENCEGATE_BLESS=1 cargo test --test integration inject"
+        )
+    });
+    assert!(
+        output == expected,
+        "{case}: output differs from {golden} (FENCEGATE_BLESS=1 regenerates it):\n{output}"
+    );
+    let again = inject_manifests(&output, options).unwrap();
+    assert_eq!(again, output, "{case}: injecting twice changed the output");
+    output
+}
+
+/// The case needs no change: the output is the input, byte for byte.
+fn unchanged(case: &str, options: &Options) {
+    let input = read(&format!("tests/inject/{case}.yaml"));
+    let output = inject_manifests(&input, options).unwrap_or_else(|e| panic!("{case}: {e}"));
+    assert!(output == input, "{case} changed:\n{output}");
+}
+
+/// Every document of a YAML stream, parsed as Kubernetes reads it.
+fn documents(text: &str) -> Vec<Value> {
+    text.split("\n---\n")
+        .map(|d| yaml::load(d).unwrap())
+        .filter(|d| !d.is_null())
+        .collect()
+}
+
+fn containers(pod_spec: &Value, field: &str) -> Vec<String> {
+    pod_spec[field]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|c| c["name"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+#[test]
+fn inject_multi_container_deployment_matches_golden() {
+    let out = golden("deployment-multi", &native());
+    let deployment = &documents(&out)[0];
+    let spec = &deployment["spec"]["template"]["spec"];
+    assert_eq!(containers(spec, "initContainers"), ["fencegate"]);
+    assert_eq!(containers(spec, "containers"), ["api", "log-shipper"]);
+    let sidecar = &spec["initContainers"][0];
+    assert_eq!(sidecar["restartPolicy"], "Always");
+    assert_eq!(sidecar["image"], IMAGE);
+    assert_eq!(
+        sidecar["env"][0],
+        json!({"name": "FENCEGATE_UPSTREAM_PORT", "value": "8081"})
+    );
+    let volumes = spec["volumes"].as_array().unwrap();
+    assert!(volumes
+        .contains(&json!({"name": "fencegate-config", "configMap": {"name": "ledger-fencegate"}})));
+    assert!(volumes.contains(&json!({"name": "fencegate-data", "emptyDir": {}})));
+    // Kubernetes reads plain 0440 and 0644 as octal: the rewrite must keep the numbers.
+    assert_eq!(volumes[0]["configMap"]["defaultMode"], 0o440);
+    assert_eq!(volumes[1]["configMap"]["items"][0]["mode"], 0o644);
+    assert_eq!(spec["containers"][0]["env"][1]["value"], "on");
+}
+
+#[test]
+fn inject_existing_init_containers_and_claim_match_golden() {
+    let out = golden("statefulset-init", &native());
+    let sts = &documents(&out)[0];
+    let spec = &sts["spec"]["template"]["spec"];
+    // First, so it serves while the other init containers run.
+    assert_eq!(
+        containers(spec, "initContainers"),
+        ["fencegate", "migrate", "warm-cache"]
+    );
+    let volumes: Vec<&str> = spec["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v["name"].as_str().unwrap())
+        .collect();
+    // `fencegate-data` comes from the claim template, not an emptyDir.
+    assert_eq!(volumes, ["cache", "fencegate-config"]);
+}
+
+#[test]
+fn inject_list_matches_golden() {
+    let out = golden("list", &native());
+    let list = &documents(&out)[0];
+    let items = list["items"].as_array().unwrap();
+    assert_eq!(items.len(), 4);
+    let input = yaml::load(&read("tests/inject/list.yaml")).unwrap();
+    assert_eq!(items[0], input["items"][0], "the Service is unchanged");
+    assert_eq!(items[1], input["items"][1], "the ConfigMap is unchanged");
+    assert_eq!(items[1]["data"]["enabled"], "yes");
+    let deployment = &items[2]["spec"]["template"]["spec"];
+    assert_eq!(containers(deployment, "initContainers"), ["fencegate"]);
+    let cron = &items[3]["spec"]["jobTemplate"]["spec"]["template"]["spec"];
+    assert_eq!(containers(cron, "initContainers"), ["fencegate"]);
+    assert_eq!(cron["initContainers"][0]["env"][0]["value"], "9090");
+}
+
+#[test]
+fn inject_pod_job_and_unlabelled_daemonset_match_golden() {
+    let out = golden("mixed", &native());
+    let docs = documents(&out);
+    let pod = &docs[0]["spec"];
+    assert_eq!(containers(pod, "initContainers"), ["fencegate"]);
+    // The pod's own `fencegate-config` volume (a Secret) is kept, not duplicated.
+    assert_eq!(pod["volumes"].as_array().unwrap().len(), 2);
+    assert_eq!(
+        pod["volumes"][0]["secret"]["secretName"],
+        "worker-fencegate"
+    );
+    assert_eq!(
+        containers(&docs[1]["spec"]["template"]["spec"], "initContainers"),
+        ["fencegate"]
+    );
+    // The DaemonSet did not opt in: copied verbatim, after the injected documents.
+    let input = read("tests/inject/mixed.yaml");
+    let daemonset = &input[input.rfind("---\n").unwrap()..];
+    assert!(out.ends_with(daemonset));
+}
+
+#[test]
+fn inject_classic_matches_golden() {
+    let out = golden("classic", &classic());
+    let spec = &documents(&out)[0]["spec"]["template"]["spec"];
+    assert_eq!(containers(spec, "containers"), ["accounts", "fencegate"]);
+    assert!(spec.get("initContainers").is_none());
+    assert!(spec["containers"][1].get("restartPolicy").is_none());
+}
+
+#[test]
+fn inject_leaves_objects_without_pods_byte_identical() {
+    unchanged("non-pod", &native());
+    unchanged("non-pod", &classic());
+}
+
+#[test]
+fn inject_leaves_pods_without_the_label_byte_identical() {
+    unchanged("no-label", &native());
+}
+
+#[test]
+fn inject_leaves_an_already_injected_pod_byte_identical() {
+    // Injected earlier (with another image, by the classic or the native form), then edited
+    // by hand: comments included, nothing may change.
+    unchanged("already-injected", &native());
+    unchanged("already-injected", &classic());
+}
+
+#[test]
+fn inject_default_image_is_this_version() {
+    assert_eq!(
+        Options::default().image,
+        format!("ghcr.io/fencegate/fencegate:{}", env!("CARGO_PKG_VERSION"))
+    );
+    assert!(Options::default().native);
+}
+
+#[test]
+fn inject_refuses_malformed_input_with_the_document_and_line() {
+    let broken = "apiVersion: v1\nkind: Service\n---\nkind: Pod\nmetadata: {name: x\n";
+    let e = inject_manifests(broken, &native()).unwrap_err().to_string();
+    assert!(e.starts_with("document 2 (line "), "{e}");
+    assert!(e.contains("not valid YAML"), "{e}");
+
+    let no_containers =
+        "kind: Pod\nmetadata:\n  name: p\n  labels: {fencegate.io/inject: enabled}\nspec: {}\n";
+    let e = inject_manifests(no_containers, &native())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("Pod p") && e.contains("spec.containers"), "{e}");
+
+    let bad_port = "kind: Deployment\nmetadata: {name: d}\nspec:\n  template:\n    metadata:\n      labels: {fencegate.io/inject: enabled}\n      annotations: {fencegate.io/upstream-port: http}\n    spec:\n      containers: [{name: a}]\n";
+    let e = inject_manifests(bad_port, &native())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("Deployment d") && e.contains("spec.template.metadata.annotations"),
+        "{e}"
+    );
+    assert!(e.contains("fencegate.io/upstream-port"), "{e}");
+
+    let clash = "kind: Pod\nmetadata: {name: p, labels: {fencegate.io/inject: enabled}}\nspec:\n  containers: [{name: a, ports: [{containerPort: 7440}]}]\n";
+    let e = inject_manifests(clash, &native()).unwrap_err().to_string();
+    assert!(e.contains("port 7440"), "{e}");
+}
+
+/// `fencegate inject` reads `-f FILE` or stdin and writes stdout; bad input exits 1.
+#[tokio::test]
+async fn inject_cli_reads_file_or_stdin_and_exits_1_on_bad_input() {
+    let file = path("tests/inject/classic.yaml");
+    let expected = read("tests/inject/classic.golden.yaml");
+    let out = tokio::process::Command::new(BIN)
+        .args(["inject", "--classic", "--image", IMAGE, "-f"])
+        .arg(&file)
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(String::from_utf8(out.stdout).unwrap(), expected);
+
+    let run_stdin = |input: String, args: &'static [&'static str]| async move {
+        let mut child = tokio::process::Command::new(BIN)
+            .arg("inject")
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut stdin = child.stdin.take().unwrap();
+        stdin.write_all(input.as_bytes()).await.unwrap();
+        drop(stdin);
+        child.wait_with_output().await.unwrap()
+    };
+    let out = run_stdin(
+        read("tests/inject/statefulset-init.yaml"),
+        &["--image", IMAGE],
+    )
+    .await;
+    assert!(out.status.success());
+    assert_eq!(
+        String::from_utf8(out.stdout).unwrap(),
+        read("tests/inject/statefulset-init.golden.yaml")
+    );
+
+    let out = run_stdin("kind: Pod\nspec: [\n".to_owned(), &[]).await;
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert!(stderr.starts_with("error: stdin: document 1"), "{stderr}");
+    assert!(out.stdout.is_empty(), "nothing is written on error");
+}
+
+// ---- the webhook ------------------------------------------------------------------------
+
+fn fixture(name: &str) -> PathBuf {
+    path("tests/fixtures").join(name)
+}
+
+struct Webhook {
+    port: u16,
+    client: Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>,
+    _stop: oneshot::Sender<()>,
+}
+
+impl Webhook {
+    /// The webhook on port 0 with the test server certificate; a client that trusts only
+    /// the test CA and connects by the name `localhost`.
+    async fn start(options: Options) -> Webhook {
+        let tls = fencegate::tls::server_config(&TlsConfig {
+            cert: fixture("server.pem"),
+            key: fixture("server-key.pem"),
+            client_ca: None,
+        })
+        .unwrap();
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let (stop, stopped) = oneshot::channel::<()>();
+        tokio::spawn(fencegate::inject::webhook::serve_webhook(
+            listener,
+            tls,
+            options,
+            async move {
+                let _ = stopped.await;
+            },
+        ));
+        Webhook {
+            port,
+            client: https_client(),
+            _stop: stop,
+        }
+    }
+
+    async fn send(&self, method: Method, path: &str, body: impl Into<Bytes>) -> Reply {
+        let req = Request::builder()
+            .method(method)
+            .uri(format!("https://localhost:{}{path}", self.port))
+            .header("content-type", "application/json")
+            .body(Full::new(body.into()))
+            .unwrap();
+        let resp = self.client.request(req).await.unwrap();
+        let (parts, body) = resp.into_parts();
+        Reply {
+            status: parts.status,
+            headers: parts.headers,
+            body: body.collect().await.unwrap().to_bytes(),
+        }
+    }
+
+    /// Posts an AdmissionReview; returns its `response`.
+    async fn review(&self, review: &Value) -> Value {
+        let reply = self.send(Method::POST, "/mutate", review.to_string()).await;
+        assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+        assert_eq!(reply.headers["content-type"], "application/json");
+        let body = reply.json();
+        assert_eq!(body["apiVersion"], "admission.k8s.io/v1");
+        assert_eq!(body["kind"], "AdmissionReview");
+        assert_eq!(body["response"]["uid"], review["request"]["uid"]);
+        assert_eq!(body["response"]["allowed"], true);
+        body["response"].clone()
+    }
+}
+
+fn https_client() -> Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>> {
+    let mut roots = RootCertStore::empty();
+    for cert in CertificateDer::pem_file_iter(fixture("ca.pem")).unwrap() {
+        roots.add(cert.unwrap()).unwrap();
+    }
+    let tls =
+        ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+    let connector = HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_only()
+        .enable_http1()
+        .enable_http2()
+        .build();
+    Client::builder(TokioExecutor::new()).build(connector)
+}
+
+fn admission(name: &str) -> Value {
+    serde_json::from_str(&read(&format!("tests/inject/admission/{name}"))).unwrap()
+}
+
+/// Applies the response's base64 JSON Patch (RFC 6902, by the `json-patch` crate) to `pod`.
+fn apply(response: &Value, pod: &Value) -> Value {
+    assert_eq!(response["patchType"], "JSONPatch", "{response}");
+    let raw = base64::engine::general_purpose::STANDARD
+        .decode(response["patch"].as_str().unwrap())
+        .unwrap();
+    let ops: json_patch::Patch = serde_json::from_slice(&raw).unwrap();
+    let mut patched = pod.clone();
+    json_patch::patch(&mut patched, &ops).unwrap();
+    patched
+}
+
+/// What `fencegate inject` makes of the same pod (fed as JSON, which is YAML).
+fn injected(pod: &Value, options: &Options) -> Value {
+    let text = inject_manifests(&serde_json::to_string_pretty(pod).unwrap(), options).unwrap();
+    yaml::load(&text).unwrap()
+}
+
+#[tokio::test]
+async fn webhook_patch_gives_exactly_the_inject_output() {
+    for options in [native(), classic()] {
+        let webhook = Webhook::start(options.clone()).await;
+        for name in ["pod.json", "pod-init.json"] {
+            let review = admission(name);
+            let pod = &review["request"]["object"];
+            let response = webhook.review(&review).await;
+            assert!(response.get("warnings").is_none(), "{response}");
+            let patched = apply(&response, pod);
+            let expected = injected(pod, &options);
+            assert_ne!(&patched, pod);
+            assert_eq!(patched, expected, "{name}, native: {}", options.native);
+
+            // The ops touch only what injection adds: nothing of the pod is replaced.
+            let raw = base64::engine::general_purpose::STANDARD
+                .decode(response["patch"].as_str().unwrap())
+                .unwrap();
+            let ops: Vec<Value> = serde_json::from_slice(&raw).unwrap();
+            assert!(ops.iter().all(|op| op["op"] == "add"), "{ops:?}");
+
+            // The API server may call again (reinvocation): an injected pod is left alone.
+            let mut again = review.clone();
+            again["request"]["object"] = patched;
+            let response = webhook.review(&again).await;
+            assert!(response.get("patch").is_none(), "{response}");
+            assert!(response.get("warnings").is_none(), "{response}");
+        }
+    }
+}
+
+#[tokio::test]
+async fn webhook_allows_foreign_and_bad_objects_unchanged_with_a_warning() {
+    let webhook = Webhook::start(native()).await;
+    let deployment = webhook.review(&admission("deployment.json")).await;
+    assert!(deployment.get("patch").is_none(), "{deployment}");
+    assert!(deployment.get("patchType").is_none(), "{deployment}");
+    let warning = deployment["warnings"][0].as_str().unwrap();
+    assert!(
+        warning.contains("apps/Deployment is not a Pod"),
+        "{warning}"
+    );
+
+    let bad = webhook.review(&admission("pod-bad-annotation.json")).await;
+    assert!(bad.get("patch").is_none(), "{bad}");
+    let warning = bad["warnings"][0].as_str().unwrap();
+    assert!(warning.contains("fencegate.io/upstream-port"), "{warning}");
+
+    // A pod without the label (the objectSelector normally keeps it away): silently allowed.
+    let mut unlabelled = admission("pod.json");
+    unlabelled["request"]["object"]["metadata"]["labels"]
+        .as_object_mut()
+        .unwrap()
+        .remove("fencegate.io/inject");
+    let response = webhook.review(&unlabelled).await;
+    assert!(response.get("patch").is_none() && response.get("warnings").is_none());
+
+    // Missing pieces of an otherwise valid review: allowed, with a warning.
+    for (pointer, value) in [
+        ("/request/object", Value::Null),
+        (
+            "/request/object",
+            json!({"kind": "Pod", "metadata": {"labels": {"fencegate.io/inject": "enabled"}}}),
+        ),
+        ("/request/operation", json!("UPDATE")),
+        ("/request/kind", Value::Null),
+    ] {
+        let mut review = admission("pod.json");
+        *review.pointer_mut(pointer).unwrap() = value;
+        let response = webhook.review(&review).await;
+        assert!(response.get("patch").is_none(), "{pointer}: {response}");
+        assert!(response["warnings"][0].is_string(), "{pointer}: {response}");
+    }
+}
+
+#[tokio::test]
+async fn webhook_answers_400_to_a_body_that_is_not_an_admission_review() {
+    let webhook = Webhook::start(native()).await;
+    for body in [
+        "garbage".to_owned(),
+        "{\"kind\": \"Pod\"}".to_owned(),
+        json!({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview"}).to_string(),
+        json!({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {}})
+            .to_string(),
+    ] {
+        let reply = webhook.send(Method::POST, "/mutate", body.clone()).await;
+        assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{body}");
+        assert_eq!(reply.headers["content-type"], "application/json");
+        assert!(reply.json()["error"].is_string(), "{body}");
+    }
+    let huge = webhook
+        .send(Method::POST, "/mutate", vec![b' '; 9 * 1024 * 1024])
+        .await;
+    assert_eq!(huge.status, StatusCode::PAYLOAD_TOO_LARGE);
+    let health = webhook.send(Method::GET, "/healthz", "").await;
+    assert_eq!(health.status, StatusCode::OK);
+    let wrong = webhook.send(Method::GET, "/mutate", "").await;
+    assert_eq!(wrong.status, StatusCode::METHOD_NOT_ALLOWED);
+    let missing = webhook.send(Method::POST, "/validate", "{}").await;
+    assert_eq!(missing.status, StatusCode::NOT_FOUND);
+}
+
+/// The real binary: serves over TLS, then drains and exits 0 on SIGTERM.
+#[tokio::test]
+async fn webhook_process_serves_tls_and_stops_on_sigterm() {
+    let mut child = tokio::process::Command::new(BIN)
+        .args(["webhook", "--listen", "127.0.0.1:0", "--tls-cert"])
+        .arg(fixture("server.pem"))
+        .arg("--tls-key")
+        .arg(fixture("server-key.pem"))
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let (tx, mut logs) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        use tokio::io::AsyncBufReadExt;
+        let mut lines = tokio::io::BufReader::new(stderr).lines();
+        while let Ok(Some(line)) = lines.next_line().await {
+            let _ = tx.send(serde_json::from_str::<Value>(&line).unwrap());
+        }
+    });
+    let started = wait_log(&mut logs, "webhook started").await;
+    assert_eq!(
+        started["image"],
+        format!("ghcr.io/fencegate/fencegate:{}", env!("CARGO_PKG_VERSION"))
+    );
+    let addr: std::net::SocketAddr = started["listen"].as_str().unwrap().parse().unwrap();
+    let client = https_client();
+    let review = admission("pod.json");
+    let req = Request::builder()
+        .method(Method::POST)
+        .uri(format!("https://localhost:{}/mutate", addr.port()))
+        .body(Full::new(Bytes::from(review.to_string())))
+        .unwrap();
+    let resp = client.request(req).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    let body: Value =
+        serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap();
+    assert_eq!(body["response"]["patchType"], "JSONPatch");
+
+    let pid = child.id().unwrap().to_string();
+    assert!(std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap()
+        .success());
+    wait_log(&mut logs, "stopped").await;
+    let status = tokio::time::timeout(std::time::Duration::from_secs(20), child.wait())
+        .await
+        .expect("the webhook did not exit after SIGTERM")
+        .unwrap();
+    assert!(status.success(), "{status}");
+}
