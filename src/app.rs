@@ -15,6 +15,9 @@ use tokio::task::JoinHandle;
 
 use crate::admin::{Admin, Readiness};
 use crate::config::Config;
+use crate::config::LeasesConfig;
+use crate::lease::agent::Agent;
+use crate::lease::api::LeaseApi;
 use crate::metrics::Metrics;
 use crate::proxy::Proxy;
 use crate::reload::Reloader;
@@ -26,6 +29,9 @@ pub struct Server {
     /// Bound proxy address (the real port when the config said port 0).
     pub listen: SocketAddr,
     pub admin: SocketAddr,
+    /// The local lease API and the egress proxy, when `leases` / `egress` are configured.
+    pub leases: Option<SocketAddr>,
+    pub egress: Option<SocketAddr>,
     pub store: Arc<dyn FenceStore>,
     pub readiness: Arc<Readiness>,
     stop: watch::Sender<bool>,
@@ -50,11 +56,21 @@ impl Server {
             .map_err(|e| e.to_string())?;
         let metrics =
             Arc::new(Metrics::new(prometheus::Registry::new()).map_err(|e| e.to_string())?);
-        let proxy = Arc::new(ArcSwap::from_pointee(Proxy::new(
-            config,
-            Arc::clone(&store),
-            Arc::clone(&metrics),
-        )?));
+        // One lease backend for the agent and, in authoritative mode, for the fence.
+        let backend = match &config.leases {
+            Some(leases) => Some(
+                crate::lease::open(&leases.backend)
+                    .await
+                    .map_err(|e| e.to_string())?,
+            ),
+            None => None,
+        };
+        let mut fence = Proxy::new(config, Arc::clone(&store), Arc::clone(&metrics))?;
+        if config.fence.authority == crate::config::Authority::Leases {
+            let backend = backend.clone().expect("validated: authority needs leases");
+            fence = fence.with_authority(backend);
+        }
+        let proxy = Arc::new(ArcSwap::from_pointee(fence));
         let tls = match &config.tls {
             Some(tls) => Some(tokio_rustls::TlsAcceptor::from(crate::tls::server_config(
                 tls,
@@ -69,6 +85,12 @@ impl Server {
             .map_err(|e| format!("cannot listen on {} (admin): {e}", config.admin))?;
         let listen = proxy_listener.local_addr().map_err(|e| e.to_string())?;
         let admin = admin_listener.local_addr().map_err(|e| e.to_string())?;
+        let agent = match (&config.leases, backend) {
+            (Some(leases), Some(backend)) => {
+                Some(LeaseSide::start(config, leases, backend, &metrics).await?)
+            }
+            _ => None,
+        };
 
         let readiness = Arc::new(Readiness::default());
         let settings = ServerSettings {
@@ -82,6 +104,15 @@ impl Server {
         let admin_settings = ServerSettings {
             tls: None,
             max_connections: 64,
+            ..settings.clone()
+        };
+        let lease_settings = ServerSettings {
+            tls: None,
+            // In-flight egress writes get the lease drain timeout before leases are released.
+            drain: config
+                .leases
+                .as_ref()
+                .map_or(settings.drain, |l| l.drain_timeout()),
             ..settings.clone()
         };
         let (stop, stopped) = watch::channel(false);
@@ -99,6 +130,7 @@ impl Server {
             store: Arc::clone(&store),
             readiness: Arc::clone(&readiness),
         });
+        let lease_addrs = agent.as_ref().map(|a| (a.api, a.egress));
         let done = tokio::spawn(async move {
             let (admin_stop, admin_stopped) = watch::channel(false);
             let admin_task = tokio::spawn(serve(
@@ -107,6 +139,10 @@ impl Server {
                 move |req, _peer| Arc::clone(&admin_service).handle(req),
                 wait_for(admin_stopped),
             ));
+            let lease_task = agent.map(|side| {
+                let stopped = stopped.clone();
+                tokio::spawn(side.serve(lease_settings, stopped))
+            });
             serve(
                 proxy_listener,
                 settings,
@@ -115,12 +151,17 @@ impl Server {
                 wait_for(stopped),
             )
             .await;
+            if let Some(task) = lease_task {
+                let _ = task.await;
+            }
             let _ = admin_stop.send(true);
             let _ = admin_task.await;
         });
         tracing::info!(
             %listen,
             %admin,
+            leases = lease_addrs.map(|(api, _)| api.to_string()),
+            egress = lease_addrs.and_then(|(_, e)| e).map(|e| e.to_string()),
             store = store.kind(),
             store_url = config.store.url.as_ref().map(|u| u.to_string()),
             "fencegate started"
@@ -128,6 +169,8 @@ impl Server {
         Ok(Server {
             listen,
             admin,
+            leases: lease_addrs.map(|(api, _)| api),
+            egress: lease_addrs.and_then(|(_, e)| e),
             store,
             readiness,
             stop,
@@ -144,6 +187,91 @@ impl Server {
     /// Waits until both listeners have stopped and in-flight requests have drained.
     pub async fn wait(self) {
         let _ = self.done.await;
+    }
+}
+
+/// The lease agent with its API and egress listeners.
+struct LeaseSide {
+    agent: Arc<Agent>,
+    api_listener: TcpListener,
+    api: SocketAddr,
+    egress_listener: Option<(TcpListener, Arc<Proxy>)>,
+    egress: Option<SocketAddr>,
+}
+
+impl LeaseSide {
+    async fn start(
+        config: &Config,
+        leases: &LeasesConfig,
+        backend: Arc<dyn crate::lease::LeaseBackend>,
+        metrics: &Arc<Metrics>,
+    ) -> Result<LeaseSide, String> {
+        let agent = Agent::new(
+            backend,
+            leases.ttl.clone(),
+            leases.acquire.clone(),
+            Arc::clone(metrics),
+        );
+        let api_listener = TcpListener::bind(leases.listen)
+            .await
+            .map_err(|e| format!("cannot listen on {} (leases): {e}", leases.listen))?;
+        let api = api_listener.local_addr().map_err(|e| e.to_string())?;
+        let (egress_listener, egress) = match &config.egress {
+            Some(egress) => {
+                let listener = TcpListener::bind(egress.listen)
+                    .await
+                    .map_err(|e| format!("cannot listen on {} (egress): {e}", egress.listen))?;
+                let addr = listener.local_addr().map_err(|e| e.to_string())?;
+                let proxy = Proxy::egress(config, egress, Arc::clone(&agent), Arc::clone(metrics))?;
+                (Some((listener, Arc::new(proxy))), Some(addr))
+            }
+            None => (None, None),
+        };
+        Ok(LeaseSide {
+            agent,
+            api_listener,
+            api,
+            egress_listener,
+            egress,
+        })
+    }
+
+    /// Serves the lease API and egress until stopped, drains, then releases every lease.
+    async fn serve(self, settings: ServerSettings, stopped: watch::Receiver<bool>) {
+        let agent = Arc::clone(&self.agent);
+        let api = Arc::new(LeaseApi {
+            agent: Arc::clone(&agent),
+        });
+        let draining = {
+            let agent = Arc::clone(&agent);
+            let mut stopped = stopped.clone();
+            async move {
+                let _ = stopped.wait_for(|s| *s).await;
+                agent.start_draining();
+            }
+        };
+        let api_task = tokio::spawn(serve(
+            self.api_listener,
+            ServerSettings {
+                max_connections: 256,
+                ..settings.clone()
+            },
+            move |req, _peer| Arc::clone(&api).handle(req),
+            draining,
+        ));
+        if let Some((listener, proxy)) = self.egress_listener {
+            serve(
+                listener,
+                settings,
+                move |req, peer| Arc::clone(&proxy).handle(req, peer),
+                wait_for(stopped),
+            )
+            .await;
+        }
+        let _ = api_task.await;
+        // In-flight work is done (or its drain timed out): now give the leases back.
+        agent.release_all().await;
+        tracing::info!("leases released");
     }
 }
 

@@ -106,6 +106,20 @@ pub fn main() -> ExitCode {
         }) {
             Ok(c) => {
                 println!("# {}: valid", config.display());
+                if let Some(leases) = &c.leases {
+                    let ttl = &leases.ttl;
+                    println!(
+                        "# leases: ttl {}ms (minimum {}ms), renew every {}ms, local deadline ttl - {}ms, drain timeout {}ms{}",
+                        ttl.ttl.as_millis(),
+                        ttl.minimum.as_millis(),
+                        ttl.renew_every().as_millis(),
+                        ttl.drift_buffer.as_millis(),
+                        leases.drain_timeout().as_millis(),
+                        ttl.p99_work
+                            .map(|w| format!(", dedup window {}ms", (ttl.ttl + w).as_millis()))
+                            .unwrap_or_default()
+                    );
+                }
                 print!("{}", c.to_yaml());
                 ExitCode::SUCCESS
             }

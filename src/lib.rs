@@ -11,6 +11,8 @@
 //!   [`fence::barrier`] the `ordering: serialize` in-flight barrier.
 //! - [`store`]: recorded maxima behind one trait: `memory`, `embedded` (redb, fsync'd,
 //!   group commit).
+//! - [`lease`]: the lease agent: backends (embedded, Redis, PostgreSQL, etcd), renewal,
+//!   the local lease API and the egress proxy.
 //! - [`proxy`]: the request path, refusals as problem+json, header surgery, streaming bodies.
 //! - [`server`]: accept loop with TLS, HTTP/1 + HTTP/2, limits and graceful drain.
 //! - [`admin`]: metrics, probes and the fence inspection API; [`metrics`]: their definitions.
@@ -28,6 +30,7 @@ pub mod config;
 pub mod demo;
 pub mod fence;
 pub mod inject;
+pub mod lease;
 pub mod metrics;
 pub mod proxy;
 pub mod reload;

@@ -24,10 +24,14 @@ pub enum Outcome {
     UpstreamError,
     UpstreamTimeout,
     NoRoute,
+    /// Egress write without a valid lease.
+    LeaseNotHeld,
+    /// Authoritative mode: token above the latest grant.
+    Unissued,
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 12] = [
+    pub const ALL: [Outcome; 14] = [
         Outcome::Admitted,
         Outcome::Forwarded,
         Outcome::Stale,
@@ -40,6 +44,8 @@ impl Outcome {
         Outcome::UpstreamError,
         Outcome::UpstreamTimeout,
         Outcome::NoRoute,
+        Outcome::LeaseNotHeld,
+        Outcome::Unissued,
     ];
 
     pub fn label(self) -> &'static str {
@@ -56,6 +62,8 @@ impl Outcome {
             Outcome::UpstreamError => "upstream_error",
             Outcome::UpstreamTimeout => "upstream_timeout",
             Outcome::NoRoute => "no_route",
+            Outcome::LeaseNotHeld => "lease_not_held",
+            Outcome::Unissued => "unissued",
         }
     }
 }
@@ -85,6 +93,17 @@ pub struct Metrics {
     pub store_errors: IntCounter,
     pub reloads_ok: IntCounter,
     pub reloads_refused: IntCounter,
+    pub lease: LeaseMetrics,
+}
+
+/// The lease agent's metrics (SPEC §6).
+pub struct LeaseMetrics {
+    pub acquisition: Histogram,
+    pub renewals_ok: IntCounter,
+    pub renewals_failed: IntCounter,
+    pub renewals_lost: IntCounter,
+    pub expiry_forced: IntCounter,
+    pub held: prometheus::IntGaugeVec,
 }
 
 /// Label for requests that match no route (or whose path cannot be normalised).
@@ -138,6 +157,35 @@ impl Metrics {
             &["result"],
         )?;
         registry.register(Box::new(reloads.clone()))?;
+        let acquisition = Histogram::with_opts(
+            HistogramOpts::new(
+                "fencegate_lease_acquisition_duration_seconds",
+                "Time from a lease request to its grant, waiting included.",
+            )
+            .buckets(LATENCY_BUCKETS.to_vec()),
+        )?;
+        let renewals = IntCounterVec::new(
+            Opts::new(
+                "fencegate_lease_renewals_total",
+                "Lease renewals: ok, failed (backend error, retried) or lost (no longer the owner).",
+            ),
+            &["result"],
+        )?;
+        let expiry_forced = IntCounter::new(
+            "fencegate_lease_expiry_forced_total",
+            "Leases declared lost locally at their validity deadline or when renewal found them gone.",
+        )?;
+        let held = prometheus::IntGaugeVec::new(
+            Opts::new(
+                "fencegate_lease_held",
+                "1 while this fencegate holds the lease on a resource.",
+            ),
+            &["resource"],
+        )?;
+        registry.register(Box::new(acquisition.clone()))?;
+        registry.register(Box::new(renewals.clone()))?;
+        registry.register(Box::new(expiry_forced.clone()))?;
+        registry.register(Box::new(held.clone()))?;
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(stale.clone()))?;
         registry.register(Box::new(increments.clone()))?;
@@ -155,6 +203,14 @@ impl Metrics {
             store_errors,
             reloads_ok: reloads.with_label_values(&["applied"]),
             reloads_refused: reloads.with_label_values(&["refused"]),
+            lease: LeaseMetrics {
+                acquisition,
+                renewals_ok: renewals.with_label_values(&["ok"]),
+                renewals_failed: renewals.with_label_values(&["failed"]),
+                renewals_lost: renewals.with_label_values(&["lost"]),
+                expiry_forced,
+                held,
+            },
         })
     }
 

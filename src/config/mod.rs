@@ -4,6 +4,7 @@
 //! with line, column and field path, so an invalid config can never reach the request path.
 
 pub(crate) mod checked;
+mod leases;
 mod types;
 
 use std::net::SocketAddr;
@@ -12,6 +13,9 @@ use std::time::Duration;
 
 use serde::{Deserialize, Deserializer, Serialize};
 
+pub use leases::{
+    AcquireConfig, BackendConfig, BackendKind, EgressConfig, EgressRoute, LeaseTtl, LeasesConfig,
+};
 pub use types::{
     HeaderNameCfg, MethodCfg, PathTemplate, ResourcePart, ResourceTemplate, SecretUrl, UpstreamUrl,
 };
@@ -48,11 +52,13 @@ pub struct Config {
     pub timeouts: Timeouts,
     #[serde(default)]
     pub limits: Limits,
-    /// Accepted by the schema, refused until the lease agent exists, so nobody believes it runs.
-    #[serde(default, skip_serializing)]
-    pub leases: Option<NotYetSupported>,
-    #[serde(default, skip_serializing)]
-    pub egress: Option<NotYetSupported>,
+    /// The lease agent: local lease API and backend.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub leases: Option<LeasesConfig>,
+    /// App → fencegate → remote service, with the held lease's token attached.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress: Option<EgressConfig>,
+    /// Accepted by the schema, refused until implemented, so nobody believes it runs.
     #[serde(default, skip_serializing)]
     pub idempotency: Option<NotYetSupported>,
 }
@@ -232,11 +238,7 @@ impl TryFrom<String> for Authority {
     fn try_from(raw: String) -> Result<Self, Self::Error> {
         match raw.as_str() {
             "none" => Ok(Authority::None),
-            "leases" => Err(
-                "`leases` authority needs the lease agent, which is not available \
-                             in this version; use `none`"
-                    .into(),
-            ),
+            "leases" => Ok(Authority::Leases),
             other => Err(format!(
                 "unknown authority `{other}`, expected `none` or `leases`"
             )),
@@ -583,12 +585,72 @@ impl Config {
 
     /// Parses configuration text; the error names line, column and field path.
     pub fn parse(text: &str) -> Result<Config, String> {
-        serde_yaml::from_str::<Config>(text).map_err(|e| e.to_string())
+        let config = serde_yaml::from_str::<Config>(text).map_err(|e| e.to_string())?;
+        config.check_sections()?;
+        Ok(config)
+    }
+
+    /// Checks across sections (no single value is wrong, so there is no line to point at).
+    fn check_sections(&self) -> Result<(), String> {
+        if self.fence.authority == Authority::Leases && self.leases.is_none() {
+            return Err(
+                "fence.authority: leases checks tokens against the lease backend configured \
+                 in the `leases` section, which is missing"
+                    .into(),
+            );
+        }
+        if let Some(egress) = &self.egress {
+            if self.leases.is_none() {
+                return Err("egress: attaching tokens needs the `leases` section".into());
+            }
+            for (i, route) in egress.routes.iter().enumerate() {
+                for capture in route.lease.captures() {
+                    if !route.path.captures.iter().any(|c| c == capture) {
+                        return Err(format!(
+                            "egress.routes[{i}].lease uses `{{{capture}}}` but its path `{}` has no such capture",
+                            route.path.source
+                        ));
+                    }
+                }
+            }
+        }
+        let ports = [
+            Some(("listen", self.listen)),
+            Some(("admin", self.admin)),
+            self.leases.as_ref().map(|l| ("leases.listen", l.listen)),
+            self.egress.as_ref().map(|e| ("egress.listen", e.listen)),
+        ];
+        let ports: Vec<_> = ports.into_iter().flatten().collect();
+        for (i, (a, addr)) in ports.iter().enumerate() {
+            if addr.port() == 0 {
+                continue;
+            }
+            if let Some((b, _)) = ports[..i].iter().find(|(_, other)| other == addr) {
+                return Err(format!("`{a}` and `{b}` are both {addr}"));
+            }
+        }
+        Ok(())
     }
 
     /// The effective configuration, defaults filled in, as YAML.
     pub fn to_yaml(&self) -> String {
         serde_yaml::to_string(self).unwrap_or_else(|e| format!("# cannot render: {e}\n"))
+    }
+}
+
+/// A prefix names PostgreSQL and redb tables and Redis/etcd key prefixes: keep it an identifier.
+fn check_prefix(prefix: &str) -> Result<(), String> {
+    let identifier = prefix.len() <= 40
+        && prefix.starts_with(|c: char| c.is_ascii_alphabetic() || c == '_')
+        && prefix
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_');
+    if identifier {
+        Ok(())
+    } else {
+        Err(format!(
+            "`prefix` `{prefix}` must be 1-40 letters, digits or `_`, not starting with a digit"
+        ))
     }
 }
 

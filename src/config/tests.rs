@@ -150,9 +150,19 @@ fn bad_values_name_their_field() {
             "letters, digits or `_`",
         ),
         (
-            "upstream: http://a:1\nleases: { ttl: 1s }\n",
-            "leases",
+            "upstream: http://a:1\nidempotency: { window: 1s }\n",
+            "idempotency",
             "not available",
+        ),
+        (
+            "upstream: http://a:1\nleases: { backend: { kind: embedded }, ttl: { p99_work: 800ms, p99_rtt: 40ms, safety_margin: 200ms, ttl: 1s } }\n",
+            "leases.ttl",
+            "below the derived minimum",
+        ),
+        (
+            "upstream: http://a:1\nleases: { backend: { kind: redis }, ttl: 1s }\n",
+            "leases.backend",
+            "needs a `url`",
         ),
         ("upstream: http://a:1\nlisten: 7440\n", "listen", ""),
     ];
@@ -202,4 +212,40 @@ fn store_urls_never_print_their_password() {
     );
     let token_only = SecretUrl::try_from("redis://:pw@h/".to_owned()).unwrap();
     assert_eq!(token_only.to_string(), "redis://:****@h/");
+}
+
+#[test]
+fn leases_and_egress_sections() {
+    let c = Config::parse(
+        "upstream: http://a:1\nleases:\n  backend: { kind: redis, url: 'redis://127.0.0.1:6379/' }\n  \
+         ttl: { p99_work: 800ms, p99_rtt: 40ms, safety_margin: 200ms, drift_buffer: 100ms }\n\
+         egress:\n  upstream: http://ledger:80\n  routes:\n    - { path: '/accounts/{id}', lease: 'account:{id}' }\n",
+    )
+    .unwrap();
+    let leases = c.leases.as_ref().unwrap();
+    assert_eq!(leases.ttl.ttl, Duration::from_millis(1500));
+    assert_eq!(leases.ttl.drift_buffer, Duration::from_millis(100));
+    assert_eq!(leases.ttl.renew_every(), Duration::from_millis(500));
+    assert_eq!(leases.drain_timeout(), Duration::from_secs(3));
+    assert_eq!(leases.listen.to_string(), "127.0.0.1:7442");
+    assert_eq!(
+        c.egress.as_ref().unwrap().listen.to_string(),
+        "127.0.0.1:7443"
+    );
+
+    let plain =
+        Config::parse("upstream: http://a:1\nleases: { backend: { kind: embedded }, ttl: 2s }\n")
+            .unwrap();
+    let ttl = &plain.leases.as_ref().unwrap().ttl;
+    assert_eq!(
+        (ttl.ttl, ttl.drift_buffer),
+        (Duration::from_secs(2), Duration::from_millis(100))
+    );
+
+    let e = err("upstream: http://a:1\negress: { upstream: 'http://x:1' }\n");
+    assert!(e.contains("needs the `leases` section"), "{e}");
+    let e = err("upstream: http://a:1\nleases: { backend: { kind: embedded }, ttl: 1s }\negress: { upstream: 'http://x:1', routes: [{ path: '/a/{id}', lease: 'a:{x}' }] }\n");
+    assert!(e.contains("no such capture"), "{e}");
+    let e = err("upstream: http://a:1\nleases: { backend: { kind: embedded }, ttl: soon }\n");
+    assert!(e.contains("leases.ttl") && e.contains("line 2"), "{e}");
 }

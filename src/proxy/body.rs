@@ -19,6 +19,8 @@ pub enum ProxyBody {
     },
     /// A response fencegate made (refusals, admin pages).
     Local(Full<Bytes>),
+    /// A stream fencegate writes as it goes (Server-Sent Events); ends when the sender drops.
+    Channel(tokio::sync::mpsc::Receiver<Bytes>),
 }
 
 impl ProxyBody {
@@ -44,6 +46,9 @@ impl Body for ProxyBody {
             ProxyBody::Local(full) => Pin::new(full)
                 .poll_frame(cx)
                 .map_err(|never| match never {}),
+            ProxyBody::Channel(rx) => rx
+                .poll_recv(cx)
+                .map(|chunk| chunk.map(|b| Ok(Frame::data(b)))),
         }
     }
 
@@ -51,6 +56,7 @@ impl Body for ProxyBody {
         match self {
             ProxyBody::Upstream { inner, .. } => inner.is_end_stream(),
             ProxyBody::Local(full) => full.is_end_stream(),
+            ProxyBody::Channel(_) => false,
         }
     }
 
@@ -58,6 +64,7 @@ impl Body for ProxyBody {
         match self {
             ProxyBody::Upstream { inner, .. } => inner.size_hint(),
             ProxyBody::Local(full) => full.size_hint(),
+            ProxyBody::Channel(_) => SizeHint::default(),
         }
     }
 }

@@ -22,13 +22,17 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 
 use crate::config::{
-    Config, EqualTokens, MissingToken, Ordering, Timeouts, Unmatched, UpstreamUrl,
+    Config, EgressConfig, EqualTokens, MissingToken, Ordering, RouteConfig, Timeouts, Unmatched,
+    UpstreamUrl,
 };
 use crate::fence::barrier::{Barriers, Ticket};
 use crate::fence::path;
 use crate::fence::routes::{Matched, Route, RouteTable};
 use crate::fence::token::token_from_headers;
+use crate::lease::agent::Agent;
+use crate::lease::LeaseBackend;
 use crate::metrics::{Metrics, Outcome, RouteMetrics, UNMATCHED};
+use crate::store::shared::BoundedMaxima;
 use crate::store::{FenceStore, StoreError, Verdict};
 use body::ProxyBody;
 use problem::{Refusal, Subject};
@@ -47,6 +51,12 @@ pub struct Proxy {
     /// on no route.
     route_metrics: Vec<RouteMetrics>,
     client: UpstreamClient,
+    /// Egress mode: instead of checking the token against the store, attach the token of the
+    /// lease this sidecar holds on the resource (SPEC §3 `egress`).
+    attach: Option<Arc<Agent>>,
+    /// Authoritative mode: the lease backend that issues tokens, and the latest grants seen
+    /// (a lower bound, answering refusals without a round trip).
+    authority: Option<(Arc<dyn LeaseBackend>, Arc<BoundedMaxima>)>,
     upstream: UpstreamUrl,
     /// Kept to tell whether a reload may reuse the pooled client.
     upstream_ca: Option<std::path::PathBuf>,
@@ -61,8 +71,50 @@ impl Proxy {
         store: Arc<dyn FenceStore>,
         metrics: Arc<Metrics>,
     ) -> Result<Self, String> {
-        let client = upstream_client(config)?;
+        let client = upstream_client(config.upstream_ca.as_deref(), config.timeouts.upstream)?;
         Ok(Self::build(config, store, Barriers::new(), metrics, client))
+    }
+
+    /// Checks tokens against the lease backend too (`fence.authority: leases`).
+    pub fn with_authority(mut self, backend: Arc<dyn LeaseBackend>) -> Self {
+        self.authority = Some((backend, Arc::new(BoundedMaxima::new(100_000))));
+        self
+    }
+
+    /// The egress proxy: app → fencegate → `egress.upstream`, with the held lease's token
+    /// attached to writes on egress routes, and writes without a valid lease refused (503).
+    pub fn egress(
+        config: &Config,
+        egress: &EgressConfig,
+        agent: Arc<Agent>,
+        metrics: Arc<Metrics>,
+    ) -> Result<Self, String> {
+        let routes: Vec<RouteConfig> = egress
+            .routes
+            .iter()
+            .enumerate()
+            .map(|(i, r)| RouteConfig {
+                name: format!("egress[{i}]"),
+                path: r.path.clone(),
+                methods: r.methods.clone(),
+                resource: Some(r.lease.clone()),
+                missing_token: MissingToken::Reject,
+                ordering: Ordering::None,
+                barrier_timeout: std::time::Duration::ZERO,
+                fence: true,
+            })
+            .collect();
+        let mut egress_config = config.clone();
+        egress_config.routes = routes;
+        egress_config.upstream = egress.upstream.clone();
+        egress_config.unmatched = Unmatched::Forward;
+        egress_config.tls = None;
+        let client = upstream_client(config.upstream_ca.as_deref(), config.timeouts.upstream)?;
+        // The store is never consulted in egress mode; a memory store keeps the type simple.
+        let store: Arc<dyn FenceStore> = Arc::new(crate::store::MemoryStore::new());
+        let mut proxy = Self::build(&egress_config, store, Barriers::new(), metrics, client);
+        proxy.attach = Some(agent);
+        Ok(proxy)
     }
 
     /// A proxy for a reloaded config: same store, barriers and metrics (maxima and in-flight
@@ -71,15 +123,20 @@ impl Proxy {
         let client = if config.upstream == self.upstream && config.upstream_ca == self.upstream_ca {
             self.client.clone()
         } else {
-            upstream_client(config)?
+            upstream_client(config.upstream_ca.as_deref(), config.timeouts.upstream)?
         };
-        Ok(Self::build(
+        let mut proxy = Self::build(
             config,
             Arc::clone(&self.store),
             Arc::clone(&self.barriers),
             Arc::clone(&self.metrics),
             client,
-        ))
+        );
+        proxy.attach = self.attach.clone();
+        if config.fence.authority == crate::config::Authority::Leases {
+            proxy.authority = self.authority.clone();
+        }
+        Ok(proxy)
     }
 
     fn build(
@@ -109,6 +166,8 @@ impl Proxy {
             metrics,
             route_metrics,
             client,
+            attach: None,
+            authority: None,
             upstream: config.upstream.clone(),
             upstream_ca: config.upstream_ca.clone(),
             timeouts: config.timeouts.clone(),
@@ -200,6 +259,31 @@ impl Proxy {
             resource: Some(&resource),
             token: None,
         };
+        if let Some(agent) = &self.attach {
+            let Some(token) = agent.token_for(&resource) else {
+                return Ok(self.refuse(
+                    Refusal::LeaseNotHeld,
+                    Some(route),
+                    subject,
+                    req.method(),
+                    req.uri().path(),
+                ));
+            };
+            subject.token = Some(token);
+            let mut req = req;
+            set_token(req.headers_mut(), &self.token_header, token);
+            return Ok(self
+                .forward(
+                    req,
+                    &normalised,
+                    Some(route),
+                    subject,
+                    Outcome::Admitted,
+                    None,
+                    peer,
+                )
+                .await);
+        }
         let token = match token_from_headers(req.headers(), &self.token_header) {
             Err(e) => {
                 return Ok(self.refuse(
@@ -235,6 +319,15 @@ impl Proxy {
             Ok(Some(token)) => token,
         };
         subject.token = Some(token);
+        if let Some(refusal) = self.check_authority(&resource, token).await {
+            return Ok(self.refuse(
+                refusal,
+                Some(route),
+                subject,
+                req.method(),
+                req.uri().path(),
+            ));
+        }
         let ticket =
             (route.ordering == Ordering::Serialize).then(|| self.barriers.enter(&resource, token));
         match self.check(&resource, token).await {
@@ -285,6 +378,45 @@ impl Proxy {
                 peer,
             )
             .await)
+    }
+
+    /// Authoritative fencing: the token must be the latest grant's. Older is stale even if the
+    /// newer holder has not written yet; newer was never issued. Refusals of tokens below a
+    /// grant seen before need no round trip; everything else asks the backend, and a backend
+    /// that does not answer refuses the write (fail closed).
+    async fn check_authority(&self, resource: &str, token: u64) -> Option<Refusal> {
+        let (backend, seen) = self.authority.as_ref()?;
+        if let Some(floor) = seen.get(resource) {
+            if token < floor {
+                return Some(Refusal::Stale { current: floor });
+            }
+        }
+        let latest =
+            tokio::time::timeout(self.timeouts.store, backend.latest_token(resource)).await;
+        match latest {
+            Ok(Ok(Some(latest))) => {
+                seen.observe(resource, latest);
+                match token.cmp(&latest) {
+                    std::cmp::Ordering::Less => Some(Refusal::Stale { current: latest }),
+                    std::cmp::Ordering::Greater => Some(Refusal::Unissued {
+                        latest: Some(latest),
+                    }),
+                    std::cmp::Ordering::Equal => None,
+                }
+            }
+            Ok(Ok(None)) => Some(Refusal::Unissued { latest: None }),
+            Ok(Err(e)) => {
+                self.metrics.store_errors.inc();
+                Some(Refusal::StoreUnavailable(e.to_string()))
+            }
+            Err(_) => {
+                self.metrics.store_errors.inc();
+                Some(Refusal::StoreUnavailable(format!(
+                    "the lease backend did not answer within {:?}",
+                    self.timeouts.store
+                )))
+            }
+        }
     }
 
     /// Compare-and-raise, bounded by the store timeout; a late answer counts as no answer.
@@ -421,6 +553,21 @@ impl Proxy {
     }
 }
 
+/// Replaces whatever token the app sent (any spelling, any count) with the lease's token.
+fn set_token(headers: &mut http::HeaderMap, name: &HeaderName, token: u64) {
+    let aliases: Vec<HeaderName> = headers
+        .keys()
+        .filter(|k| {
+            k.as_str().len() == name.as_str().len() && k.as_str().replace('_', "-") == name.as_str()
+        })
+        .cloned()
+        .collect();
+    for alias in aliases {
+        headers.remove(alias);
+    }
+    headers.insert(name.clone(), http::HeaderValue::from(token));
+}
+
 /// `a: b: c` from an error and its sources, so a 502 body says what actually failed.
 fn error_chain(e: &dyn std::error::Error) -> String {
     let mut text = e.to_string();
@@ -433,12 +580,15 @@ fn error_chain(e: &dyn std::error::Error) -> String {
     text
 }
 
-fn upstream_client(config: &Config) -> Result<UpstreamClient, String> {
+fn upstream_client(
+    upstream_ca: Option<&std::path::Path>,
+    connect_timeout: std::time::Duration,
+) -> Result<UpstreamClient, String> {
     let mut http = HttpConnector::new();
     http.enforce_http(false);
     http.set_nodelay(true);
-    http.set_connect_timeout(Some(config.timeouts.upstream));
-    let tls = crate::tls::client_config(config.upstream_ca.as_deref())?;
+    http.set_connect_timeout(Some(connect_timeout));
+    let tls = crate::tls::client_config(upstream_ca)?;
     let connector = hyper_rustls::HttpsConnectorBuilder::new()
         .with_tls_config(tls)
         .https_or_http()

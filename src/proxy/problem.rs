@@ -22,11 +22,19 @@ pub enum Refusal {
     InvalidPath(PathError),
     InvalidResource(ResourceError),
     TokenRequired,
-    Stale { current: u64 },
+    Stale {
+        current: u64,
+    },
+    /// Authoritative mode: a token no lease grant has issued (yet).
+    Unissued {
+        latest: Option<u64>,
+    },
     NoRoute,
     // Ours (or our store's): retry later.
     StoreUnavailable(String),
     BarrierTimeout,
+    /// Egress: no locally valid lease for the write's resource.
+    LeaseNotHeld,
     // The upstream's.
     UpstreamError(String),
     UpstreamTimeout,
@@ -74,6 +82,12 @@ impl Refusal {
                 "Stale fencing token",
                 Outcome::Stale,
             ),
+            Refusal::Unissued { .. } => (
+                StatusCode::CONFLICT,
+                "urn:fencegate:unissued-token",
+                "Fencing token was never issued",
+                Outcome::Unissued,
+            ),
             Refusal::NoRoute => (
                 StatusCode::NOT_FOUND,
                 "urn:fencegate:no-route",
@@ -85,6 +99,12 @@ impl Refusal {
                 "urn:fencegate:store-unavailable",
                 "Fence store unavailable",
                 Outcome::StoreUnavailable,
+            ),
+            Refusal::LeaseNotHeld => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "urn:fencegate:lease-not-held",
+                "Lease not held",
+                Outcome::LeaseNotHeld,
             ),
             Refusal::BarrierTimeout => (
                 StatusCode::SERVICE_UNAVAILABLE,
@@ -131,10 +151,27 @@ impl Refusal {
                     )
                 }
             }
+            Refusal::Unissued { latest } => match latest {
+                Some(latest) => format!(
+                    "token {} is above {latest}, the latest lease granted for {}: no lease \
+                     issued it",
+                    subject.token.unwrap_or_default(),
+                    subject.resource.unwrap_or("this resource")
+                ),
+                None => format!(
+                    "no lease was ever granted for {}, so no token is valid for it",
+                    subject.resource.unwrap_or("this resource")
+                ),
+            },
             Refusal::NoRoute => "no configured route matches and `unmatched` is `reject`".into(),
             Refusal::StoreUnavailable(e) => {
                 format!("the write was not forwarded because it could not be checked: {e}")
             }
+            Refusal::LeaseNotHeld => format!(
+                "this sidecar holds no valid lease on {}: it was never acquired, was released, \
+                 or passed its local validity deadline; the write was not sent",
+                subject.resource.unwrap_or("this resource")
+            ),
             Refusal::BarrierTimeout => {
                 "writes with lower tokens did not finish within barrier_timeout; the write was \
                  not forwarded, its token remains recorded"
@@ -165,8 +202,12 @@ impl Refusal {
         if let Some(token) = subject.token {
             body["token"] = token.into();
         }
-        if let Refusal::Stale { current } = self {
-            body["current_token"] = (*current).into();
+        match self {
+            Refusal::Stale { current } => body["current_token"] = (*current).into(),
+            Refusal::Unissued {
+                latest: Some(latest),
+            } => body["current_token"] = (*latest).into(),
+            _ => {}
         }
         let mut response = Response::new(ProxyBody::local(body.to_string()));
         *response.status_mut() = status;
@@ -179,7 +220,7 @@ impl Refusal {
             Refusal::Stale { current } => {
                 headers.insert(TOKEN_CURRENT, HeaderValue::from(*current));
             }
-            Refusal::StoreUnavailable(_) | Refusal::BarrierTimeout => {
+            Refusal::StoreUnavailable(_) | Refusal::BarrierTimeout | Refusal::LeaseNotHeld => {
                 headers.insert(RETRY_AFTER, HeaderValue::from_static("1"));
             }
             _ => {}

@@ -19,6 +19,9 @@ pub(crate) struct Process {
     pub child: Child,
     pub proxy: std::net::SocketAddr,
     pub admin: std::net::SocketAddr,
+    /// The lease API and egress addresses, when configured.
+    pub leases: Option<std::net::SocketAddr>,
+    pub egress: Option<std::net::SocketAddr>,
     /// Every JSON log line the process writes to stderr.
     pub logs: mpsc::UnboundedReceiver<Value>,
 }
@@ -47,11 +50,13 @@ impl Process {
             child,
             proxy: started["listen"].as_str().unwrap().parse().unwrap(),
             admin: started["admin"].as_str().unwrap().parse().unwrap(),
+            leases: started["leases"].as_str().map(|a| a.parse().unwrap()),
+            egress: started["egress"].as_str().map(|a| a.parse().unwrap()),
             logs,
         }
     }
 
-    fn signal(&self, name: &str) {
+    pub fn signal(&self, name: &str) {
         let pid = self.child.id().unwrap().to_string();
         let status = std::process::Command::new("kill")
             .args([name, &pid])

@@ -1,0 +1,296 @@
+//! The `leases:` and `egress:` sections (SPEC §3): the lease agent's backend, TTL (given or
+//! derived from latency budgets), acquisition backoff, drain timeout, and the egress proxy.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::{Deserialize, Deserializer, Serialize};
+
+use super::checked;
+use super::{PathTemplate, ResourceTemplate, SecretUrl, UpstreamUrl};
+use crate::ttl::{derive, TtlInputs};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendKind {
+    Embedded,
+    Redis,
+    Postgres,
+    Etcd,
+}
+
+/// Where leases are granted.
+#[derive(Debug, Clone, Serialize)]
+pub struct BackendConfig {
+    pub kind: BackendKind,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub url: Option<SecretUrl>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub path: Option<PathBuf>,
+    /// Key / table namespace, validated like the store's.
+    pub prefix: String,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawBackend {
+    kind: BackendKind,
+    url: Option<SecretUrl>,
+    path: Option<PathBuf>,
+    #[serde(default = "default_prefix")]
+    prefix: String,
+}
+
+fn default_prefix() -> String {
+    "fencegate".into()
+}
+
+const DEFAULT_LEASE_PATH: &str = "/var/lib/fencegate/leases.db";
+
+impl TryFrom<RawBackend> for BackendConfig {
+    type Error = String;
+    fn try_from(raw: RawBackend) -> Result<Self, String> {
+        super::check_prefix(&raw.prefix)?;
+        let store_kind = match raw.kind {
+            BackendKind::Embedded => None,
+            BackendKind::Redis => Some(super::StoreKind::Redis),
+            BackendKind::Postgres => Some(super::StoreKind::Postgres),
+            BackendKind::Etcd => Some(super::StoreKind::Etcd),
+        };
+        match (store_kind, &raw.url, &raw.path) {
+            (None, Some(_), _) => Err("`url` is for the redis, postgres and etcd backends".into()),
+            (None, None, path) => Ok(BackendConfig {
+                kind: raw.kind,
+                url: None,
+                path: Some(path.clone().unwrap_or_else(|| DEFAULT_LEASE_PATH.into())),
+                prefix: raw.prefix,
+            }),
+            (Some(_), None, _) => Err("this backend kind needs a `url`".into()),
+            (Some(_), _, Some(_)) => Err("`path` is for the embedded backend".into()),
+            (Some(kind), Some(url), None) => {
+                url.check(kind)?;
+                Ok(BackendConfig {
+                    kind: raw.kind,
+                    url: raw.url,
+                    path: None,
+                    prefix: raw.prefix,
+                })
+            }
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for BackendConfig {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        checked::from_map::<D, RawBackend, BackendConfig>(d)
+    }
+}
+
+/// The lease TTL: given, or derived from latency budgets (design: TTL = p99 work + p99 RTT +
+/// safety margin + drift buffer, rounded up).
+#[derive(Debug, Clone, Serialize)]
+pub struct LeaseTtl {
+    #[serde(with = "humantime_serde")]
+    pub ttl: Duration,
+    /// Subtracted from the local validity deadline to absorb clock-rate drift.
+    #[serde(with = "humantime_serde")]
+    pub drift_buffer: Duration,
+    /// The p99 work latency when derived, for the dedup window (TTL + p99 work).
+    #[serde(with = "humantime_serde", skip_serializing_if = "Option::is_none")]
+    pub p99_work: Option<Duration>,
+    /// The derived minimum; API requests asking for less are refused.
+    #[serde(with = "humantime_serde")]
+    pub minimum: Duration,
+}
+
+enum RawTtl {
+    Plain(Duration),
+    Derived(RawDerivation),
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawDerivation {
+    #[serde(with = "humantime_serde")]
+    p99_work: Duration,
+    #[serde(with = "humantime_serde")]
+    p99_rtt: Duration,
+    #[serde(with = "humantime_serde")]
+    safety_margin: Duration,
+    #[serde(default, with = "humantime_serde")]
+    drift_buffer: Duration,
+    #[serde(default = "default_round_to", with = "humantime_serde")]
+    round_to: Duration,
+    /// An explicit TTL, which must not be below the derived one.
+    #[serde(default, with = "humantime_serde")]
+    ttl: Option<Duration>,
+}
+
+fn default_round_to() -> Duration {
+    Duration::from_millis(500)
+}
+
+impl TryFrom<RawTtl> for LeaseTtl {
+    type Error = String;
+    fn try_from(raw: RawTtl) -> Result<Self, String> {
+        match raw {
+            RawTtl::Plain(ttl) => {
+                if ttl < Duration::from_millis(30) {
+                    return Err("a lease ttl below 30ms cannot be renewed reliably".into());
+                }
+                // Without a derivation, keep a tenth of the TTL (at most 100 ms) for drift.
+                let drift_buffer = (ttl / 10).min(Duration::from_millis(100));
+                Ok(LeaseTtl {
+                    ttl,
+                    drift_buffer,
+                    p99_work: None,
+                    minimum: ttl,
+                })
+            }
+            RawTtl::Derived(d) => {
+                let derived = derive(&TtlInputs {
+                    p99_work: d.p99_work,
+                    p99_rtt: d.p99_rtt,
+                    safety_margin: d.safety_margin,
+                    drift_buffer: d.drift_buffer,
+                    round_to: d.round_to,
+                })?;
+                let ttl = match d.ttl {
+                    Some(ttl) if ttl < derived.ttl => {
+                        return Err(format!(
+                            "ttl {ttl:?} is below the derived minimum {:?}",
+                            derived.ttl
+                        ))
+                    }
+                    Some(ttl) => ttl,
+                    None => derived.ttl,
+                };
+                Ok(LeaseTtl {
+                    ttl,
+                    drift_buffer: d.drift_buffer,
+                    p99_work: Some(d.p99_work),
+                    minimum: derived.ttl,
+                })
+            }
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for LeaseTtl {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        // A visitor, so that errors are raised inside the deserializer and keep their location.
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = LeaseTtl;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(
+                    "a duration such as 1500ms, or { p99_work, p99_rtt, safety_margin, \
+                     drift_buffer, round_to }",
+                )
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<LeaseTtl, E> {
+                let ttl =
+                    humantime::parse_duration(v).map_err(|e| E::custom(format!("`{v}`: {e}")))?;
+                LeaseTtl::try_from(RawTtl::Plain(ttl)).map_err(E::custom)
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<LeaseTtl, A::Error> {
+                let raw =
+                    RawDerivation::deserialize(serde::de::value::MapAccessDeserializer::new(map))?;
+                LeaseTtl::try_from(RawTtl::Derived(raw)).map_err(serde::de::Error::custom)
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+impl LeaseTtl {
+    pub fn renew_every(&self) -> Duration {
+        self.ttl / 3
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AcquireConfig {
+    #[serde(default = "default_base", with = "humantime_serde")]
+    pub base_delay: Duration,
+    #[serde(default = "default_max", with = "humantime_serde")]
+    pub max_delay: Duration,
+    #[serde(default = "default_jitter", with = "humantime_serde")]
+    pub jitter: Duration,
+}
+
+impl Default for AcquireConfig {
+    fn default() -> Self {
+        AcquireConfig {
+            base_delay: default_base(),
+            max_delay: default_max(),
+            jitter: default_jitter(),
+        }
+    }
+}
+
+fn default_base() -> Duration {
+    Duration::from_millis(50)
+}
+fn default_max() -> Duration {
+    Duration::from_secs(2)
+}
+fn default_jitter() -> Duration {
+    Duration::from_millis(100)
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LeasesConfig {
+    /// The local lease API; loopback by default so only the pod's app can use it.
+    #[serde(default = "default_lease_listen")]
+    pub listen: SocketAddr,
+    pub backend: BackendConfig,
+    pub ttl: LeaseTtl,
+    #[serde(default)]
+    pub acquire: AcquireConfig,
+    /// SIGTERM: in-flight work gets this long before leases are released. Default 2 × ttl.
+    #[serde(
+        default,
+        with = "humantime_serde",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub drain_timeout: Option<Duration>,
+}
+
+impl LeasesConfig {
+    pub fn drain_timeout(&self) -> Duration {
+        self.drain_timeout.unwrap_or(self.ttl.ttl * 2)
+    }
+}
+
+fn default_lease_listen() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 7442))
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EgressRoute {
+    pub path: PathTemplate,
+    /// The lease (resource) whose token is attached; captures of `path` may be used.
+    pub lease: ResourceTemplate,
+    /// Methods that get the token; default every method but GET, HEAD, OPTIONS.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub methods: Option<Vec<super::MethodCfg>>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EgressConfig {
+    #[serde(default = "default_egress_listen")]
+    pub listen: SocketAddr,
+    pub upstream: UpstreamUrl,
+    #[serde(default)]
+    pub routes: Vec<EgressRoute>,
+}
+
+fn default_egress_listen() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 7443))
+}

@@ -1,0 +1,312 @@
+//! Leases in etcd: an etcd lease per grant, a lock key attached to it, and the key's create
+//! revision as the fencing token.
+//!
+//! Keys: the lock `/<prefix>/leases/<resource>/lock` (value: holder, attached to the grant's
+//! etcd lease) and `/<prefix>/leases/<resource>/last` (value: holder, no lease), both written by
+//! the one grant transaction: `if create_revision(lock) == 0 then put(lock, lease) put(last)
+//! else get(lock)`.
+//!
+//! - token: the revision of that transaction, which is the lock key's create revision and the
+//!   `last` key's mod revision. etcd revisions only grow, cluster-wide and across restarts, so
+//!   tokens are strictly increasing per resource (with gaps). `latest_token` reads `last`'s mod
+//!   revision, which survives release and expiry (nothing else writes `last`).
+//! - lease id: the etcd lease id, in decimal.
+//! - TTL: etcd leases count whole seconds, so the requested TTL is rounded up (at least 1s), and
+//!   servers raise short TTLs to their minimum (about 2s with default election settings). The
+//!   etcd lease can therefore outlive the requested TTL; that is safe, because the agent's local
+//!   deadline is based on the requested TTL. Expiry is etcd's (server-side, with its own lease
+//!   checkpointing across leader changes).
+//! - renew: one `LeaseKeepAlive` round trip, which resets the etcd lease to its granted TTL (so
+//!   a renewal cannot lengthen it: asking for more than was granted is an error), then a check
+//!   that the lock key is still attached to the lease. An expired lease cannot be kept alive.
+//! - release: delete the lock key if it is attached to the grant's lease (one transaction), then
+//!   revoke the lease.
+//!
+//! Events: `changed()` watches the lock key for delete events (release, revoke and expiry all
+//! delete it), from the revision just after it saw the key held, so none is missed.
+
+use std::time::Duration;
+
+use etcd_client::{
+    Client, Compare, CompareOp, ConnectOptions, EventType, KvClient, LeaseClient,
+    LeaseTimeToLiveOptions, PutOptions, Txn, TxnOp, TxnOpResponse, WatchClient, WatchFilterType,
+    WatchOptions,
+};
+
+use super::backend::{Acquired, Grant, LeaseBackend, LeaseError};
+use crate::store::BoxFuture;
+
+pub struct EtcdLeases {
+    /// The clients share one balanced, lazily (re)connecting channel.
+    kv: KvClient,
+    lease: LeaseClient,
+    watch: WatchClient,
+    prefix: String,
+}
+
+impl EtcdLeases {
+    /// `url`: `etcd://host:port[,host:port...]` or `http://host:port[,...]`.
+    pub async fn connect(url: &str, prefix: &str) -> Result<Self, LeaseError> {
+        let options = ConnectOptions::new()
+            .with_connect_timeout(Duration::from_secs(1))
+            .with_timeout(Duration::from_secs(2))
+            .with_keep_alive(Duration::from_secs(5), Duration::from_secs(2));
+        let client = Client::connect(endpoints(url)?, Some(options))
+            .await
+            .map_err(unavailable)?;
+        Ok(EtcdLeases {
+            kv: client.kv_client(),
+            lease: client.lease_client(),
+            watch: client.watch_client(),
+            prefix: prefix.to_owned(),
+        })
+    }
+
+    fn lock_key(&self, resource: &str) -> String {
+        format!("/{}/leases/{resource}/lock", self.prefix)
+    }
+
+    fn last_key(&self, resource: &str) -> String {
+        format!("/{}/leases/{resource}/last", self.prefix)
+    }
+
+    /// Best effort: a lease nobody uses expires by itself anyway.
+    async fn revoke(&self, id: i64) {
+        if let Err(e) = self.lease.clone().revoke(id).await {
+            tracing::debug!(lease = id, error = %e, "etcd lease revoke failed");
+        }
+    }
+}
+
+/// The same URL forms as the etcd fence store.
+fn endpoints(url: &str) -> Result<Vec<String>, LeaseError> {
+    let rest = url
+        .strip_prefix("etcd://")
+        .or_else(|| url.strip_prefix("http://"))
+        .ok_or_else(|| {
+            LeaseError::Unavailable(format!(
+                "etcd url must start with etcd:// or http://: {url}"
+            ))
+        })?;
+    let endpoints: Vec<String> = rest
+        .trim_end_matches('/')
+        .split(',')
+        .filter(|e| !e.is_empty())
+        .map(|e| format!("http://{e}"))
+        .collect();
+    if endpoints.is_empty() {
+        return Err(LeaseError::Unavailable("etcd url names no endpoint".into()));
+    }
+    Ok(endpoints)
+}
+
+fn unavailable(e: etcd_client::Error) -> LeaseError {
+    LeaseError::Unavailable(format!("etcd: {e}"))
+}
+
+/// Whole seconds, rounded up, at least one.
+fn ttl_secs(ttl: Duration) -> i64 {
+    let secs = ttl.as_secs() + u64::from(ttl.subsec_nanos() > 0);
+    i64::try_from(secs.max(1)).unwrap_or(i64::MAX)
+}
+
+fn token_of(revision: i64) -> Result<u64, LeaseError> {
+    u64::try_from(revision)
+        .ok()
+        .filter(|&t| t > 0)
+        .ok_or_else(|| LeaseError::Unavailable(format!("etcd answered revision {revision}")))
+}
+
+impl LeaseBackend for EtcdLeases {
+    fn try_acquire<'a>(
+        &'a self,
+        resource: &'a str,
+        holder: &'a str,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<Acquired, LeaseError>> {
+        Box::pin(async move {
+            let lease_id = self
+                .lease
+                .clone()
+                .grant(ttl_secs(ttl), None)
+                .await
+                .map_err(unavailable)?
+                .id();
+            let lock = self.lock_key(resource);
+            let txn = Txn::new()
+                .when([Compare::create_revision(lock.clone(), CompareOp::Equal, 0)])
+                .and_then([
+                    TxnOp::put(
+                        lock.clone(),
+                        holder,
+                        Some(PutOptions::new().with_lease(lease_id)),
+                    ),
+                    TxnOp::put(self.last_key(resource), holder, None),
+                ])
+                .or_else([TxnOp::get(lock, None)]);
+            let response = match self.kv.clone().txn(txn).await {
+                Ok(response) => response,
+                Err(e) => {
+                    self.revoke(lease_id).await;
+                    return Err(unavailable(e));
+                }
+            };
+            if response.succeeded() {
+                let revision = response.header().map_or(0, |h| h.revision());
+                return Ok(Acquired::Granted(Grant {
+                    resource: resource.to_owned(),
+                    holder: holder.to_owned(),
+                    lease_id: lease_id.to_string(),
+                    token: token_of(revision)?,
+                }));
+            }
+            self.revoke(lease_id).await;
+            let holder = response.op_responses().into_iter().find_map(|r| match r {
+                TxnOpResponse::Get(get) => get
+                    .kvs()
+                    .first()
+                    .and_then(|kv| kv.value_str().ok().map(str::to_owned)),
+                _ => None,
+            });
+            Ok(Acquired::Held { holder })
+        })
+    }
+
+    fn renew<'a>(
+        &'a self,
+        grant: &'a Grant,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<bool, LeaseError>> {
+        Box::pin(async move {
+            let Ok(id) = grant.lease_id.parse::<i64>() else {
+                return Ok(false);
+            };
+            let mut lease = self.lease.clone();
+            // One request, one answer; the client reports a TTL of 0 (expired) as this error.
+            match lease.keep_alive(id).await {
+                Ok(_) => {}
+                Err(etcd_client::Error::LeaseKeepAliveError(_)) => return Ok(false),
+                Err(e) => return Err(unavailable(e)),
+            }
+            let status = lease
+                .time_to_live(id, Some(LeaseTimeToLiveOptions::new().with_keys()))
+                .await
+                .map_err(unavailable)?;
+            let lock = self.lock_key(&grant.resource);
+            if status.ttl() <= 0 || !status.keys().iter().any(|k| *k == lock.as_bytes()) {
+                return Ok(false);
+            }
+            if status.granted_ttl() < ttl_secs(ttl) {
+                return Err(LeaseError::Unavailable(format!(
+                    "the etcd lease was granted for {}s and cannot be renewed for {ttl:?}",
+                    status.granted_ttl()
+                )));
+            }
+            Ok(true)
+        })
+    }
+
+    fn release<'a>(&'a self, grant: &'a Grant) -> BoxFuture<'a, Result<bool, LeaseError>> {
+        Box::pin(async move {
+            let Ok(id) = grant.lease_id.parse::<i64>() else {
+                return Ok(false);
+            };
+            let lock = self.lock_key(&grant.resource);
+            let txn = Txn::new()
+                .when([Compare::lease(lock.clone(), CompareOp::Equal, id)])
+                .and_then([TxnOp::delete(lock, None)]);
+            let response = self.kv.clone().txn(txn).await.map_err(unavailable)?;
+            if response.succeeded() {
+                self.revoke(id).await;
+            }
+            Ok(response.succeeded())
+        })
+    }
+
+    fn latest_token<'a>(
+        &'a self,
+        resource: &'a str,
+    ) -> BoxFuture<'a, Result<Option<u64>, LeaseError>> {
+        Box::pin(async move {
+            let response = self
+                .kv
+                .clone()
+                .get(self.last_key(resource), None)
+                .await
+                .map_err(unavailable)?;
+            response
+                .kvs()
+                .first()
+                .map(|kv| token_of(kv.mod_revision()))
+                .transpose()
+        })
+    }
+
+    fn changed<'a>(&'a self, resource: &'a str) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            let lock = self.lock_key(resource);
+            let Ok(seen) = self.kv.clone().get(lock.clone(), None).await else {
+                // etcd unreachable: the waiter's backoff wakes it.
+                return std::future::pending().await;
+            };
+            if seen.kvs().is_empty() {
+                return;
+            }
+            // From the revision after the read: a delete between the read and the watch's
+            // creation is still delivered.
+            let after = seen.header().map_or(0, |h| h.revision()) + 1;
+            let options = WatchOptions::new()
+                .with_start_revision(after)
+                .with_filters([WatchFilterType::NoPut]);
+            let Ok(mut stream) = self.watch.clone().watch(lock, Some(options)).await else {
+                return std::future::pending().await;
+            };
+            loop {
+                match stream.message().await {
+                    Ok(Some(response)) => {
+                        if response
+                            .events()
+                            .iter()
+                            .any(|e| e.event_type() == EventType::Delete)
+                        {
+                            return;
+                        }
+                        if response.canceled() {
+                            // Compacted past `after`: the key may be gone; let the waiter look.
+                            return;
+                        }
+                    }
+                    // The stream broke: fall back to the waiter's backoff.
+                    Ok(None) | Err(_) => return std::future::pending().await,
+                }
+            }
+        })
+    }
+
+    fn kind(&self) -> &'static str {
+        "etcd"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ttl_rounds_up_to_whole_seconds() {
+        assert_eq!(ttl_secs(Duration::from_millis(1)), 1);
+        assert_eq!(ttl_secs(Duration::from_millis(1000)), 1);
+        assert_eq!(ttl_secs(Duration::from_millis(1001)), 2);
+        assert_eq!(ttl_secs(Duration::from_millis(1500)), 2);
+        assert_eq!(ttl_secs(Duration::ZERO), 1);
+    }
+
+    #[test]
+    fn endpoint_forms() {
+        assert_eq!(
+            endpoints("etcd://a:2379,b:2379").unwrap(),
+            ["http://a:2379", "http://b:2379"]
+        );
+        assert!(endpoints("redis://x").is_err());
+    }
+}

@@ -1,0 +1,363 @@
+//! Leases in PostgreSQL: one row per resource in `<prefix>_leases`, every step one statement
+//! judged on the server's clock (`now()`).
+//!
+//! - acquire: `INSERT ... ON CONFLICT DO UPDATE ... WHERE expires_at <= now()`, raising
+//!   `fencing_token` by one; the row lock serialises racing acquirers and the `WHERE` is
+//!   re-checked against the latest row version, so exactly one of them wins. A resource's first
+//!   grant gets token 1.
+//! - renew: `UPDATE ... WHERE lease_id = $ AND expires_at > now()`: an expired lease is never
+//!   extended.
+//! - release: the row is kept (it holds the counter): holder and lease id are cleared and
+//!   `expires_at` set to `-infinity`, in the same statement as a `NOTIFY`.
+//!
+//! Rows are never deleted, so there is no purge job: deleting a row would restart its tokens
+//! at 1. A row is about 100 bytes per resource ever leased. Tokens are `BIGINT`: exact to 2^63.
+//!
+//! Events: release notifies channel `<prefix>_leases` with the resource as payload (delivered at
+//! commit). One dedicated connection per backend `LISTEN`s and wakes the resource's waiters.
+//! Expiry notifies nothing, so waiters for an expiring lease wake at the end of their backoff.
+//! After the listening connection drops, every waiter is woken once and it reconnects after a
+//! second; releases in that gap are left to backoff.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
+use tokio::sync::{watch, OnceCell};
+use tokio_postgres::{AsyncMessage, NoTls};
+
+use super::backend::{Acquired, Grant, LeaseBackend, LeaseError};
+use super::embedded::{new_lease_id, Waiters};
+use crate::store::BoxFuture;
+
+/// Payloads are limited to 8000 bytes; a longer resource wakes every waiter instead.
+const MAX_PAYLOAD: usize = 7900;
+
+pub struct PostgresLeases {
+    pool: Pool,
+    config: tokio_postgres::Config,
+    /// Table created (idempotently) before the first statement.
+    schema: OnceCell<()>,
+    table: String,
+    channel: String,
+    acquire_sql: String,
+    renew_sql: String,
+    release_sql: String,
+    latest_sql: String,
+    live_sql: String,
+    waiters: Arc<Waiters>,
+    /// The listening task, started by the first `changed()`, and whether it is listening.
+    listener: OnceCell<Listener>,
+}
+
+struct Listener {
+    task: tokio::task::AbortHandle,
+    listening: watch::Receiver<bool>,
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl PostgresLeases {
+    /// `prefix` is validated as an SQL identifier when the config is loaded.
+    pub fn new(url: &str, prefix: &str) -> Result<Self, LeaseError> {
+        let config: tokio_postgres::Config = url
+            .parse()
+            .map_err(|e| LeaseError::Unavailable(format!("bad postgres url: {e}")))?;
+        let manager = Manager::from_config(
+            config.clone(),
+            NoTls,
+            ManagerConfig {
+                recycling_method: RecyclingMethod::Fast,
+            },
+        );
+        let pool = Pool::builder(manager)
+            .max_size(16)
+            .build()
+            .map_err(|e| LeaseError::Unavailable(format!("postgres pool: {e}")))?;
+        let table = format!("{prefix}_leases");
+        // Unquoted identifiers fold to lower case; channel names given as strings do not.
+        let channel = table.to_ascii_lowercase();
+        let ttl = "now() + $4::float8 * interval '1 millisecond'";
+        Ok(PostgresLeases {
+            pool,
+            config,
+            schema: OnceCell::new(),
+            acquire_sql: format!(
+                "WITH granted AS (\
+                   INSERT INTO {table} AS l \
+                     (resource_id, holder_id, lease_id, fencing_token, expires_at, updated_at) \
+                   VALUES ($1, $2, $3, 1, {ttl}, now()) \
+                   ON CONFLICT (resource_id) DO UPDATE \
+                   SET holder_id = EXCLUDED.holder_id, lease_id = EXCLUDED.lease_id, \
+                       fencing_token = l.fencing_token + 1, expires_at = EXCLUDED.expires_at, \
+                       updated_at = now() \
+                   WHERE l.expires_at <= now() \
+                   RETURNING fencing_token) \
+                 SELECT fencing_token, NULL::text FROM granted \
+                 UNION ALL \
+                 SELECT NULL::bigint, holder_id FROM {table} \
+                 WHERE resource_id = $1 AND NOT EXISTS (SELECT 1 FROM granted)"
+            ),
+            renew_sql: format!(
+                "UPDATE {table} SET expires_at = {ttl}, updated_at = now() \
+                 WHERE resource_id = $1 AND lease_id = $2 AND fencing_token = $3 \
+                   AND expires_at > now()"
+            ),
+            release_sql: format!(
+                "WITH released AS (\
+                   UPDATE {table} SET holder_id = NULL, lease_id = NULL, \
+                     expires_at = '-infinity', updated_at = now() \
+                   WHERE resource_id = $1 AND lease_id = $2 AND fencing_token = $3 \
+                     AND expires_at > now() \
+                   RETURNING resource_id) \
+                 SELECT pg_notify('{channel}', \
+                   CASE WHEN octet_length(resource_id) <= {MAX_PAYLOAD} \
+                        THEN resource_id ELSE '' END)::text \
+                 FROM released"
+            ),
+            latest_sql: format!("SELECT fencing_token FROM {table} WHERE resource_id = $1"),
+            live_sql: format!(
+                "SELECT 1 FROM {table} WHERE resource_id = $1 AND expires_at > now()"
+            ),
+            table,
+            channel,
+            waiters: Arc::new(Waiters::default()),
+            listener: OnceCell::new(),
+        })
+    }
+
+    async fn client(&self) -> Result<deadpool_postgres::Object, LeaseError> {
+        let client = self.pool.get().await.map_err(|e| unavailable(&e))?;
+        self.schema
+            .get_or_try_init(|| async {
+                client
+                    .batch_execute(&format!(
+                        "CREATE TABLE IF NOT EXISTS {} (\
+                           resource_id TEXT PRIMARY KEY, \
+                           holder_id TEXT, \
+                           lease_id TEXT, \
+                           fencing_token BIGINT NOT NULL CHECK (fencing_token > 0), \
+                           expires_at TIMESTAMPTZ NOT NULL, \
+                           updated_at TIMESTAMPTZ NOT NULL DEFAULT now())",
+                        self.table
+                    ))
+                    .await
+                    .map_err(|e| unavailable(&e))
+            })
+            .await?;
+        Ok(client)
+    }
+
+    async fn listener(&self) -> &Listener {
+        self.listener
+            .get_or_init(|| async {
+                let (tx, listening) = watch::channel(false);
+                let task = tokio::spawn(listen(
+                    self.config.clone(),
+                    self.channel.clone(),
+                    Arc::clone(&self.waiters),
+                    tx,
+                ))
+                .abort_handle();
+                Listener { task, listening }
+            })
+            .await
+    }
+}
+
+/// Keeps one connection listening on `channel`, reconnecting after a second when it drops.
+async fn listen(
+    config: tokio_postgres::Config,
+    channel: String,
+    waiters: Arc<Waiters>,
+    listening: watch::Sender<bool>,
+) {
+    let listen_sql = format!("LISTEN \"{channel}\"");
+    loop {
+        match config.connect(NoTls).await {
+            Ok((client, mut connection)) => {
+                let dispatch = Arc::clone(&waiters);
+                // The connection yields notifications only while polled; this also drives the
+                // LISTEN below.
+                let mut driver = tokio::spawn(async move {
+                    loop {
+                        match std::future::poll_fn(|cx| connection.poll_message(cx)).await {
+                            Some(Ok(AsyncMessage::Notification(n))) => match n.payload() {
+                                "" => dispatch.wake_all(),
+                                resource => dispatch.wake(resource),
+                            },
+                            Some(Ok(_)) => {}
+                            Some(Err(_)) | None => return,
+                        }
+                    }
+                });
+                let listened = tokio::select! {
+                    r = client.batch_execute(&listen_sql) => r.is_ok(),
+                    _ = &mut driver => false,
+                };
+                if listened {
+                    listening.send_replace(true);
+                    let _ = (&mut driver).await;
+                }
+                driver.abort();
+                drop(client);
+                listening.send_replace(false);
+                // Notifications may have been lost: let every waiter look again.
+                waiters.wake_all();
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "postgres lease listener cannot connect");
+            }
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+fn unavailable(e: &dyn std::fmt::Display) -> LeaseError {
+    LeaseError::Unavailable(format!("postgres: {e}"))
+}
+
+fn token_of(v: i64) -> Result<u64, LeaseError> {
+    u64::try_from(v)
+        .map_err(|_| LeaseError::Unavailable(format!("postgres holds a negative token {v}")))
+}
+
+fn ttl_ms(ttl: Duration) -> f64 {
+    ttl.as_secs_f64() * 1000.0
+}
+
+impl LeaseBackend for PostgresLeases {
+    fn try_acquire<'a>(
+        &'a self,
+        resource: &'a str,
+        holder: &'a str,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<Acquired, LeaseError>> {
+        Box::pin(async move {
+            let client = self.client().await?;
+            let statement = client
+                .prepare_cached(&self.acquire_sql)
+                .await
+                .map_err(|e| unavailable(&e))?;
+            let lease_id = new_lease_id();
+            let row = client
+                .query_opt(&statement, &[&resource, &holder, &lease_id, &ttl_ms(ttl)])
+                .await
+                .map_err(|e| unavailable(&e))?;
+            let Some(row) = row else {
+                // Held by a row committed after this statement's snapshot.
+                return Ok(Acquired::Held { holder: None });
+            };
+            let token: Option<i64> = row.get(0);
+            match token {
+                Some(token) => Ok(Acquired::Granted(Grant {
+                    resource: resource.to_owned(),
+                    holder: holder.to_owned(),
+                    lease_id,
+                    token: token_of(token)?,
+                })),
+                None => Ok(Acquired::Held { holder: row.get(1) }),
+            }
+        })
+    }
+
+    fn renew<'a>(
+        &'a self,
+        grant: &'a Grant,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<bool, LeaseError>> {
+        Box::pin(async move {
+            let Ok(token) = i64::try_from(grant.token) else {
+                return Ok(false);
+            };
+            let client = self.client().await?;
+            let statement = client
+                .prepare_cached(&self.renew_sql)
+                .await
+                .map_err(|e| unavailable(&e))?;
+            let n = client
+                .execute(
+                    &statement,
+                    &[&grant.resource, &grant.lease_id, &token, &ttl_ms(ttl)],
+                )
+                .await
+                .map_err(|e| unavailable(&e))?;
+            Ok(n == 1)
+        })
+    }
+
+    fn release<'a>(&'a self, grant: &'a Grant) -> BoxFuture<'a, Result<bool, LeaseError>> {
+        Box::pin(async move {
+            let Ok(token) = i64::try_from(grant.token) else {
+                return Ok(false);
+            };
+            let client = self.client().await?;
+            let statement = client
+                .prepare_cached(&self.release_sql)
+                .await
+                .map_err(|e| unavailable(&e))?;
+            let rows = client
+                .query(&statement, &[&grant.resource, &grant.lease_id, &token])
+                .await
+                .map_err(|e| unavailable(&e))?;
+            Ok(rows.len() == 1)
+        })
+    }
+
+    fn latest_token<'a>(
+        &'a self,
+        resource: &'a str,
+    ) -> BoxFuture<'a, Result<Option<u64>, LeaseError>> {
+        Box::pin(async move {
+            let client = self.client().await?;
+            let statement = client
+                .prepare_cached(&self.latest_sql)
+                .await
+                .map_err(|e| unavailable(&e))?;
+            let row = client
+                .query_opt(&statement, &[&resource])
+                .await
+                .map_err(|e| unavailable(&e))?;
+            row.map(|r| token_of(r.get(0))).transpose()
+        })
+    }
+
+    fn changed<'a>(&'a self, resource: &'a str) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            let mut listening = self.listener().await.listening.clone();
+            // Not listening (PostgreSQL down?): wait for the listener; backoff wakes meanwhile.
+            if listening.wait_for(|l| *l).await.is_err() {
+                return std::future::pending().await;
+            }
+            // Listening and registered before looking: a release after the look wakes us.
+            let registration = self.waiters.register(resource);
+            let notified = registration.notify().notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let live = async {
+                let client = self.client().await?;
+                let statement = client
+                    .prepare_cached(&self.live_sql)
+                    .await
+                    .map_err(|e| unavailable(&e))?;
+                let row = client
+                    .query_opt(&statement, &[&resource])
+                    .await
+                    .map_err(|e| unavailable(&e))?;
+                Ok::<_, LeaseError>(row.is_some())
+            };
+            if matches!(live.await, Ok(false)) {
+                return;
+            }
+            notified.await;
+        })
+    }
+
+    fn kind(&self) -> &'static str {
+        "postgres"
+    }
+}
