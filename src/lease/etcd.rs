@@ -51,9 +51,12 @@ impl EtcdLeases {
             .with_connect_timeout(Duration::from_secs(1))
             .with_timeout(Duration::from_secs(2))
             .with_keep_alive(Duration::from_secs(5), Duration::from_secs(2));
-        let client = Client::connect(endpoints(url)?, Some(options))
-            .await
-            .map_err(unavailable)?;
+        let client = Client::connect(
+            crate::store::etcd_endpoints(url).map_err(LeaseError::Unavailable)?,
+            Some(options),
+        )
+        .await
+        .map_err(unavailable)?;
         Ok(EtcdLeases {
             kv: client.kv_client(),
             lease: client.lease_client(),
@@ -76,28 +79,6 @@ impl EtcdLeases {
             tracing::debug!(lease = id, error = %e, "etcd lease revoke failed");
         }
     }
-}
-
-/// The same URL forms as the etcd fence store.
-fn endpoints(url: &str) -> Result<Vec<String>, LeaseError> {
-    let rest = url
-        .strip_prefix("etcd://")
-        .or_else(|| url.strip_prefix("http://"))
-        .ok_or_else(|| {
-            LeaseError::Unavailable(format!(
-                "etcd url must start with etcd:// or http://: {url}"
-            ))
-        })?;
-    let endpoints: Vec<String> = rest
-        .trim_end_matches('/')
-        .split(',')
-        .filter(|e| !e.is_empty())
-        .map(|e| format!("http://{e}"))
-        .collect();
-    if endpoints.is_empty() {
-        return Err(LeaseError::Unavailable("etcd url names no endpoint".into()));
-    }
-    Ok(endpoints)
 }
 
 fn unavailable(e: etcd_client::Error) -> LeaseError {
@@ -299,14 +280,5 @@ mod tests {
         assert_eq!(ttl_secs(Duration::from_millis(1001)), 2);
         assert_eq!(ttl_secs(Duration::from_millis(1500)), 2);
         assert_eq!(ttl_secs(Duration::ZERO), 1);
-    }
-
-    #[test]
-    fn endpoint_forms() {
-        assert_eq!(
-            endpoints("etcd://a:2379,b:2379").unwrap(),
-            ["http://a:2379", "http://b:2379"]
-        );
-        assert!(endpoints("redis://x").is_err());
     }
 }

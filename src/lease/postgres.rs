@@ -22,7 +22,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
+use deadpool_postgres::Pool;
 use tokio::sync::{watch, OnceCell};
 use tokio_postgres::{AsyncMessage, NoTls};
 
@@ -64,20 +64,7 @@ impl Drop for Listener {
 impl PostgresLeases {
     /// `prefix` is validated as an SQL identifier when the config is loaded.
     pub fn new(url: &str, prefix: &str) -> Result<Self, LeaseError> {
-        let config: tokio_postgres::Config = url
-            .parse()
-            .map_err(|e| LeaseError::Unavailable(format!("bad postgres url: {e}")))?;
-        let manager = Manager::from_config(
-            config.clone(),
-            NoTls,
-            ManagerConfig {
-                recycling_method: RecyclingMethod::Fast,
-            },
-        );
-        let pool = Pool::builder(manager)
-            .max_size(16)
-            .build()
-            .map_err(|e| LeaseError::Unavailable(format!("postgres pool: {e}")))?;
+        let (pool, config) = crate::store::postgres_pool(url).map_err(LeaseError::Unavailable)?;
         let table = format!("{prefix}_leases");
         // Unquoted identifiers fold to lower case; channel names given as strings do not.
         let channel = table.to_ascii_lowercase();

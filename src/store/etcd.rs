@@ -22,7 +22,7 @@ pub struct EtcdRemote {
 impl EtcdRemote {
     /// `url`: `etcd://host:port[,host:port...]` or `http://host:port[,...]`.
     pub async fn connect(url: &str, prefix: &str) -> Result<Self, StoreError> {
-        let endpoints = endpoints(url)?;
+        let endpoints = endpoints(url).map_err(StoreError::Unavailable)?;
         let options = ConnectOptions::new()
             .with_connect_timeout(std::time::Duration::from_secs(1))
             .with_timeout(std::time::Duration::from_secs(2))
@@ -44,15 +44,13 @@ impl EtcdRemote {
     }
 }
 
-pub fn endpoints(url: &str) -> Result<Vec<String>, StoreError> {
+/// `etcd://host:port[,host:port...]` or `http://...`, as endpoint URLs. Shared with the etcd
+/// lease backend, so both accept the same forms.
+pub(crate) fn endpoints(url: &str) -> Result<Vec<String>, String> {
     let rest = url
         .strip_prefix("etcd://")
         .or_else(|| url.strip_prefix("http://"))
-        .ok_or_else(|| {
-            StoreError::Unavailable(format!(
-                "etcd url must start with etcd:// or http://: {url}"
-            ))
-        })?;
+        .ok_or_else(|| format!("etcd url must start with etcd:// or http://: {url}"))?;
     let endpoints: Vec<String> = rest
         .trim_end_matches('/')
         .split(',')
@@ -60,7 +58,7 @@ pub fn endpoints(url: &str) -> Result<Vec<String>, StoreError> {
         .map(|e| format!("http://{e}"))
         .collect();
     if endpoints.is_empty() {
-        return Err(StoreError::Unavailable("etcd url names no endpoint".into()));
+        return Err("etcd url names no endpoint".into());
     }
     Ok(endpoints)
 }

@@ -13,7 +13,9 @@ use std::pin::Pin;
 use std::sync::Arc;
 
 pub use embedded::EmbeddedStore;
+pub(crate) use etcd::endpoints as etcd_endpoints;
 pub use memory::MemoryStore;
+pub(crate) use postgres::pool as postgres_pool;
 
 use crate::config::{EqualTokens, StoreConfig, StoreKind};
 

@@ -26,20 +26,7 @@ pub struct PostgresRemote {
 impl PostgresRemote {
     /// `prefix` is validated as an SQL identifier when the config is loaded.
     pub fn new(url: &str, prefix: &str) -> Result<Self, StoreError> {
-        let config: tokio_postgres::Config = url
-            .parse()
-            .map_err(|e| StoreError::Unavailable(format!("bad postgres url: {e}")))?;
-        let manager = Manager::from_config(
-            config,
-            NoTls,
-            ManagerConfig {
-                recycling_method: RecyclingMethod::Fast,
-            },
-        );
-        let pool = Pool::builder(manager)
-            .max_size(16)
-            .build()
-            .map_err(|e| StoreError::Unavailable(format!("postgres pool: {e}")))?;
+        let (pool, _) = pool(url).map_err(StoreError::Unavailable)?;
         let table = format!("{prefix}_fences");
         Ok(PostgresRemote {
             pool,
@@ -74,6 +61,25 @@ impl PostgresRemote {
             .await?;
         Ok(client)
     }
+}
+
+/// A connection pool for `url` (at most 16 connections), shared in shape with the
+/// PostgreSQL lease backend; also returns the parsed config for dedicated connections.
+pub(crate) fn pool(url: &str) -> Result<(Pool, tokio_postgres::Config), String> {
+    let config: tokio_postgres::Config =
+        url.parse().map_err(|e| format!("bad postgres url: {e}"))?;
+    let manager = Manager::from_config(
+        config.clone(),
+        NoTls,
+        ManagerConfig {
+            recycling_method: RecyclingMethod::Fast,
+        },
+    );
+    let pool = Pool::builder(manager)
+        .max_size(16)
+        .build()
+        .map_err(|e| format!("postgres pool: {e}"))?;
+    Ok((pool, config))
 }
 
 fn unavailable(e: &dyn std::fmt::Display) -> StoreError {
