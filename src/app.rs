@@ -259,19 +259,23 @@ impl LeaseSide {
             move |req, _peer| Arc::clone(&api).handle(req),
             draining,
         ));
-        if let Some((listener, proxy)) = self.egress_listener {
-            serve(
-                listener,
-                settings,
-                move |req, peer| Arc::clone(&proxy).handle(req, peer),
-                wait_for(stopped),
-            )
-            .await;
+        match self.egress_listener {
+            Some((listener, proxy)) => {
+                serve(
+                    listener,
+                    settings,
+                    move |req, peer| Arc::clone(&proxy).handle(req, peer),
+                    wait_for(stopped),
+                )
+                .await
+            }
+            None => wait_for(stopped).await,
         }
-        let _ = api_task.await;
-        // In-flight work is done (or its drain timed out): now give the leases back.
+        // In-flight work is done (or its drain timed out): now give the leases back. Event
+        // streams see `released`, then end, which lets the lease API's drain finish.
         agent.release_all().await;
         tracing::info!("leases released");
+        let _ = api_task.await;
     }
 }
 

@@ -105,11 +105,12 @@ pub fn main() -> ExitCode {
             Ok(c)
         }) {
             Ok(c) => {
-                println!("# {}: valid", config.display());
+                let mut out = String::new();
+                out.push_str(&format!("# {}: valid\n", config.display()));
                 if let Some(leases) = &c.leases {
                     let ttl = &leases.ttl;
-                    println!(
-                        "# leases: ttl {}ms (minimum {}ms), renew every {}ms, local deadline ttl - {}ms, drain timeout {}ms{}",
+                    out.push_str(&format!(
+                        "# leases: ttl {}ms (minimum {}ms), renew every {}ms, local deadline ttl - {}ms, drain timeout {}ms{}\n",
                         ttl.ttl.as_millis(),
                         ttl.minimum.as_millis(),
                         ttl.renew_every().as_millis(),
@@ -118,9 +119,11 @@ pub fn main() -> ExitCode {
                         ttl.p99_work
                             .map(|w| format!(", dedup window {}ms", (ttl.ttl + w).as_millis()))
                             .unwrap_or_default()
-                    );
+                    ));
                 }
-                print!("{}", c.to_yaml());
+                out.push_str(&c.to_yaml());
+                // A closed pipe (`check | head`) is not an error worth a panic.
+                let _ = std::io::Write::write_all(&mut std::io::stdout(), out.as_bytes());
                 ExitCode::SUCCESS
             }
             Err(e) => {

@@ -103,6 +103,15 @@ fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
     if format!("{:?}", old.store) != format!("{:?}", new.store) {
         changed.push("store");
     }
+    if old.fence.authority != new.fence.authority {
+        changed.push("fence.authority");
+    }
+    if format!("{:?}", old.leases) != format!("{:?}", new.leases) {
+        changed.push("leases");
+    }
+    if format!("{:?}", old.egress) != format!("{:?}", new.egress) {
+        changed.push("egress");
+    }
     let (a, b) = (&old.limits, &new.limits);
     if (a.max_header_bytes, a.max_headers, a.max_connections)
         != (b.max_header_bytes, b.max_headers, b.max_connections)

@@ -89,19 +89,43 @@ impl<'de> Deserialize<'de> for BackendConfig {
 
 /// The lease TTL: given, or derived from latency budgets (design: TTL = p99 work + p99 RTT +
 /// safety margin + drift buffer, rounded up).
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone)]
 pub struct LeaseTtl {
-    #[serde(with = "humantime_serde")]
     pub ttl: Duration,
     /// Subtracted from the local validity deadline to absorb clock-rate drift.
-    #[serde(with = "humantime_serde")]
     pub drift_buffer: Duration,
     /// The p99 work latency when derived, for the dedup window (TTL + p99 work).
-    #[serde(with = "humantime_serde", skip_serializing_if = "Option::is_none")]
     pub p99_work: Option<Duration>,
     /// The derived minimum; API requests asking for less are refused.
-    #[serde(with = "humantime_serde")]
     pub minimum: Duration,
+    /// As written, so the effective config printed by `check` loads again.
+    source: TtlSource,
+}
+
+#[derive(Debug, Clone, Serialize)]
+#[serde(untagged)]
+enum TtlSource {
+    Plain(#[serde(with = "humantime_serde")] Duration),
+    Derived {
+        #[serde(with = "humantime_serde")]
+        p99_work: Duration,
+        #[serde(with = "humantime_serde")]
+        p99_rtt: Duration,
+        #[serde(with = "humantime_serde")]
+        safety_margin: Duration,
+        #[serde(with = "humantime_serde")]
+        drift_buffer: Duration,
+        #[serde(with = "humantime_serde")]
+        round_to: Duration,
+        #[serde(with = "humantime_serde")]
+        ttl: Duration,
+    },
+}
+
+impl Serialize for LeaseTtl {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.source.serialize(s)
+    }
 }
 
 enum RawTtl {
@@ -146,6 +170,7 @@ impl TryFrom<RawTtl> for LeaseTtl {
                     drift_buffer,
                     p99_work: None,
                     minimum: ttl,
+                    source: TtlSource::Plain(ttl),
                 })
             }
             RawTtl::Derived(d) => {
@@ -171,6 +196,14 @@ impl TryFrom<RawTtl> for LeaseTtl {
                     drift_buffer: d.drift_buffer,
                     p99_work: Some(d.p99_work),
                     minimum: derived.ttl,
+                    source: TtlSource::Derived {
+                        p99_work: d.p99_work,
+                        p99_rtt: d.p99_rtt,
+                        safety_margin: d.safety_margin,
+                        drift_buffer: d.drift_buffer,
+                        round_to: d.round_to,
+                        ttl,
+                    },
                 })
             }
         }

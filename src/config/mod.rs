@@ -585,8 +585,11 @@ impl Config {
 
     /// Parses configuration text; the error names line, column and field path.
     pub fn parse(text: &str) -> Result<Config, String> {
-        let config = serde_yaml::from_str::<Config>(text).map_err(|e| e.to_string())?;
+        let mut config = serde_yaml::from_str::<Config>(text).map_err(|e| e.to_string())?;
         config.check_sections()?;
+        if let Some(leases) = &mut config.leases {
+            leases.drain_timeout = Some(leases.drain_timeout());
+        }
         Ok(config)
     }
 

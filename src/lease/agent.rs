@@ -28,6 +28,18 @@ pub enum State {
     Released,
 }
 
+impl State {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            State::Acquiring => "acquiring",
+            State::Held => "held",
+            State::Draining => "draining",
+            State::Expired => "expired",
+            State::Released => "released",
+        }
+    }
+}
+
 /// A lease transition or renewal, as sent on the events stream.
 #[derive(Debug, Clone, Serialize)]
 pub struct Event {
@@ -100,6 +112,9 @@ pub struct Agent {
     leases: Mutex<HashMap<String, Arc<Lease>>>,
     events: broadcast::Sender<Event>,
     draining: std::sync::atomic::AtomicBool,
+    /// Flips to true once every lease has been released at shutdown, so event streams end
+    /// (after sending `released`) and do not hold the drain.
+    closed: watch::Sender<bool>,
     metrics: Arc<Metrics>,
 }
 
@@ -117,6 +132,7 @@ impl Agent {
             leases: Mutex::default(),
             events: broadcast::channel(1024).0,
             draining: std::sync::atomic::AtomicBool::new(false),
+            closed: watch::channel(false).0,
             metrics,
         })
     }
@@ -131,6 +147,14 @@ impl Agent {
 
     pub fn subscribe(&self) -> broadcast::Receiver<Event> {
         self.events.subscribe()
+    }
+
+    /// Resolves once shutdown has released every lease.
+    pub fn closed(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let mut rx = self.closed.subscribe();
+        async move {
+            let _ = rx.wait_for(|d| *d).await;
+        }
     }
 
     pub fn get(&self, resource: &str) -> Option<Arc<Lease>> {
@@ -316,13 +340,15 @@ impl Agent {
         self.emit("lost", lease);
     }
 
-    /// Releases a lease held here. `None` if this agent holds nothing for `resource`.
+    /// Releases a lease held here. `None` if this agent holds nothing valid for `resource`
+    /// (never acquired, already released, or lost: a lost lease is forgotten here and given
+    /// back to the backend in case it still has it, but it was not held).
     pub async fn release(&self, resource: &str) -> Option<Result<Arc<Lease>, LeaseError>> {
         let lease = self.leases.lock().expect("leases lock").remove(resource)?;
         if let Some(renewer) = lease.renewer.lock().expect("renewer lock").take() {
             renewer.abort();
         }
-        let was_held = lease.state() == State::Held;
+        let was_held = matches!(lease.state(), State::Held | State::Draining);
         lease.set(State::Released, Instant::now());
         self.metrics
             .lease
@@ -331,6 +357,9 @@ impl Agent {
             .set(0);
         // A lost lease is released too: harmless if someone else holds it (compare-and-delete).
         let released = self.backend.release(&lease.grant).await;
+        if !was_held {
+            return None;
+        }
         match &released {
             Ok(_) => self.emit("released", &lease),
             Err(e) => tracing::warn!(
@@ -368,6 +397,7 @@ impl Agent {
         for resource in resources {
             let _ = self.release(&resource).await;
         }
+        self.closed.send_replace(true);
     }
 
     fn emit(&self, event: &'static str, lease: &Lease) {
@@ -380,14 +410,15 @@ impl Agent {
             ttl_ms: lease.ttl.as_millis(),
             state: lease.snapshot.borrow().state,
         };
-        if event != "renewed" {
+        // One line per transition: `lost` and `renew_failed` have their own, with the reason.
+        if matches!(event, "held" | "released") {
             tracing::info!(
                 resource = e.resource,
                 holder_id = e.holder,
                 lease_id = e.lease_id,
                 fencing_token = e.fencing_token,
                 ttl_ms = e.ttl_ms as u64,
-                state = ?e.state,
+                state = e.state.as_str(),
                 "lease {event}"
             );
         }

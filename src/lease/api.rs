@@ -212,14 +212,23 @@ impl LeaseApi {
         let mut updates = self.agent.subscribe();
         let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(16);
         let current = self.agent.get(&resource).map(|l| view(&l));
+        let closed = self.agent.closed();
         tokio::spawn(async move {
+            tokio::pin!(closed);
             if let Some(current) = current {
                 if tx.send(sse("state", &current)).await.is_err() {
                     return;
                 }
             }
             loop {
-                match updates.recv().await {
+                let update = tokio::select! {
+                    // Pending events first, so `released` is sent before the stream ends.
+                    biased;
+                    update = updates.recv() => update,
+                    // Shut down (every lease released and announced): end the stream.
+                    () = &mut closed => return,
+                };
+                match update {
                     Ok(event) if event.resource == resource => {
                         let data = serde_json::to_value(&event).unwrap_or_default();
                         if tx.send(sse(event.event, &data)).await.is_err() {

@@ -132,10 +132,10 @@ impl Proxy {
             Arc::clone(&self.metrics),
             client,
         );
+        // Fencing against leases is part of the running process, not of the reloadable part:
+        // a reload never turns it off (nor on: that needs a restart, and the log says so).
         proxy.attach = self.attach.clone();
-        if config.fence.authority == crate::config::Authority::Leases {
-            proxy.authority = self.authority.clone();
-        }
+        proxy.authority = self.authority.clone();
         Ok(proxy)
     }
 
@@ -388,7 +388,7 @@ impl Proxy {
         let (backend, seen) = self.authority.as_ref()?;
         if let Some(floor) = seen.get(resource) {
             if token < floor {
-                return Some(Refusal::Stale { current: floor });
+                return Some(Refusal::Superseded { latest: floor });
             }
         }
         let latest =
@@ -397,7 +397,7 @@ impl Proxy {
             Ok(Ok(Some(latest))) => {
                 seen.observe(resource, latest);
                 match token.cmp(&latest) {
-                    std::cmp::Ordering::Less => Some(Refusal::Stale { current: latest }),
+                    std::cmp::Ordering::Less => Some(Refusal::Superseded { latest }),
                     std::cmp::Ordering::Greater => Some(Refusal::Unissued {
                         latest: Some(latest),
                     }),
@@ -529,7 +529,8 @@ impl Proxy {
         let (status, kind, _, outcome) = refusal.kind();
         self.metrics_for(route).outcome(outcome).inc();
         let current_token = match refusal {
-            Refusal::Stale { current } => Some(current),
+            Refusal::Stale { current } | Refusal::Superseded { latest: current } => Some(current),
+            Refusal::Unissued { latest } => latest,
             _ => None,
         };
         tracing::warn!(

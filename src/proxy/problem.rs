@@ -25,6 +25,10 @@ pub enum Refusal {
     Stale {
         current: u64,
     },
+    /// Authoritative mode: a newer lease was granted (whether or not its holder wrote yet).
+    Superseded {
+        latest: u64,
+    },
     /// Authoritative mode: a token no lease grant has issued (yet).
     Unissued {
         latest: Option<u64>,
@@ -76,7 +80,7 @@ impl Refusal {
                 "Fencing token required",
                 Outcome::TokenRequired,
             ),
-            Refusal::Stale { .. } => (
+            Refusal::Stale { .. } | Refusal::Superseded { .. } => (
                 StatusCode::CONFLICT,
                 "urn:fencegate:stale-token",
                 "Stale fencing token",
@@ -151,6 +155,12 @@ impl Refusal {
                     )
                 }
             }
+            Refusal::Superseded { latest } => format!(
+                "token {} is below {latest}, the latest lease granted for {}: a newer holder \
+                 has the lease, even if it has not written yet",
+                subject.token.unwrap_or_default(),
+                subject.resource.unwrap_or("this resource")
+            ),
             Refusal::Unissued { latest } => match latest {
                 Some(latest) => format!(
                     "token {} is above {latest}, the latest lease granted for {}: no lease \
@@ -203,7 +213,9 @@ impl Refusal {
             body["token"] = token.into();
         }
         match self {
-            Refusal::Stale { current } => body["current_token"] = (*current).into(),
+            Refusal::Stale { current } | Refusal::Superseded { latest: current } => {
+                body["current_token"] = (*current).into()
+            }
             Refusal::Unissued {
                 latest: Some(latest),
             } => body["current_token"] = (*latest).into(),
@@ -217,7 +229,7 @@ impl Refusal {
             HeaderValue::from_static("application/problem+json"),
         );
         match self {
-            Refusal::Stale { current } => {
+            Refusal::Stale { current } | Refusal::Superseded { latest: current } => {
                 headers.insert(TOKEN_CURRENT, HeaderValue::from(*current));
             }
             Refusal::StoreUnavailable(_) | Refusal::BarrierTimeout | Refusal::LeaseNotHeld => {
