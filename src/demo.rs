@@ -3,7 +3,8 @@
 //! A toy ledger (which trusts every write it gets), fencegate in front of it with the memory
 //! store, a toy lock service with a short TTL, and two workers. Worker 1 writes with token 33
 //! and stalls past its lease; worker 2 gets the lease with token 34 and writes; worker 1 wakes
-//! up and writes again with token 33, and fencegate refuses it with 409.
+//! up and writes again with token 33, and fencegate refuses it with 409. Act two repeats the
+//! story with real leases: lease API, renewal, local deadline and egress.
 
 use std::process::ExitCode;
 use std::sync::{Arc, Mutex};
@@ -18,8 +19,12 @@ use tokio::net::TcpListener;
 
 use crate::app::Server;
 use crate::config::Config;
+use crate::lease::agent::Agent;
+use crate::lease::{Acquired, Grant, LeaseBackend, LeaseError};
 use crate::proxy::body::ProxyBody;
+use crate::proxy::Proxy;
 use crate::server::{serve, ServerSettings};
+use crate::store::BoxFuture;
 
 const LEASE_TTL: Duration = Duration::from_millis(300);
 
@@ -53,7 +58,11 @@ impl Locks {
 type Ledger = Arc<Mutex<Vec<(String, String)>>>;
 
 pub async fn run() -> ExitCode {
-    match scenario().await {
+    if let Err(e) = scenario().await {
+        eprintln!("demo failed: {e}");
+        return ExitCode::from(1);
+    }
+    match act_two().await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("demo failed: {e}");
@@ -210,4 +219,262 @@ async fn start_ledger(ledger: Ledger) -> Result<std::net::SocketAddr, String> {
         std::future::pending(),
     ));
     Ok(addr)
+}
+
+/// A lock service link that can be cut, as a network partition would.
+struct Link {
+    inner: Arc<dyn LeaseBackend>,
+    cut: std::sync::atomic::AtomicBool,
+}
+
+impl LeaseBackend for Link {
+    fn try_acquire<'a>(
+        &'a self,
+        resource: &'a str,
+        holder: &'a str,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<Acquired, LeaseError>> {
+        match self.check() {
+            Ok(()) => self.inner.try_acquire(resource, holder, ttl),
+            Err(e) => Box::pin(std::future::ready(Err(e))),
+        }
+    }
+    fn renew<'a>(
+        &'a self,
+        grant: &'a Grant,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<bool, LeaseError>> {
+        match self.check() {
+            Ok(()) => self.inner.renew(grant, ttl),
+            Err(e) => Box::pin(std::future::ready(Err(e))),
+        }
+    }
+    fn release<'a>(&'a self, grant: &'a Grant) -> BoxFuture<'a, Result<bool, LeaseError>> {
+        self.inner.release(grant)
+    }
+    fn latest_token<'a>(
+        &'a self,
+        resource: &'a str,
+    ) -> BoxFuture<'a, Result<Option<u64>, LeaseError>> {
+        self.inner.latest_token(resource)
+    }
+    fn changed<'a>(&'a self, resource: &'a str) -> BoxFuture<'a, ()> {
+        self.inner.changed(resource)
+    }
+    fn kind(&self) -> &'static str {
+        self.inner.kind()
+    }
+}
+
+impl Link {
+    fn check(&self) -> Result<(), LeaseError> {
+        if self.cut.load(std::sync::atomic::Ordering::SeqCst) {
+            Err(LeaseError::Unavailable("network partition".into()))
+        } else {
+            Ok(())
+        }
+    }
+}
+
+/// Act two: real leases. Each worker's sidecar acquires through the lease API, renews, and
+/// attaches the token to the worker's writes (egress); the workers never see a token. Worker
+/// 1's sidecar is cut off from the lock service: it declares the lease lost at its local
+/// deadline and refuses worker 1's late write itself.
+async fn act_two() -> Result<(), String> {
+    let t = Timeline(Instant::now());
+    println!(
+        "\nAct two: the same story with real leases (embedded lock service, lease API, egress)\n"
+    );
+    let dir = std::env::temp_dir().join(format!("fencegate-demo-{}", std::process::id()));
+    let ledger: Ledger = Arc::default();
+    let ledger_addr = start_ledger(Arc::clone(&ledger)).await?;
+    let fence_config = Config::parse(&format!(
+        "listen: 127.0.0.1:0\nadmin: 127.0.0.1:0\nupstream: http://{ledger_addr}\n\
+         store: {{ kind: memory }}\n\
+         routes:\n  - {{ name: accounts, path: '/accounts/{{id}}', resource: 'account:{{id}}' }}\n"
+    ))?;
+    let fence = Server::start(&fence_config).await?;
+    t.say(
+        "fencegate",
+        format!("fence in front of the ledger on {}", fence.listen),
+    );
+
+    // One lock service, two sidecars (one per worker pod), each with its own link to it.
+    let sidecar_config = Config::parse(&format!(
+        "upstream: http://127.0.0.1:1\nstore: {{ kind: memory }}\n\
+         leases:\n  backend: {{ kind: embedded, path: {} }}\n  ttl: 600ms\n\
+         egress:\n  listen: 127.0.0.1:0\n  upstream: http://{}\n  \
+         routes: [{{ path: '/accounts/{{id}}', lease: 'account:{{id}}' }}]\n",
+        dir.join("leases.db").display(),
+        fence.listen
+    ))?;
+    let leases = sidecar_config.leases.clone().ok_or("leases section")?;
+    let lock_service = crate::lease::open(&leases.backend)
+        .await
+        .map_err(|e| e.to_string())?;
+    let metrics = Arc::new(
+        crate::metrics::Metrics::new(prometheus::Registry::new()).map_err(|e| e.to_string())?,
+    );
+    let mut sidecars = Vec::new();
+    for _ in 0..2 {
+        let link = Arc::new(Link {
+            inner: Arc::clone(&lock_service),
+            cut: std::sync::atomic::AtomicBool::new(false),
+        });
+        let agent = Agent::new(
+            link.clone(),
+            leases.ttl.clone(),
+            leases.acquire.clone(),
+            Arc::clone(&metrics),
+        );
+        let egress = sidecar_config.egress.as_ref().ok_or("egress section")?;
+        let proxy = Arc::new(Proxy::egress(
+            &sidecar_config,
+            egress,
+            Arc::clone(&agent),
+            Arc::clone(&metrics),
+        )?);
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .map_err(|e| e.to_string())?;
+        let addr = listener.local_addr().map_err(|e| e.to_string())?;
+        tokio::spawn(serve(
+            listener,
+            ServerSettings {
+                tls: None,
+                header_read: Duration::from_secs(5),
+                max_header_bytes: 16 * 1024,
+                max_headers: 100,
+                max_connections: 64,
+                drain: Duration::from_secs(1),
+            },
+            move |req, peer| Arc::clone(&proxy).handle(req, peer),
+            std::future::pending(),
+        ));
+        sidecars.push((agent, link, addr));
+    }
+    let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+    let write = |addr: std::net::SocketAddr, balance: u32| {
+        let client = client.clone();
+        async move {
+            // The worker sends no token: its sidecar attaches the lease's.
+            let req = Request::builder()
+                .method(Method::PUT)
+                .uri(format!("http://{addr}/accounts/42"))
+                .body(Full::new(Bytes::from(format!("{{\"balance\":{balance}}}"))))
+                .expect("valid request");
+            let resp = client.request(req).await.map_err(|e| e.to_string())?;
+            let status = resp.status();
+            let body = resp
+                .into_body()
+                .collect()
+                .await
+                .map_err(|e| e.to_string())?;
+            Ok::<_, String>((
+                status,
+                String::from_utf8_lossy(&body.to_bytes()).into_owned(),
+            ))
+        }
+    };
+    let (w1, link1, addr1) = &sidecars[0];
+    let (w2, _, addr2) = &sidecars[1];
+
+    let lease1 = w1
+        .acquire("account:42", "worker-1", None, Duration::ZERO)
+        .await
+        .map_err(|e| format!("{e:?}"))?;
+    t.say(
+        "sidecar-1",
+        format!(
+            "lease on account:42 for worker-1, fencing token {}, renewed every {}ms",
+            lease1.grant.token,
+            (lease1.ttl / 3).as_millis()
+        ),
+    );
+    let (status, _) = write(*addr1, 100).await?;
+    t.say(
+        "worker-1",
+        format!(
+            "PUT /accounts/42 balance=100 (no token; sidecar attaches {}) -> {status}",
+            lease1.grant.token
+        ),
+    );
+
+    link1.cut.store(true, std::sync::atomic::Ordering::SeqCst);
+    t.say(
+        "network",
+        "sidecar-1 is cut off from the lock service; worker-1 carries on",
+    );
+    let lease2 = w2
+        .acquire("account:42", "worker-2", None, Duration::from_secs(10))
+        .await
+        .map_err(|e| format!("{e:?}"))?;
+    t.say(
+        "sidecar-2",
+        format!(
+            "lease expired at the lock service; granted to worker-2, fencing token {}",
+            lease2.grant.token
+        ),
+    );
+    t.say(
+        "sidecar-1",
+        format!(
+            "lease declared lost at its local deadline (state: {})",
+            lease1.state().as_str()
+        ),
+    );
+    let (status, _) = write(*addr2, 150).await?;
+    t.say(
+        "worker-2",
+        format!(
+            "PUT /accounts/42 balance=150 (sidecar attaches {}) -> {status}",
+            lease2.grant.token
+        ),
+    );
+    let (late, body) = write(*addr1, 90).await?;
+    t.say(
+        "worker-1",
+        format!("PUT /accounts/42 balance=90 -> {late} from its own sidecar"),
+    );
+    println!("{:>22}{body}", "");
+
+    // Had it gone around its sidecar with the old token, the fence would still refuse it.
+    let bypass = Request::builder()
+        .method(Method::PUT)
+        .uri(format!("http://{}/accounts/42", fence.listen))
+        .header("fencing-token", lease1.grant.token)
+        .body(Full::new(Bytes::from_static(b"{\"balance\":90}")))
+        .expect("valid request");
+    let bypassed = client
+        .request(bypass)
+        .await
+        .map_err(|e| e.to_string())?
+        .status();
+    t.say(
+        "worker-1",
+        format!(
+            "same write sent straight to the fence with token {} -> {bypassed}",
+            lease1.grant.token
+        ),
+    );
+
+    let applied = ledger.lock().expect("demo lock").clone();
+    println!();
+    for (i, (balance, token)) in applied.iter().enumerate() {
+        println!("  ledger write {}: {balance} (token {token})", i + 1);
+    }
+    fence.shutdown();
+    fence.wait().await;
+    let _ = std::fs::remove_dir_all(&dir);
+    if late != StatusCode::SERVICE_UNAVAILABLE
+        || bypassed != StatusCode::CONFLICT
+        || applied.len() != 2
+    {
+        return Err("the late write was not refused".into());
+    }
+    println!(
+        "\nWorker 1 never handled a token and never learnt it lost the lease; its sidecar did, and\n\
+         kept the late write off the wire."
+    );
+    Ok(())
 }

@@ -362,3 +362,23 @@ async fn http_on(conn: &mut tokio::net::TcpStream, request: &[u8]) -> String {
         }
     }
 }
+
+#[test]
+fn demo_refuses_both_late_writes() {
+    let out = std::process::Command::new(BIN)
+        .arg("demo")
+        .output()
+        .unwrap();
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert_eq!(out.status.code(), Some(0), "{text}");
+    assert!(
+        text.contains("balance=90 token=33 -> 409 Conflict"),
+        "{text}"
+    );
+    assert!(
+        text.contains("-> 503 Service Unavailable from its own sidecar"),
+        "{text}"
+    );
+    assert!(text.contains("urn:fencegate:lease-not-held"), "{text}");
+    assert_eq!(text.matches("ledger write 3").count(), 0, "{text}");
+}
