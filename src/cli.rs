@@ -256,8 +256,24 @@ pub fn main() -> ExitCode {
     }
 }
 
+/// The async runtime. `FENCEGATE_WORKERS` sets the number of worker threads (default: one per
+/// core); `1` runs everything on one thread without the work-stealing scheduler, which is
+/// cheapest for a sidecar given a single core.
 fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
+    let workers = std::env::var("FENCEGATE_WORKERS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|&n| n > 0);
+    let mut builder = match workers {
+        Some(1) => tokio::runtime::Builder::new_current_thread(),
+        Some(n) => {
+            let mut b = tokio::runtime::Builder::new_multi_thread();
+            b.worker_threads(n);
+            b
+        }
+        None => tokio::runtime::Builder::new_multi_thread(),
+    };
+    builder
         .enable_all()
         .build()
         .expect("cannot start the async runtime")
