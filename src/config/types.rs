@@ -216,6 +216,9 @@ impl From<ResourceTemplate> for String {
     }
 }
 
+/// The router's limit on parameters in one path.
+const MAX_CAPTURES: usize = 26;
+
 /// A route path template such as `/accounts/{id}` or `/files/{*rest}`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(into = "String")]
@@ -231,6 +234,10 @@ impl TryFrom<String> for PathTemplate {
     fn try_from(raw: String) -> Result<Self, Self::Error> {
         if !raw.starts_with('/') {
             return Err(format!("`{raw}`: a path template starts with `/`"));
+        }
+        // The router panics beyond this many parameters; refuse before asking it.
+        if raw.matches('{').count() - 2 * raw.matches("{{").count() > MAX_CAPTURES {
+            return Err(format!("`{raw}`: at most {MAX_CAPTURES} captures per path"));
         }
         // The router is the authority on syntax; a throwaway insert reports any error.
         let mut probe = matchit::Router::new();

@@ -16,6 +16,8 @@ pub enum PathError {
     EncodedSeparator,
     #[error("the path contains a `\\`, which some servers read as `/`")]
     Backslash,
+    #[error("the path contains a `;` path parameter, which some servers strip before routing")]
+    PathParameter,
     #[error("the path contains a control character")]
     Control,
     #[error("the path contains a malformed percent escape")]
@@ -32,6 +34,7 @@ pub fn normalise(path: &str) -> Result<Cow<'_, str>, PathError> {
     for (i, &b) in bytes.iter().enumerate() {
         match b {
             b'\\' => return Err(PathError::Backslash),
+            b';' => return Err(PathError::PathParameter),
             0..=0x1f | 0x7f => return Err(PathError::Control),
             b'%' | 0x80.. => needs_work = true,
             b'/' if matches!(bytes.get(i + 1), Some(b'/' | b'.')) => needs_work = true,
@@ -180,6 +183,8 @@ mod tests {
         assert_eq!(norm("/a%"), Err(PathError::BadEscape));
         assert_eq!(norm("/a%4"), Err(PathError::BadEscape));
         assert_eq!(norm("/a%zz"), Err(PathError::BadEscape));
+        assert_eq!(norm("/accounts/1;v=2"), Err(PathError::PathParameter));
+        assert_eq!(norm("/a%3Bb").unwrap(), "/a%3Bb");
         assert_eq!(norm("a/b"), Err(PathError::NotOrigin));
         assert_eq!(norm("*"), Err(PathError::NotOrigin));
         assert_eq!(norm(""), Err(PathError::NotOrigin));

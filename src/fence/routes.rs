@@ -186,6 +186,8 @@ fn query_value(query: Option<&str>, name: &str) -> Result<String, ResourceError>
     let mut found = None;
     for pair in query.unwrap_or_default().split('&') {
         let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+        // Keys compare decoded: `sh%61rd` is `shard` to any downstream that decodes them.
+        let key = percent_encoding::percent_decode_str(key).decode_utf8_lossy();
         if key == name {
             if found.is_some() {
                 // Two values: the downstream may pick either, so neither names the resource.
