@@ -6,6 +6,7 @@ mod common;
 mod admin;
 mod concurrency;
 mod fence;
+mod hostile;
 mod inject;
 mod lease_agent;
 mod lease_e2e;

@@ -1,0 +1,223 @@
+//! Real processes: the fencegate binary (readiness from its JSON logs) and a throwaway
+//! redis-server that can be killed with `kill -9` and restarted on the same port and data.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use serde_json::Value;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::TcpStream;
+use tokio::process::{Child, Command};
+use tokio::sync::mpsc;
+
+const BIN: &str = env!("CARGO_BIN_EXE_fencegate");
+
+/// A running `fencegate run`.
+pub struct Fencegate {
+    pub child: Child,
+    pub proxy: SocketAddr,
+    pub admin: SocketAddr,
+    pub leases: Option<SocketAddr>,
+    pub egress: Option<SocketAddr>,
+    /// Every JSON log line, as written.
+    pub logs: mpsc::UnboundedReceiver<Value>,
+}
+
+impl Fencegate {
+    pub async fn start(config: &Path) -> Fencegate {
+        let mut child = Command::new(BIN)
+            .args(["run", "--config"])
+            .arg(config)
+            .stderr(Stdio::piped())
+            .stdout(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("cannot start fencegate");
+        let stderr = child.stderr.take().unwrap();
+        let (tx, mut logs) = mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            let mut lines = BufReader::new(stderr).lines();
+            while let Ok(Some(line)) = lines.next_line().await {
+                match serde_json::from_str::<Value>(&line) {
+                    Ok(v) => {
+                        let _ = tx.send(v);
+                    }
+                    Err(e) => eprintln!("fencegate wrote a non-JSON line ({e}): {line}"),
+                }
+            }
+        });
+        let started = wait_log(&mut logs, "fencegate started", Duration::from_secs(30))
+            .await
+            .unwrap_or_else(|e| panic!("{}: {e}", config.display()));
+        let addr = |k: &str| started[k].as_str().map(|a| a.parse().unwrap());
+        Fencegate {
+            child,
+            proxy: addr("listen").unwrap(),
+            admin: addr("admin").unwrap(),
+            leases: addr("leases"),
+            egress: addr("egress"),
+            logs,
+        }
+    }
+
+    /// Discards the log lines read so far (they are only needed for readiness).
+    pub fn drain_logs(&mut self) {
+        while self.logs.try_recv().is_ok() {}
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id().expect("running")
+    }
+
+    pub fn signal(&self, name: &str) {
+        signal(self.pid(), name);
+    }
+
+    /// Waits for the process to exit (after a signal), bounded.
+    pub async fn exited(&mut self, within: Duration) -> std::process::ExitStatus {
+        tokio::time::timeout(within, self.child.wait())
+            .await
+            .unwrap_or_else(|_| panic!("fencegate did not exit within {within:?}"))
+            .unwrap()
+    }
+}
+
+pub fn signal(pid: u32, name: &str) {
+    let status = std::process::Command::new("kill")
+        .args([name, &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success(), "kill {name} {pid} failed");
+}
+
+/// The next log line with this message (lines before it are consumed).
+pub async fn wait_log(
+    logs: &mut mpsc::UnboundedReceiver<Value>,
+    message: &str,
+    within: Duration,
+) -> Result<Value, String> {
+    let found = tokio::time::timeout(within, async {
+        while let Some(line) = logs.recv().await {
+            if line["message"] == message {
+                return Ok(line);
+            }
+        }
+        Err(format!("process exited before logging `{message}`"))
+    });
+    found
+        .await
+        .unwrap_or_else(|_| Err(format!("no `{message}` log line within {within:?}")))
+}
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A key prefix no other run uses, on the machine's shared Redis.
+pub fn fresh_prefix() -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos()
+        % 1_000_000_000_000;
+    format!("chaos{}_{nanos}", std::process::id())
+}
+
+/// A redis-server owned by the run, durable like production should be (AOF, fsync always),
+/// so recorded maxima survive `kill -9`.
+pub struct Redis {
+    pub port: u16,
+    child: Option<Child>,
+    dir: tempfile::TempDir,
+}
+
+impl Redis {
+    pub async fn start() -> Redis {
+        let mut r = Redis {
+            port: free_port(),
+            child: None,
+            dir: tempfile::tempdir().unwrap(),
+        };
+        r.spawn().await;
+        r
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/", self.port)
+    }
+
+    async fn spawn(&mut self) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.path().join("redis.log"))
+            .unwrap();
+        let child = Command::new("redis-server")
+            .args([
+                "--port",
+                &self.port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "always",
+                "--dir",
+            ])
+            .arg(self.dir.path())
+            .stdout(log)
+            .stderr(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("cannot start redis-server");
+        self.child = Some(child);
+        self.wait_ready().await;
+    }
+
+    /// Bounded polling of the server's own readiness answer (PING).
+    async fn wait_ready(&self) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok(mut s) = TcpStream::connect(("127.0.0.1", self.port)).await {
+                let mut buf = [0u8; 16];
+                if s.write_all(b"PING\r\n").await.is_ok()
+                    && matches!(s.read(&mut buf).await, Ok(n) if buf[..n].starts_with(b"+PONG"))
+                {
+                    return;
+                }
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "redis on port {} never became ready",
+                self.port
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    pub async fn kill9(&mut self) {
+        let mut child = self.child.take().expect("running");
+        child.start_kill().unwrap();
+        child.wait().await.unwrap();
+    }
+
+    pub async fn restart(&mut self) {
+        assert!(self.child.is_none(), "kill first");
+        self.spawn().await;
+    }
+}
+
+/// Writes a config file into `dir`.
+pub fn write_config(dir: &Path, name: &str, text: &str) -> PathBuf {
+    let path = dir.join(name);
+    std::fs::write(&path, text).unwrap();
+    path
+}

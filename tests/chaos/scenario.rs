@@ -1,0 +1,916 @@
+//! The chaos run: a ledger, fence sidecars in front of it, workers that acquire leases
+//! through their own sidecars (Redis lease backend) and write through egress, and a fault
+//! loop. Also the negative control: the same workers writing straight to the ledger.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Method, Request};
+use http_body_util::{BodyExt, Empty, Full};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::checker::{self, History, Violation};
+use crate::clock::Clock;
+use crate::ledger::Ledger;
+use crate::procs::{free_port, fresh_prefix, write_config, Fencegate, Redis};
+use crate::record::{Acquired, LeaseEvent, Op, Recorder};
+
+/// The machine's shared Redis (CI starts it): the lease backend of every worker sidecar.
+const LEASE_REDIS: &str = "redis://127.0.0.1:6379/";
+/// Lease TTL derived from { p99_work 1000ms, p99_rtt 50ms, safety_margin 200ms,
+/// drift_buffer 200ms } = 1450ms, rounded up to 1500ms.
+const TTL: Duration = Duration::from_millis(1500);
+const DRIFT: Duration = Duration::from_millis(200);
+/// The fence's `timeouts.upstream`, and how long a slow ledger commit takes.
+const FENCE_UPSTREAM_TIMEOUT: Duration = Duration::from_millis(300);
+const SLOW_COMMIT: Duration = Duration::from_millis(600);
+/// How long a frozen fence stays frozen once writes queue on it.
+const FENCE_FREEZE_DWELL: Duration = Duration::from_millis(800);
+const WRITES_PER_HOLD: usize = 4;
+const WORKERS_PER_GROUP: usize = 3;
+/// Every client request is bounded (a frozen process must not hang a worker forever).
+const CLIENT_BOUND: Duration = Duration::from_secs(10);
+
+type HttpClient<B> = Client<HttpConnector, B>;
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Mode {
+    /// Workers write through their egress sidecar, which attaches the token, to the fence.
+    Fenced,
+    /// Negative control: workers write straight to the ledger with their token, unchecked.
+    Naive,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, PartialOrd, Ord)]
+pub enum Fault {
+    WorkerFreeze,
+    FenceKill9,
+    RedisKill9,
+    FenceFreeze,
+    FenceSigterm,
+    SlowUpstream,
+}
+
+impl Fault {
+    pub const ALL: [Fault; 6] = [
+        Fault::WorkerFreeze,
+        Fault::FenceKill9,
+        Fault::RedisKill9,
+        Fault::FenceFreeze,
+        Fault::FenceSigterm,
+        Fault::SlowUpstream,
+    ];
+
+    pub fn describe(self) -> &'static str {
+        match self {
+            Fault::WorkerFreeze => {
+                "worker + its sidecar frozen past the TTL (SIGSTOP/SIGCONT, the GC pause)"
+            }
+            Fault::FenceKill9 => "fence sidecar (embedded store) kill -9, restart",
+            Fault::RedisKill9 => "fence store's Redis kill -9, restart (AOF fsync always)",
+            Fault::FenceFreeze => "fence sidecar frozen while requests queue (SIGSTOP/SIGCONT)",
+            Fault::FenceSigterm => "fence sidecar SIGTERM under load, restart",
+            Fault::SlowUpstream => "ledger commits slower than the fence's upstream timeout",
+        }
+    }
+}
+
+/// One injected fault and what followed.
+#[derive(Debug, Clone)]
+pub struct Injected {
+    pub fault: Fault,
+    pub group: usize,
+    /// From the start of the fault to its end (resume, restart ready, ...).
+    pub duration: Duration,
+    /// From the end of the fault to the next successful write it concerns.
+    pub recovery: Option<Duration>,
+    pub note: String,
+}
+
+/// A fence sidecar and how to restart it.
+struct Fence {
+    config: PathBuf,
+    process: Fencegate,
+    /// The fence store's own Redis (group 1 only).
+    redis: Option<Redis>,
+}
+
+struct Worker {
+    name: String,
+    group: usize,
+    sidecar: Fencegate,
+    gate: watch::Sender<bool>,
+    holding: watch::Receiver<Option<(String, u64, usize)>>,
+}
+
+/// The run's outcome.
+pub struct Outcome {
+    pub mode: Mode,
+    pub ran_for: Duration,
+    pub history: History,
+    pub violations: Vec<Violation>,
+    pub ops: Vec<Op>,
+    pub commits: usize,
+    pub grants: usize,
+    pub faults: Vec<Injected>,
+    /// Extra evidence: (check, passed, total).
+    pub evidence: Vec<(String, usize, usize)>,
+}
+
+struct Ctx {
+    clock: Clock,
+    rec: Arc<Recorder>,
+    ledger: Ledger,
+    dir: tempfile::TempDir,
+    lease_prefix: String,
+}
+
+/// Resource ids of a group (the route is `/accounts/{id}`, the resource `account:{id}`).
+fn resources(mode: Mode, group: usize) -> Vec<String> {
+    let tag = match mode {
+        Mode::Fenced => "f",
+        Mode::Naive => "n",
+    };
+    (0..2).map(|i| format!("{tag}{group}x{i}")).collect()
+}
+
+fn fence_yaml(port: u16, ledger: &str, store: &str) -> String {
+    format!(
+        "listen: 127.0.0.1:{port}\nadmin: 127.0.0.1:0\nupstream: {ledger}\n{store}\
+         timeouts: {{ upstream: {}ms, shutdown: 2s, store: 500ms }}\n\
+         routes:\n  - {{ name: accounts, path: '/accounts/{{id}}', resource: 'account:{{id}}', ordering: serialize, barrier_timeout: 2s }}\n",
+        FENCE_UPSTREAM_TIMEOUT.as_millis()
+    )
+}
+
+fn sidecar_yaml(prefix: &str, egress_to: Option<SocketAddr>) -> String {
+    let egress = match egress_to {
+        Some(fence) => format!(
+            "egress:\n  listen: 127.0.0.1:0\n  upstream: http://{fence}\n  routes:\n    - {{ path: '/accounts/{{id}}', lease: 'account:{{id}}' }}\n"
+        ),
+        None => String::new(),
+    };
+    format!(
+        "listen: 127.0.0.1:0\nadmin: 127.0.0.1:0\nupstream: http://127.0.0.1:9\nstore: {{ kind: memory }}\n\
+         timeouts: {{ upstream: 5s, shutdown: 1s }}\n\
+         leases:\n  listen: 127.0.0.1:0\n  backend: {{ kind: redis, url: '{LEASE_REDIS}', prefix: {prefix} }}\n  \
+         ttl: {{ p99_work: 1000ms, p99_rtt: 50ms, safety_margin: 200ms, drift_buffer: {}ms }}\n  \
+         acquire: {{ base_delay: 20ms, max_delay: 200ms, jitter: 20ms }}\n{egress}",
+        DRIFT.as_millis()
+    )
+}
+
+async fn start_fence(dir: &Path, group: usize, ledger: &str) -> Fence {
+    let port = free_port();
+    let (store, redis) = if group == 0 {
+        (
+            format!(
+                "store: {{ kind: embedded, path: {} }}\n",
+                dir.join("fences.db").display()
+            ),
+            None,
+        )
+    } else {
+        let redis = Redis::start().await;
+        (
+            format!(
+                "store: {{ kind: redis, url: '{}', prefix: {} }}\n",
+                redis.url(),
+                fresh_prefix()
+            ),
+            Some(redis),
+        )
+    };
+    let config = write_config(
+        dir,
+        &format!("fence{group}.yaml"),
+        &fence_yaml(port, ledger, &store),
+    );
+    let process = Fencegate::start(&config).await;
+    Fence {
+        config,
+        process,
+        redis,
+    }
+}
+
+/// Runs one scenario for `secs` of fault injection (fenced) or one deterministic pause
+/// (naive), then checks the history.
+pub async fn run(mode: Mode, secs: u64) -> Outcome {
+    let clock = Clock::new();
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = Ledger::start(clock, SLOW_COMMIT, &dir.path().join("ledger.log")).await;
+    let ctx = Arc::new(Ctx {
+        clock,
+        rec: Arc::new(Recorder::default()),
+        ledger,
+        dir,
+        lease_prefix: fresh_prefix(),
+    });
+    let groups = match mode {
+        Mode::Fenced => 2,
+        Mode::Naive => 1,
+    };
+    let mut fences: Vec<Fence> = Vec::new();
+    if mode == Mode::Fenced {
+        for g in 0..groups {
+            fences.push(start_fence(ctx.dir.path(), g, &ctx.ledger.url()).await);
+        }
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut workers = Vec::new();
+    let mut tasks: Vec<JoinHandle<()>> = Vec::new();
+    let mut streams: Vec<JoinHandle<()>> = Vec::new();
+    for g in 0..groups {
+        for i in 0..WORKERS_PER_GROUP {
+            let name = format!("w{g}{i}");
+            let egress_to = fences.get(g).map(|f| f.process.proxy);
+            let config = write_config(
+                ctx.dir.path(),
+                &format!("{name}.yaml"),
+                &sidecar_yaml(&ctx.lease_prefix, egress_to),
+            );
+            let sidecar = Fencegate::start(&config).await;
+            let (gate, gate_rx) = watch::channel(true);
+            let (holding_tx, holding) = watch::channel(None);
+            for id in resources(mode, g) {
+                streams.push(tokio::spawn(follow_events(
+                    Arc::clone(&ctx),
+                    name.clone(),
+                    sidecar.leases.unwrap(),
+                    format!("account:{id}"),
+                )));
+            }
+            let target = match mode {
+                Mode::Fenced => sidecar.egress.unwrap(),
+                Mode::Naive => ctx.ledger.addr,
+            };
+            tasks.push(tokio::spawn(worker_loop(WorkerSpec {
+                ctx: Arc::clone(&ctx),
+                name: name.clone(),
+                group: g,
+                mode,
+                offset: i,
+                leases: sidecar.leases.unwrap(),
+                target,
+                resources: resources(mode, g),
+                gate: gate_rx,
+                holding: holding_tx,
+                stop: Arc::clone(&stop),
+            })));
+            workers.push(Worker {
+                name,
+                group: g,
+                sidecar,
+                gate,
+                holding,
+            });
+        }
+    }
+    let started = std::time::Instant::now();
+    let mut faults = Vec::new();
+    let mut evidence: HashMap<String, (usize, usize)> = HashMap::new();
+    // Steady state first: every group writes.
+    for g in 0..groups {
+        let ok = ctx
+            .rec
+            .wait_ok(0, 3, Duration::from_secs(20), |o| o.group == g)
+            .await;
+        assert!(ok.is_some(), "group {g} never wrote successfully");
+    }
+    match mode {
+        Mode::Fenced => {
+            let budget = Duration::from_secs(secs);
+            let hard_stop = budget * 3 + Duration::from_secs(60);
+            let mut round = 0usize;
+            loop {
+                let elapsed = started.elapsed();
+                let rounds_done = round / Fault::ALL.len();
+                if (elapsed >= budget && rounds_done >= 3 && round % Fault::ALL.len() == 0)
+                    || elapsed >= hard_stop
+                {
+                    break;
+                }
+                let fault = Fault::ALL[round % Fault::ALL.len()];
+                let group = match fault {
+                    Fault::FenceKill9 => 0,
+                    Fault::RedisKill9 => 1,
+                    _ => rounds_done % groups,
+                };
+                let injected = inject(
+                    &ctx,
+                    fault,
+                    group,
+                    round,
+                    &mut fences,
+                    &mut workers,
+                    &mut evidence,
+                )
+                .await;
+                println!(
+                    "  [{:>6.1}s] {:?} on group {}: {:?} down, recovery {:?} {}",
+                    started.elapsed().as_secs_f64(),
+                    injected.fault,
+                    injected.group,
+                    injected.duration,
+                    injected.recovery,
+                    injected.note
+                );
+                faults.push(injected);
+                // Between faults: back to steady writing in every group (explicit signal).
+                let now = ctx.clock.now();
+                for g in 0..groups {
+                    ctx.rec
+                        .wait_ok(now, 2, Duration::from_secs(10), |o| o.group == g)
+                        .await;
+                }
+                for f in &mut fences {
+                    f.process.drain_logs();
+                }
+                for w in &mut workers {
+                    w.sidecar.drain_logs();
+                }
+                round += 1;
+            }
+        }
+        Mode::Naive => {
+            let injected = inject(
+                &ctx,
+                Fault::WorkerFreeze,
+                0,
+                0,
+                &mut fences,
+                &mut workers,
+                &mut evidence,
+            )
+            .await;
+            println!(
+                "  [{:>6.1}s] {:?} on group {}: {:?} down, recovery {:?} {}",
+                started.elapsed().as_secs_f64(),
+                injected.fault,
+                injected.group,
+                injected.duration,
+                injected.recovery,
+                injected.note
+            );
+            faults.push(injected);
+            let now = ctx.clock.now();
+            ctx.rec
+                .wait_ok(now, 10, Duration::from_secs(10), |_| true)
+                .await;
+        }
+    }
+    // Stop: workers finish their current hold and release it.
+    stop.store(true, Ordering::SeqCst);
+    for w in &workers {
+        let _ = w.gate.send(true);
+    }
+    for t in tasks {
+        let _ = tokio::time::timeout(Duration::from_secs(30), t).await;
+    }
+    let unended = ctx.rec.wait_terminal_events(Duration::from_secs(5)).await;
+    if !unended.is_empty() {
+        println!("  note: no end event (released/lost) received for grants {unended:?}");
+    }
+    let ran_for = started.elapsed();
+    for s in streams {
+        s.abort();
+    }
+    let commits: Vec<checker::Commit> = ctx.ledger.log().into_iter().map(|(c, _)| c).collect();
+    let arrivals = ctx.ledger.arrivals();
+    let history = crate::record::history(&ctx.rec, commits.clone(), &arrivals, TTL - DRIFT);
+    let violations = checker::check(&history);
+    let ops = ctx.rec.ops.lock().unwrap().clone();
+    // The token each write carried at the ledger is the one its writer was granted.
+    let by_op: HashMap<&str, &Op> = ops.iter().map(|o| (o.op.as_str(), o)).collect();
+    let matching = commits
+        .iter()
+        .filter(|c| by_op.get(c.op.as_str()).is_some_and(|o| o.token == c.token))
+        .count();
+    evidence.insert(
+        "ledger token = writer's granted token".into(),
+        (matching, commits.len()),
+    );
+    let grants = ctx.rec.acquired.lock().unwrap().len();
+    for w in &mut workers {
+        w.sidecar.signal("-TERM");
+    }
+    for w in &mut workers {
+        let _ = tokio::time::timeout(Duration::from_secs(10), w.sidecar.child.wait()).await;
+    }
+    let mut evidence: Vec<(String, usize, usize)> =
+        evidence.into_iter().map(|(k, (a, b))| (k, a, b)).collect();
+    evidence.sort();
+    Outcome {
+        mode,
+        ran_for,
+        history,
+        violations,
+        ops,
+        commits: commits.len(),
+        grants,
+        faults,
+        evidence,
+    }
+}
+
+fn note(evidence: &mut HashMap<String, (usize, usize)>, what: &str, passed: bool) {
+    let e = evidence.entry(what.to_owned()).or_default();
+    e.0 += usize::from(passed);
+    e.1 += 1;
+}
+
+/// The highest token committed per resource of a group, from the ledger's log.
+fn committed_maxima(ctx: &Ctx, mode: Mode, group: usize) -> HashMap<String, u64> {
+    let mut out = HashMap::new();
+    let wanted: Vec<String> = resources(mode, group)
+        .into_iter()
+        .map(|id| format!("account:{id}"))
+        .collect();
+    for (c, _) in ctx.ledger.log() {
+        if wanted.contains(&c.resource) {
+            let slot = out.entry(c.resource).or_insert(c.token);
+            *slot = (*slot).max(c.token);
+        }
+    }
+    out
+}
+
+/// The fence's recorded maxima still cover everything the ledger committed.
+async fn maxima_kept(ctx: &Ctx, fence: &Fence, group: usize) -> bool {
+    let client: HttpClient<Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+    for (resource, committed) in committed_maxima(ctx, Mode::Fenced, group) {
+        let url = format!("http://{}/v1/fences/{resource}", fence.process.admin);
+        let Some((status, body)) = request(&client, Method::GET, &url, &[], Bytes::new()).await
+        else {
+            return false;
+        };
+        let recorded = (status == 200)
+            .then(|| serde_json::from_slice::<serde_json::Value>(&body).ok())
+            .flatten()
+            .and_then(|v| v["token"].as_u64());
+        if recorded.is_none_or(|r| r < committed) {
+            println!("  maxima lost on {resource}: recorded {recorded:?}, committed {committed}");
+            return false;
+        }
+    }
+    true
+}
+
+/// Sends one write with `token` directly to the fence (no sidecar), recorded like any other.
+async fn replay(
+    ctx: &Ctx,
+    writer: &str,
+    group: usize,
+    fence: SocketAddr,
+    resource: &str,
+    token: u64,
+) -> u16 {
+    let client: HttpClient<Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+    let id = resource.trim_start_matches("account:");
+    let op = format!("{writer}-replay-{}", OP_SEQ.fetch_add(1, Ordering::Relaxed));
+    ctx.rec.note_sent(group);
+    let sent = ctx.clock.now();
+    let answer = request(
+        &client,
+        Method::PUT,
+        &format!("http://{fence}/accounts/{id}"),
+        &[
+            ("fencing-token", token.to_string()),
+            ("x-writer", writer.to_owned()),
+            ("x-op", op.clone()),
+        ],
+        Bytes::from_static(b"replayed"),
+    )
+    .await;
+    let status = answer.as_ref().map_or(0, |(s, _)| *s);
+    ctx.rec.push_op(Op {
+        writer: writer.to_owned(),
+        group,
+        op,
+        resource: resource.to_owned(),
+        token,
+        status,
+        problem: answer.and_then(|(_, body)| {
+            serde_json::from_slice::<serde_json::Value>(&body)
+                .ok()
+                .and_then(|v| v["type"].as_str().map(str::to_owned))
+        }),
+        sent,
+        answered: ctx.clock.now(),
+    });
+    status
+}
+
+/// Injects one fault, ends it, and measures the recovery.
+async fn inject(
+    ctx: &Ctx,
+    fault: Fault,
+    group: usize,
+    round: usize,
+    fences: &mut [Fence],
+    workers: &mut [Worker],
+    evidence: &mut HashMap<String, (usize, usize)>,
+) -> Injected {
+    let rec = &ctx.rec;
+    let begin = ctx.clock.now();
+    let mut note_text = String::new();
+    let (end, recovery) = match fault {
+        Fault::WorkerFreeze => {
+            let in_group: Vec<usize> = (0..workers.len())
+                .filter(|&i| workers[i].group == group)
+                .collect();
+            let victim = in_group[(round / Fault::ALL.len()) % in_group.len()];
+            let w = &mut workers[victim];
+            // A victim that holds a lease with writes still to come.
+            let mut holding = w.holding.clone();
+            let held = tokio::time::timeout(
+                Duration::from_secs(20),
+                holding.wait_for(|h| matches!(h, Some((_, _, left)) if *left >= 2)),
+            )
+            .await
+            .ok()
+            .and_then(|r| r.ok().map(|h| h.clone()))
+            .flatten();
+            let Some((resource, token, _)) = held else {
+                return Injected {
+                    fault,
+                    group,
+                    duration: Duration::ZERO,
+                    recovery: None,
+                    note: format!("skipped: {} never held a lease", w.name),
+                };
+            };
+            let _ = w.gate.send(false);
+            w.sidecar.signal("-STOP");
+            let frozen_at = ctx.clock.now();
+            // Frozen past the TTL: until another worker has committed a higher token on the
+            // victim's resource (which needs the lease to have expired in Redis).
+            let name = w.name.clone();
+            let overtaken = ctx
+                .ledger
+                .wait_commit(TTL * 6, |c| {
+                    c.resource == resource && c.token > token && c.writer != name
+                })
+                .await;
+            w.sidecar.signal("-CONT");
+            let _ = w.gate.send(true);
+            let end = ctx.clock.now();
+            note(
+                evidence,
+                "frozen holder overtaken by a higher token",
+                overtaken,
+            );
+            if let (Some(fence), true) = (fences.get(group), overtaken) {
+                // The paused worker also replays its old token straight at the fence, past
+                // its own sidecar (a forged or delayed write): it must be refused, not applied.
+                let status = replay(ctx, &name, group, fence.process.proxy, &resource, token).await;
+                note(
+                    evidence,
+                    "old token replayed straight at the fence refused with 409",
+                    status == 409,
+                );
+            }
+            note_text = format!(
+                "{} held {resource} with token {token}, frozen {}ms, overtaken: {overtaken}",
+                w.name,
+                (end - frozen_at) / 1000
+            );
+            let victim_name = w.name.clone();
+            let first = rec
+                .wait_ok(end, 1, Duration::from_secs(20), |o| o.writer == victim_name)
+                .await;
+            (end, first)
+        }
+        Fault::FenceKill9 | Fault::FenceSigterm => {
+            let f = &mut fences[group];
+            let status = if fault == Fault::FenceKill9 {
+                f.process.signal("-KILL");
+                f.process.exited(Duration::from_secs(10)).await
+            } else {
+                f.process.signal("-TERM");
+                f.process.exited(Duration::from_secs(20)).await
+            };
+            if fault == Fault::FenceSigterm {
+                note(
+                    evidence,
+                    "fence exits 0 after a SIGTERM drain",
+                    status.success(),
+                );
+            }
+            f.process = Fencegate::start(&f.config).await;
+            let end = ctx.clock.now();
+            let kept = maxima_kept(ctx, f, group).await;
+            note(
+                evidence,
+                &format!(
+                    "recorded maxima >= committed after fence {} ({} store)",
+                    if fault == Fault::FenceKill9 {
+                        "kill -9"
+                    } else {
+                        "SIGTERM"
+                    },
+                    if group == 0 { "embedded" } else { "redis" }
+                ),
+                kept,
+            );
+            let first = rec
+                .wait_ok(end, 1, Duration::from_secs(20), |o| o.group == group)
+                .await;
+            (end, first)
+        }
+        Fault::RedisKill9 => {
+            let f = &mut fences[group];
+            let redis = f.redis.as_mut().expect("group 1 has its own Redis");
+            redis.kill9().await;
+            // Down long enough that writes see the store gone (explicit: two writes sent).
+            let mut sent = rec.sent_counter(group);
+            let before = *sent.borrow();
+            let _ =
+                tokio::time::timeout(Duration::from_secs(2), sent.wait_for(|&n| n >= before + 2))
+                    .await;
+            redis.restart().await;
+            let end = ctx.clock.now();
+            let first = rec
+                .wait_ok(end, 1, Duration::from_secs(20), |o| o.group == group)
+                .await;
+            let kept = maxima_kept(ctx, f, group).await;
+            note(
+                evidence,
+                "recorded maxima >= committed after Redis kill -9 (AOF fsync always)",
+                kept,
+            );
+            (end, first)
+        }
+        Fault::FenceFreeze => {
+            let f = &mut fences[group];
+            let mut in_flight = rec.in_flight(group);
+            f.process.signal("-STOP");
+            // Frozen while requests queue: until a write per resource of the group (one per
+            // lease holder; the other workers wait for those leases) waits on it, bounded.
+            let holders = resources(Mode::Fenced, group).len() as u64;
+            // Bounded well below the egress sidecars' upstream timeout (5s): they never give
+            // up on the frozen fence, so no write is abandoned half-way (see docs).
+            let queued = tokio::time::timeout(
+                Duration::from_secs(2),
+                in_flight.wait_for(|&n| n >= holders),
+            )
+            .await
+            .is_ok();
+            // Then stays frozen past the fence's own upstream timeout: on SIGCONT its timers
+            // fire late, all at once (the fault's length, not a synchronisation).
+            tokio::time::sleep(FENCE_FREEZE_DWELL).await;
+            f.process.signal("-CONT");
+            let end = ctx.clock.now();
+            note_text = format!("a write per lease queued on the frozen fence: {queued}");
+            let first = rec
+                .wait_ok(end, 1, Duration::from_secs(20), |o| o.group == group)
+                .await;
+            (end, first)
+        }
+        Fault::SlowUpstream => {
+            let n = 3;
+            let before = ctx.ledger.arm_slow(n);
+            let done = ctx
+                .ledger
+                .slow_commits_reach(before + n, Duration::from_secs(10))
+                .await;
+            ctx.ledger.arm_slow(0);
+            let end = ctx.clock.now();
+            note_text = format!("{n} commits delayed {}ms: {done}", SLOW_COMMIT.as_millis());
+            let first = rec.wait_ok(end, 1, Duration::from_secs(20), |_| true).await;
+            (end, first)
+        }
+    };
+    Injected {
+        fault,
+        group,
+        duration: Duration::from_micros(end - begin),
+        recovery: recovery.map(|t| Duration::from_micros(t.saturating_sub(end))),
+        note: note_text,
+    }
+}
+
+struct WorkerSpec {
+    ctx: Arc<Ctx>,
+    name: String,
+    group: usize,
+    mode: Mode,
+    offset: usize,
+    leases: SocketAddr,
+    target: SocketAddr,
+    resources: Vec<String>,
+    gate: watch::Receiver<bool>,
+    holding: watch::Sender<Option<(String, u64, usize)>>,
+    stop: Arc<AtomicBool>,
+}
+
+static OP_SEQ: AtomicU64 = AtomicU64::new(0);
+
+/// Sends one request, bounded; `None` when no answer came.
+async fn request<B>(
+    client: &HttpClient<B>,
+    method: Method,
+    url: &str,
+    headers: &[(&str, String)],
+    body: Bytes,
+) -> Option<(u16, Bytes)>
+where
+    B: From<Bytes> + http_body::Body + Send + Unpin + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let mut req = Request::builder().method(method).uri(url);
+    for (k, v) in headers {
+        req = req.header(*k, v);
+    }
+    let req = req.body(B::from(body)).unwrap();
+    let answer = async {
+        let resp = client.request(req).await.ok()?;
+        let status = resp.status().as_u16();
+        let body = resp.into_body().collect().await.ok()?.to_bytes();
+        Some((status, body))
+    };
+    tokio::time::timeout(CLIENT_BOUND, answer)
+        .await
+        .ok()
+        .flatten()
+}
+
+/// Client retry pacing after a failed call (a real client backs off too).
+async fn pace() {
+    tokio::time::sleep(Duration::from_millis(20)).await;
+}
+
+/// A worker: acquire a lease, write a few times under it, release; next resource.
+async fn worker_loop(mut w: WorkerSpec) {
+    let client: HttpClient<Full<Bytes>> = Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(Duration::from_secs(5))
+        .build_http();
+    let rec = Arc::clone(&w.ctx.rec);
+    let clock = w.ctx.clock;
+    let mut turn = w.offset;
+    while !w.stop.load(Ordering::SeqCst) {
+        let id = w.resources[turn % w.resources.len()].clone();
+        turn += 1;
+        let resource = format!("account:{id}");
+        let lease_url = format!("http://{}/v1/leases/{resource}", w.leases);
+        let body = format!(r#"{{"holder":"{}","wait":"1s"}}"#, w.name);
+        let granted = request(
+            &client,
+            Method::POST,
+            &lease_url,
+            &[("content-type", "application/json".into())],
+            Bytes::from(body),
+        )
+        .await;
+        let at = clock.now();
+        let token = match granted {
+            Some((200, body)) => serde_json::from_slice::<serde_json::Value>(&body)
+                .ok()
+                .and_then(|v| v["fencing_token"].as_u64()),
+            _ => None,
+        };
+        let Some(token) = token else {
+            pace().await;
+            continue;
+        };
+        let index = {
+            let mut acquired = rec.acquired.lock().unwrap();
+            acquired.push(Acquired {
+                writer: w.name.clone(),
+                resource: resource.clone(),
+                token,
+                at,
+                released: None,
+            });
+            acquired.len() - 1
+        };
+        for k in 0..WRITES_PER_HOLD {
+            let _ = w
+                .holding
+                .send(Some((resource.clone(), token, WRITES_PER_HOLD - k)));
+            // The pause point: a frozen worker stops here, wherever its lease stands.
+            let _ = w.gate.wait_for(|open| *open).await;
+            if w.stop.load(Ordering::SeqCst) {
+                break;
+            }
+            let op = format!(
+                "{}-{}",
+                w.name,
+                OP_SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            );
+            let url = format!("http://{}/accounts/{id}", w.target);
+            let mut headers = vec![("x-writer", w.name.clone()), ("x-op", op.clone())];
+            if w.mode == Mode::Naive {
+                // No fence: the token goes along, and nobody checks it.
+                headers.push(("fencing-token", token.to_string()));
+            }
+            rec.note_sent(w.group);
+            let sent = clock.now();
+            let answer = request(
+                &client,
+                Method::PUT,
+                &url,
+                &headers,
+                Bytes::from(format!("{op} by {} under {token}", w.name)),
+            )
+            .await;
+            let answered = clock.now();
+            let (status, problem) = match &answer {
+                Some((status, body)) => (
+                    *status,
+                    serde_json::from_slice::<serde_json::Value>(body)
+                        .ok()
+                        .and_then(|v| v["type"].as_str().map(str::to_owned)),
+                ),
+                None => (0, None),
+            };
+            let lost = problem.as_deref() == Some("urn:fencegate:lease-not-held");
+            rec.push_op(Op {
+                writer: w.name.clone(),
+                group: w.group,
+                op,
+                resource: resource.clone(),
+                token,
+                status,
+                problem,
+                sent,
+                answered,
+            });
+            if lost {
+                break;
+            }
+            if !(200..300).contains(&status) {
+                pace().await;
+            }
+        }
+        let _ = w.holding.send(None);
+        // The worker stops acting as holder when it asks for the release.
+        rec.acquired.lock().unwrap()[index].released = Some(clock.now());
+        let _ = request(&client, Method::DELETE, &lease_url, &[], Bytes::new()).await;
+    }
+}
+
+/// Follows one sidecar's lease event stream for one resource, recording each event at
+/// receipt (renewals move the holder's deadline; the checker needs them).
+async fn follow_events(ctx: Arc<Ctx>, writer: String, leases: SocketAddr, resource: String) {
+    let client: HttpClient<Empty<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+    let url = format!("http://{leases}/v1/leases/{resource}/events");
+    let Ok(resp) = client
+        .request(Request::get(url).body(Empty::new()).unwrap())
+        .await
+    else {
+        return;
+    };
+    let mut body = resp.into_body();
+    let mut buf = String::new();
+    while let Some(Ok(frame)) = body.frame().await {
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        let at = ctx.clock.now();
+        buf.push_str(&String::from_utf8_lossy(&data));
+        while let Some(end) = buf.find("\n\n") {
+            let event: String = buf.drain(..end + 2).collect();
+            let kind = event
+                .lines()
+                .find_map(|l| l.strip_prefix("event: "))
+                .unwrap_or_default()
+                .to_owned();
+            let data = event
+                .lines()
+                .find_map(|l| l.strip_prefix("data: "))
+                .and_then(|d| serde_json::from_str::<serde_json::Value>(d).ok());
+            let Some(token) = data.and_then(|d| d["fencing_token"].as_u64()) else {
+                continue;
+            };
+            ctx.rec.push_event(LeaseEvent {
+                writer: writer.clone(),
+                resource: resource.clone(),
+                token,
+                kind,
+                at,
+            });
+        }
+    }
+}
+
+/// Median of a list of durations.
+pub fn percentile(mut v: Vec<Duration>, p: f64) -> Option<Duration> {
+    if v.is_empty() {
+        return None;
+    }
+    v.sort();
+    let i = ((v.len() - 1) as f64 * p).round() as usize;
+    Some(v[i])
+}
