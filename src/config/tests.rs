@@ -267,8 +267,16 @@ fn environment_variables_expand_in_config_files() {
     let c = Config::parse(&expanded).unwrap();
     assert_eq!(c.upstream.to_string(), "http://127.0.0.1:9090");
     let e = expand_env("upstream: x\nlisten: ${MISSING}\n", env).unwrap_err();
-    assert!(e.contains("line 2") && e.contains("MISSING is not set"), "{e}");
+    assert!(
+        e.contains("line 2") && e.contains("MISSING is not set"),
+        "{e}"
+    );
     assert!(expand_env("a: ${lower}", env).unwrap_err().contains("A-Z"));
-    assert!(expand_env("a: ${OPEN", env).unwrap_err().contains("closing"));
-    assert_eq!(expand_env("no variables: {id}", env).unwrap(), "no variables: {id}");
+    assert!(expand_env("a: ${OPEN", env)
+        .unwrap_err()
+        .contains("closing"));
+    assert_eq!(
+        expand_env("no variables: {id}", env).unwrap(),
+        "no variables: {id}"
+    );
 }
