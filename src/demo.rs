@@ -101,27 +101,7 @@ async fn scenario() -> Result<(), String> {
     };
     let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
     let put = |token: u64, balance: u32| {
-        let req = Request::builder()
-            .method(Method::PUT)
-            .uri(format!("http://{}/accounts/42", fencegate.listen))
-            .header("fencing-token", token)
-            .header("content-type", "application/json")
-            .body(Full::new(Bytes::from(format!("{{\"balance\":{balance}}}"))))
-            .expect("valid request");
-        let client = client.clone();
-        async move {
-            let resp = client.request(req).await.map_err(|e| e.to_string())?;
-            let status = resp.status();
-            let body = resp
-                .into_body()
-                .collect()
-                .await
-                .map_err(|e| e.to_string())?;
-            Ok::<_, String>((
-                status,
-                String::from_utf8_lossy(&body.to_bytes()).into_owned(),
-            ))
-        }
+        put_balance(client.clone(), fencegate.listen, Some(token), balance)
     };
 
     let t1 = locks
@@ -219,6 +199,36 @@ async fn start_ledger(ledger: Ledger) -> Result<std::net::SocketAddr, String> {
         std::future::pending(),
     ));
     Ok(addr)
+}
+
+/// `PUT /accounts/42 {"balance": N}`, with a token or (through a sidecar) without.
+async fn put_balance(
+    client: Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>,
+    addr: std::net::SocketAddr,
+    token: Option<u64>,
+    balance: u32,
+) -> Result<(StatusCode, String), String> {
+    let mut req = Request::builder()
+        .method(Method::PUT)
+        .uri(format!("http://{addr}/accounts/42"))
+        .header("content-type", "application/json");
+    if let Some(token) = token {
+        req = req.header("fencing-token", token);
+    }
+    let req = req
+        .body(Full::new(Bytes::from(format!("{{\"balance\":{balance}}}"))))
+        .expect("valid request");
+    let resp = client.request(req).await.map_err(|e| e.to_string())?;
+    let status = resp.status();
+    let body = resp
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok((
+        status,
+        String::from_utf8_lossy(&body.to_bytes()).into_owned(),
+    ))
 }
 
 /// A lock service link that can be cut, as a network partition would.
@@ -354,28 +364,8 @@ async fn act_two() -> Result<(), String> {
         sidecars.push((agent, link, addr));
     }
     let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
-    let write = |addr: std::net::SocketAddr, balance: u32| {
-        let client = client.clone();
-        async move {
-            // The worker sends no token: its sidecar attaches the lease's.
-            let req = Request::builder()
-                .method(Method::PUT)
-                .uri(format!("http://{addr}/accounts/42"))
-                .body(Full::new(Bytes::from(format!("{{\"balance\":{balance}}}"))))
-                .expect("valid request");
-            let resp = client.request(req).await.map_err(|e| e.to_string())?;
-            let status = resp.status();
-            let body = resp
-                .into_body()
-                .collect()
-                .await
-                .map_err(|e| e.to_string())?;
-            Ok::<_, String>((
-                status,
-                String::from_utf8_lossy(&body.to_bytes()).into_owned(),
-            ))
-        }
-    };
+    // The workers send no token: their sidecars attach the lease's.
+    let write = |addr, balance| put_balance(client.clone(), addr, None, balance);
     let (w1, link1, addr1) = &sidecars[0];
     let (w2, _, addr2) = &sidecars[1];
 
@@ -439,17 +429,8 @@ async fn act_two() -> Result<(), String> {
     println!("{:>22}{body}", "");
 
     // Had it gone around its sidecar with the old token, the fence would still refuse it.
-    let bypass = Request::builder()
-        .method(Method::PUT)
-        .uri(format!("http://{}/accounts/42", fence.listen))
-        .header("fencing-token", lease1.grant.token)
-        .body(Full::new(Bytes::from_static(b"{\"balance\":90}")))
-        .expect("valid request");
-    let bypassed = client
-        .request(bypass)
-        .await
-        .map_err(|e| e.to_string())?
-        .status();
+    let (bypassed, _) =
+        put_balance(client.clone(), fence.listen, Some(lease1.grant.token), 90).await?;
     t.say(
         "worker-1",
         format!(
