@@ -82,12 +82,7 @@ async fn scenario() -> Result<(), String> {
         format!("toy ledger on {ledger_addr}; it applies every write it receives"),
     );
 
-    let config = Config::parse(&format!(
-        "listen: 127.0.0.1:0\nadmin: 127.0.0.1:0\nupstream: http://{ledger_addr}\n\
-         store: {{ kind: memory }}\n\
-         routes:\n  - {{ name: accounts, path: '/accounts/{{id}}', resource: 'account:{{id}}' }}\n"
-    ))?;
-    let fencegate = Server::start(&config).await?;
+    let fencegate = start_fence(ledger_addr).await?;
     t.say(
         "fencegate",
         format!(
@@ -162,19 +157,34 @@ async fn scenario() -> Result<(), String> {
     Ok(())
 }
 
-async fn start_ledger(ledger: Ledger) -> Result<std::net::SocketAddr, String> {
-    let listener = TcpListener::bind("127.0.0.1:0")
-        .await
-        .map_err(|e| e.to_string())?;
-    let addr = listener.local_addr().map_err(|e| e.to_string())?;
-    let settings = ServerSettings {
+/// fencegate with the memory store, fencing `/accounts/{id}` in front of the ledger.
+async fn start_fence(ledger: std::net::SocketAddr) -> Result<Server, String> {
+    let config = Config::parse(&format!(
+        "listen: 127.0.0.1:0\nadmin: 127.0.0.1:0\nupstream: http://{ledger}\n\
+         store: {{ kind: memory }}\n\
+         routes:\n  - {{ name: accounts, path: '/accounts/{{id}}', resource: 'account:{{id}}' }}\n"
+    ))?;
+    Server::start(&config).await
+}
+
+/// Listener settings for the demo's own loopback servers.
+fn local_settings() -> ServerSettings {
+    ServerSettings {
         tls: None,
         header_read: Duration::from_secs(5),
         max_header_bytes: 16 * 1024,
         max_headers: 100,
         max_connections: 64,
         drain: Duration::from_secs(1),
-    };
+    }
+}
+
+async fn start_ledger(ledger: Ledger) -> Result<std::net::SocketAddr, String> {
+    let listener = TcpListener::bind("127.0.0.1:0")
+        .await
+        .map_err(|e| e.to_string())?;
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    let settings = local_settings();
     tokio::spawn(serve(
         listener,
         settings,
@@ -298,12 +308,7 @@ async fn act_two() -> Result<(), String> {
     let dir = std::env::temp_dir().join(format!("fencegate-demo-{}", std::process::id()));
     let ledger: Ledger = Arc::default();
     let ledger_addr = start_ledger(Arc::clone(&ledger)).await?;
-    let fence_config = Config::parse(&format!(
-        "listen: 127.0.0.1:0\nadmin: 127.0.0.1:0\nupstream: http://{ledger_addr}\n\
-         store: {{ kind: memory }}\n\
-         routes:\n  - {{ name: accounts, path: '/accounts/{{id}}', resource: 'account:{{id}}' }}\n"
-    ))?;
-    let fence = Server::start(&fence_config).await?;
+    let fence = start_fence(ledger_addr).await?;
     t.say(
         "fencegate",
         format!("fence in front of the ledger on {}", fence.listen),
@@ -350,14 +355,7 @@ async fn act_two() -> Result<(), String> {
         let addr = listener.local_addr().map_err(|e| e.to_string())?;
         tokio::spawn(serve(
             listener,
-            ServerSettings {
-                tls: None,
-                header_read: Duration::from_secs(5),
-                max_header_bytes: 16 * 1024,
-                max_headers: 100,
-                max_connections: 64,
-                drain: Duration::from_secs(1),
-            },
+            local_settings(),
             move |req, peer| Arc::clone(&proxy).handle(req, peer),
             std::future::pending(),
         ));

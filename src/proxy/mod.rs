@@ -175,10 +175,6 @@ impl Proxy {
         }
     }
 
-    pub fn store(&self) -> &Arc<dyn FenceStore> {
-        &self.store
-    }
-
     /// The hyper service body: never fails, every problem becomes a response.
     pub async fn handle(
         self: Arc<Self>,
@@ -454,7 +450,7 @@ impl Proxy {
         peer: SocketAddr,
     ) -> Response<ProxyBody> {
         let (mut parts, body) = req.into_parts();
-        let uri = match self.upstream_uri(normalised, parts.uri.query()) {
+        let uri = match self.upstream_uri(normalised, &parts.uri) {
             Ok(uri) => uri,
             Err(e) => {
                 let refusal = Refusal::InvalidPath(e);
@@ -498,10 +494,19 @@ impl Proxy {
         self.refuse(refusal, route, subject, &method, &path)
     }
 
-    fn upstream_uri(&self, path: &str, query: Option<&str>) -> Result<Uri, path::PathError> {
-        let path_and_query = match query {
-            Some(q) => PathAndQuery::try_from(format!("{path}?{q}")),
-            None => PathAndQuery::try_from(path),
+    /// The upstream URI: its scheme and authority, the normalised path and the original query.
+    /// When normalising changed nothing (the common case) the request's own path-and-query is
+    /// reused instead of being formatted and parsed again.
+    fn upstream_uri(&self, path: &str, original: &Uri) -> Result<Uri, path::PathError> {
+        let query = original.query();
+        let unchanged = original
+            .path_and_query()
+            .filter(|pq| pq.path() == path)
+            .cloned();
+        let path_and_query = match (unchanged, query) {
+            (Some(pq), _) => Ok(pq),
+            (None, Some(q)) => PathAndQuery::try_from(format!("{path}?{q}")),
+            (None, None) => PathAndQuery::try_from(path),
         }
         .map_err(|_| path::PathError::Control)?;
         Uri::builder()

@@ -345,6 +345,8 @@ async fn resource_from_header_and_query() {
     .await;
     assert_eq!(ok.status, 200);
     assert_eq!(recorded(&fg, "acme:eu-1:5").await, Some(2));
+    // An already-normal target is forwarded as sent, query untouched.
+    assert_eq!(up.seen()[0].target, "/t/5?shard=eu%2D1");
     let reply = send("PUT", &url, &[("fencing-token", "2")], "").await;
     reply.assert_problem(400, "urn:fencegate:invalid-resource");
     assert_eq!(up.count(), 1);
