@@ -10,7 +10,9 @@
 //!   [`fence::path`] normalisation, [`fence::routes`] route and resource matching,
 //!   [`fence::barrier`] the `ordering: serialize` in-flight barrier.
 //! - [`store`]: recorded maxima behind one trait: `memory`, `embedded` (redb, fsync'd,
-//!   group commit).
+//!   group commit), Redis, PostgreSQL, etcd; each also keeps the idempotency records.
+//! - [`idempotency`]: records of writes carrying an `Idempotency-Key`, and the pure decision
+//!   of what a retry gets.
 //! - [`lease`]: the lease agent: backends (embedded, Redis, PostgreSQL, etcd), renewal,
 //!   the local lease API and the egress proxy.
 //! - [`proxy`]: the request path, refusals as problem+json, header surgery, streaming bodies.
@@ -29,6 +31,7 @@ pub mod cli;
 pub mod config;
 pub mod demo;
 pub mod fence;
+pub mod idempotency;
 pub mod inject;
 pub mod lease;
 pub mod metrics;

@@ -160,6 +160,29 @@ impl FenceStore for EmbeddedStore {
         self.shared.healthy.load(Ordering::Relaxed)
     }
 
+    fn begin_idempotent<'a>(
+        &'a self,
+        _resource: &'a str,
+        _key: &'a str,
+        _claim: &'a crate::idempotency::Claim,
+    ) -> BoxFuture<'a, Result<crate::idempotency::Begin, StoreError>> {
+        Box::pin(std::future::ready(Err(StoreError::Unavailable(
+            "idempotency records are not implemented for this store yet".into(),
+        ))))
+    }
+
+    fn finish_idempotent<'a>(
+        &'a self,
+        _resource: &'a str,
+        _key: &'a str,
+        _claim: &'a crate::idempotency::Claim,
+        _outcome: &'a crate::idempotency::Record,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(std::future::ready(Err(StoreError::Unavailable(
+            "idempotency records are not implemented for this store yet".into(),
+        ))))
+    }
+
     fn kind(&self) -> &'static str {
         "embedded"
     }

@@ -1,14 +1,25 @@
 //! In-process maxima: fast and forgetful. For tests and demos; a restart forgets everything.
 
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+use std::sync::Mutex;
+
 use dashmap::mapref::entry::Entry;
 use dashmap::DashMap;
+use tokio::time::Instant;
 
-use super::{decide, BoxFuture, FenceStore, StoreError, Verdict};
+use super::{decide, record_key, BoxFuture, FenceStore, StoreError, Verdict};
 use crate::config::EqualTokens;
+use crate::idempotency::{self, Begin, Claim, Phase, Record};
 
 #[derive(Default)]
 pub struct MemoryStore {
     maxima: DashMap<Box<str>, u64>,
+    /// Idempotency records by [`record_key`], with their expiry instants.
+    records: DashMap<String, (Record, Instant)>,
+    /// Expiry instants in order, so expiring touches only what expired (an entry whose record
+    /// was rewritten later is skipped).
+    expiries: Mutex<BinaryHeap<Reverse<(Instant, String)>>>,
 }
 
 impl MemoryStore {
@@ -45,6 +56,82 @@ impl MemoryStore {
         self.maxima.len()
     }
 
+    /// Idempotency records currently kept (expired ones go on the next write).
+    pub fn records(&self) -> usize {
+        self.records.len()
+    }
+
+    fn expire(&self, now: Instant) {
+        let mut heap = self.expiries.lock().expect("expiry heap poisoned");
+        while let Some(Reverse((at, _))) = heap.peek() {
+            if *at > now {
+                break;
+            }
+            let Reverse((at, key)) = heap.pop().expect("peeked");
+            self.records
+                .remove_if(&key, |_, (_, expires)| *expires <= at);
+        }
+    }
+
+    fn schedule(&self, key: String, at: Instant) {
+        let mut heap = self.expiries.lock().expect("expiry heap poisoned");
+        heap.push(Reverse((at, key)));
+    }
+
+    /// [`FenceStore::begin_idempotent`], synchronous: the record's shard lock is held across
+    /// the maximum's compare-and-raise.
+    pub fn begin(&self, resource: &str, key: &str, claim: &Claim) -> Begin {
+        let now = Instant::now();
+        self.expire(now);
+        let k = record_key(resource, key);
+        let expires = now + claim.window;
+        match self.records.entry(k.clone()) {
+            Entry::Occupied(mut e) => {
+                let live = (e.get().1 > now).then(|| &e.get().0);
+                let current = self.maxima.get(resource).map(|v| *v);
+                let begin = idempotency::decide(live, current, claim);
+                if let Begin::Execute { .. } = begin {
+                    self.raise(resource, claim.token, EqualTokens::Allow);
+                    e.insert((Record::in_flight(claim.token, claim.fingerprint), expires));
+                    self.schedule(k, expires);
+                }
+                begin
+            }
+            Entry::Vacant(e) => {
+                let current = self.maxima.get(resource).map(|v| *v);
+                let begin = idempotency::decide(None, current, claim);
+                if let Begin::Execute { .. } = begin {
+                    self.raise(resource, claim.token, EqualTokens::Allow);
+                    e.insert((Record::in_flight(claim.token, claim.fingerprint), expires));
+                    self.schedule(k, expires);
+                }
+                begin
+            }
+        }
+    }
+
+    /// [`FenceStore::finish_idempotent`], synchronous.
+    pub fn finish(&self, resource: &str, key: &str, claim: &Claim, outcome: &Record) -> bool {
+        let now = Instant::now();
+        let k = record_key(resource, key);
+        let expires = now + claim.window;
+        let Some(mut slot) = self.records.get_mut(&k) else {
+            return false;
+        };
+        let (record, at) = &mut *slot;
+        let ours = *at > now
+            && record.phase == Phase::InFlight
+            && record.token == claim.token
+            && record.fingerprint == claim.fingerprint;
+        if ours {
+            *record = outcome.clone();
+            *at = expires;
+            drop(slot);
+            self.schedule(k, expires);
+        }
+        ours
+    }
+
     pub fn is_empty(&self) -> bool {
         self.maxima.is_empty()
     }
@@ -68,6 +155,27 @@ impl FenceStore for MemoryStore {
 
     fn healthy(&self) -> bool {
         true
+    }
+
+    fn begin_idempotent<'a>(
+        &'a self,
+        resource: &'a str,
+        key: &'a str,
+        claim: &'a Claim,
+    ) -> BoxFuture<'a, Result<Begin, StoreError>> {
+        Box::pin(std::future::ready(Ok(self.begin(resource, key, claim))))
+    }
+
+    fn finish_idempotent<'a>(
+        &'a self,
+        resource: &'a str,
+        key: &'a str,
+        claim: &'a Claim,
+        outcome: &'a Record,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(std::future::ready(Ok(
+            self.finish(resource, key, claim, outcome)
+        )))
     }
 
     fn kind(&self) -> &'static str {

@@ -18,6 +18,7 @@ pub use memory::MemoryStore;
 pub(crate) use postgres::pool as postgres_pool;
 
 use crate::config::{EqualTokens, StoreConfig, StoreKind};
+use crate::idempotency::{Begin, Claim, Record};
 
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
@@ -73,6 +74,34 @@ pub trait FenceStore: Send + Sync + 'static {
     fn healthy(&self) -> bool;
 
     fn kind(&self) -> &'static str;
+
+    /// Idempotency, one atomic step: look up the live record of `(resource, key)`, run
+    /// [`crate::idempotency::decide`] against it and the resource's maximum, and on
+    /// [`Begin::Execute`] raise the maximum and write the `in_flight` record (living
+    /// `claim.window`).
+    fn begin_idempotent<'a>(
+        &'a self,
+        resource: &'a str,
+        key: &'a str,
+        claim: &'a Claim,
+    ) -> BoxFuture<'a, Result<Begin, StoreError>>;
+
+    /// Replaces the record of `(resource, key)` with `outcome` (living `claim.window` from
+    /// now), only if it still is the `in_flight` record of this attempt (same token and
+    /// fingerprint). Returns whether it wrote.
+    fn finish_idempotent<'a>(
+        &'a self,
+        resource: &'a str,
+        key: &'a str,
+        claim: &'a Claim,
+        outcome: &'a Record,
+    ) -> BoxFuture<'a, Result<bool, StoreError>>;
+}
+
+/// The store key of an idempotency record: resource and key, separated by a byte neither
+/// can contain (resource ids and keys are visible ASCII or escaped).
+pub fn record_key(resource: &str, key: &str) -> String {
+    format!("{resource}\u{1f}{key}")
 }
 
 /// Opens the store a config names. Networked stores connect lazily: an unreachable store

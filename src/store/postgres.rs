@@ -149,6 +149,29 @@ impl Remote for PostgresRemote {
         })
     }
 
+    fn begin_idempotent<'a>(
+        &'a self,
+        _resource: &'a str,
+        _key: &'a str,
+        _claim: &'a crate::idempotency::Claim,
+    ) -> BoxFuture<'a, Result<crate::idempotency::Begin, StoreError>> {
+        Box::pin(std::future::ready(Err(StoreError::Unavailable(
+            "idempotency records are not implemented for this store yet".into(),
+        ))))
+    }
+
+    fn finish_idempotent<'a>(
+        &'a self,
+        _resource: &'a str,
+        _key: &'a str,
+        _claim: &'a crate::idempotency::Claim,
+        _outcome: &'a crate::idempotency::Record,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(std::future::ready(Err(StoreError::Unavailable(
+            "idempotency records are not implemented for this store yet".into(),
+        ))))
+    }
+
     fn kind(&self) -> &'static str {
         "postgres"
     }

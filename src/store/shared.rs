@@ -14,6 +14,7 @@ use dashmap::DashMap;
 
 use super::{decide, BoxFuture, FenceStore, StoreError, Verdict};
 use crate::config::EqualTokens;
+use crate::idempotency::{Begin, Claim, Record};
 
 /// One networked store's compare-and-raise, answered by the store itself, atomically.
 pub trait Remote: Send + Sync + 'static {
@@ -28,6 +29,23 @@ pub trait Remote: Send + Sync + 'static {
 
     /// A cheap round trip that proves the store answers (and reconnects if needed).
     fn ping(&self) -> BoxFuture<'_, Result<(), StoreError>>;
+
+    /// [`FenceStore::begin_idempotent`], answered by the store itself, atomically.
+    fn begin_idempotent<'a>(
+        &'a self,
+        resource: &'a str,
+        key: &'a str,
+        claim: &'a Claim,
+    ) -> BoxFuture<'a, Result<Begin, StoreError>>;
+
+    /// [`FenceStore::finish_idempotent`].
+    fn finish_idempotent<'a>(
+        &'a self,
+        resource: &'a str,
+        key: &'a str,
+        claim: &'a Claim,
+        outcome: &'a Record,
+    ) -> BoxFuture<'a, Result<bool, StoreError>>;
 
     fn kind(&self) -> &'static str;
 }
@@ -185,6 +203,42 @@ impl<R: Remote> FenceStore for SharedStore<R> {
 
     fn healthy(&self) -> bool {
         self.healthy.load(Ordering::Relaxed)
+    }
+
+    fn begin_idempotent<'a>(
+        &'a self,
+        resource: &'a str,
+        key: &'a str,
+        claim: &'a Claim,
+    ) -> BoxFuture<'a, Result<Begin, StoreError>> {
+        // Never answered from the cache: a stale token may still have a record to replay.
+        Box::pin(async move {
+            let result = self.remote.begin_idempotent(resource, key, claim).await;
+            self.record(&result);
+            match &result {
+                Ok(Begin::Execute { .. }) => self.cache.observe(resource, claim.token),
+                Ok(Begin::Stale { current }) => self.cache.observe(resource, *current),
+                _ => {}
+            }
+            result
+        })
+    }
+
+    fn finish_idempotent<'a>(
+        &'a self,
+        resource: &'a str,
+        key: &'a str,
+        claim: &'a Claim,
+        outcome: &'a Record,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(async move {
+            let result = self
+                .remote
+                .finish_idempotent(resource, key, claim, outcome)
+                .await;
+            self.record(&result);
+            result
+        })
     }
 
     fn kind(&self) -> &'static str {

@@ -7,6 +7,7 @@ mod admin;
 mod concurrency;
 mod fence;
 mod hostile;
+mod idempotency_stores;
 mod inject;
 mod lease_agent;
 mod lease_e2e;

@@ -15,14 +15,14 @@ use EqualTokens::{Allow, Reject};
 
 /// A store of `kind` on a fresh prefix (and, for etcd, a throwaway server kept alive by the
 /// returned guard).
-async fn open(kind: &str) -> (Arc<dyn FenceStore>, Option<Service>, tempfile::TempDir) {
+pub(crate) async fn open(kind: &str) -> (Arc<dyn FenceStore>, Option<Service>, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
     let (yaml, service) = store_yaml(kind, &dir).await;
     let config = Config::parse(&format!("upstream: http://127.0.0.1:1\n{yaml}")).unwrap();
     (store::open(&config.store).await.unwrap(), service, dir)
 }
 
-async fn store_yaml(kind: &str, dir: &tempfile::TempDir) -> (String, Option<Service>) {
+pub(crate) async fn store_yaml(kind: &str, dir: &tempfile::TempDir) -> (String, Option<Service>) {
     let prefix = fresh_prefix();
     match kind {
         "memory" => ("store: { kind: memory }\n".into(), None),

@@ -1,0 +1,436 @@
+//! Idempotency records: what the fence remembers about a write that carried an
+//! `Idempotency-Key`, so that a retry is answered from the record of the first attempt
+//! instead of being executed again.
+//!
+//! A record lives per `(resource, key)` for the configured window and is in one of three
+//! phases:
+//!
+//! - `in_flight`: the first attempt was admitted and is with the upstream. A retry gets 409
+//!   `idempotency-in-flight`.
+//! - `completed`: the upstream answered. A retry with the same fingerprint gets the recorded
+//!   response (`Idempotent-Replayed: true`), whatever tokens were admitted since: a replay
+//!   reports what happened and executes nothing. A response larger than `max_response` is
+//!   recorded without its body ("completed, not replayable").
+//! - `unknown`: the upstream failed, timed out, or answered with a retryable status, so the
+//!   write may or may not have happened. A retry may execute it again, but only with a token
+//!   at least the recorded one (and past the fence as usual): an older epoch cannot redo it.
+//!
+//! The same key with a different fingerprint (method, normalised path, query, body) is
+//! refused with 422 `idempotency-key-reused`, in every phase.
+//!
+//! [`decide`] is the whole decision, pure; every store runs it (or, for Redis, its Lua
+//! transcription) in the same atomic step as the raise of the resource's maximum.
+
+use std::time::Duration;
+
+use base64::engine::general_purpose::STANDARD as B64;
+use base64::Engine;
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+
+use crate::config::EqualTokens;
+use crate::store::{decide as fence, Verdict};
+
+/// SHA-256 of what identifies a request: method, normalised path, query and body.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct Fingerprint(pub [u8; 32]);
+
+impl Fingerprint {
+    pub fn of(method: &str, path: &str, query: Option<&str>, body: &[u8]) -> Self {
+        let mut ctx = ring::digest::Context::new(&ring::digest::SHA256);
+        ctx.update(method.as_bytes());
+        ctx.update(b"\0");
+        ctx.update(path.as_bytes());
+        ctx.update(b"\0");
+        if let Some(q) = query {
+            ctx.update(b"?");
+            ctx.update(q.as_bytes());
+        }
+        ctx.update(b"\0");
+        ctx.update(body);
+        let mut out = [0u8; 32];
+        out.copy_from_slice(ctx.finish().as_ref());
+        Fingerprint(out)
+    }
+
+    pub fn hex(&self) -> String {
+        self.0.iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    pub fn from_hex(s: &str) -> Option<Self> {
+        if s.len() != 64 || !s.is_ascii() {
+            return None;
+        }
+        let mut out = [0u8; 32];
+        for (i, byte) in out.iter_mut().enumerate() {
+            *byte = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).ok()?;
+        }
+        Some(Fingerprint(out))
+    }
+}
+
+impl std::fmt::Debug for Fingerprint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Fingerprint({})", &self.hex()[..12])
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    InFlight,
+    Unknown,
+    Completed,
+}
+
+impl Phase {
+    /// The one-letter code the Redis script and the PostgreSQL column use.
+    pub fn code(self) -> &'static str {
+        match self {
+            Phase::InFlight => "i",
+            Phase::Unknown => "u",
+            Phase::Completed => "c",
+        }
+    }
+
+    pub fn from_code(code: &str) -> Option<Self> {
+        match code {
+            "i" => Some(Phase::InFlight),
+            "u" => Some(Phase::Unknown),
+            "c" => Some(Phase::Completed),
+            _ => None,
+        }
+    }
+}
+
+/// The upstream's answer as recorded: end-to-end headers in order, and the whole body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredResponse {
+    pub status: u16,
+    pub headers: Vec<(String, Vec<u8>)>,
+    pub body: Bytes,
+}
+
+/// One `(resource, key)` record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Record {
+    pub phase: Phase,
+    /// The token of the attempt that wrote this record.
+    pub token: u64,
+    pub fingerprint: Fingerprint,
+    /// `completed` only: the upstream's status, also when the response was too large to keep.
+    pub status: Option<u16>,
+    /// `completed` only: the response, `None` when it was larger than `max_response`.
+    pub response: Option<StoredResponse>,
+}
+
+impl Record {
+    pub fn in_flight(token: u64, fingerprint: Fingerprint) -> Self {
+        Record {
+            phase: Phase::InFlight,
+            token,
+            fingerprint,
+            status: None,
+            response: None,
+        }
+    }
+
+    pub fn unknown(token: u64, fingerprint: Fingerprint) -> Self {
+        Record {
+            phase: Phase::Unknown,
+            ..Record::in_flight(token, fingerprint)
+        }
+    }
+
+    /// Serialised as JSON (bytes in base64), readable by an operator who looks in the store.
+    pub fn encode(&self) -> Vec<u8> {
+        let wire = Wire {
+            phase: self.phase,
+            token: self.token,
+            fingerprint: self.fingerprint.hex(),
+            status: self.status,
+            response: self.response.as_ref().map(|r| WireResponse {
+                status: r.status,
+                headers: r
+                    .headers
+                    .iter()
+                    .map(|(n, v)| (n.clone(), B64.encode(v)))
+                    .collect(),
+                body: B64.encode(&r.body),
+            }),
+        };
+        serde_json::to_vec(&wire).expect("a record always serialises")
+    }
+
+    pub fn decode(bytes: &[u8]) -> Result<Self, String> {
+        let wire: Wire = serde_json::from_slice(bytes).map_err(|e| format!("bad record: {e}"))?;
+        let fingerprint = Fingerprint::from_hex(&wire.fingerprint)
+            .ok_or_else(|| "bad record: fingerprint is not 64 hex digits".to_string())?;
+        let response = match wire.response {
+            None => None,
+            Some(r) => {
+                let mut headers = Vec::with_capacity(r.headers.len());
+                for (name, value) in r.headers {
+                    let value = B64
+                        .decode(value)
+                        .map_err(|e| format!("bad record header: {e}"))?;
+                    headers.push((name, value));
+                }
+                let body = B64
+                    .decode(r.body)
+                    .map_err(|e| format!("bad record body: {e}"))?;
+                Some(StoredResponse {
+                    status: r.status,
+                    headers,
+                    body: body.into(),
+                })
+            }
+        };
+        Ok(Record {
+            phase: wire.phase,
+            token: wire.token,
+            fingerprint,
+            status: wire.status,
+            response,
+        })
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+struct Wire {
+    phase: Phase,
+    token: u64,
+    fingerprint: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    status: Option<u16>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    response: Option<WireResponse>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct WireResponse {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: String,
+}
+
+/// What an attempt brings to [`decide`].
+#[derive(Debug, Clone, Copy)]
+pub struct Claim {
+    pub token: u64,
+    pub fingerprint: Fingerprint,
+    pub equal: EqualTokens,
+    /// How long the record lives (from its last write).
+    pub window: Duration,
+    /// False when the caller already knows the write may not execute (authoritative mode
+    /// found the token superseded): a completed record is still replayed, nothing is claimed.
+    pub may_execute: bool,
+}
+
+/// The answer to an attempt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Begin {
+    /// Claimed: the maximum was raised (as by the fence) and the record is now `in_flight`
+    /// with this attempt's token. `previous` is the maximum before.
+    Execute { previous: Option<u64> },
+    /// The fence refused the token; nothing changed.
+    Stale { current: u64 },
+    /// An attempt with this key is with the upstream.
+    InFlight,
+    /// The key was used for a different request.
+    Reused,
+    /// The key's request completed: replay it (or say why it cannot be).
+    Completed(Record),
+    /// `may_execute` was false and there is nothing to replay.
+    Refused,
+}
+
+/// The decision, given the live record (expired ones are absent) and the resource's maximum.
+/// When it is [`Begin::Execute`], the store must, in the same atomic step, raise the maximum
+/// to `claim.token` (if higher) and write `Record::in_flight(claim.token, claim.fingerprint)`.
+pub fn decide(existing: Option<&Record>, current: Option<u64>, claim: &Claim) -> Begin {
+    let equal = match existing {
+        Some(r) if r.fingerprint != claim.fingerprint => return Begin::Reused,
+        Some(r) if r.phase == Phase::InFlight => return Begin::InFlight,
+        Some(r) if r.phase == Phase::Completed => return Begin::Completed(r.clone()),
+        // Unknown outcome: redo only with a token at least the recorded one. The same token
+        // is the same attempt again, so it passes even under `equal: reject`.
+        Some(r) if claim.token < r.token => {
+            return Begin::Stale {
+                current: current.unwrap_or(r.token).max(r.token),
+            }
+        }
+        Some(r) if claim.token == r.token => EqualTokens::Allow,
+        _ => claim.equal,
+    };
+    if !claim.may_execute {
+        return Begin::Refused;
+    }
+    match fence(current, claim.token, equal) {
+        Verdict::Admitted { previous } => Begin::Execute { previous },
+        Verdict::Stale { current } => Begin::Stale { current },
+    }
+}
+
+/// Whether an upstream status leaves the outcome unknown (the write may not have happened and
+/// a retry is expected): 408, 425, 429 and every 5xx. Everything else is recorded as
+/// completed and replayed.
+pub fn outcome_unknown(status: u16) -> bool {
+    matches!(status, 408 | 425 | 429) || status >= 500
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fp(n: u8) -> Fingerprint {
+        Fingerprint([n; 32])
+    }
+
+    fn claim(token: u64, f: u8) -> Claim {
+        Claim {
+            token,
+            fingerprint: fp(f),
+            equal: EqualTokens::Allow,
+            window: Duration::from_secs(5),
+            may_execute: true,
+        }
+    }
+
+    fn completed(token: u64, f: u8) -> Record {
+        Record {
+            phase: Phase::Completed,
+            status: Some(201),
+            response: Some(StoredResponse {
+                status: 201,
+                headers: vec![("content-type".into(), b"text/plain".to_vec())],
+                body: Bytes::from_static(b"ok\xff"),
+            }),
+            ..Record::in_flight(token, fp(f))
+        }
+    }
+
+    #[test]
+    fn absent_key_is_the_fence() {
+        assert_eq!(
+            decide(None, None, &claim(3, 1)),
+            Begin::Execute { previous: None }
+        );
+        assert_eq!(
+            decide(None, Some(5), &claim(3, 1)),
+            Begin::Stale { current: 5 }
+        );
+        let reject = Claim {
+            equal: EqualTokens::Reject,
+            ..claim(5, 1)
+        };
+        assert_eq!(decide(None, Some(5), &reject), Begin::Stale { current: 5 });
+    }
+
+    #[test]
+    fn completed_replays_even_after_newer_tokens() {
+        let r = completed(3, 1);
+        assert_eq!(
+            decide(Some(&r), Some(9), &claim(3, 1)),
+            Begin::Completed(r.clone())
+        );
+        let refused_elsewhere = Claim {
+            may_execute: false,
+            ..claim(3, 1)
+        };
+        assert_eq!(
+            decide(Some(&r), Some(9), &refused_elsewhere),
+            Begin::Completed(r)
+        );
+    }
+
+    #[test]
+    fn reuse_wins_over_every_phase() {
+        for r in [
+            Record::in_flight(3, fp(1)),
+            Record::unknown(3, fp(1)),
+            completed(3, 1),
+        ] {
+            assert_eq!(decide(Some(&r), Some(3), &claim(3, 2)), Begin::Reused);
+        }
+    }
+
+    #[test]
+    fn in_flight_is_a_conflict() {
+        let r = Record::in_flight(3, fp(1));
+        assert_eq!(decide(Some(&r), Some(3), &claim(4, 1)), Begin::InFlight);
+    }
+
+    #[test]
+    fn unknown_redoes_only_with_a_token_at_least_the_recorded_one() {
+        let r = Record::unknown(7, fp(1));
+        assert_eq!(
+            decide(Some(&r), Some(7), &claim(6, 1)),
+            Begin::Stale { current: 7 }
+        );
+        let same = Claim {
+            equal: EqualTokens::Reject,
+            ..claim(7, 1)
+        };
+        assert_eq!(
+            decide(Some(&r), Some(7), &same),
+            Begin::Execute { previous: Some(7) }
+        );
+        assert_eq!(
+            decide(Some(&r), Some(7), &claim(8, 1)),
+            Begin::Execute { previous: Some(7) }
+        );
+        // A newer epoch wrote meanwhile: the fence still applies.
+        assert_eq!(
+            decide(Some(&r), Some(9), &claim(8, 1)),
+            Begin::Stale { current: 9 }
+        );
+    }
+
+    #[test]
+    fn may_not_execute_claims_nothing() {
+        let c = Claim {
+            may_execute: false,
+            ..claim(3, 1)
+        };
+        assert_eq!(decide(None, None, &c), Begin::Refused);
+    }
+
+    #[test]
+    fn records_round_trip() {
+        for r in [
+            Record::in_flight(1, fp(1)),
+            Record::unknown(u64::MAX >> 1, fp(2)),
+            completed(3, 3),
+            Record {
+                response: None,
+                ..completed(4, 4)
+            },
+        ] {
+            assert_eq!(Record::decode(&r.encode()).unwrap(), r);
+        }
+        assert!(Record::decode(b"{}").is_err());
+        assert!(Record::decode(b"not json").is_err());
+    }
+
+    #[test]
+    fn fingerprint_separates_its_parts() {
+        let a = Fingerprint::of("POST", "/a", None, b"x");
+        assert_eq!(a, Fingerprint::of("POST", "/a", None, b"x"));
+        assert_ne!(a, Fingerprint::of("PUT", "/a", None, b"x"));
+        assert_ne!(a, Fingerprint::of("POST", "/a", Some(""), b"x"));
+        assert_ne!(a, Fingerprint::of("POST", "/ax", None, b""));
+        assert_eq!(Fingerprint::from_hex(&a.hex()), Some(a));
+        assert_eq!(Fingerprint::from_hex("zz"), None);
+    }
+
+    #[test]
+    fn retryable_statuses_leave_the_outcome_unknown() {
+        for s in [408, 425, 429, 500, 502, 503, 504] {
+            assert!(outcome_unknown(s), "{s}");
+        }
+        for s in [200, 201, 204, 400, 404, 409, 422] {
+            assert!(!outcome_unknown(s), "{s}");
+        }
+    }
+}
