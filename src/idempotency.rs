@@ -31,6 +31,9 @@ use serde::{Deserialize, Serialize};
 use crate::config::EqualTokens;
 use crate::store::{decide as fence, Verdict};
 
+/// Longest accepted key, in bytes (keys are visible ASCII).
+pub const MAX_KEY_BYTES: usize = 255;
+
 /// SHA-256 of what identifies a request: method, normalised path, query and body.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub struct Fingerprint(pub [u8; 32]);

@@ -28,10 +28,20 @@ pub enum Outcome {
     LeaseNotHeld,
     /// Authoritative mode: token above the latest grant.
     Unissued,
+    /// Idempotency: answered from the record of the key's first attempt.
+    Replayed,
+    /// Idempotency: the key's first attempt is still with the upstream.
+    IdempotencyInFlight,
+    /// Idempotency: the key was used for a different request.
+    IdempotencyKeyReused,
+    /// Idempotency: the key's request completed but its response was too large to keep.
+    NotReplayable,
+    /// Idempotency: malformed key, unreadable or oversized body.
+    InvalidRequest,
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 14] = [
+    pub const ALL: [Outcome; 19] = [
         Outcome::Admitted,
         Outcome::Forwarded,
         Outcome::Stale,
@@ -46,6 +56,11 @@ impl Outcome {
         Outcome::NoRoute,
         Outcome::LeaseNotHeld,
         Outcome::Unissued,
+        Outcome::Replayed,
+        Outcome::IdempotencyInFlight,
+        Outcome::IdempotencyKeyReused,
+        Outcome::NotReplayable,
+        Outcome::InvalidRequest,
     ];
 
     pub fn label(self) -> &'static str {
@@ -64,6 +79,11 @@ impl Outcome {
             Outcome::NoRoute => "no_route",
             Outcome::LeaseNotHeld => "lease_not_held",
             Outcome::Unissued => "unissued",
+            Outcome::Replayed => "replayed",
+            Outcome::IdempotencyInFlight => "idempotency_in_flight",
+            Outcome::IdempotencyKeyReused => "idempotency_key_reused",
+            Outcome::NotReplayable => "not_replayable",
+            Outcome::InvalidRequest => "invalid_request",
         }
     }
 }
@@ -94,6 +114,19 @@ pub struct Metrics {
     pub reloads_ok: IntCounter,
     pub reloads_refused: IntCounter,
     pub lease: LeaseMetrics,
+    pub idempotency: IdempotencyMetrics,
+}
+
+/// Idempotency keys (SPEC §6 `fencegate_idempotent_replays_total`, and the conflicts).
+pub struct IdempotencyMetrics {
+    pub replays: IntCounter,
+    pub in_flight: IntCounter,
+    pub reused: IntCounter,
+    /// Attempts whose outcome is unknown (upstream failed, timed out, retryable status, or
+    /// the client went away before the answer was recorded).
+    pub unknown: IntCounter,
+    pub store_begin: Histogram,
+    pub store_finish: Histogram,
 }
 
 /// The lease agent's metrics (SPEC §6).
@@ -182,6 +215,24 @@ impl Metrics {
             ),
             &["resource"],
         )?;
+        let replays = IntCounter::new(
+            "fencegate_idempotent_replays_total",
+            "Requests answered from the recorded response of their idempotency key's first attempt.",
+        )?;
+        let conflicts = IntCounterVec::new(
+            Opts::new(
+                "fencegate_idempotency_conflicts_total",
+                "Requests refused over their idempotency key: in_flight (409) or key_reused (422).",
+            ),
+            &["reason"],
+        )?;
+        let unknown = IntCounter::new(
+            "fencegate_idempotency_unknown_outcomes_total",
+            "Idempotent attempts recorded with an unknown outcome (a retry may execute them again).",
+        )?;
+        registry.register(Box::new(replays.clone()))?;
+        registry.register(Box::new(conflicts.clone()))?;
+        registry.register(Box::new(unknown.clone()))?;
         registry.register(Box::new(acquisition.clone()))?;
         registry.register(Box::new(renewals.clone()))?;
         registry.register(Box::new(expiry_forced.clone()))?;
@@ -210,6 +261,14 @@ impl Metrics {
                 renewals_lost: renewals.with_label_values(&["lost"]),
                 expiry_forced,
                 held,
+            },
+            idempotency: IdempotencyMetrics {
+                replays,
+                in_flight: conflicts.with_label_values(&["in_flight"]),
+                reused: conflicts.with_label_values(&["key_reused"]),
+                unknown,
+                store_begin: store.with_label_values(&["begin_idempotent"]),
+                store_finish: store.with_label_values(&["finish_idempotent"]),
             },
         })
     }
@@ -264,6 +323,8 @@ mod tests {
         r.increments.inc();
         r.upstream.observe(0.01);
         m.store_raise.observe(0.001);
+        m.idempotency.replays.inc();
+        m.idempotency.reused.inc();
         let text = m.render();
         for needle in [
             "fencegate_requests_total{outcome=\"stale\",route=\"accounts\"} 1",
@@ -271,6 +332,8 @@ mod tests {
             "fencegate_fencing_token_increments_total{route=\"accounts\"} 1",
             "fencegate_upstream_duration_seconds_count{route=\"accounts\"} 1",
             "fencegate_store_duration_seconds_count{op=\"raise\"} 1",
+            "fencegate_idempotent_replays_total 1",
+            "fencegate_idempotency_conflicts_total{reason=\"key_reused\"} 1",
         ] {
             assert!(text.contains(needle), "missing {needle} in\n{text}");
         }

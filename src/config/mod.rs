@@ -58,9 +58,50 @@ pub struct Config {
     /// App → fencegate → remote service, with the held lease's token attached.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub egress: Option<EgressConfig>,
-    /// Accepted by the schema, refused until implemented, so nobody believes it runs.
-    #[serde(default, skip_serializing)]
-    pub idempotency: Option<NotYetSupported>,
+    /// Idempotency keys on fenced routes: retries answered from the first attempt's record.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idempotency: Option<IdempotencyConfig>,
+}
+
+/// `Idempotency-Key` handling on fenced routes (every fenced route, unless a route says
+/// `idempotency: false`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct IdempotencyConfig {
+    #[serde(default = "default_idempotency_header")]
+    pub header: HeaderNameCfg,
+    /// How long a key's record lives after its last write. Default: `leases.ttl` + its
+    /// `p99_work` (2 × ttl when the TTL is given as a plain duration); required without leases.
+    #[serde(
+        default,
+        with = "humantime_serde",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub window: Option<Duration>,
+    /// Largest request body an idempotent write may have (it is read whole to fingerprint it);
+    /// larger gets 413.
+    #[serde(default = "default_max_idempotent_body")]
+    pub max_request_bytes: usize,
+    /// Largest response recorded for replay; a larger one is recorded as "completed, not
+    /// replayable" and its retries get 409 `idempotency-not-replayable`.
+    #[serde(default = "default_max_idempotent_body")]
+    pub max_response_bytes: usize,
+}
+
+impl IdempotencyConfig {
+    /// The window, resolved at load.
+    pub fn window(&self) -> Duration {
+        self.window
+            .expect("the idempotency window is resolved when the config is parsed")
+    }
+}
+
+fn default_idempotency_header() -> HeaderNameCfg {
+    HeaderNameCfg(http::header::HeaderName::from_static("idempotency-key"))
+}
+
+fn default_max_idempotent_body() -> usize {
+    1024 * 1024
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -265,6 +306,17 @@ pub struct RouteConfig {
     pub barrier_timeout: Duration,
     #[serde(default = "default_true")]
     pub fence: bool,
+    /// `false`: no idempotency keys on this route even though the `idempotency` section is
+    /// there; `true`: requires that section. Absent: follow the section.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idempotency: Option<bool>,
+}
+
+impl RouteConfig {
+    /// Whether idempotency keys apply to this route under `section`.
+    pub fn idempotent(&self, section: Option<&IdempotencyConfig>) -> bool {
+        self.fence && section.is_some() && self.idempotency != Some(false)
+    }
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -448,40 +500,6 @@ impl TryFrom<RawLimits> for Limits {
     }
 }
 
-/// A schema section whose feature this build does not have: refusing it beats ignoring it.
-#[derive(Debug, Clone)]
-pub struct NotYetSupported;
-
-impl<'de> Deserialize<'de> for NotYetSupported {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        // Refuse from inside the deserializer, so the error carries the section's location.
-        struct Refuse;
-        const WHY: &str = "this section is not available in this version of fencegate";
-        impl<'de> serde::de::Visitor<'de> for Refuse {
-            type Value = NotYetSupported;
-            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str(WHY)
-            }
-            fn visit_map<A: serde::de::MapAccess<'de>>(
-                self,
-                _: A,
-            ) -> Result<Self::Value, A::Error> {
-                Err(serde::de::Error::custom(WHY))
-            }
-            fn visit_seq<A: serde::de::SeqAccess<'de>>(
-                self,
-                _: A,
-            ) -> Result<Self::Value, A::Error> {
-                Err(serde::de::Error::custom(WHY))
-            }
-            fn visit_str<E: serde::de::Error>(self, _: &str) -> Result<Self::Value, E> {
-                Err(E::custom(WHY))
-            }
-        }
-        d.deserialize_any(Refuse)
-    }
-}
-
 fn routes<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<RouteConfig>, D::Error> {
     checked::from_seq(d, check_routes)
 }
@@ -592,11 +610,47 @@ impl Config {
         if let Some(leases) = &mut config.leases {
             leases.drain_timeout = Some(leases.drain_timeout());
         }
+        let derived_window = config
+            .leases
+            .as_ref()
+            .map(|l| l.ttl.ttl + l.ttl.p99_work.unwrap_or(l.ttl.ttl));
+        if let Some(idempotency) = &mut config.idempotency {
+            idempotency.window = match (idempotency.window, derived_window) {
+                (Some(w), _) if w.is_zero() => {
+                    return Err("idempotency.window must be greater than zero".into())
+                }
+                (Some(w), _) => Some(w),
+                (None, Some(w)) => Some(w),
+                (None, None) => {
+                    return Err(
+                        "idempotency.window is required when no `leases` section gives \
+                         a TTL to derive it from (ttl + p99_work)"
+                            .into(),
+                    )
+                }
+            };
+        }
         Ok(config)
     }
 
     /// Checks across sections (no single value is wrong, so there is no line to point at).
     fn check_sections(&self) -> Result<(), String> {
+        for (i, route) in self.routes.iter().enumerate() {
+            if route.idempotency == Some(true) && (self.idempotency.is_none() || !route.fence) {
+                return Err(format!(
+                    "routes[{i}].idempotency: true needs the top-level `idempotency` section \
+                     and a fenced route (`fence: true`)"
+                ));
+            }
+        }
+        if let Some(idempotency) = &self.idempotency {
+            if idempotency.header.0 == self.token.header.0 {
+                return Err("idempotency.header and token.header must differ".into());
+            }
+            if idempotency.max_request_bytes == 0 {
+                return Err("idempotency.max_request_bytes must be greater than zero".into());
+            }
+        }
         if self.fence.authority == Authority::Leases && self.leases.is_none() {
             return Err(
                 "fence.authority: leases checks tokens against the lease backend configured \

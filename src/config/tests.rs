@@ -150,9 +150,9 @@ fn bad_values_name_their_field() {
             "letters, digits or `_`",
         ),
         (
-            "upstream: http://a:1\nidempotency: { window: 1s }\n",
-            "idempotency",
-            "not available",
+            "upstream: http://a:1\nidempotency: { window: 1s, max_response_bytes: lots }\n",
+            "idempotency.max_response_bytes",
+            "invalid",
         ),
         (
             "upstream: http://a:1\nleases: { backend: { kind: embedded }, ttl: { p99_work: 800ms, p99_rtt: 40ms, safety_margin: 200ms, ttl: 1s } }\n",

@@ -17,7 +17,9 @@ pub enum ProxyBody {
         inner: Incoming,
         _ticket: Option<Ticket>,
     },
-    /// A response fencegate made (refusals, admin pages).
+    /// Streamed from the upstream and recorded for idempotent replays.
+    Recording(Box<super::idempotent::Recording>),
+    /// A response fencegate made (refusals, admin pages, replays).
     Local(Full<Bytes>),
     /// A stream fencegate writes as it goes (Server-Sent Events); ends when the sender drops.
     Channel(tokio::sync::mpsc::Receiver<Bytes>),
@@ -43,6 +45,7 @@ impl Body for ProxyBody {
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
         match self.get_mut() {
             ProxyBody::Upstream { inner, .. } => Pin::new(inner).poll_frame(cx),
+            ProxyBody::Recording(r) => Pin::new(r.as_mut()).poll_frame(cx),
             ProxyBody::Local(full) => Pin::new(full)
                 .poll_frame(cx)
                 .map_err(|never| match never {}),
@@ -55,6 +58,7 @@ impl Body for ProxyBody {
     fn is_end_stream(&self) -> bool {
         match self {
             ProxyBody::Upstream { inner, .. } => inner.is_end_stream(),
+            ProxyBody::Recording(r) => r.is_end_stream(),
             ProxyBody::Local(full) => full.is_end_stream(),
             ProxyBody::Channel(_) => false,
         }
@@ -63,6 +67,7 @@ impl Body for ProxyBody {
     fn size_hint(&self) -> SizeHint {
         match self {
             ProxyBody::Upstream { inner, .. } => inner.size_hint(),
+            ProxyBody::Recording(r) => r.size_hint(),
             ProxyBody::Local(full) => full.size_hint(),
             ProxyBody::Channel(_) => SizeHint::default(),
         }

@@ -6,6 +6,7 @@
 
 pub mod body;
 pub mod forward;
+pub mod idempotent;
 pub mod problem;
 
 use std::convert::Infallible;
@@ -22,8 +23,8 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 
 use crate::config::{
-    Config, EgressConfig, EqualTokens, MissingToken, Ordering, RouteConfig, Timeouts, Unmatched,
-    UpstreamUrl,
+    Config, EgressConfig, EqualTokens, IdempotencyConfig, MissingToken, Ordering, RouteConfig,
+    Timeouts, Unmatched, UpstreamUrl,
 };
 use crate::fence::barrier::{Barriers, Ticket};
 use crate::fence::path;
@@ -35,9 +36,10 @@ use crate::metrics::{Metrics, Outcome, RouteMetrics, UNMATCHED};
 use crate::store::shared::BoundedMaxima;
 use crate::store::{FenceStore, StoreError, Verdict};
 use body::ProxyBody;
+use idempotent::{Attempt, UpstreamBody};
 use problem::{Refusal, Subject};
 
-pub type UpstreamClient = Client<hyper_rustls::HttpsConnector<HttpConnector>, Incoming>;
+pub type UpstreamClient = Client<hyper_rustls::HttpsConnector<HttpConnector>, UpstreamBody>;
 
 /// Everything a request needs, built once per configuration.
 pub struct Proxy {
@@ -63,6 +65,9 @@ pub struct Proxy {
     timeouts: Timeouts,
     /// The listener's scheme, for `X-Forwarded-Proto`.
     https: bool,
+    /// Idempotency keys: the section, and per route (indexed like the table) whether it applies.
+    idempotency: Option<IdempotencyConfig>,
+    idempotent: Vec<bool>,
 }
 
 impl Proxy {
@@ -102,6 +107,7 @@ impl Proxy {
                 ordering: Ordering::None,
                 barrier_timeout: std::time::Duration::ZERO,
                 fence: true,
+                idempotency: None,
             })
             .collect();
         let mut egress_config = config.clone();
@@ -109,6 +115,7 @@ impl Proxy {
         egress_config.upstream = egress.upstream.clone();
         egress_config.unmatched = Unmatched::Forward;
         egress_config.tls = None;
+        egress_config.idempotency = None;
         let client = upstream_client(config.upstream_ca.as_deref(), config.timeouts.upstream)?;
         // The store is never consulted in egress mode; a memory store keeps the type simple.
         let store: Arc<dyn FenceStore> = Arc::new(crate::store::MemoryStore::new());
@@ -172,6 +179,12 @@ impl Proxy {
             upstream_ca: config.upstream_ca.clone(),
             timeouts: config.timeouts.clone(),
             https: config.tls.is_some(),
+            idempotency: config.idempotency.clone(),
+            idempotent: config
+                .routes
+                .iter()
+                .map(|r| r.idempotent(config.idempotency.as_ref()))
+                .collect(),
         }
     }
 
@@ -222,20 +235,21 @@ impl Proxy {
             Ok(Matched::None) => {
                 return Ok(self
                     .forward(
-                        req,
+                        req.map(http_body_util::Either::Left),
                         &normalised,
                         None,
                         Subject::default(),
                         Outcome::Forwarded,
                         None,
                         peer,
+                        None,
                     )
                     .await)
             }
             Ok(Matched::Pass(route)) => {
                 return Ok(self
                     .forward(
-                        req,
+                        req.map(http_body_util::Either::Left),
                         &normalised,
                         Some(route),
                         Subject {
@@ -245,6 +259,7 @@ impl Proxy {
                         Outcome::Forwarded,
                         None,
                         peer,
+                        None,
                     )
                     .await)
             }
@@ -270,13 +285,14 @@ impl Proxy {
             set_token(req.headers_mut(), &self.token_header, token);
             return Ok(self
                 .forward(
-                    req,
+                    req.map(http_body_util::Either::Left),
                     &normalised,
                     Some(route),
                     subject,
                     Outcome::Admitted,
                     None,
                     peer,
+                    None,
                 )
                 .await);
         }
@@ -293,13 +309,14 @@ impl Proxy {
             Ok(None) if route.missing_token == MissingToken::Allow => {
                 return Ok(self
                     .forward(
-                        req,
+                        req.map(http_body_util::Either::Left),
                         &normalised,
                         Some(route),
                         subject,
                         Outcome::Forwarded,
                         None,
                         peer,
+                        None,
                     )
                     .await)
             }
@@ -315,6 +332,25 @@ impl Proxy {
             Ok(Some(token)) => token,
         };
         subject.token = Some(token);
+        if let (Some(settings), true) = (&self.idempotency, self.idempotent[route.index]) {
+            match idempotent::key_from_headers(req.headers(), &settings.header.0) {
+                Err(e) => {
+                    return Ok(self.refuse(
+                        Refusal::InvalidIdempotencyKey(e),
+                        Some(route),
+                        subject,
+                        req.method(),
+                        req.uri().path(),
+                    ))
+                }
+                Ok(Some(key)) => {
+                    return Ok(self
+                        .idempotent_write(req, &normalised, route, &resource, key, subject, peer)
+                        .await)
+                }
+                Ok(None) => {}
+            }
+        }
         if let Some(refusal) = self.check_authority(&resource, token).await {
             return Ok(self.refuse(
                 refusal,
@@ -365,13 +401,14 @@ impl Proxy {
         }
         Ok(self
             .forward(
-                req,
+                req.map(http_body_util::Either::Left),
                 &normalised,
                 Some(route),
                 subject,
                 Outcome::Admitted,
                 ticket,
                 peer,
+                None,
             )
             .await)
     }
@@ -441,13 +478,14 @@ impl Proxy {
     #[allow(clippy::too_many_arguments)]
     async fn forward(
         &self,
-        req: Request<Incoming>,
+        req: Request<UpstreamBody>,
         normalised: &str,
         route: Option<&Route>,
         subject: Subject<'_>,
         outcome: Outcome,
         ticket: Option<Ticket>,
         peer: SocketAddr,
+        attempt: Option<Attempt>,
     ) -> Response<ProxyBody> {
         let (mut parts, body) = req.into_parts();
         let uri = match self.upstream_uri(normalised, &parts.uri) {
@@ -482,15 +520,27 @@ impl Proxy {
                 metrics.outcome(outcome).inc();
                 let (mut parts, inner) = response.into_parts();
                 forward::strip_hop_by_hop(&mut parts.headers);
-                let body = ProxyBody::Upstream {
-                    inner,
-                    _ticket: ticket,
+                let body = match attempt {
+                    None => ProxyBody::Upstream {
+                        inner,
+                        _ticket: ticket,
+                    },
+                    Some(attempt) => ProxyBody::Recording(Box::new(idempotent::Recording::new(
+                        inner,
+                        ticket,
+                        parts.status,
+                        parts.headers.clone(),
+                        attempt,
+                    ))),
                 };
                 return Response::from_parts(parts, body);
             }
             Ok(Err(e)) => Refusal::UpstreamError(error_chain(&e)),
             Err(_) => Refusal::UpstreamTimeout,
         };
+        if let Some(attempt) = attempt {
+            attempt.unknown().await;
+        }
         self.refuse(refusal, route, subject, &method, &path)
     }
 

@@ -34,6 +34,21 @@ pub enum Refusal {
         latest: Option<u64>,
     },
     NoRoute,
+    /// Idempotency: malformed or duplicate key header.
+    InvalidIdempotencyKey(String),
+    /// Idempotency: the body is read whole to fingerprint it, up to this many bytes.
+    RequestTooLarge {
+        limit: usize,
+    },
+    UnreadableBody(String),
+    /// Idempotency: the key's first attempt is still with the upstream.
+    IdempotencyInFlight,
+    /// Idempotency: the key was first used for a different request.
+    IdempotencyKeyReused,
+    /// Idempotency: the key's request completed with a response too large to keep.
+    NotReplayable {
+        status: Option<u16>,
+    },
     // Ours (or our store's): retry later.
     StoreUnavailable(String),
     BarrierTimeout,
@@ -97,6 +112,42 @@ impl Refusal {
                 "urn:fencegate:no-route",
                 "No route for this request",
                 Outcome::NoRoute,
+            ),
+            Refusal::InvalidIdempotencyKey(_) => (
+                StatusCode::BAD_REQUEST,
+                "urn:fencegate:invalid-idempotency-key",
+                "Invalid idempotency key",
+                Outcome::InvalidRequest,
+            ),
+            Refusal::RequestTooLarge { .. } => (
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "urn:fencegate:request-too-large",
+                "Request body too large for an idempotent write",
+                Outcome::InvalidRequest,
+            ),
+            Refusal::UnreadableBody(_) => (
+                StatusCode::BAD_REQUEST,
+                "urn:fencegate:invalid-request",
+                "Request body could not be read",
+                Outcome::InvalidRequest,
+            ),
+            Refusal::IdempotencyInFlight => (
+                StatusCode::CONFLICT,
+                "urn:fencegate:idempotency-in-flight",
+                "A request with this idempotency key is still being processed",
+                Outcome::IdempotencyInFlight,
+            ),
+            Refusal::IdempotencyKeyReused => (
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "urn:fencegate:idempotency-key-reused",
+                "Idempotency key reused for a different request",
+                Outcome::IdempotencyKeyReused,
+            ),
+            Refusal::NotReplayable { .. } => (
+                StatusCode::CONFLICT,
+                "urn:fencegate:idempotency-not-replayable",
+                "The request with this idempotency key completed; its response was not kept",
+                Outcome::NotReplayable,
             ),
             Refusal::StoreUnavailable(_) => (
                 StatusCode::SERVICE_UNAVAILABLE,
@@ -174,6 +225,30 @@ impl Refusal {
                 ),
             },
             Refusal::NoRoute => "no configured route matches and `unmatched` is `reject`".into(),
+            Refusal::InvalidIdempotencyKey(e) => e.clone(),
+            Refusal::RequestTooLarge { limit } => format!(
+                "an idempotent write's body is read whole to fingerprint it; this one is larger \
+                 than idempotency.max_request_bytes ({limit} bytes); nothing was recorded"
+            ),
+            Refusal::UnreadableBody(e) => format!("{e}; nothing was recorded"),
+            Refusal::IdempotencyInFlight => format!(
+                "a request with this idempotency key for {} is still with the upstream; retry \
+                 after it completes to get its response",
+                subject.resource.unwrap_or("this resource")
+            ),
+            Refusal::IdempotencyKeyReused => format!(
+                "this idempotency key was first used on {} with a different method, path, query \
+                 or body; use a new key for a new request",
+                subject.resource.unwrap_or("this resource")
+            ),
+            Refusal::NotReplayable { status } => {
+                format!(
+                "the request with this idempotency key completed{} but its response was larger \
+                 than idempotency.max_response_bytes, so it cannot be replayed; it was not \
+                 executed again",
+                status.map(|s| format!(" with status {s}")).unwrap_or_default()
+            )
+            }
             Refusal::StoreUnavailable(e) => {
                 format!("the write was not forwarded because it could not be checked: {e}")
             }
@@ -219,6 +294,9 @@ impl Refusal {
             Refusal::Unissued {
                 latest: Some(latest),
             } => body["current_token"] = (*latest).into(),
+            Refusal::NotReplayable {
+                status: Some(status),
+            } => body["recorded_status"] = (*status).into(),
             _ => {}
         }
         let mut response = Response::new(ProxyBody::local(body.to_string()));
@@ -232,7 +310,10 @@ impl Refusal {
             Refusal::Stale { current } | Refusal::Superseded { latest: current } => {
                 headers.insert(TOKEN_CURRENT, HeaderValue::from(*current));
             }
-            Refusal::StoreUnavailable(_) | Refusal::BarrierTimeout | Refusal::LeaseNotHeld => {
+            Refusal::StoreUnavailable(_)
+            | Refusal::BarrierTimeout
+            | Refusal::LeaseNotHeld
+            | Refusal::IdempotencyInFlight => {
                 headers.insert(RETRY_AFTER, HeaderValue::from_static("1"));
             }
             _ => {}

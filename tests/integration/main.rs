@@ -7,6 +7,7 @@ mod admin;
 mod concurrency;
 mod fence;
 mod hostile;
+mod idempotency;
 mod idempotency_stores;
 mod inject;
 mod lease_agent;

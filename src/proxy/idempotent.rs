@@ -1,0 +1,469 @@
+//! Writes carrying an `Idempotency-Key` on a route where keys apply.
+//!
+//! `key check → read the body (bounded) → fingerprint → authority → begin (one atomic step
+//! in the store: record lookup + fence) → replay | refuse | forward and record`. The
+//! response of an executed attempt streams to the client while a copy (up to
+//! `max_response_bytes`) is kept; when the upstream's body ends, the record is written
+//! before the client sees the end, so a retry sent after the response never finds the key
+//! still in flight. A client that goes away early does not stop the recording: the rest of
+//! the upstream's body is drained and recorded in the background.
+
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use http::header::{HeaderName, HeaderValue};
+use http::{HeaderMap, Request, Response, StatusCode};
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::{BodyExt, Either, Full, Limited};
+use hyper::body::Incoming;
+
+use super::body::ProxyBody;
+use super::problem::{Refusal, Subject};
+use super::Proxy;
+use crate::config::Ordering;
+use crate::fence::barrier::Ticket;
+use crate::fence::routes::Route;
+use crate::idempotency::{outcome_unknown, Begin, Claim, Fingerprint, Phase, Record};
+use crate::idempotency::{StoredResponse, MAX_KEY_BYTES};
+use crate::metrics::{IdempotencyMetrics, Outcome};
+use crate::store::{BoxFuture, FenceStore, StoreError};
+
+/// Marks a response answered from a record.
+pub const REPLAYED: &str = "idempotent-replayed";
+
+/// The key of a request, if it has one. More than one key header, or a key that is not
+/// 1-255 visible ASCII characters, is refused.
+pub fn key_from_headers(headers: &HeaderMap, name: &HeaderName) -> Result<Option<String>, String> {
+    let mut values = headers.get_all(name).iter();
+    let Some(value) = values.next() else {
+        return Ok(None);
+    };
+    if values.next().is_some() {
+        return Err(format!("more than one {name} header"));
+    }
+    let bytes = value.as_bytes();
+    if bytes.is_empty() || bytes.len() > MAX_KEY_BYTES {
+        return Err(format!(
+            "{name} must be 1 to {MAX_KEY_BYTES} characters, got {}",
+            bytes.len()
+        ));
+    }
+    if !bytes.iter().all(|b| (0x21..=0x7e).contains(b)) {
+        return Err(format!(
+            "{name} may only contain visible ASCII characters (no spaces or control bytes)"
+        ));
+    }
+    Ok(Some(String::from_utf8_lossy(bytes).into_owned()))
+}
+
+/// An executed attempt: where and how to record its outcome.
+pub struct Attempt {
+    store: Arc<dyn FenceStore>,
+    resource: String,
+    key: String,
+    claim: Claim,
+    max_response: usize,
+    store_timeout: Duration,
+    metrics: Arc<crate::metrics::Metrics>,
+}
+
+impl Attempt {
+    /// Writes the outcome (bounded by the store timeout). A failure is logged: the record
+    /// then stays `in_flight` until its window ends, which refuses retries (409) rather than
+    /// risking a second execution.
+    fn finish(self, record: Record) -> BoxFuture<'static, ()> {
+        Box::pin(async move {
+            let m: &IdempotencyMetrics = &self.metrics.idempotency;
+            if record.phase == Phase::Unknown {
+                m.unknown.inc();
+            }
+            let started = Instant::now();
+            let written = tokio::time::timeout(
+                self.store_timeout,
+                self.store
+                    .finish_idempotent(&self.resource, &self.key, &self.claim, &record),
+            )
+            .await
+            .unwrap_or_else(|_| {
+                Err(StoreError::Unavailable(format!(
+                    "no answer within {:?}",
+                    self.store_timeout
+                )))
+            });
+            m.store_finish.observe(started.elapsed().as_secs_f64());
+            match written {
+                Ok(true) => {}
+                Ok(false) => tracing::warn!(
+                    resource = %self.resource,
+                    fencing_token = self.claim.token,
+                    "idempotency record changed while the attempt ran (expired?); outcome not recorded"
+                ),
+                Err(e) => {
+                    self.metrics.store_errors.inc();
+                    tracing::error!(
+                        resource = %self.resource,
+                        fencing_token = self.claim.token,
+                        error = %e,
+                        "idempotency outcome not recorded; the key stays in flight until its window ends"
+                    )
+                }
+            }
+        })
+    }
+
+    /// The upstream never answered (or we never sent): the write may or may not have happened.
+    pub async fn unknown(self) {
+        let record = Record::unknown(self.claim.token, self.claim.fingerprint);
+        self.finish(record).await
+    }
+
+    fn outcome(&self, status: StatusCode, head: &HeaderMap, body: Option<Bytes>) -> Record {
+        let (token, fingerprint) = (self.claim.token, self.claim.fingerprint);
+        if outcome_unknown(status.as_u16()) {
+            return Record::unknown(token, fingerprint);
+        }
+        let response = body.map(|body| StoredResponse {
+            status: status.as_u16(),
+            headers: head
+                .iter()
+                .map(|(n, v)| (n.as_str().to_owned(), v.as_bytes().to_vec()))
+                .collect(),
+            body,
+        });
+        Record {
+            phase: Phase::Completed,
+            token,
+            fingerprint,
+            status: Some(status.as_u16()),
+            response,
+        }
+    }
+}
+
+/// The upstream's body, streamed to the client and copied for the record.
+pub struct Recording {
+    inner: Option<Incoming>,
+    _ticket: Option<Ticket>,
+    status: StatusCode,
+    head: HeaderMap,
+    /// The copy so far; `None` once it outgrew `max_response`.
+    copy: Option<BytesMut>,
+    attempt: Option<Attempt>,
+    finishing: Option<BoxFuture<'static, ()>>,
+}
+
+impl Recording {
+    pub fn new(
+        inner: Incoming,
+        ticket: Option<Ticket>,
+        status: StatusCode,
+        head: HeaderMap,
+        attempt: Attempt,
+    ) -> Self {
+        Recording {
+            inner: Some(inner),
+            _ticket: ticket,
+            status,
+            head,
+            copy: Some(BytesMut::new()),
+            attempt: Some(attempt),
+            finishing: None,
+        }
+    }
+
+    fn keep(copy: &mut Option<BytesMut>, chunk: &Bytes, limit: usize) {
+        if let Some(c) = copy {
+            if c.len() + chunk.len() > limit {
+                *copy = None;
+            } else {
+                c.extend_from_slice(chunk);
+            }
+        }
+    }
+}
+
+impl Body for Recording {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let this = &mut *self;
+        loop {
+            if let Some(finishing) = &mut this.finishing {
+                return match finishing.as_mut().poll(cx) {
+                    Poll::Ready(()) => {
+                        this.finishing = None;
+                        Poll::Ready(None)
+                    }
+                    Poll::Pending => Poll::Pending,
+                };
+            }
+            let Some(inner) = &mut this.inner else {
+                return Poll::Ready(None);
+            };
+            match Pin::new(inner).poll_frame(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Some(Ok(frame))) => {
+                    if let (Some(chunk), Some(attempt)) = (frame.data_ref(), &this.attempt) {
+                        Self::keep(&mut this.copy, chunk, attempt.max_response);
+                    }
+                    return Poll::Ready(Some(Ok(frame)));
+                }
+                Poll::Ready(Some(Err(e))) => {
+                    // The upstream answered, then its body broke: the write happened (or
+                    // not, for a retryable status) but the response cannot be replayed.
+                    this.inner = None;
+                    if let Some(attempt) = this.attempt.take() {
+                        let record = attempt.outcome(this.status, &this.head, None);
+                        tokio::spawn(attempt.finish(record));
+                    }
+                    return Poll::Ready(Some(Err(e)));
+                }
+                Poll::Ready(None) => {
+                    this.inner = None;
+                    match this.attempt.take() {
+                        Some(attempt) => {
+                            let body = this.copy.take().map(BytesMut::freeze);
+                            let record = attempt.outcome(this.status, &this.head, body);
+                            this.finishing = Some(attempt.finish(record));
+                        }
+                        None => return Poll::Ready(None),
+                    }
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_none() && self.finishing.is_none() && self.attempt.is_none()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match &self.inner {
+            Some(inner) => inner.size_hint(),
+            None => SizeHint::with_exact(0),
+        }
+    }
+}
+
+impl Drop for Recording {
+    /// The client went away before the end: finish recording without it.
+    fn drop(&mut self) {
+        if let Some(finishing) = self.finishing.take() {
+            tokio::spawn(finishing);
+            return;
+        }
+        let (Some(mut inner), Some(attempt)) = (self.inner.take(), self.attempt.take()) else {
+            return;
+        };
+        let (status, head, mut copy) = (
+            self.status,
+            std::mem::take(&mut self.head),
+            self.copy.take(),
+        );
+        tokio::spawn(async move {
+            let mut broken = false;
+            while let Some(frame) = inner.frame().await {
+                match frame {
+                    Ok(frame) => {
+                        if let Some(chunk) = frame.data_ref() {
+                            Recording::keep(&mut copy, chunk, attempt.max_response);
+                        }
+                    }
+                    Err(_) => {
+                        broken = true;
+                        break;
+                    }
+                }
+            }
+            let body = if broken {
+                None
+            } else {
+                copy.map(BytesMut::freeze)
+            };
+            let record = attempt.outcome(status, &head, body);
+            attempt.finish(record).await
+        });
+    }
+}
+
+/// A recorded response, answered again.
+fn replay(response: StoredResponse) -> Response<ProxyBody> {
+    let mut out = Response::new(ProxyBody::local(response.body));
+    *out.status_mut() = StatusCode::from_u16(response.status).unwrap_or(StatusCode::OK);
+    let headers = out.headers_mut();
+    for (name, value) in response.headers {
+        if let (Ok(n), Ok(v)) = (
+            HeaderName::from_bytes(name.as_bytes()),
+            HeaderValue::from_bytes(&value),
+        ) {
+            headers.append(n, v);
+        }
+    }
+    headers.insert(REPLAYED, HeaderValue::from_static("true"));
+    out
+}
+
+impl Proxy {
+    /// A fenced write with an idempotency key (the token is already parsed into `subject`).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) async fn idempotent_write(
+        &self,
+        req: Request<Incoming>,
+        normalised: &str,
+        route: &Route,
+        resource: &str,
+        key: String,
+        subject: Subject<'_>,
+        peer: SocketAddr,
+    ) -> Response<ProxyBody> {
+        let settings = self
+            .idempotency
+            .as_ref()
+            .expect("idempotent routes exist only with the idempotency section");
+        let token = subject.token.expect("idempotent writes carry a token");
+        let method = req.method().clone();
+        let refuse = |refusal| self.refuse(refusal, Some(route), subject, &method, normalised);
+
+        // Authoritative mode: a superseded token may still have its outcome replayed.
+        let mut superseded = None;
+        if let Some(refusal) = self.check_authority(resource, token).await {
+            match refusal {
+                Refusal::Superseded { .. } => superseded = Some(refusal),
+                other => return refuse(other),
+            }
+        }
+
+        let (parts, body) = req.into_parts();
+        let limit = settings.max_request_bytes;
+        let read =
+            tokio::time::timeout(self.timeouts.upstream, Limited::new(body, limit).collect()).await;
+        let body = match read {
+            Ok(Ok(collected)) => collected.to_bytes(),
+            Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
+                return refuse(Refusal::RequestTooLarge { limit })
+            }
+            Ok(Err(e)) => {
+                return refuse(Refusal::UnreadableBody(format!(
+                    "the request body could not be read: {e}"
+                )))
+            }
+            Err(_) => {
+                return refuse(Refusal::UnreadableBody(format!(
+                    "the request body did not arrive within {:?}",
+                    self.timeouts.upstream
+                )))
+            }
+        };
+        let fingerprint =
+            Fingerprint::of(parts.method.as_str(), normalised, parts.uri.query(), &body);
+        let claim = Claim {
+            token,
+            fingerprint,
+            equal: self.equal,
+            window: settings.window(),
+            may_execute: superseded.is_none(),
+        };
+        let ticket =
+            (route.ordering == Ordering::Serialize).then(|| self.barriers.enter(resource, token));
+        let m = &self.metrics.idempotency;
+        let started = Instant::now();
+        let begin = tokio::time::timeout(
+            self.timeouts.store,
+            self.store.begin_idempotent(resource, &key, &claim),
+        )
+        .await
+        .unwrap_or_else(|_| {
+            Err(StoreError::Unavailable(format!(
+                "no answer within {:?}",
+                self.timeouts.store
+            )))
+        });
+        m.store_begin.observe(started.elapsed().as_secs_f64());
+        let route_metrics = &self.route_metrics[route.index];
+        match begin {
+            Err(StoreError::Unavailable(e)) => {
+                self.metrics.store_errors.inc();
+                refuse(Refusal::StoreUnavailable(e))
+            }
+            Ok(Begin::Stale { current }) => {
+                route_metrics.stale.inc();
+                refuse(Refusal::Stale { current })
+            }
+            Ok(Begin::InFlight) => {
+                m.in_flight.inc();
+                refuse(Refusal::IdempotencyInFlight)
+            }
+            Ok(Begin::Reused) => {
+                m.reused.inc();
+                refuse(Refusal::IdempotencyKeyReused)
+            }
+            Ok(Begin::Refused) => {
+                refuse(superseded.expect("only superseded writes may not execute"))
+            }
+            Ok(Begin::Completed(record)) => match record.response {
+                Some(response) => {
+                    m.replays.inc();
+                    route_metrics.outcome(Outcome::Replayed).inc();
+                    tracing::info!(
+                        route = %route.name,
+                        %method,
+                        path = normalised,
+                        resource,
+                        fencing_token = token,
+                        recorded_token = record.token,
+                        status = response.status,
+                        "idempotent write replayed"
+                    );
+                    replay(response)
+                }
+                None => refuse(Refusal::NotReplayable {
+                    status: record.status,
+                }),
+            },
+            Ok(Begin::Execute { previous }) => {
+                if previous.is_none_or(|p| token > p) {
+                    route_metrics.increments.inc();
+                }
+                let attempt = Attempt {
+                    store: Arc::clone(&self.store),
+                    resource: resource.to_owned(),
+                    key,
+                    claim,
+                    max_response: settings.max_response_bytes,
+                    store_timeout: self.timeouts.store,
+                    metrics: Arc::clone(&self.metrics),
+                };
+                if let Some(ticket) = &ticket {
+                    if ticket.wait_turn(route.barrier_timeout).await.is_err() {
+                        // Claimed but never sent: a retry may execute it.
+                        attempt.unknown().await;
+                        return refuse(Refusal::BarrierTimeout);
+                    }
+                }
+                let req = Request::from_parts(parts, Either::Right(Full::new(body)));
+                self.forward(
+                    req,
+                    normalised,
+                    Some(route),
+                    subject,
+                    Outcome::Admitted,
+                    ticket,
+                    peer,
+                    Some(attempt),
+                )
+                .await
+            }
+        }
+    }
+}
+
+/// The request body the upstream client sends: the client's, streamed, or one read whole.
+pub type UpstreamBody = Either<Incoming, Full<Bytes>>;

@@ -1,0 +1,404 @@
+//! Idempotency keys through the fence: a retried write executes once upstream and is
+//! replayed byte for byte; conflicts, reuse, unknown outcomes, windows, and replicas sharing
+//! a store.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use fencegate::proxy::body::ProxyBody;
+use fencegate::server::serve;
+use http::{Request, Response, StatusCode};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, Semaphore};
+
+use crate::common::*;
+use crate::process::Process;
+use crate::stores::store_yaml;
+
+/// A ledger-like upstream that numbers its executions: each answer says which execution it
+/// was, so a replay is told apart from a second execution. `/big/...` answers 4 KiB,
+/// `/busy/...` 503, and with a gate each request waits for a permit.
+struct Ledger {
+    addr: SocketAddr,
+    executions: Arc<AtomicUsize>,
+    gate: Arc<Semaphore>,
+    arrivals: tokio::sync::Mutex<mpsc::UnboundedReceiver<()>>,
+    gated: bool,
+}
+
+impl Ledger {
+    async fn start(gated: bool) -> Ledger {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let executions = Arc::new(AtomicUsize::new(0));
+        let gate = Arc::new(Semaphore::new(0));
+        let (tx, rx) = mpsc::unbounded_channel();
+        let (n, g) = (Arc::clone(&executions), Arc::clone(&gate));
+        tokio::spawn(serve(
+            listener,
+            settings(),
+            move |req: Request<Incoming>, _| {
+                let (n, g, tx) = (Arc::clone(&n), Arc::clone(&g), tx.clone());
+                async move {
+                    let path = req.uri().path().to_owned();
+                    let body = req.into_body().collect().await.unwrap().to_bytes();
+                    let execution = n.fetch_add(1, Ordering::SeqCst) + 1;
+                    let _ = tx.send(());
+                    if gated {
+                        g.acquire().await.unwrap().forget();
+                    }
+                    let (status, text) = if path.starts_with("/big/") {
+                        (StatusCode::OK, "x".repeat(4096))
+                    } else if path.starts_with("/busy/") {
+                        (StatusCode::SERVICE_UNAVAILABLE, "busy".to_owned())
+                    } else {
+                        (
+                            StatusCode::CREATED,
+                            format!(
+                                "{{\"execution\":{execution},\"applied\":{:?}}}",
+                                String::from_utf8_lossy(&body)
+                            ),
+                        )
+                    };
+                    let mut resp = Response::new(ProxyBody::local(text));
+                    *resp.status_mut() = status;
+                    resp.headers_mut()
+                        .insert("content-type", "application/json".parse().unwrap());
+                    resp.headers_mut()
+                        .insert("x-execution", execution.to_string().parse().unwrap());
+                    resp.headers_mut()
+                        .append("set-cookie", "a=1".parse().unwrap());
+                    resp.headers_mut()
+                        .append("set-cookie", "b=2".parse().unwrap());
+                    Ok(resp)
+                }
+            },
+            std::future::pending(),
+        ));
+        Ledger {
+            addr,
+            executions,
+            gate,
+            arrivals: tokio::sync::Mutex::new(rx),
+            gated,
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    fn executions(&self) -> usize {
+        self.executions.load(Ordering::SeqCst)
+    }
+
+    fn release(&self, n: usize) {
+        self.gate.add_permits(n);
+    }
+
+    async fn arrival(&self) {
+        assert!(self.gated);
+        let mut rx = self.arrivals.lock().await;
+        tokio::time::timeout(Duration::from_secs(10), rx.recv())
+            .await
+            .expect("no request reached the upstream")
+            .unwrap();
+    }
+}
+
+const ROUTES: &str = "routes:\n  - { name: accounts, path: '/accounts/{id}', resource: 'account:{id}' }\n  - { name: big, path: '/big/{id}', resource: 'account:{id}' }\n  - { name: busy, path: '/busy/{id}', resource: 'account:{id}' }\n  - { name: plain, path: '/plain/{id}', resource: 'account:{id}', idempotency: false }\n";
+
+fn section(window: &str) -> String {
+    format!("idempotency: {{ window: {window}, max_response_bytes: 1024 }}\n{ROUTES}")
+}
+
+async fn post(addr: SocketAddr, path: &str, token: &str, key: Option<&str>, body: &str) -> Reply {
+    let mut headers = vec![("fencing-token", token)];
+    if let Some(key) = key {
+        headers.push(("idempotency-key", key));
+    }
+    send(
+        "POST",
+        &format!("http://{addr}{path}"),
+        &headers,
+        Bytes::copy_from_slice(body.as_bytes()),
+    )
+    .await
+}
+
+/// Everything but the replay marker, for byte-for-byte comparison.
+fn head_without_marker(reply: &Reply) -> Vec<(String, Vec<u8>)> {
+    reply
+        .headers
+        .iter()
+        .filter(|(n, _)| n.as_str() != "idempotent-replayed")
+        .map(|(n, v)| (n.as_str().to_owned(), v.as_bytes().to_vec()))
+        .collect()
+}
+
+async fn metrics(admin: SocketAddr) -> String {
+    send("GET", &format!("http://{admin}/metrics"), &[], "")
+        .await
+        .text()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_executes_once_and_replays_byte_for_byte() {
+    let up = Ledger::start(false).await;
+    let fg = fencegate(&up.url(), &section("1m")).await;
+    let first = post(fg.listen, "/accounts/1", "5", Some("pay-1"), "debit 10").await;
+    assert_eq!(first.status, 201);
+    assert!(first.headers.get("idempotent-replayed").is_none());
+    assert_eq!(first.text(), "{\"execution\":1,\"applied\":\"debit 10\"}");
+    for _ in 0..3 {
+        let again = post(fg.listen, "/accounts/1", "5", Some("pay-1"), "debit 10").await;
+        assert_eq!(again.status, 201);
+        assert_eq!(again.headers["idempotent-replayed"], "true");
+        assert_eq!(again.body, first.body);
+        assert_eq!(head_without_marker(&again), head_without_marker(&first));
+    }
+    assert_eq!(up.executions(), 1);
+    // A newer epoch wrote since: the old attempt's retry still gets its answer, and nothing
+    // executes.
+    assert_eq!(
+        post(fg.listen, "/accounts/1", "6", None, "credit 1")
+            .await
+            .status,
+        201
+    );
+    let late = post(fg.listen, "/accounts/1", "5", Some("pay-1"), "debit 10").await;
+    assert_eq!(late.headers["idempotent-replayed"], "true");
+    assert_eq!(late.body, first.body);
+    // Without the key, the same stale token is refused as always.
+    post(fg.listen, "/accounts/1", "5", None, "debit 10")
+        .await
+        .assert_problem(409, "urn:fencegate:stale-token");
+    assert_eq!(up.executions(), 2);
+    let text = metrics(fg.admin).await;
+    assert!(
+        text.contains("fencegate_idempotent_replays_total 4"),
+        "{text}"
+    );
+    assert!(
+        text.contains("fencegate_requests_total{outcome=\"replayed\",route=\"accounts\"} 4"),
+        "{text}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_key_for_another_request_is_422() {
+    let up = Ledger::start(false).await;
+    let fg = fencegate(&up.url(), &section("1m")).await;
+    assert_eq!(
+        post(fg.listen, "/accounts/1", "5", Some("k"), "debit 10")
+            .await
+            .status,
+        201
+    );
+    let reused = post(fg.listen, "/accounts/1", "5", Some("k"), "debit 11").await;
+    let body = reused.assert_problem(422, "urn:fencegate:idempotency-key-reused");
+    assert_eq!(body["resource"], "account:1");
+    // The same key on another resource is another record.
+    assert_eq!(
+        post(fg.listen, "/accounts/2", "5", Some("k"), "debit 11")
+            .await
+            .status,
+        201
+    );
+    assert_eq!(up.executions(), 2);
+    assert!(metrics(fg.admin)
+        .await
+        .contains("fencegate_idempotency_conflicts_total{reason=\"key_reused\"} 1"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_duplicates_execute_once_and_the_rest_get_409() {
+    let up = Ledger::start(true).await;
+    let fg = fencegate(&up.url(), &section("1m")).await;
+    let addr = fg.listen;
+    let first =
+        tokio::spawn(async move { post(addr, "/accounts/1", "5", Some("dup"), "debit").await });
+    up.arrival().await;
+    let mut dups = Vec::new();
+    for _ in 0..5 {
+        dups.push(tokio::spawn(async move {
+            post(addr, "/accounts/1", "5", Some("dup"), "debit").await
+        }));
+    }
+    for d in dups {
+        let reply = d.await.unwrap();
+        reply.assert_problem(409, "urn:fencegate:idempotency-in-flight");
+        assert_eq!(reply.headers["retry-after"], "1");
+    }
+    up.release(1);
+    let first = first.await.unwrap();
+    assert_eq!(first.status, 201);
+    // Sent after the first response ended: the record is there, no 409.
+    let replay = post(addr, "/accounts/1", "5", Some("dup"), "debit").await;
+    assert_eq!(replay.headers["idempotent-replayed"], "true");
+    assert_eq!(replay.body, first.body);
+    assert_eq!(up.executions(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_the_window_the_key_executes_again() {
+    let up = Ledger::start(false).await;
+    let fg = fencegate(&up.url(), &section("300ms")).await;
+    assert_eq!(
+        post(fg.listen, "/accounts/1", "5", Some("w"), "x")
+            .await
+            .status,
+        201
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let reply = post(fg.listen, "/accounts/1", "5", Some("w"), "x").await;
+        assert_eq!(reply.status, 201);
+        if reply.headers.get("idempotent-replayed").is_none() {
+            assert_eq!(reply.text(), "{\"execution\":2,\"applied\":\"x\"}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "the record never expired");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(up.executions(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_outcome_is_redone_only_with_a_token_at_least_the_recorded_one() {
+    let up = Ledger::start(false).await;
+    let fg = fencegate(&up.url(), &section("1m")).await;
+    // 503 from the upstream: the write may not have happened; it is not replayed.
+    let busy = post(fg.listen, "/busy/1", "7", Some("u"), "x").await;
+    assert_eq!(busy.status, 503);
+    assert_eq!(busy.text(), "busy");
+    let again = post(fg.listen, "/busy/1", "7", Some("u"), "x").await;
+    assert_eq!(again.status, 503);
+    assert!(again.headers.get("idempotent-replayed").is_none());
+    assert_eq!(up.executions(), 2);
+    let older = post(fg.listen, "/busy/1", "6", Some("u"), "x").await;
+    let body = older.assert_problem(409, "urn:fencegate:stale-token");
+    assert_eq!(body["current_token"], 7);
+    assert_eq!(up.executions(), 2);
+    assert!(metrics(fg.admin)
+        .await
+        .contains("fencegate_idempotency_unknown_outcomes_total 2"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_upstream_leaves_the_outcome_unknown() {
+    let up = Ledger::start(false).await;
+    // Port 1 refuses connections.
+    let fg = fencegate("http://127.0.0.1:1", &section("1m")).await;
+    post(fg.listen, "/accounts/1", "4", Some("u"), "x")
+        .await
+        .assert_problem(502, "urn:fencegate:upstream-error");
+    // The retry is not refused as in flight: the attempt was recorded as unknown.
+    post(fg.listen, "/accounts/1", "4", Some("u"), "x")
+        .await
+        .assert_problem(502, "urn:fencegate:upstream-error");
+    post(fg.listen, "/accounts/1", "3", Some("u"), "x")
+        .await
+        .assert_problem(409, "urn:fencegate:stale-token");
+    drop(up);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_response_too_large_to_keep_is_not_replayed_nor_executed_again() {
+    let up = Ledger::start(false).await;
+    let fg = fencegate(&up.url(), &section("1m")).await;
+    let first = post(fg.listen, "/big/1", "5", Some("b"), "x").await;
+    assert_eq!(first.status, 200);
+    assert_eq!(first.body.len(), 4096);
+    let retry = post(fg.listen, "/big/1", "5", Some("b"), "x").await;
+    let body = retry.assert_problem(409, "urn:fencegate:idempotency-not-replayable");
+    assert_eq!(body["recorded_status"], 200);
+    assert_eq!(up.executions(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_keys_and_bodies_are_refused_and_record_nothing() {
+    let up = Ledger::start(false).await;
+    let fg = fencegate(
+        &up.url(),
+        &format!("idempotency: {{ window: 1m, max_request_bytes: 16 }}\n{ROUTES}"),
+    )
+    .await;
+    let long = "k".repeat(256);
+    for key in ["has space", long.as_str()] {
+        post(fg.listen, "/accounts/1", "5", Some(key), "x")
+            .await
+            .assert_problem(400, "urn:fencegate:invalid-idempotency-key");
+    }
+    let two = send(
+        "POST",
+        &format!("http://{}/accounts/1", fg.listen),
+        &[
+            ("fencing-token", "5"),
+            ("idempotency-key", "a"),
+            ("idempotency-key", "b"),
+        ],
+        "x",
+    )
+    .await;
+    two.assert_problem(400, "urn:fencegate:invalid-idempotency-key");
+    post(fg.listen, "/accounts/1", "5", Some("k"), &"y".repeat(17))
+        .await
+        .assert_problem(413, "urn:fencegate:request-too-large");
+    assert_eq!(up.executions(), 0);
+    assert_eq!(recorded(&fg, "account:1").await, None);
+    // A route that opted out forwards keys untouched, every time.
+    for _ in 0..2 {
+        assert_eq!(
+            post(fg.listen, "/plain/1", "5", Some("k"), "x")
+                .await
+                .status,
+            201
+        );
+    }
+    assert_eq!(up.executions(), 2);
+}
+
+/// Two fencegate processes sharing one store: a retry that lands on the other replica is
+/// replayed from the shared record, not executed.
+async fn retry_on_the_other_replica(kind: &str) {
+    let up = Ledger::start(false).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (yaml, _service) = store_yaml(kind, &dir).await;
+    let config = |name: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(
+            &path,
+            format!(
+                "listen: 127.0.0.1:0\nadmin: 127.0.0.1:0\nupstream: {}\n{yaml}{}",
+                up.url(),
+                section("1m")
+            ),
+        )
+        .unwrap();
+        path
+    };
+    let a = Process::start(&config("a.yaml")).await;
+    let b = Process::start(&config("b.yaml")).await;
+    let first = post(a.proxy, "/accounts/1", "5", Some("r-1"), "debit 10").await;
+    assert_eq!(first.status, 201, "{}", first.text());
+    let retry = post(b.proxy, "/accounts/1", "5", Some("r-1"), "debit 10").await;
+    assert_eq!(retry.status, 201, "{}", retry.text());
+    assert_eq!(retry.headers["idempotent-replayed"], "true");
+    assert_eq!(retry.body, first.body);
+    assert_eq!(head_without_marker(&retry), head_without_marker(&first));
+    post(b.proxy, "/accounts/1", "5", Some("r-1"), "debit 11")
+        .await
+        .assert_problem(422, "urn:fencegate:idempotency-key-reused");
+    assert_eq!(up.executions(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_sharing_redis_replay_each_others_records() {
+    retry_on_the_other_replica("redis").await
+}
