@@ -121,6 +121,20 @@ pub fn main() -> ExitCode {
                             .unwrap_or_default()
                     ));
                 }
+                if let Some(idempotency) = &c.idempotency {
+                    let routes: Vec<&str> = c
+                        .routes
+                        .iter()
+                        .filter(|r| r.idempotent(Some(idempotency)))
+                        .map(|r| r.name.as_str())
+                        .collect();
+                    out.push_str(&format!(
+                        "# idempotency: header {}, window {}ms, on routes [{}]\n",
+                        idempotency.header.0,
+                        idempotency.window().as_millis(),
+                        routes.join(", ")
+                    ));
+                }
                 out.push_str(&c.to_yaml());
                 // A closed pipe (`check | head`) is not an error worth a panic.
                 let _ = std::io::Write::write_all(&mut std::io::stdout(), out.as_bytes());
