@@ -8,28 +8,110 @@
 //! All maxima are also held in memory (loaded at open, updated after each commit), so a stale
 //! token or a repeat of the current token is answered without touching the disk. The cache only
 //! ever holds durable values, and this process is the file's only writer (redb locks it).
+//!
+//! Idempotency records go through the same writer: a claim reads the record, decides, raises
+//! the maximum and writes the `in_flight` record in the batch's write transaction, so it is
+//! durable before the write it admits is forwarded. Records live in `{prefix}.idempotency`
+//! under [`record_key`], with the wall-clock instant (ms since the Unix epoch) they expire at,
+//! since the file outlives the process; an expired record counts as absent. A second table,
+//! `{prefix}.idempotency.expiry`, holds `(expires_ms, record key)` for every record, so
+//! purging the expired ones (inside write transactions) visits only those.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use dashmap::DashMap;
-use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
+use redb::{Database, ReadableDatabase, ReadableTable, Table, TableDefinition};
 use tokio::sync::oneshot;
 
-use super::{decide, BoxFuture, FenceStore, StoreError, Verdict};
+use super::{decide, record_key, BoxFuture, FenceStore, StoreError, Verdict};
 use crate::config::EqualTokens;
+use crate::idempotency::{self, Begin, Claim, Phase, Record};
 
-/// Upper bound on raises per transaction, so one batch cannot hold the queue for long.
+/// Upper bound on operations per transaction, so one batch cannot hold the queue for long.
 const MAX_BATCH: usize = 4096;
 
-struct Raise {
-    resource: Box<str>,
-    token: u64,
-    equal: EqualTokens,
-    reply: oneshot::Sender<Result<Verdict, StoreError>>,
+/// Upper bound on expired records purged per transaction; the rest go with the next ones.
+const MAX_PURGE: usize = 1024;
+
+/// Record key to `(expires_ms, encoded record)`.
+type Records<'a> = TableDefinition<'a, &'static str, (u64, &'static [u8])>;
+/// `(expires_ms, record key)` for every record, in expiry order.
+type Expiries<'a> = TableDefinition<'a, (u64, &'static str), ()>;
+
+/// One operation for the writer thread.
+enum Op {
+    Raise {
+        resource: Box<str>,
+        token: u64,
+        equal: EqualTokens,
+        reply: oneshot::Sender<Result<Verdict, StoreError>>,
+    },
+    Begin {
+        resource: Box<str>,
+        key: Box<str>,
+        claim: Claim,
+        reply: oneshot::Sender<Result<Begin, StoreError>>,
+    },
+    Finish {
+        resource: Box<str>,
+        key: Box<str>,
+        claim: Claim,
+        outcome: Record,
+        reply: oneshot::Sender<Result<bool, StoreError>>,
+    },
+}
+
+/// What an operation answers once its transaction committed.
+enum Answer {
+    Verdict(Verdict),
+    Begin(Begin),
+    Finished(bool),
+    /// This operation alone failed (its record is unreadable); it wrote nothing.
+    Failed(StoreError),
+}
+
+impl Op {
+    fn reply(self, answer: Result<Answer, StoreError>) {
+        let answer = answer.and_then(|a| match a {
+            Answer::Failed(e) => Err(e),
+            a => Ok(a),
+        });
+        match self {
+            Op::Raise { reply, .. } => {
+                let _ = reply.send(answer.map(|a| match a {
+                    Answer::Verdict(v) => v,
+                    _ => unreachable!("a raise answers a verdict"),
+                }));
+            }
+            Op::Begin { reply, .. } => {
+                let _ = reply.send(answer.map(|a| match a {
+                    Answer::Begin(b) => b,
+                    _ => unreachable!("a claim answers a begin"),
+                }));
+            }
+            Op::Finish { reply, .. } => {
+                let _ = reply.send(answer.map(|a| match a {
+                    Answer::Finished(f) => f,
+                    _ => unreachable!("an outcome answers whether it landed"),
+                }));
+            }
+        }
+    }
+}
+
+/// Milliseconds since the Unix epoch, the clock record expiries are kept in.
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+fn expiry_ms(now: u64, window: Duration) -> u64 {
+    now.saturating_add(u64::try_from(window.as_millis()).unwrap_or(u64::MAX))
 }
 
 struct Shared {
@@ -43,7 +125,7 @@ struct Shared {
 pub struct EmbeddedStore {
     shared: Arc<Shared>,
     /// Queue to the writer thread; closing it stops the thread.
-    queue: Option<mpsc::Sender<Raise>>,
+    queue: Option<mpsc::Sender<Op>>,
     /// Joined on drop, so the database file is unlocked when the store is gone.
     writer: Option<std::thread::JoinHandle<()>>,
 }
@@ -67,12 +149,16 @@ impl EmbeddedStore {
             std::fs::create_dir_all(dir).map_err(|e| fail("cannot create the directory of", &e))?;
         }
         let db = Database::create(path).map_err(|e| fail("cannot open", &e))?;
-        let table_name = format!("{prefix}.fences");
+        let names = Names::new(prefix);
         let maxima = DashMap::new();
         {
-            let table = TableDefinition::<&str, u64>::new(&table_name);
+            let table = TableDefinition::<&str, u64>::new(&names.fences);
             let txn = db.begin_write().map_err(|e| fail("cannot write", &e))?;
             txn.open_table(table)
+                .map_err(|e| fail("cannot open table in", &e))?;
+            txn.open_table(Records::new(&names.records))
+                .map_err(|e| fail("cannot open table in", &e))?;
+            txn.open_table(Expiries::new(&names.expiries))
                 .map_err(|e| fail("cannot open table in", &e))?;
             txn.commit().map_err(|e| fail("cannot commit to", &e))?;
             let read = db.begin_read().map_err(|e| fail("cannot read", &e))?;
@@ -94,12 +180,32 @@ impl EmbeddedStore {
         let writer_path = path.to_owned();
         let writer = std::thread::Builder::new()
             .name("fencegate-store".into())
-            .spawn(move || writer(writer_path, db, table_name, rx, writer_shared))
+            .spawn(move || writer(writer_path, db, names, rx, writer_shared))
             .map_err(|e| fail("cannot start the writer for", &e))?;
         Ok(EmbeddedStore {
             shared,
             queue: Some(queue),
             writer: Some(writer),
+        })
+    }
+
+    fn send<T>(
+        &self,
+        op: Op,
+        answer: oneshot::Receiver<Result<T, StoreError>>,
+    ) -> BoxFuture<'static, Result<T, StoreError>>
+    where
+        T: Send + 'static,
+    {
+        let sent = match &self.queue {
+            Some(queue) => queue.send(op).map_err(|_| ()),
+            None => Err(()),
+        };
+        Box::pin(async move {
+            sent.map_err(|_| StoreError::Unavailable("the store writer has stopped".into()))?;
+            answer
+                .await
+                .map_err(|_| StoreError::Unavailable("the store writer has stopped".into()))?
         })
     }
 
@@ -133,22 +239,13 @@ impl FenceStore for EmbeddedStore {
             }
         }
         let (reply, answer) = oneshot::channel();
-        let raise = Raise {
+        let raise = Op::Raise {
             resource: resource.into(),
             token,
             equal,
             reply,
         };
-        let sent = match &self.queue {
-            Some(queue) => queue.send(raise).map_err(|_| ()),
-            None => Err(()),
-        };
-        Box::pin(async move {
-            sent.map_err(|_| StoreError::Unavailable("the store writer has stopped".into()))?;
-            answer
-                .await
-                .map_err(|_| StoreError::Unavailable("the store writer has stopped".into()))?
-        })
+        self.send(raise, answer)
     }
 
     fn current<'a>(&'a self, resource: &'a str) -> BoxFuture<'a, Result<Option<u64>, StoreError>> {
@@ -162,25 +259,38 @@ impl FenceStore for EmbeddedStore {
 
     fn begin_idempotent<'a>(
         &'a self,
-        _resource: &'a str,
-        _key: &'a str,
-        _claim: &'a crate::idempotency::Claim,
-    ) -> BoxFuture<'a, Result<crate::idempotency::Begin, StoreError>> {
-        Box::pin(std::future::ready(Err(StoreError::Unavailable(
-            "idempotency records are not implemented for this store yet".into(),
-        ))))
+        resource: &'a str,
+        key: &'a str,
+        claim: &'a Claim,
+    ) -> BoxFuture<'a, Result<Begin, StoreError>> {
+        // Always through the writer, never from the cache: a stale token may still have a
+        // record to replay.
+        let (reply, answer) = oneshot::channel();
+        let begin = Op::Begin {
+            resource: resource.into(),
+            key: key.into(),
+            claim: *claim,
+            reply,
+        };
+        self.send(begin, answer)
     }
 
     fn finish_idempotent<'a>(
         &'a self,
-        _resource: &'a str,
-        _key: &'a str,
-        _claim: &'a crate::idempotency::Claim,
-        _outcome: &'a crate::idempotency::Record,
+        resource: &'a str,
+        key: &'a str,
+        claim: &'a Claim,
+        outcome: &'a Record,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
-        Box::pin(std::future::ready(Err(StoreError::Unavailable(
-            "idempotency records are not implemented for this store yet".into(),
-        ))))
+        let (reply, answer) = oneshot::channel();
+        let finish = Op::Finish {
+            resource: resource.into(),
+            key: key.into(),
+            claim: *claim,
+            outcome: outcome.clone(),
+            reply,
+        };
+        self.send(finish, answer)
     }
 
     fn kind(&self) -> &'static str {
@@ -192,16 +302,40 @@ impl FenceStore for EmbeddedStore {
 /// back once the disk does (a failed redb commit poisons the handle until it is reopened).
 const RETRY: Duration = Duration::from_millis(500);
 
-/// The writer thread: block for one raise, take every other queued one, commit them together.
-fn writer(
-    path: PathBuf,
-    db: Database,
-    table_name: String,
-    rx: mpsc::Receiver<Raise>,
-    shared: Arc<Shared>,
-) {
-    let table = TableDefinition::<&str, u64>::new(&table_name);
-    let probe_name = format!("{table_name}.probe");
+/// The names of the store's tables, all under its prefix.
+struct Names {
+    fences: String,
+    records: String,
+    expiries: String,
+}
+
+impl Names {
+    fn new(prefix: &str) -> Self {
+        Names {
+            fences: format!("{prefix}.fences"),
+            records: format!("{prefix}.idempotency"),
+            expiries: format!("{prefix}.idempotency.expiry"),
+        }
+    }
+}
+
+/// The tables one write transaction works on.
+#[derive(Clone, Copy)]
+struct Tables<'n> {
+    fences: TableDefinition<'n, &'static str, u64>,
+    records: Records<'n>,
+    expiries: Expiries<'n>,
+}
+
+/// The writer thread: block for one operation, take every other queued one, commit them
+/// together.
+fn writer(path: PathBuf, db: Database, names: Names, rx: mpsc::Receiver<Op>, shared: Arc<Shared>) {
+    let tables = Tables {
+        fences: TableDefinition::new(&names.fences),
+        records: Records::new(&names.records),
+        expiries: Expiries::new(&names.expiries),
+    };
+    let probe_name = format!("{}.probe", names.fences);
     let probe = TableDefinition::<&str, u64>::new(&probe_name);
     let mut db = Some(db);
     let mut batch = Vec::with_capacity(64);
@@ -232,12 +366,16 @@ fn writer(
             db = Database::create(&path).ok();
         }
         let result = match &db {
-            Some(handle) => commit_batch(handle, table, &batch, &shared).map_err(|e| e.to_string()),
+            Some(handle) => {
+                commit_batch(handle, tables, &batch, &shared).map_err(|e| e.to_string())
+            }
             None => Err(format!("cannot reopen {}", path.display())),
         };
         match result {
-            Ok((verdicts, raised)) => {
-                shared.commits.fetch_add(1, Ordering::Relaxed);
+            Ok((answers, raised, committed)) => {
+                if committed {
+                    shared.commits.fetch_add(1, Ordering::Relaxed);
+                }
                 if !shared.healthy.swap(true, Ordering::Relaxed) {
                     tracing::info!(path = %path.display(), "fence store writable again");
                 }
@@ -246,8 +384,8 @@ fn writer(
                     let mut slot = shared.maxima.entry(resource).or_insert(token);
                     *slot = (*slot).max(token);
                 }
-                for (raise, verdict) in batch.drain(..).zip(verdicts) {
-                    let _ = raise.reply.send(Ok(verdict));
+                for (op, answer) in batch.drain(..).zip(answers) {
+                    op.reply(Ok(answer));
                 }
             }
             Err(e) => {
@@ -255,8 +393,8 @@ fn writer(
                 // Drop the handle: redb refuses further use after an I/O error.
                 db = None;
                 tracing::error!(path = %path.display(), error = %e, "fence store commit failed");
-                for raise in batch.drain(..) {
-                    let _ = raise.reply.send(Err(StoreError::Unavailable(e.clone())));
+                for op in batch.drain(..) {
+                    op.reply(Err(StoreError::Unavailable(e.clone())));
                 }
             }
         }
@@ -296,37 +434,189 @@ fn recover(
     }
 }
 
-type BatchResult = (Vec<Verdict>, HashMap<Box<str>, u64>);
+/// The answers in batch order, the raised maxima, and whether anything was committed.
+type BatchResult = (Vec<Answer>, HashMap<Box<str>, u64>, bool);
 
+/// Applies a batch in arrival order in one write transaction, committed (with its fsync)
+/// only if something was written.
 fn commit_batch(
     db: &Database,
-    table: TableDefinition<&str, u64>,
-    batch: &[Raise],
+    tables: Tables<'_>,
+    batch: &[Op],
     shared: &Shared,
 ) -> Result<BatchResult, redb::Error> {
     let txn = db.begin_write()?;
-    let mut verdicts = Vec::with_capacity(batch.len());
+    let now = now_ms();
+    let mut answers = Vec::with_capacity(batch.len());
     // Raises within this batch, applied in arrival order.
     let mut raised: HashMap<Box<str>, u64> = HashMap::new();
+    let mut wrote = false;
     {
-        let mut t = txn.open_table(table)?;
-        for raise in batch {
-            let current = raised
-                .get(&raise.resource)
+        let mut fences = txn.open_table(tables.fences)?;
+        let mut records = txn.open_table(tables.records)?;
+        let mut expiries = txn.open_table(tables.expiries)?;
+        let current = |raised: &HashMap<Box<str>, u64>, resource: &str| {
+            raised
+                .get(resource)
                 .copied()
-                .or_else(|| shared.maxima.get(&raise.resource).map(|v| *v));
-            let verdict = decide(current, raise.token, raise.equal);
-            if verdict.raised(raise.token) {
-                t.insert(&*raise.resource, raise.token)?;
-                raised.insert(raise.resource.clone(), raise.token);
-            }
-            verdicts.push(verdict);
+                .or_else(|| shared.maxima.get(resource).map(|v| *v))
+        };
+        for op in batch {
+            let answer = match op {
+                Op::Raise {
+                    resource,
+                    token,
+                    equal,
+                    ..
+                } => {
+                    let verdict = decide(current(&raised, resource), *token, *equal);
+                    if verdict.raised(*token) {
+                        fences.insert(&**resource, *token)?;
+                        raised.insert(resource.clone(), *token);
+                        wrote = true;
+                    }
+                    Answer::Verdict(verdict)
+                }
+                Op::Begin {
+                    resource,
+                    key,
+                    claim,
+                    ..
+                } => {
+                    let k = record_key(resource, key);
+                    let existing = match read_record(&records, &k)? {
+                        Ok(existing) => existing,
+                        Err(e) => {
+                            answers.push(Answer::Failed(e));
+                            continue;
+                        }
+                    };
+                    let live = existing
+                        .as_ref()
+                        .filter(|(at, _)| *at > now)
+                        .map(|(_, r)| r);
+                    let maximum = current(&raised, resource);
+                    let begin = idempotency::decide(live, maximum, claim);
+                    if let Begin::Execute { .. } = begin {
+                        if maximum.is_none_or(|c| claim.token > c) {
+                            fences.insert(&**resource, claim.token)?;
+                            raised.insert(resource.clone(), claim.token);
+                        }
+                        let record = Record::in_flight(claim.token, claim.fingerprint);
+                        let old = existing.map(|(at, _)| at);
+                        let at = expiry_ms(now, claim.window);
+                        write_record(&mut records, &mut expiries, &k, old, at, &record)?;
+                        wrote = true;
+                    }
+                    Answer::Begin(begin)
+                }
+                Op::Finish {
+                    resource,
+                    key,
+                    claim,
+                    outcome,
+                    ..
+                } => {
+                    let k = record_key(resource, key);
+                    let existing = match read_record(&records, &k)? {
+                        Ok(existing) => existing,
+                        Err(e) => {
+                            answers.push(Answer::Failed(e));
+                            continue;
+                        }
+                    };
+                    let ours = match existing {
+                        Some((at, record))
+                            if at > now
+                                && record.phase == Phase::InFlight
+                                && record.token == claim.token
+                                && record.fingerprint == claim.fingerprint =>
+                        {
+                            let next = expiry_ms(now, claim.window);
+                            write_record(&mut records, &mut expiries, &k, Some(at), next, outcome)?;
+                            true
+                        }
+                        _ => false,
+                    };
+                    wrote |= ours;
+                    Answer::Finished(ours)
+                }
+            };
+            answers.push(answer);
+        }
+        if wrote {
+            purge(&mut records, &mut expiries, now)?;
         }
     }
-    if !raised.is_empty() {
+    if wrote {
         txn.commit()?;
     }
-    Ok((verdicts, raised))
+    Ok((answers, raised, wrote))
+}
+
+/// A record as stored: when it expires (ms since the Unix epoch), and the record.
+type Stored = Option<(u64, Record)>;
+
+/// The stored record under `key` with its expiry, expired or not. The inner error is a record
+/// that does not decode: it fails the one operation, not the batch.
+fn read_record(
+    records: &Table<&'static str, (u64, &'static [u8])>,
+    key: &str,
+) -> Result<Result<Stored, StoreError>, redb::Error> {
+    let Some(guard) = records.get(key)? else {
+        return Ok(Ok(None));
+    };
+    let (at, bytes) = guard.value();
+    Ok(Record::decode(bytes).map(|r| Some((at, r))).map_err(|e| {
+        StoreError::Unavailable(format!("the idempotency record {key:?} is unreadable: {e}"))
+    }))
+}
+
+/// Writes `record` under `key` to expire at `at`, moving its entry in the expiry index from
+/// `old` (the expiry of the record it replaces, if any).
+fn write_record(
+    records: &mut Table<&'static str, (u64, &'static [u8])>,
+    expiries: &mut Table<(u64, &'static str), ()>,
+    key: &str,
+    old: Option<u64>,
+    at: u64,
+    record: &Record,
+) -> Result<(), redb::Error> {
+    if let Some(old) = old {
+        expiries.remove((old, key))?;
+    }
+    records.insert(key, (at, record.encode().as_slice()))?;
+    expiries.insert((at, key), ())?;
+    Ok(())
+}
+
+/// Removes records that expired at or before `now`, visiting only those (at most
+/// [`MAX_PURGE`]).
+fn purge(
+    records: &mut Table<&'static str, (u64, &'static [u8])>,
+    expiries: &mut Table<(u64, &'static str), ()>,
+    now: u64,
+) -> Result<(), redb::Error> {
+    let mut expired = Vec::new();
+    for entry in expiries
+        .range(..(now.saturating_add(1), ""))?
+        .take(MAX_PURGE)
+    {
+        let (index, _) = entry?;
+        let (at, key) = index.value();
+        expired.push((at, key.to_owned()));
+    }
+    for (at, key) in expired {
+        expiries.remove((at, key.as_str()))?;
+        // The index is exact, but never remove a record that does not expire here.
+        let due = records
+            .get(key.as_str())?
+            .is_some_and(|g| g.value().0 == at);
+        if due {
+            records.remove(key.as_str())?;
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -357,6 +647,81 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(v, Verdict::Stale { current: 9 });
+    }
+
+    fn claim(token: u64, window: Duration) -> Claim {
+        Claim {
+            token,
+            fingerprint: crate::idempotency::Fingerprint([7; 32]),
+            equal: EqualTokens::Allow,
+            window,
+            may_execute: true,
+        }
+    }
+
+    #[tokio::test]
+    async fn records_survive_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f.db");
+        let c = claim(4, Duration::from_secs(60));
+        let done = Record {
+            phase: Phase::Completed,
+            status: Some(204),
+            ..Record::in_flight(4, c.fingerprint)
+        };
+        {
+            let store = EmbeddedStore::open(&path, "t").unwrap();
+            assert_eq!(
+                store.begin_idempotent("r", "k", &c).await.unwrap(),
+                Begin::Execute { previous: None }
+            );
+            assert!(store.finish_idempotent("r", "k", &c, &done).await.unwrap());
+        }
+        let store = EmbeddedStore::open(&path, "t").unwrap();
+        assert_eq!(store.current("r").await.unwrap(), Some(4));
+        assert_eq!(
+            store.begin_idempotent("r", "k", &c).await.unwrap(),
+            Begin::Completed(done)
+        );
+    }
+
+    #[tokio::test]
+    async fn expired_records_are_absent_and_purged_by_later_writes() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f.db");
+        {
+            let store = EmbeddedStore::open(&path, "t").unwrap();
+            let short = claim(1, Duration::from_millis(1));
+            for key in ["a", "b", "c"] {
+                assert!(matches!(
+                    store.begin_idempotent("r", key, &short).await.unwrap(),
+                    Begin::Execute { .. }
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            // Expired: the key executes again; this write purges the other two.
+            assert_eq!(
+                store.begin_idempotent("r", "a", &short).await.unwrap(),
+                Begin::Execute { previous: Some(1) }
+            );
+            let long = claim(2, Duration::from_secs(60));
+            assert!(matches!(
+                store.begin_idempotent("r", "d", &long).await.unwrap(),
+                Begin::Execute { .. }
+            ));
+        }
+        let db = Database::create(&path).unwrap();
+        let read = db.begin_read().unwrap();
+        let names = Names::new("t");
+        let records = read.open_table(Records::new(&names.records)).unwrap();
+        let keys: Vec<String> = records
+            .iter()
+            .unwrap()
+            .map(|row| row.unwrap().0.value().to_owned())
+            .collect();
+        assert_eq!(keys, [record_key("r", "d")]);
+        let expiries = read.open_table(Expiries::new(&names.expiries)).unwrap();
+        assert_eq!(redb::ReadableTableMetadata::len(&expiries).unwrap(), 1);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -4,18 +4,34 @@
 //! comparison. The transaction: if the key does not exist, create it; else, in a nested
 //! transaction, if the stored value is below the token, read it and overwrite it; else read
 //! it. etcd applies the whole transaction atomically at one revision.
+//!
+//! Idempotency records live at `/{prefix}/idempotency/{resource}\x1f{key}` (the JSON of
+//! [`Record::encode`]), each attached to a lease whose TTL is the record's window rounded up
+//! to whole seconds, so etcd itself deletes it when the window ends. A claim reads the record
+//! and the maximum at one revision, runs [`idempotency::decide`] here, and writes both keys in
+//! one transaction guarded by their `mod_revision`s as read (0: absent); when another writer
+//! got in between, it starts over from the read, a bounded number of times.
+
+use std::time::Duration;
 
 use etcd_client::{
-    Client, Compare, CompareOp, ConnectOptions, KvClient, Txn, TxnOp, TxnOpResponse,
+    Client, Compare, CompareOp, ConnectOptions, KvClient, LeaseClient, PutOptions, Txn, TxnOp,
+    TxnOpResponse,
 };
 
 use super::shared::Remote;
-use super::{decide, BoxFuture, StoreError, Verdict};
+use super::{decide, record_key, BoxFuture, StoreError, Verdict};
 use crate::config::EqualTokens;
+use crate::idempotency::{self, Begin, Claim, Phase, Record};
+
+/// How many times a claim or an outcome write starts over after losing a race.
+const ATTEMPTS: usize = 32;
 
 pub struct EtcdRemote {
     /// The client keeps a balanced, lazily (re)connecting channel to the endpoints.
     kv: KvClient,
+    /// Leases that expire idempotency records.
+    lease: LeaseClient,
     prefix: String,
 }
 
@@ -35,6 +51,7 @@ impl EtcdRemote {
             .map_err(unavailable)?;
         Ok(EtcdRemote {
             kv: client.kv_client(),
+            lease: client.lease_client(),
             prefix: prefix.to_owned(),
         })
     }
@@ -42,6 +59,194 @@ impl EtcdRemote {
     fn key(&self, resource: &str) -> String {
         format!("/{}/fences/{resource}", self.prefix)
     }
+
+    fn record_key(&self, resource: &str, key: &str) -> String {
+        format!("/{}/idempotency/{}", self.prefix, record_key(resource, key))
+    }
+
+    /// A lease that ends `window` from now (rounded up to whole seconds; etcd may raise it
+    /// to its minimum TTL).
+    async fn grant(&self, window: Duration) -> Result<i64, StoreError> {
+        let response = self
+            .lease
+            .clone()
+            .grant(lease_ttl(window), None)
+            .await
+            .map_err(unavailable)?;
+        Ok(response.id())
+    }
+
+    /// Gives back, in the background, a lease no key is attached to any more (each lease
+    /// belongs to one record write): the one granted for a write that did not happen, or the
+    /// one of a record just replaced. It would expire on its own anyway.
+    fn release(&self, lease: Option<i64>) {
+        if let Some(id) = lease.filter(|&id| id != 0) {
+            let mut client = self.lease.clone();
+            tokio::spawn(async move {
+                let _ = client.revoke(id).await;
+            });
+        }
+    }
+
+    /// The record and the maximum of a resource, read at one revision.
+    async fn read(&self, record: &str, maximum: &str) -> Result<Snapshot, StoreError> {
+        let txn = Txn::new().and_then([
+            TxnOp::get(record.to_owned(), None),
+            TxnOp::get(maximum.to_owned(), None),
+        ]);
+        let response = self.kv.clone().txn(txn).await.map_err(unavailable)?;
+        let mut gets = response.op_responses().into_iter().filter_map(|r| match r {
+            TxnOpResponse::Get(get) => Some(get),
+            _ => None,
+        });
+        let (Some(record), Some(maximum)) = (gets.next(), gets.next()) else {
+            return Err(StoreError::Unavailable(
+                "etcd: malformed transaction answer".into(),
+            ));
+        };
+        let (record, record_revision, record_lease) = match record.kvs().first() {
+            Some(kv) => (Some(decode(kv.value())?), kv.mod_revision(), kv.lease()),
+            None => (None, 0, 0),
+        };
+        let (current, maximum_revision) = match maximum.kvs().first() {
+            Some(kv) => (Some(parse(kv.value())?), kv.mod_revision()),
+            None => (None, 0),
+        };
+        Ok(Snapshot {
+            record,
+            record_revision,
+            record_lease,
+            current,
+            maximum_revision,
+        })
+    }
+
+    async fn begin(&self, resource: &str, key: &str, claim: &Claim) -> Result<Begin, StoreError> {
+        let record_key = self.record_key(resource, key);
+        let maximum_key = self.key(resource);
+        // Granted once, on the first decision to execute, and kept across retries.
+        let mut lease = None;
+        for _ in 0..ATTEMPTS {
+            let read = self.read(&record_key, &maximum_key).await?;
+            let begin = idempotency::decide(read.record.as_ref(), read.current, claim);
+            if !matches!(begin, Begin::Execute { .. }) {
+                self.release(lease);
+                return Ok(begin);
+            }
+            let id = match lease {
+                Some(id) => id,
+                None => *lease.insert(self.grant(claim.window).await?),
+            };
+            let record = Record::in_flight(claim.token, claim.fingerprint).encode();
+            let mut puts = vec![TxnOp::put(
+                record_key.clone(),
+                record,
+                Some(PutOptions::new().with_lease(id)),
+            )];
+            if read.current.is_none_or(|c| claim.token > c) {
+                puts.push(TxnOp::put(maximum_key.clone(), padded(claim.token), None));
+            }
+            let txn = Txn::new()
+                .when([
+                    Compare::mod_revision(
+                        record_key.clone(),
+                        CompareOp::Equal,
+                        read.record_revision,
+                    ),
+                    Compare::mod_revision(
+                        maximum_key.clone(),
+                        CompareOp::Equal,
+                        read.maximum_revision,
+                    ),
+                ])
+                .and_then(puts);
+            let response = self.kv.clone().txn(txn).await.map_err(unavailable)?;
+            if response.succeeded() {
+                self.release(Some(read.record_lease));
+                return Ok(begin);
+            }
+        }
+        self.release(lease);
+        Err(StoreError::Unavailable(format!(
+            "etcd: the idempotency record of {resource} changed under {ATTEMPTS} attempts"
+        )))
+    }
+
+    async fn finish(
+        &self,
+        resource: &str,
+        key: &str,
+        claim: &Claim,
+        outcome: &Record,
+    ) -> Result<bool, StoreError> {
+        let record_key = self.record_key(resource, key);
+        let mut lease = None;
+        for _ in 0..ATTEMPTS {
+            let response = self
+                .kv
+                .clone()
+                .get(record_key.clone(), None)
+                .await
+                .map_err(unavailable)?;
+            let Some(kv) = response.kvs().first() else {
+                self.release(lease);
+                return Ok(false);
+            };
+            let record = decode(kv.value())?;
+            let ours = record.phase == Phase::InFlight
+                && record.token == claim.token
+                && record.fingerprint == claim.fingerprint;
+            if !ours {
+                self.release(lease);
+                return Ok(false);
+            }
+            let id = match lease {
+                Some(id) => id,
+                None => *lease.insert(self.grant(claim.window).await?),
+            };
+            let txn = Txn::new()
+                .when([Compare::mod_revision(
+                    record_key.clone(),
+                    CompareOp::Equal,
+                    kv.mod_revision(),
+                )])
+                .and_then([TxnOp::put(
+                    record_key.clone(),
+                    outcome.encode(),
+                    Some(PutOptions::new().with_lease(id)),
+                )]);
+            let response = self.kv.clone().txn(txn).await.map_err(unavailable)?;
+            if response.succeeded() {
+                self.release(Some(kv.lease()));
+                return Ok(true);
+            }
+        }
+        self.release(lease);
+        Err(StoreError::Unavailable(format!(
+            "etcd: the idempotency record of {resource} changed under {ATTEMPTS} attempts"
+        )))
+    }
+}
+
+/// What a claim decides on: the record (present means live: etcd deletes expired ones) and
+/// the maximum, with the revisions the write is guarded by (0: absent).
+struct Snapshot {
+    record: Option<Record>,
+    record_revision: i64,
+    /// The lease the record is attached to (0: none), given back once it is replaced.
+    record_lease: i64,
+    current: Option<u64>,
+    maximum_revision: i64,
+}
+
+/// The lease TTL for a window: whole seconds, rounded up, at least one.
+fn lease_ttl(window: Duration) -> i64 {
+    let seconds = window.as_nanos().div_ceil(1_000_000_000).max(1);
+    i64::try_from(seconds).unwrap_or(i64::MAX)
+}
+
+fn decode(value: &[u8]) -> Result<Record, StoreError> {
+    Record::decode(value).map_err(|e| StoreError::Unavailable(format!("etcd: {e}")))
 }
 
 /// `etcd://host:port[,host:port...]` or `http://...`, as endpoint URLs. Shared with the etcd
@@ -161,25 +366,21 @@ impl Remote for EtcdRemote {
 
     fn begin_idempotent<'a>(
         &'a self,
-        _resource: &'a str,
-        _key: &'a str,
-        _claim: &'a crate::idempotency::Claim,
-    ) -> BoxFuture<'a, Result<crate::idempotency::Begin, StoreError>> {
-        Box::pin(std::future::ready(Err(StoreError::Unavailable(
-            "idempotency records are not implemented for this store yet".into(),
-        ))))
+        resource: &'a str,
+        key: &'a str,
+        claim: &'a Claim,
+    ) -> BoxFuture<'a, Result<Begin, StoreError>> {
+        Box::pin(self.begin(resource, key, claim))
     }
 
     fn finish_idempotent<'a>(
         &'a self,
-        _resource: &'a str,
-        _key: &'a str,
-        _claim: &'a crate::idempotency::Claim,
-        _outcome: &'a crate::idempotency::Record,
+        resource: &'a str,
+        key: &'a str,
+        claim: &'a Claim,
+        outcome: &'a Record,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
-        Box::pin(std::future::ready(Err(StoreError::Unavailable(
-            "idempotency records are not implemented for this store yet".into(),
-        ))))
+        Box::pin(self.finish(resource, key, claim, outcome))
     }
 
     fn kind(&self) -> &'static str {
@@ -197,6 +398,15 @@ mod tests {
         assert!(padded(i64::MAX as u64 - 1) < padded(i64::MAX as u64));
         assert_eq!(padded(i64::MAX as u64).len(), 20);
         assert_eq!(parse(padded(42).as_bytes()).unwrap(), 42);
+    }
+
+    #[test]
+    fn lease_ttl_rounds_up_to_seconds() {
+        assert_eq!(lease_ttl(Duration::from_millis(1)), 1);
+        assert_eq!(lease_ttl(Duration::ZERO), 1);
+        assert_eq!(lease_ttl(Duration::from_secs(1)), 1);
+        assert_eq!(lease_ttl(Duration::from_millis(1001)), 2);
+        assert_eq!(lease_ttl(Duration::from_secs(86_400)), 86_400);
     }
 
     #[test]

@@ -258,7 +258,7 @@ macro_rules! conformance {
 }
 
 conformance!(memory);
-// conformance!(embedded);
+conformance!(embedded);
 // conformance!(redis);
 // conformance!(postgres);
-// conformance!(etcd);
+conformance!(etcd);
