@@ -4,15 +4,35 @@
 //! (the row lock serialises racing raises, and the WHERE is re-checked against the latest row
 //! version). When it returns no row the token did not raise the maximum; the follow-up read
 //! then decides between "equal, admitted" and "stale", which is correct at the time of that
-//! read because maxima only grow. The table is created on first use if missing.
+//! read because maxima only grow. The tables are created on first use if missing.
+//!
+//! Idempotency records live in `<prefix>_idempotency`, one row per `(resource, key)`: the phase
+//! code, token and fingerprint as columns (for the conditional outcome write) and the encoded
+//! record, with an `expires_at` in server time. Rows past it are absent to every statement and
+//! are deleted in bounded batches through the index on `expires_at`, at most once a minute.
+//! A claim is one transaction: an advisory lock on `(resource, key)`, then the record, the
+//! maximum's row locked `FOR UPDATE`, [`idempotency::decide`] here, and on execute the raise and
+//! the `in_flight` row. An outcome is one conditional `UPDATE`.
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 use tokio::sync::OnceCell;
-use tokio_postgres::NoTls;
+use tokio_postgres::types::ToSql;
+use tokio_postgres::{NoTls, Row};
 
 use super::shared::Remote;
-use super::{decide, BoxFuture, StoreError, Verdict};
+use super::{decide, record_key, BoxFuture, StoreError, Verdict};
 use crate::config::EqualTokens;
+use crate::idempotency::{self, Begin, Claim, Record};
+
+/// How often a claim may start a purge of expired records.
+const PURGE_EVERY: Duration = Duration::from_secs(60);
+/// Rows one purge statement deletes at most, so no purge holds many row locks for long.
+const PURGE_BATCH: i64 = 1000;
+/// Claims retried when a racing first raise created the maximum between read and insert.
+const CLAIM_ATTEMPTS: usize = 3;
 
 pub struct PostgresRemote {
     pool: Pool,
@@ -21,6 +41,65 @@ pub struct PostgresRemote {
     table: String,
     raise_sql: String,
     get_sql: String,
+    records: String,
+    idem: IdempotencySql,
+    /// When the last purge of expired records started.
+    last_purge: Mutex<Option<Instant>>,
+}
+
+/// The statements of idempotency records.
+struct IdempotencySql {
+    lock: String,
+    read: String,
+    lock_max: String,
+    insert_max: String,
+    update_max: String,
+    write: String,
+    finish: String,
+    purge: String,
+}
+
+impl IdempotencySql {
+    fn new(fences: &str, records: &str) -> Self {
+        IdempotencySql {
+            lock: "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))".to_owned(),
+            read: format!(
+                "SELECT record FROM {records} \
+                 WHERE resource = $1 AND idem_key = $2 AND expires_at > now()"
+            ),
+            lock_max: format!("SELECT max_token FROM {fences} WHERE resource = $1 FOR UPDATE"),
+            insert_max: format!(
+                "INSERT INTO {fences} (resource, max_token, prev_token) VALUES ($1, $2, NULL) \
+                 ON CONFLICT (resource) DO NOTHING RETURNING max_token"
+            ),
+            update_max: format!(
+                "UPDATE {fences} SET max_token = $2, prev_token = max_token \
+                 WHERE resource = $1 AND max_token < $2"
+            ),
+            write: format!(
+                "INSERT INTO {records} \
+                   (resource, idem_key, phase, token, fingerprint, record, expires_at) \
+                 VALUES ($1, $2, $3, $4, $5, $6, now() + make_interval(secs => $7)) \
+                 ON CONFLICT (resource, idem_key) DO UPDATE \
+                 SET phase = EXCLUDED.phase, token = EXCLUDED.token, \
+                     fingerprint = EXCLUDED.fingerprint, record = EXCLUDED.record, \
+                     expires_at = EXCLUDED.expires_at"
+            ),
+            finish: format!(
+                "UPDATE {records} \
+                 SET phase = $3, token = $4, fingerprint = $5, record = $6, \
+                     expires_at = now() + make_interval(secs => $7) \
+                 WHERE resource = $1 AND idem_key = $2 AND expires_at > now() \
+                   AND phase = 'i' AND token = $8 AND fingerprint = $9"
+            ),
+            purge: format!(
+                "DELETE FROM {records} \
+                 WHERE ctid = ANY (ARRAY(\
+                   SELECT ctid FROM {records} WHERE expires_at < now() LIMIT $1)) \
+                   AND expires_at < now()"
+            ),
+        }
+    }
 }
 
 impl PostgresRemote {
@@ -28,6 +107,7 @@ impl PostgresRemote {
     pub fn new(url: &str, prefix: &str) -> Result<Self, StoreError> {
         let (pool, _) = pool(url).map_err(StoreError::Unavailable)?;
         let table = format!("{prefix}_fences");
+        let records = format!("{prefix}_idempotency");
         Ok(PostgresRemote {
             pool,
             schema: OnceCell::new(),
@@ -39,7 +119,10 @@ impl PostgresRemote {
                  RETURNING prev_token"
             ),
             get_sql: format!("SELECT max_token FROM {table} WHERE resource = $1"),
+            idem: IdempotencySql::new(&table, &records),
             table,
+            records,
+            last_purge: Mutex::new(None),
         })
     }
 
@@ -47,19 +130,157 @@ impl PostgresRemote {
         let client = self.pool.get().await.map_err(|e| unavailable(&e))?;
         self.schema
             .get_or_try_init(|| async {
+                let (table, records) = (&self.table, &self.records);
                 client
                     .batch_execute(&format!(
-                        "CREATE TABLE IF NOT EXISTS {} (\
+                        "CREATE TABLE IF NOT EXISTS {table} (\
                            resource TEXT PRIMARY KEY, \
                            max_token BIGINT NOT NULL CHECK (max_token >= 0), \
-                           prev_token BIGINT)",
-                        self.table
+                           prev_token BIGINT); \
+                         CREATE TABLE IF NOT EXISTS {records} (\
+                           resource TEXT NOT NULL, \
+                           idem_key TEXT NOT NULL, \
+                           phase TEXT NOT NULL CHECK (phase IN ('i', 'u', 'c')), \
+                           token BIGINT NOT NULL CHECK (token >= 0), \
+                           fingerprint TEXT NOT NULL, \
+                           record TEXT NOT NULL, \
+                           expires_at TIMESTAMPTZ NOT NULL, \
+                           PRIMARY KEY (resource, idem_key)); \
+                         CREATE INDEX IF NOT EXISTS {records}_expiry ON {records} (expires_at)"
                     ))
                     .await
                     .map_err(|e| unavailable(&e))
             })
             .await?;
         Ok(client)
+    }
+
+    /// One claim attempt in one transaction. `None`: a racing first raise created the
+    /// resource's maximum after it was read as absent; nothing was written, try again.
+    async fn try_begin(
+        &self,
+        client: &mut deadpool_postgres::Object,
+        resource: &str,
+        key: &str,
+        claim: &Claim,
+    ) -> Result<Option<Begin>, StoreError> {
+        let sql = &self.idem;
+        let token = signed(claim.token)?;
+        let tx = Tx(client.transaction().await.map_err(|e| unavailable(&e))?);
+        // Serialises claims of one key, also while no row exists for it yet.
+        let lock = format!("{}\u{1f}{}", self.records, record_key(resource, key));
+        tx.execute(&sql.lock, &[&lock]).await?;
+        let existing = tx
+            .query_opt(&sql.read, &[&resource, &key])
+            .await?
+            .map(|row| {
+                Record::decode(row.get::<_, &str>(0).as_bytes())
+                    .map_err(|e| StoreError::Unavailable(format!("postgres holds a {e}")))
+            })
+            .transpose()?;
+        // Locked, so no other raise moves the maximum between this read and the raise below.
+        let current = tx
+            .query_opt(&sql.lock_max, &[&resource])
+            .await?
+            .map(|row| token_of(row.get(0)))
+            .transpose()?;
+        let begin = idempotency::decide(existing.as_ref(), current, claim);
+        if let Begin::Execute { .. } = begin {
+            match current {
+                None => {
+                    let inserted = tx.query_opt(&sql.insert_max, &[&resource, &token]).await?;
+                    if inserted.is_none() {
+                        tx.0.rollback().await.map_err(|e| unavailable(&e))?;
+                        return Ok(None);
+                    }
+                }
+                Some(c) if claim.token > c => {
+                    tx.execute(&sql.update_max, &[&resource, &token]).await?;
+                }
+                Some(_) => {}
+            }
+            let record = Record::in_flight(claim.token, claim.fingerprint);
+            let params: [&(dyn ToSql + Sync); 7] = [
+                &resource,
+                &key,
+                &record.phase.code(),
+                &token,
+                &record.fingerprint.hex(),
+                &encoded(&record),
+                &claim.window.as_secs_f64(),
+            ];
+            tx.execute(&sql.write, &params).await?;
+        }
+        tx.0.commit().await.map_err(|e| unavailable(&e))?;
+        Ok(Some(begin))
+    }
+
+    /// Starts a purge of expired records in the background, at most once per [`PURGE_EVERY`].
+    fn maybe_purge(&self) {
+        {
+            let mut last = self.last_purge.lock().expect("purge clock poisoned");
+            if last.is_some_and(|at| at.elapsed() < PURGE_EVERY) {
+                return;
+            }
+            *last = Some(Instant::now());
+        }
+        let pool = self.pool.clone();
+        let sql = self.idem.purge.clone();
+        tokio::spawn(async move {
+            if let Err(e) = purge(&pool, &sql).await {
+                tracing::warn!(error = %e, "purging expired idempotency records failed");
+            }
+        });
+    }
+}
+
+/// A transaction whose statements are prepared once per connection.
+struct Tx<'a>(deadpool_postgres::Transaction<'a>);
+
+impl Tx<'_> {
+    async fn execute(&self, sql: &str, params: &[&(dyn ToSql + Sync)]) -> Result<u64, StoreError> {
+        let statement = self
+            .0
+            .prepare_cached(sql)
+            .await
+            .map_err(|e| unavailable(&e))?;
+        self.0
+            .execute(&statement, params)
+            .await
+            .map_err(|e| unavailable(&e))
+    }
+
+    async fn query_opt(
+        &self,
+        sql: &str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Option<Row>, StoreError> {
+        let statement = self
+            .0
+            .prepare_cached(sql)
+            .await
+            .map_err(|e| unavailable(&e))?;
+        self.0
+            .query_opt(&statement, params)
+            .await
+            .map_err(|e| unavailable(&e))
+    }
+}
+
+/// Deletes expired records batch by batch: each batch's row ids come from the `expires_at`
+/// index, and a row renewed meanwhile fails the outer re-check and stays.
+async fn purge(pool: &Pool, sql: &str) -> Result<u64, StoreError> {
+    let client = pool.get().await.map_err(|e| unavailable(&e))?;
+    let mut deleted = 0;
+    loop {
+        let n = client
+            .execute(sql, &[&PURGE_BATCH])
+            .await
+            .map_err(|e| unavailable(&e))?;
+        deleted += n;
+        if n < PURGE_BATCH as u64 {
+            return Ok(deleted);
+        }
     }
 }
 
@@ -84,6 +305,14 @@ pub(crate) fn pool(url: &str) -> Result<(Pool, tokio_postgres::Config), String> 
 
 fn unavailable(e: &dyn std::fmt::Display) -> StoreError {
     StoreError::Unavailable(format!("postgres: {e}"))
+}
+
+fn signed(token: u64) -> Result<i64, StoreError> {
+    i64::try_from(token).map_err(|_| unavailable(&"token above 2^63-1"))
+}
+
+fn encoded(record: &Record) -> String {
+    String::from_utf8(record.encode()).expect("a record encodes as JSON, which is UTF-8")
 }
 
 fn token_of(v: i64) -> Result<u64, StoreError> {
@@ -151,25 +380,56 @@ impl Remote for PostgresRemote {
 
     fn begin_idempotent<'a>(
         &'a self,
-        _resource: &'a str,
-        _key: &'a str,
-        _claim: &'a crate::idempotency::Claim,
-    ) -> BoxFuture<'a, Result<crate::idempotency::Begin, StoreError>> {
-        Box::pin(std::future::ready(Err(StoreError::Unavailable(
-            "idempotency records are not implemented for this store yet".into(),
-        ))))
+        resource: &'a str,
+        key: &'a str,
+        claim: &'a Claim,
+    ) -> BoxFuture<'a, Result<Begin, StoreError>> {
+        Box::pin(async move {
+            let mut client = self.client().await?;
+            for _ in 0..CLAIM_ATTEMPTS {
+                if let Some(begin) = self.try_begin(&mut client, resource, key, claim).await? {
+                    self.maybe_purge();
+                    return Ok(begin);
+                }
+            }
+            Err(unavailable(
+                &"the maximum kept appearing under an idempotent claim",
+            ))
+        })
     }
 
     fn finish_idempotent<'a>(
         &'a self,
-        _resource: &'a str,
-        _key: &'a str,
-        _claim: &'a crate::idempotency::Claim,
-        _outcome: &'a crate::idempotency::Record,
+        resource: &'a str,
+        key: &'a str,
+        claim: &'a Claim,
+        outcome: &'a Record,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
-        Box::pin(std::future::ready(Err(StoreError::Unavailable(
-            "idempotency records are not implemented for this store yet".into(),
-        ))))
+        Box::pin(async move {
+            let client = self.client().await?;
+            let statement = client
+                .prepare_cached(&self.idem.finish)
+                .await
+                .map_err(|e| unavailable(&e))?;
+            let written = client
+                .execute(
+                    &statement,
+                    &[
+                        &resource,
+                        &key,
+                        &outcome.phase.code(),
+                        &signed(outcome.token)?,
+                        &outcome.fingerprint.hex(),
+                        &encoded(outcome),
+                        &claim.window.as_secs_f64(),
+                        &signed(claim.token)?,
+                        &claim.fingerprint.hex(),
+                    ],
+                )
+                .await
+                .map_err(|e| unavailable(&e))?;
+            Ok(written == 1)
+        })
     }
 
     fn kind(&self) -> &'static str {

@@ -4,6 +4,12 @@
 //! lexicographic), never as Lua numbers: those are doubles and lose precision above 2^53.
 //! Keys are `{prefix}:{<resource>}:max`; the braces are a hash tag, so every key of one
 //! resource lands in the same Redis Cluster slot.
+//!
+//! Idempotency records are hashes at `{prefix}:{<resource>}:idem\x1f<key>` (same hash tag as
+//! the maximum, so one script may touch both; neither part can contain `\x1f`, so no two
+//! `(resource, key)` pairs share a key). Fields: `p` the phase code, `t` the token (canonical
+//! decimal), `f` the fingerprint (hex) and `r` the encoded record. Redis expires them (`PEXPIRE`
+//! with the window); one script per operation decides and writes.
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::Script;
@@ -12,6 +18,7 @@ use tokio::sync::OnceCell;
 use super::shared::Remote;
 use super::{decide, BoxFuture, StoreError, Verdict};
 use crate::config::EqualTokens;
+use crate::idempotency::{Begin, Claim, Record};
 
 /// KEYS[1] = maximum key, ARGV[1] = token (canonical decimal).
 /// Returns the previous maximum ('' if none) and whether the token raised it.
@@ -27,11 +34,78 @@ redis.call('SET', KEYS[1], token)
 return {current or '', 1}
 ";
 
+/// `idempotency::decide`, transcribed. KEYS[1] = maximum key, KEYS[2] = record key;
+/// ARGV[1] = token (canonical decimal), ARGV[2] = fingerprint (hex), ARGV[3] = '1' when equal
+/// tokens are allowed, ARGV[4] = '1' when the attempt may execute, ARGV[5] = window in
+/// milliseconds, ARGV[6] = the encoded in_flight record to write on execute.
+/// Returns {'execute', previous or ''}, {'stale', current}, {'inflight'}, {'reused'},
+/// {'completed', encoded record} or {'refused'}.
+const BEGIN: &str = r"
+local function below(a, b)
+  return #a < #b or (#a == #b and a < b)
+end
+local token = ARGV[1]
+local current = redis.call('GET', KEYS[1])
+local record = redis.call('HMGET', KEYS[2], 'p', 't', 'f', 'r')
+local allow_equal = ARGV[3] == '1'
+if record[1] then
+  if record[3] ~= ARGV[2] then
+    return {'reused'}
+  end
+  if record[1] == 'i' then
+    return {'inflight'}
+  end
+  if record[1] == 'c' then
+    return {'completed', record[4]}
+  end
+  if below(token, record[2]) then
+    if current and below(record[2], current) then
+      return {'stale', current}
+    end
+    return {'stale', record[2]}
+  end
+  if token == record[2] then
+    allow_equal = true
+  end
+end
+if ARGV[4] ~= '1' then
+  return {'refused'}
+end
+if current then
+  if below(token, current) or (token == current and not allow_equal) then
+    return {'stale', current}
+  end
+  if below(current, token) then
+    redis.call('SET', KEYS[1], token)
+  end
+else
+  redis.call('SET', KEYS[1], token)
+end
+redis.call('HSET', KEYS[2], 'p', 'i', 't', token, 'f', ARGV[2], 'r', ARGV[6])
+redis.call('PEXPIRE', KEYS[2], ARGV[5])
+return {'execute', current or ''}
+";
+
+/// KEYS[1] = record key; ARGV[1] = the attempt's token, ARGV[2] = its fingerprint; ARGV[3..6]
+/// = the outcome's phase code, token, fingerprint and encoding; ARGV[7] = window in
+/// milliseconds. Writes only over the attempt's own in_flight record; returns 1 if it wrote.
+const FINISH: &str = r"
+local record = redis.call('HMGET', KEYS[1], 'p', 't', 'f')
+if record[1] ~= 'i' or record[2] ~= ARGV[1] or record[3] ~= ARGV[2] then
+  return 0
+end
+redis.call('HSET', KEYS[1], 'p', ARGV[3], 't', ARGV[4], 'f', ARGV[5], 'r', ARGV[6])
+redis.call('PEXPIRE', KEYS[1], ARGV[7])
+return 1
+";
+
 pub struct RedisRemote {
     client: redis::Client,
     /// Connected on first use, so fencegate starts (not ready) while Redis is still down.
     conn: OnceCell<ConnectionManager>,
     script: Script,
+    begin: Script,
+    finish: Script,
     prefix: String,
 }
 
@@ -43,12 +117,19 @@ impl RedisRemote {
             client,
             conn: OnceCell::new(),
             script: Script::new(RAISE),
+            begin: Script::new(BEGIN),
+            finish: Script::new(FINISH),
             prefix: prefix.to_owned(),
         })
     }
 
     fn key(&self, resource: &str) -> String {
         format!("{}:{{{resource}}}:max", self.prefix)
+    }
+
+    /// The record key: the maximum's hash tag, then the idempotency key after a `\x1f`.
+    fn record_key(&self, resource: &str, key: &str) -> String {
+        format!("{}:{{{resource}}}:idem\u{1f}{key}", self.prefix)
     }
 
     async fn conn(&self) -> Result<ConnectionManager, StoreError> {
@@ -76,6 +157,57 @@ fn unavailable(e: redis::RedisError) -> StoreError {
 fn parse(raw: &str) -> Result<u64, StoreError> {
     raw.parse()
         .map_err(|_| StoreError::Unavailable(format!("redis holds a non-token maximum `{raw}`")))
+}
+
+fn flag(on: bool) -> &'static str {
+    if on {
+        "1"
+    } else {
+        "0"
+    }
+}
+
+/// The record's lifetime for `PEXPIRE`, at least a millisecond (0 would delete it at once).
+fn window_ms(claim: &Claim) -> u64 {
+    u64::try_from(claim.window.as_millis())
+        .unwrap_or(u64::MAX)
+        .max(1)
+}
+
+fn bad_reply(what: &str) -> StoreError {
+    StoreError::Unavailable(format!("redis: unexpected idempotency reply: {what}"))
+}
+
+/// The begin script's reply as a [`Begin`].
+fn begin_reply(reply: &[Vec<u8>]) -> Result<Begin, StoreError> {
+    let text = |i: usize| -> Result<&str, StoreError> {
+        let raw = reply.get(i).ok_or_else(|| bad_reply("too short"))?;
+        std::str::from_utf8(raw).map_err(|_| bad_reply("not text"))
+    };
+    match text(0)? {
+        "execute" => {
+            let previous = text(1)?;
+            let previous = if previous.is_empty() {
+                None
+            } else {
+                Some(parse(previous)?)
+            };
+            Ok(Begin::Execute { previous })
+        }
+        "stale" => Ok(Begin::Stale {
+            current: parse(text(1)?)?,
+        }),
+        "inflight" => Ok(Begin::InFlight),
+        "reused" => Ok(Begin::Reused),
+        "refused" => Ok(Begin::Refused),
+        "completed" => {
+            let raw = reply.get(1).ok_or_else(|| bad_reply("no record"))?;
+            let record = Record::decode(raw)
+                .map_err(|e| StoreError::Unavailable(format!("redis holds a {e}")))?;
+            Ok(Begin::Completed(record))
+        }
+        other => Err(bad_reply(other)),
+    }
 }
 
 impl Remote for RedisRemote {
@@ -132,25 +264,54 @@ impl Remote for RedisRemote {
 
     fn begin_idempotent<'a>(
         &'a self,
-        _resource: &'a str,
-        _key: &'a str,
-        _claim: &'a crate::idempotency::Claim,
-    ) -> BoxFuture<'a, Result<crate::idempotency::Begin, StoreError>> {
-        Box::pin(std::future::ready(Err(StoreError::Unavailable(
-            "idempotency records are not implemented for this store yet".into(),
-        ))))
+        resource: &'a str,
+        key: &'a str,
+        claim: &'a Claim,
+    ) -> BoxFuture<'a, Result<Begin, StoreError>> {
+        Box::pin(async move {
+            let mut conn = self.conn().await?;
+            let in_flight = Record::in_flight(claim.token, claim.fingerprint).encode();
+            let reply: Vec<Vec<u8>> = self
+                .begin
+                .key(self.key(resource))
+                .key(self.record_key(resource, key))
+                .arg(claim.token.to_string())
+                .arg(claim.fingerprint.hex())
+                .arg(flag(claim.equal == EqualTokens::Allow))
+                .arg(flag(claim.may_execute))
+                .arg(window_ms(claim))
+                .arg(in_flight)
+                .invoke_async(&mut conn)
+                .await
+                .map_err(unavailable)?;
+            begin_reply(&reply)
+        })
     }
 
     fn finish_idempotent<'a>(
         &'a self,
-        _resource: &'a str,
-        _key: &'a str,
-        _claim: &'a crate::idempotency::Claim,
-        _outcome: &'a crate::idempotency::Record,
+        resource: &'a str,
+        key: &'a str,
+        claim: &'a Claim,
+        outcome: &'a Record,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
-        Box::pin(std::future::ready(Err(StoreError::Unavailable(
-            "idempotency records are not implemented for this store yet".into(),
-        ))))
+        Box::pin(async move {
+            let mut conn = self.conn().await?;
+            let wrote: u8 = self
+                .finish
+                .key(self.record_key(resource, key))
+                .arg(claim.token.to_string())
+                .arg(claim.fingerprint.hex())
+                .arg(outcome.phase.code())
+                .arg(outcome.token.to_string())
+                .arg(outcome.fingerprint.hex())
+                .arg(outcome.encode())
+                .arg(window_ms(claim))
+                .invoke_async(&mut conn)
+                .await
+                .map_err(unavailable)?;
+            Ok(wrote == 1)
+        })
     }
 
     fn kind(&self) -> &'static str {

@@ -259,6 +259,6 @@ macro_rules! conformance {
 
 conformance!(memory);
 conformance!(embedded);
-// conformance!(redis);
-// conformance!(postgres);
+conformance!(redis);
+conformance!(postgres);
 conformance!(etcd);
