@@ -47,9 +47,15 @@ pub fn request_headers(
     authority: Option<&str>,
 ) {
     strip_hop_by_hop(headers);
-    let host = headers
-        .remove(header::HOST)
-        .or_else(|| authority.and_then(|a| HeaderValue::from_str(a).ok()));
+    // The request target's authority (absolute-form, HTTP/2 `:authority`) wins over `Host`
+    // (RFC 9112 §3.2.2).
+    let host = match authority.and_then(|a| HeaderValue::from_str(a).ok()) {
+        Some(authority) => {
+            headers.remove(header::HOST);
+            Some(authority)
+        }
+        None => headers.remove(header::HOST),
+    };
     let forwarded_for = match headers.get(&X_FORWARDED_FOR).and_then(|v| v.to_str().ok()) {
         Some(chain) => format!("{chain}, {peer}"),
         None => peer.to_string(),

@@ -147,7 +147,8 @@ impl Attempt {
 /// The upstream's body, streamed to the client and copied for the record.
 pub struct Recording {
     inner: Option<Incoming>,
-    _ticket: Option<Ticket>,
+    /// Held until the body has ended (or been drained after the client left).
+    ticket: Option<Ticket>,
     status: StatusCode,
     head: HeaderMap,
     /// The copy so far; `None` once it outgrew `max_response`.
@@ -166,7 +167,7 @@ impl Recording {
     ) -> Self {
         Recording {
             inner: Some(inner),
-            _ticket: ticket,
+            ticket,
             status,
             head,
             copy: Some(BytesMut::new()),
@@ -268,7 +269,9 @@ impl Drop for Recording {
             std::mem::take(&mut self.head),
             self.copy.take(),
         );
+        let ticket = self.ticket.take();
         tokio::spawn(async move {
+            let _ticket = ticket;
             let mut broken = false;
             while let Some(frame) = inner.frame().await {
                 match frame {
@@ -351,13 +354,13 @@ impl Proxy {
                 return refuse(Refusal::RequestTooLarge { limit })
             }
             Ok(Err(e)) => {
-                return refuse(Refusal::UnreadableBody(format!(
-                    "the request body could not be read: {e}"
+                return refuse(Refusal::InvalidRequest(format!(
+                    "the request body could not be read: {e}; nothing was recorded"
                 )))
             }
             Err(_) => {
-                return refuse(Refusal::UnreadableBody(format!(
-                    "the request body did not arrive within {:?}",
+                return refuse(Refusal::InvalidRequest(format!(
+                    "the request body did not arrive within {:?}; nothing was recorded",
                     self.timeouts.upstream
                 )))
             }

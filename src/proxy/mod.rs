@@ -194,6 +194,15 @@ impl Proxy {
         req: Request<Incoming>,
         peer: SocketAddr,
     ) -> Result<Response<ProxyBody>, Infallible> {
+        if let Some(problem) = host_problem(&req) {
+            return Ok(self.refuse(
+                Refusal::InvalidRequest(problem.into()),
+                None,
+                Subject::default(),
+                req.method(),
+                req.uri().path(),
+            ));
+        }
         let normalised = match path::normalise(req.uri().path()) {
             Ok(p) => p.into_owned(),
             Err(e) => {
@@ -509,11 +518,31 @@ impl Proxy {
         let method = parts.method.clone();
         let path = normalised.to_owned();
         let started = Instant::now();
-        let sent = tokio::time::timeout(
+        let exchange = tokio::time::timeout(
             self.timeouts.upstream,
             self.client.request(Request::from_parts(parts, body)),
-        )
-        .await;
+        );
+        let (sent, ticket, attempt) = if ticket.is_none() && attempt.is_none() {
+            (exchange.await, None, None)
+        } else {
+            // A barrier ticket or an idempotency claim must outlive the client: if it hangs
+            // up while the write is with the upstream, the ticket is held (and the outcome
+            // recorded) until the upstream has answered, not dropped with the request.
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            tokio::spawn(async move {
+                let sent = exchange.await;
+                if let Err((sent, ticket, attempt)) = tx.send((sent, ticket, attempt)) {
+                    abandoned(sent, ticket, attempt).await;
+                }
+            });
+            match rx.await {
+                Ok(done) => done,
+                Err(_) => {
+                    let refusal = Refusal::UpstreamError("the upstream exchange failed".into());
+                    return self.refuse(refusal, route, subject, &method, &path);
+                }
+            }
+        };
         metrics.upstream.observe(started.elapsed().as_secs_f64());
         let refusal = match sent {
             Ok(Ok(response)) => {
@@ -535,6 +564,11 @@ impl Proxy {
                 };
                 return Response::from_parts(parts, body);
             }
+            Ok(Err(e)) if request_body_failed(&e) => Refusal::InvalidRequest(format!(
+                "the request body was malformed or cut short ({}); the upstream got an \
+                 incomplete request",
+                error_chain(&e)
+            )),
             Ok(Err(e)) => Refusal::UpstreamError(error_chain(&e)),
             Err(_) => Refusal::UpstreamTimeout,
         };
@@ -609,6 +643,21 @@ impl Proxy {
     }
 }
 
+/// RFC 9112 §3.2: more than one `Host`, or an HTTP/1.1 request with neither `Host` nor an
+/// absolute-form target, is a bad request (the upstream and `X-Forwarded-Host` would have to
+/// pick one of two claims).
+fn host_problem<B>(req: &Request<B>) -> Option<&'static str> {
+    let mut hosts = req.headers().get_all(http::header::HOST).iter();
+    let first = hosts.next();
+    if hosts.next().is_some() {
+        return Some("more than one Host header (RFC 9112 §3.2)");
+    }
+    if first.is_none() && req.version() == Version::HTTP_11 && req.uri().authority().is_none() {
+        return Some("an HTTP/1.1 request needs a Host header (RFC 9112 §3.2)");
+    }
+    None
+}
+
 /// Replaces whatever token the app sent (any spelling, any count) with the lease's token.
 fn set_token(headers: &mut http::HeaderMap, name: &HeaderName, token: u64) {
     let aliases: Vec<HeaderName> = headers
@@ -622,6 +671,49 @@ fn set_token(headers: &mut http::HeaderMap, name: &HeaderName, token: u64) {
         headers.remove(alias);
     }
     headers.insert(name.clone(), http::HeaderValue::from(token));
+}
+
+/// What happens to an upstream exchange whose client went away: the response (if any) is
+/// recorded for an idempotency claim (draining its body), an error records an unknown
+/// outcome, and the barrier ticket is released only then.
+async fn abandoned(
+    sent: Result<
+        Result<Response<Incoming>, hyper_util::client::legacy::Error>,
+        tokio::time::error::Elapsed,
+    >,
+    ticket: Option<Ticket>,
+    attempt: Option<Attempt>,
+) {
+    match (sent, attempt) {
+        (Ok(Ok(response)), Some(attempt)) => {
+            let (parts, inner) = response.into_parts();
+            // Dropped unread: it drains the upstream's body and records it, ticket held.
+            drop(idempotent::Recording::new(
+                inner,
+                ticket,
+                parts.status,
+                parts.headers,
+                attempt,
+            ));
+        }
+        (_, Some(attempt)) => attempt.unknown().await,
+        (_, None) => drop(ticket),
+    }
+}
+
+/// Whether a failed exchange failed on the client's own request body (malformed chunked
+/// encoding, a body shorter than its Content-Length): the client's fault, not the upstream's.
+fn request_body_failed(e: &hyper_util::client::legacy::Error) -> bool {
+    let mut source = std::error::Error::source(e);
+    while let Some(s) = source {
+        if let Some(h) = s.downcast_ref::<hyper::Error>() {
+            if h.is_user() {
+                return true;
+            }
+        }
+        source = s.source();
+    }
+    false
 }
 
 /// `a: b: c` from an error and its sources, so a 502 body says what actually failed.

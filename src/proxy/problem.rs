@@ -40,7 +40,7 @@ pub enum Refusal {
     RequestTooLarge {
         limit: usize,
     },
-    UnreadableBody(String),
+    InvalidRequest(String),
     /// Idempotency: the key's first attempt is still with the upstream.
     IdempotencyInFlight,
     /// Idempotency: the key was first used for a different request.
@@ -125,10 +125,10 @@ impl Refusal {
                 "Request body too large for an idempotent write",
                 Outcome::InvalidRequest,
             ),
-            Refusal::UnreadableBody(_) => (
+            Refusal::InvalidRequest(_) => (
                 StatusCode::BAD_REQUEST,
                 "urn:fencegate:invalid-request",
-                "Request body could not be read",
+                "Invalid request",
                 Outcome::InvalidRequest,
             ),
             Refusal::IdempotencyInFlight => (
@@ -230,7 +230,7 @@ impl Refusal {
                 "an idempotent write's body is read whole to fingerprint it; this one is larger \
                  than idempotency.max_request_bytes ({limit} bytes); nothing was recorded"
             ),
-            Refusal::UnreadableBody(e) => format!("{e}; nothing was recorded"),
+            Refusal::InvalidRequest(e) => e.clone(),
             Refusal::IdempotencyInFlight => format!(
                 "a request with this idempotency key for {} is still with the upstream; retry \
                  after it completes to get its response",

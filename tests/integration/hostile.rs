@@ -315,9 +315,8 @@ async fn absolute_form_targets_take_the_resource_from_the_path() {
 }
 
 /// RFC 9112 §3.2.2: with an absolute-form target the Host header is ignored and the target's
-/// authority is the one. fencegate reports the Host header in `X-Forwarded-Host` instead.
+/// authority is the one `X-Forwarded-Host` reports.
 #[tokio::test]
-#[ignore = "BUG: X-Forwarded-Host comes from the Host header, not the absolute-form authority (proxy/forward.rs request_headers)"]
 async fn absolute_form_authority_wins_over_the_host_header() {
     let up = Upstream::start().await;
     let fg = fencegate(&up.url(), ACCOUNTS).await;
@@ -464,17 +463,17 @@ async fn content_length_with_transfer_encoding_is_framed_by_te_and_closes() {
     );
 }
 
-/// A malformed chunked body is the client's fault: it should be 400, not a 502 that blames
-/// the upstream (the write was admitted on its head; the raise stays, as SPEC §1 says).
+/// A malformed chunked body is the client's fault: 400 `invalid-request`, not a 502 that
+/// blames the upstream (the write was admitted on its head; the raise stays, as SPEC §1 says).
 #[tokio::test]
-#[ignore = "BUG: a malformed request body is answered 502 upstream-error (proxy/mod.rs forward)"]
 async fn malformed_chunked_body_is_400() {
     let up = Upstream::start().await;
     let fg = fencegate(&up.url(), ACCOUNTS).await;
     let request = "PUT /accounts/1 HTTP/1.1\r\nHost: x\r\nFencing-Token: 7\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\nzz\r\nhello\r\n0\r\n\r\n";
     let resp = raw(fg.listen, request.as_bytes()).await;
     assert_eq!(status_of(&resp), 400, "{resp}");
-    assert!(!resp.contains("urn:fencegate:upstream-error"), "{resp}");
+    assert!(resp.contains("urn:fencegate:invalid-request"), "{resp}");
+    assert!(resp.contains("malformed or cut short"), "{resp}");
 }
 
 #[tokio::test]
@@ -872,7 +871,6 @@ async fn h2_continuation_flood_is_cut_off_with_bounded_memory() {
 /// write is still in flight upstream: a higher token has to wait for the lower one to finish
 /// (SPEC §1), here until `barrier_timeout`, then 503.
 #[tokio::test]
-#[ignore = "LIMITATION (README: serialize exception), avoidable: a client disconnect drops the barrier ticket while the write is still upstream (proxy/mod.rs forward)"]
 async fn hanging_up_does_not_open_the_serialize_barrier() {
     let up = Upstream::gated().await;
     let fg = fencegate(
@@ -905,14 +903,10 @@ async fn hanging_up_does_not_open_the_serialize_barrier() {
     up.release(2);
 }
 
-/// RFC 9112 §3.2: a request with more than one Host, or an HTTP/1.1 request without one, must
-/// be answered 400. hyper does not enforce it and fencegate forwards both (the upstream gets
-/// its own authority as Host; `X-Forwarded-Host` takes the first of two). Harmless for the
-/// resource id, which never comes from Host unless a route says `{header:host}` (then two
-/// values are refused: `invalid-resource`), but a downstream that trusts `X-Forwarded-Host`
-/// sees one of two claims.
+/// RFC 9112 §3.2: a request with more than one Host, or an HTTP/1.1 request without one, is
+/// answered 400 before anything else (a downstream that trusts `X-Forwarded-Host` would
+/// otherwise see one of two claims).
 #[tokio::test]
-#[ignore = "BUG (minor): duplicate or missing Host is forwarded instead of 400 (proxy/mod.rs handle)"]
 async fn duplicate_or_missing_host_is_400() {
     let up = Upstream::start().await;
     let fg = fencegate(&up.url(), ACCOUNTS).await;
@@ -921,13 +915,13 @@ async fn duplicate_or_missing_host_is_400() {
             "two Host headers",
             "PUT /accounts/1 HTTP/1.1\r\nHost: a.example\r\nHost: b.example\r\nFencing-Token: 5\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".to_owned(),
             400,
-            None,
+            Some("more than one Host header"),
         ),
         (
             "HTTP/1.1 without Host",
             "PUT /accounts/1 HTTP/1.1\r\nFencing-Token: 5\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".to_owned(),
             400,
-            None,
+            Some("urn:fencegate:invalid-request"),
         ),
     ];
     refused_raw(&fg, &up, &cases).await;
