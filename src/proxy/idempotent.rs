@@ -155,6 +155,9 @@ pub struct Recording {
     copy: Option<BytesMut>,
     attempt: Option<Attempt>,
     finishing: Option<BoxFuture<'static, ()>>,
+    /// The last frame, held back until the record is written: a server that knows the length
+    /// stops polling after the last byte, so the end must not be waited for.
+    held: Option<Frame<Bytes>>,
 }
 
 impl Recording {
@@ -173,6 +176,7 @@ impl Recording {
             copy: Some(BytesMut::new()),
             attempt: Some(attempt),
             finishing: None,
+            held: None,
         }
     }
 
@@ -201,7 +205,7 @@ impl Body for Recording {
                 return match finishing.as_mut().poll(cx) {
                     Poll::Ready(()) => {
                         this.finishing = None;
-                        Poll::Ready(None)
+                        Poll::Ready(this.held.take().map(Ok))
                     }
                     Poll::Pending => Poll::Pending,
                 };
@@ -215,7 +219,20 @@ impl Body for Recording {
                     if let (Some(chunk), Some(attempt)) = (frame.data_ref(), &this.attempt) {
                         Self::keep(&mut this.copy, chunk, attempt.max_response);
                     }
-                    return Poll::Ready(Some(Ok(frame)));
+                    let last = this.inner.as_ref().is_some_and(|i| i.is_end_stream());
+                    match (last, this.attempt.take()) {
+                        (true, Some(attempt)) => {
+                            this.inner = None;
+                            let body = this.copy.take().map(BytesMut::freeze);
+                            let record = attempt.outcome(this.status, &this.head, body);
+                            this.finishing = Some(attempt.finish(record));
+                            this.held = Some(frame);
+                        }
+                        (_, attempt) => {
+                            this.attempt = attempt;
+                            return Poll::Ready(Some(Ok(frame)));
+                        }
+                    }
                 }
                 Poll::Ready(Some(Err(e))) => {
                     // The upstream answered, then its body broke: the write happened (or
@@ -243,13 +260,19 @@ impl Body for Recording {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_none() && self.finishing.is_none() && self.attempt.is_none()
+        self.inner.is_none()
+            && self.finishing.is_none()
+            && self.attempt.is_none()
+            && self.held.is_none()
     }
 
     fn size_hint(&self) -> SizeHint {
-        match &self.inner {
-            Some(inner) => inner.size_hint(),
-            None => SizeHint::with_exact(0),
+        match (&self.inner, &self.held) {
+            (Some(inner), _) => inner.size_hint(),
+            (None, Some(frame)) => {
+                SizeHint::with_exact(frame.data_ref().map_or(0, |d| d.len() as u64))
+            }
+            (None, None) => SizeHint::with_exact(0),
         }
     }
 }

@@ -147,17 +147,16 @@ async fn metrics(admin: SocketAddr) -> String {
         .text()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_retry_executes_once_and_replays_byte_for_byte() {
+async fn a_retry_executes_once_and_replays_byte_for_byte(kind: &str) {
     let up = Ledger::start(false).await;
-    let fg = fencegate(&up.url(), &section("1m")).await;
+    let (fg, _store) = on_store(kind, &up, "1m").await;
     let first = post(fg.listen, "/accounts/1", "5", Some("pay-1"), "debit 10").await;
     assert_eq!(first.status, 201);
     assert!(first.headers.get("idempotent-replayed").is_none());
     assert_eq!(first.text(), "{\"execution\":1,\"applied\":\"debit 10\"}");
     for _ in 0..3 {
         let again = post(fg.listen, "/accounts/1", "5", Some("pay-1"), "debit 10").await;
-        assert_eq!(again.status, 201);
+        assert_eq!(again.status, 201, "{}", again.text());
         assert_eq!(again.headers["idempotent-replayed"], "true");
         assert_eq!(again.body, first.body);
         assert_eq!(head_without_marker(&again), head_without_marker(&first));
@@ -190,10 +189,9 @@ async fn a_retry_executes_once_and_replays_byte_for_byte() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_same_key_for_another_request_is_422() {
+async fn the_same_key_for_another_request_is_422(kind: &str) {
     let up = Ledger::start(false).await;
-    let fg = fencegate(&up.url(), &section("1m")).await;
+    let (fg, _store) = on_store(kind, &up, "1m").await;
     assert_eq!(
         post(fg.listen, "/accounts/1", "5", Some("k"), "debit 10")
             .await
@@ -216,10 +214,9 @@ async fn the_same_key_for_another_request_is_422() {
         .contains("fencegate_idempotency_conflicts_total{reason=\"key_reused\"} 1"));
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn concurrent_duplicates_execute_once_and_the_rest_get_409() {
+async fn concurrent_duplicates_execute_once_and_the_rest_get_409(kind: &str) {
     let up = Ledger::start(true).await;
-    let fg = fencegate(&up.url(), &section("1m")).await;
+    let (fg, _store) = on_store(kind, &up, "1m").await;
     let addr = fg.listen;
     let first =
         tokio::spawn(async move { post(addr, "/accounts/1", "5", Some("dup"), "debit").await });
@@ -245,10 +242,9 @@ async fn concurrent_duplicates_execute_once_and_the_rest_get_409() {
     assert_eq!(up.executions(), 1);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn after_the_window_the_key_executes_again() {
+async fn after_the_window_the_key_executes_again(kind: &str) {
     let up = Ledger::start(false).await;
-    let fg = fencegate(&up.url(), &section("300ms")).await;
+    let (fg, _store) = on_store(kind, &up, "300ms").await;
     assert_eq!(
         post(fg.listen, "/accounts/1", "5", Some("w"), "x")
             .await
@@ -268,6 +264,38 @@ async fn after_the_window_the_key_executes_again() {
     }
     assert_eq!(up.executions(), 2);
 }
+
+/// An in-process fencegate on a fresh store of `kind`; the guard keeps the store alive.
+async fn on_store(
+    kind: &str,
+    up: &Ledger,
+    window: &str,
+) -> (
+    fencegate::app::Server,
+    (Option<crate::services::Service>, tempfile::TempDir),
+) {
+    let dir = tempfile::tempdir().unwrap();
+    let (yaml, service) = store_yaml(kind, &dir).await;
+    let fg = fencegate(&up.url(), &format!("{yaml}{}", section(window))).await;
+    (fg, (service, dir))
+}
+
+macro_rules! on_every_store {
+    ($($kind:ident),*) => {$(
+        mod $kind {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_retry_executes_once_and_replays_byte_for_byte() { super::a_retry_executes_once_and_replays_byte_for_byte(stringify!($kind)).await }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn the_same_key_for_another_request_is_422() { super::the_same_key_for_another_request_is_422(stringify!($kind)).await }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn concurrent_duplicates_execute_once_and_the_rest_get_409() { super::concurrent_duplicates_execute_once_and_the_rest_get_409(stringify!($kind)).await }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn after_the_window_the_key_executes_again() { super::after_the_window_the_key_executes_again(stringify!($kind)).await }
+        }
+    )*};
+}
+
+on_every_store!(memory, embedded, redis, postgres, etcd);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unknown_outcome_is_redone_only_with_a_token_at_least_the_recorded_one() {
@@ -401,4 +429,52 @@ async fn retry_on_the_other_replica(kind: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replicas_sharing_redis_replay_each_others_records() {
     retry_on_the_other_replica("redis").await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_sharing_postgres_replay_each_others_records() {
+    retry_on_the_other_replica("postgres").await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_sharing_etcd_replay_each_others_records() {
+    retry_on_the_other_replica("etcd").await
+}
+
+/// The client hangs up while its keyed write is with the upstream: the answer is still
+/// recorded, and the retry gets it instead of executing again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_hangs_up_still_gets_its_write_recorded() {
+    use tokio::io::AsyncWriteExt;
+    let up = Ledger::start(true).await;
+    let fg = fencegate(&up.url(), &section("1m")).await;
+    let mut client = tokio::net::TcpStream::connect(fg.listen).await.unwrap();
+    client
+        .write_all(
+            b"POST /accounts/1 HTTP/1.1\r\nHost: x\r\nFencing-Token: 5\r\nIdempotency-Key: gone\r\nContent-Length: 1\r\n\r\nx",
+        )
+        .await
+        .unwrap();
+    up.arrival().await;
+    drop(client);
+    up.release(1);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let replay = loop {
+        let reply = post(fg.listen, "/accounts/1", "5", Some("gone"), "x").await;
+        if reply.status == StatusCode::CONFLICT {
+            // Still in flight: the abandoned exchange is being recorded.
+            reply.assert_problem(409, "urn:fencegate:idempotency-in-flight");
+            assert!(
+                Instant::now() < deadline,
+                "the abandoned write was never recorded"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            continue;
+        }
+        break reply;
+    };
+    assert_eq!(replay.status, 201, "{}", replay.text());
+    assert_eq!(replay.headers["idempotent-replayed"], "true");
+    assert_eq!(replay.text(), "{\"execution\":1,\"applied\":\"x\"}");
+    assert_eq!(up.executions(), 1);
 }
