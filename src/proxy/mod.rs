@@ -464,17 +464,11 @@ impl Proxy {
     /// Compare-and-raise, bounded by the store timeout; a late answer counts as no answer.
     async fn check(&self, resource: &str, token: u64) -> Result<Verdict, StoreError> {
         let started = Instant::now();
-        let answer = tokio::time::timeout(
+        let answer = bounded(
             self.timeouts.store,
             self.store.compare_and_raise(resource, token, self.equal),
         )
-        .await
-        .unwrap_or_else(|_| {
-            Err(StoreError::Unavailable(format!(
-                "no answer within {:?}",
-                self.timeouts.store
-            )))
-        });
+        .await;
         self.metrics
             .store_raise
             .observe(started.elapsed().as_secs_f64());
@@ -641,6 +635,28 @@ impl Proxy {
         );
         refusal.response(&subject)
     }
+}
+
+/// A store answer, bounded by `limit`. Answers that are ready at once (the memory store, a
+/// cached refusal) skip the timer: arming and disarming it costs more than they do.
+async fn bounded<T>(
+    limit: std::time::Duration,
+    mut answer: crate::store::BoxFuture<'_, Result<T, StoreError>>,
+) -> Result<T, StoreError> {
+    let first = {
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        answer.as_mut().poll(&mut cx)
+    };
+    if let std::task::Poll::Ready(ready) = first {
+        return ready;
+    }
+    tokio::time::timeout(limit, answer)
+        .await
+        .unwrap_or_else(|_| {
+            Err(StoreError::Unavailable(format!(
+                "no answer within {limit:?}"
+            )))
+        })
 }
 
 /// RFC 9112 §3.2: more than one `Host`, or an HTTP/1.1 request with neither `Host` nor an
