@@ -390,11 +390,17 @@ impl Proxy {
         };
         let fingerprint =
             Fingerprint::of(parts.method.as_str(), normalised, parts.uri.query(), &body);
+        // The in-flight record must outlive the attempt, or a retry could execute alongside it:
+        // it lives at least as long as the upstream may take, plus the store's two answers.
+        // The outcome then lives `window`.
+        let in_flight = settings
+            .window()
+            .max(self.timeouts.upstream + 2 * self.timeouts.store);
         let claim = Claim {
             token,
             fingerprint,
             equal: self.equal,
-            window: settings.window(),
+            window: in_flight,
             may_execute: superseded.is_none(),
         };
         let ticket =
@@ -462,7 +468,10 @@ impl Proxy {
                     store: Arc::clone(&self.store),
                     resource: resource.to_owned(),
                     key,
-                    claim,
+                    claim: Claim {
+                        window: settings.window(),
+                        ..claim
+                    },
                     max_response: settings.max_response_bytes,
                     store_timeout: self.timeouts.store,
                     metrics: Arc::clone(&self.metrics),

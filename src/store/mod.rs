@@ -78,7 +78,8 @@ pub trait FenceStore: Send + Sync + 'static {
     /// Idempotency, one atomic step: look up the live record of `(resource, key)`, run
     /// [`crate::idempotency::decide`] against it and the resource's maximum, and on
     /// [`Begin::Execute`] raise the maximum and write the `in_flight` record (living
-    /// `claim.window`).
+    /// `claim.window`; the proxy passes at least the upstream timeout here, so an in-flight
+    /// record never expires under a running attempt).
     fn begin_idempotent<'a>(
         &'a self,
         resource: &'a str,

@@ -478,3 +478,32 @@ async fn a_client_that_hangs_up_still_gets_its_write_recorded() {
     assert_eq!(replay.text(), "{\"execution\":1,\"applied\":\"x\"}");
     assert_eq!(up.executions(), 1);
 }
+
+/// An attempt that takes longer than the window keeps its key in flight: a retry never runs
+/// alongside it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attempt_longer_than_the_window_stays_in_flight() {
+    let up = Ledger::start(true).await;
+    let fg = fencegate(&up.url(), &section("100ms")).await;
+    let addr = fg.listen;
+    let first =
+        tokio::spawn(async move { post(addr, "/accounts/1", "5", Some("slow"), "x").await });
+    up.arrival().await;
+    let until = Instant::now() + Duration::from_millis(600);
+    let mut refused = 0;
+    while Instant::now() < until {
+        tokio::time::timeout(
+            Duration::from_secs(2),
+            post(addr, "/accounts/1", "5", Some("slow"), "x"),
+        )
+        .await
+        .expect("a retry was sent upstream while the first attempt was still there")
+        .assert_problem(409, "urn:fencegate:idempotency-in-flight");
+        refused += 1;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(refused >= 5);
+    up.release(1);
+    assert_eq!(first.await.unwrap().status, 201);
+    assert_eq!(up.executions(), 1);
+}
