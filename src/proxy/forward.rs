@@ -65,7 +65,8 @@ pub fn request_headers(
         Some(chain) => format!("{chain}, {peer}"),
         None => peer.to_string(),
     };
-    if let Ok(value) = HeaderValue::from_str(&forwarded_for) {
+    // From the String's own buffer: one allocation, not two.
+    if let Ok(value) = HeaderValue::from_maybe_shared(bytes::Bytes::from(forwarded_for)) {
         // Several X-Forwarded-For lines would be joined by the upstream anyway; keep one.
         headers.insert(X_FORWARDED_FOR.clone(), value);
     }

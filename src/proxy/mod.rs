@@ -510,7 +510,6 @@ impl Proxy {
         parts.version = Version::HTTP_11;
         let metrics = self.metrics_for(route);
         let method = parts.method.clone();
-        let path = normalised.to_owned();
         let started = Instant::now();
         let exchange = tokio::time::timeout(
             self.timeouts.upstream,
@@ -533,7 +532,7 @@ impl Proxy {
                 Ok(done) => done,
                 Err(_) => {
                     let refusal = Refusal::UpstreamError("the upstream exchange failed".into());
-                    return self.refuse(refusal, route, subject, &method, &path);
+                    return self.refuse(refusal, route, subject, &method, normalised);
                 }
             }
         };
@@ -569,7 +568,7 @@ impl Proxy {
         if let Some(attempt) = attempt {
             attempt.unknown().await;
         }
-        self.refuse(refusal, route, subject, &method, &path)
+        self.refuse(refusal, route, subject, &method, normalised)
     }
 
     /// The upstream URI: its scheme and authority, the normalised path and the original query.
