@@ -1,5 +1,6 @@
 //! `fencegate inject`: multi-document YAML in, the same documents out with the sidecar added
-//! to the pod templates that opted in.
+//! to the pod templates that opted in. Only a pod template's own label counts: a manifest does
+//! not say what its namespace is labelled, so namespace opt-in is the webhook's alone.
 //!
 //! The input is split on `---` lines here rather than by the YAML library, so a document that
 //! needs no change is copied byte for byte, comments and all. A changed document is written

@@ -2,7 +2,9 @@
 //! surgery that adds it. `fencegate inject` applies it to manifests ([`manifest`]), the
 //! mutating admission webhook to pods at creation ([`webhook`]), so both produce the same pod.
 //!
-//! A pod opts in with the label `fencegate.io/inject: enabled` and may set the annotations
+//! A pod opts in with the label `fencegate.io/inject: enabled`, or through its namespace's
+//! label of the same name and value (webhook only: see [`OptIn`]), where the pod label
+//! `fencegate.io/inject: disabled` opts it out. It may set the annotations
 //! `fencegate.io/config` (the ConfigMap holding `fencegate.yaml`, default `fencegate`) and
 //! `fencegate.io/upstream-port` (default `8080`). A pod that already has a container named
 //! `fencegate` is left alone, so injecting twice changes nothing.
@@ -40,20 +42,44 @@ pub enum Outcome {
     Injected,
     /// A container named `fencegate` is already there.
     AlreadyInjected,
-    /// No `fencegate.io/inject: enabled` label.
+    /// Not opted in: with [`OptIn::Pod`] no `fencegate.io/inject: enabled` label, with
+    /// [`OptIn::Namespace`] a `fencegate.io/inject: disabled` label.
     NotOptedIn,
+}
+
+/// Where the opt-in comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OptIn {
+    /// The pod's own label `fencegate.io/inject: enabled`; no label or any other value means no.
+    Pod,
+    /// The pod's namespace is labelled `fencegate.io/inject: enabled` (the webhook knows it
+    /// from the path the API server calls): every pod is injected but one labelled
+    /// `fencegate.io/inject: disabled`. An injected pod without the label gets
+    /// `fencegate.io/inject: enabled`, so it looks like any other injected pod (to a
+    /// PodMonitor, to `kubectl get pods -l`); a label with another value is kept as it is.
+    Namespace,
+}
+
+/// The value of the pod's `fencegate.io/inject` label, if it has one.
+pub fn inject_label(metadata: Option<&Value>) -> Option<&Value> {
+    metadata
+        .and_then(|m| m.get("labels"))
+        .and_then(|l| l.get(INJECT_LABEL))
 }
 
 /// Whether a pod's metadata carries the opt-in label.
 pub fn opted_in(metadata: Option<&Value>) -> bool {
-    metadata
-        .and_then(|m| m.get("labels"))
-        .and_then(|l| l.get(INJECT_LABEL))
-        .and_then(Value::as_str)
-        == Some(INJECT_ENABLED)
+    inject_label(metadata).and_then(Value::as_str) == Some(INJECT_ENABLED)
 }
 
-/// Adds the sidecar to a pod, or a pod template: an object with `metadata` and `spec`.
+/// Whether a pod's metadata carries the opt-out label (which counts where the namespace
+/// opted in).
+pub fn opted_out(metadata: Option<&Value>) -> bool {
+    inject_label(metadata).and_then(Value::as_str) == Some(INJECT_DISABLED)
+}
+
+/// Adds the sidecar to a pod, or a pod template: an object with `metadata` and `spec`,
+/// when it opted in by its own label.
 ///
 /// `claims` names volumes that will exist without being in the pod spec (a StatefulSet's
 /// `volumeClaimTemplates`). On error the pod is unchanged.
@@ -62,10 +88,25 @@ pub fn inject_pod(
     options: &Options,
     claims: &[&str],
 ) -> Result<Outcome, PodError> {
-    if !opted_in(pod.get("metadata")) {
+    inject_pod_as(pod, options, claims, OptIn::Pod)
+}
+
+/// [`inject_pod`], with the opt-in coming from `opt_in`.
+pub fn inject_pod_as(
+    pod: &mut Value,
+    options: &Options,
+    claims: &[&str],
+    opt_in: OptIn,
+) -> Result<Outcome, PodError> {
+    let metadata = pod.get("metadata");
+    let opted = match opt_in {
+        OptIn::Pod => opted_in(metadata),
+        OptIn::Namespace => !opted_out(metadata),
+    };
+    if !opted {
         return Ok(Outcome::NotOptedIn);
     }
-    let metadata = pod.get("metadata").cloned();
+    let metadata = metadata.cloned();
     let spec = match pod.get_mut("spec") {
         Some(Value::Object(spec)) => spec,
         _ => return Err(pod_error("spec", "missing or not a mapping")),
@@ -85,6 +126,17 @@ pub fn inject_pod(
     }
     if containers.is_empty() {
         return Err(pod_error("spec.containers", "missing or empty"));
+    }
+    if opt_in == OptIn::Namespace {
+        // Checked now, so that labelling the pod below cannot fail.
+        match metadata.as_ref() {
+            None | Some(Value::Object(_)) => {}
+            Some(_) => return Err(pod_error("metadata", "not a mapping")),
+        }
+        match metadata.as_ref().and_then(|m| m.get("labels")) {
+            None | Some(Value::Null | Value::Object(_)) => {}
+            Some(_) => return Err(pod_error("metadata.labels", "not a mapping")),
+        }
     }
     let settings = PodSettings::from_metadata(metadata.as_ref())?;
     for (field, c) in all() {
@@ -142,7 +194,31 @@ pub fn inject_pod(
             }
         }
     }
+    if opt_in == OptIn::Namespace {
+        label_enabled(pod);
+    }
     Ok(Outcome::Injected)
+}
+
+/// Adds `fencegate.io/inject: enabled` to a pod without that label. A label already there is
+/// never changed: it may be in a controller's selector.
+fn label_enabled(pod: &mut Value) {
+    let Value::Object(pod) = pod else {
+        return;
+    };
+    let metadata = pod.entry("metadata").or_insert_with(|| json!({}));
+    let Value::Object(metadata) = metadata else {
+        return;
+    };
+    let labels = metadata.entry("labels").or_insert_with(|| json!({}));
+    if labels.is_null() {
+        *labels = json!({});
+    }
+    if let Value::Object(labels) = labels {
+        labels
+            .entry(INJECT_LABEL)
+            .or_insert_with(|| json!(INJECT_ENABLED));
+    }
 }
 
 /// A list field of the pod spec: absent or null is empty, anything but a list is an error.

@@ -8,6 +8,8 @@ use super::{pod_error, PodError};
 /// The opt-in label and the value that enables injection.
 pub const INJECT_LABEL: &str = "fencegate.io/inject";
 pub const INJECT_ENABLED: &str = "enabled";
+/// The value that opts a pod out where its namespace opted in.
+pub const INJECT_DISABLED: &str = "disabled";
 /// Names the ConfigMap with `fencegate.yaml`.
 pub const CONFIG_ANNOTATION: &str = "fencegate.io/config";
 /// The port the application listens on, handed to the sidecar as `FENCEGATE_UPSTREAM_PORT`.

@@ -1,5 +1,9 @@
 //! `fencegate webhook`: a mutating admission webhook that injects the sidecar into pods at
-//! creation. `POST /mutate` takes an AdmissionReview v1 and answers one; `GET /healthz` and
+//! creation. `POST /mutate` takes an AdmissionReview v1 and answers one, injecting pods
+//! labelled `fencegate.io/inject: enabled`; `POST /mutate-namespace` does the same for pods
+//! whose namespace carries that label, injecting every pod not labelled
+//! `fencegate.io/inject: disabled` (an AdmissionReview does not carry the namespace's labels:
+//! the chart's webhook entry for labelled namespaces calls this path). `GET /healthz` and
 //! `GET /readyz` are for probes.
 //!
 //! The webhook never blocks a pod on its own account: anything it cannot or need not inject
@@ -20,7 +24,10 @@ use serde_json::{json, Value};
 use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 
-use super::{inject_pod, patch, Options, Outcome};
+use super::{
+    inject_label, inject_pod_as, patch, OptIn, Options, Outcome, INJECT_DISABLED, INJECT_ENABLED,
+    INJECT_LABEL,
+};
 use crate::proxy::body::ProxyBody;
 use crate::server::{serve, ServerSettings};
 
@@ -29,6 +36,10 @@ use crate::server::{serve, ServerSettings};
 pub const MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
 /// The API server truncates longer warnings.
 const MAX_WARNING_CHARS: usize = 256;
+/// Pods that opted in by their own label.
+pub const POD_PATH: &str = "/mutate";
+/// Pods of a namespace that opted in, unless they opted out.
+pub const NAMESPACE_PATH: &str = "/mutate-namespace";
 
 /// The answer to one request body: a status and a JSON document.
 #[derive(Debug, Clone, PartialEq)]
@@ -44,8 +55,9 @@ fn bad_request(message: impl Into<String>) -> Reply {
     }
 }
 
-/// Decides the answer to one `POST /mutate` body. Pure: no I/O, no clock.
-pub fn review(body: &[u8], options: &Options) -> Reply {
+/// Decides the answer to one `POST /mutate` (`opt_in` [`OptIn::Pod`]) or
+/// `POST /mutate-namespace` ([`OptIn::Namespace`]) body. Pure: no I/O, no clock.
+pub fn review(body: &[u8], options: &Options, opt_in: OptIn) -> Reply {
     let review: Value = match serde_json::from_slice(body) {
         Ok(v) => v,
         Err(e) => return bad_request(format!("the body is not JSON: {e}")),
@@ -62,20 +74,22 @@ pub fn review(body: &[u8], options: &Options) -> Reply {
         return bad_request("the AdmissionReview request has no `uid`");
     };
     let mut response = json!({"uid": uid, "allowed": true});
-    match decide(request, options) {
-        Decision::Unchanged => {}
-        Decision::Warn(warning) => {
-            let warning: String = format!("fencegate: {warning}")
-                .chars()
-                .take(MAX_WARNING_CHARS)
-                .collect();
-            response["warnings"] = json!([warning]);
-        }
-        Decision::Patch(ops) => {
+    let warning = match decide(request, options, opt_in) {
+        Decision::Unchanged => None,
+        Decision::Warn(warning) => Some(warning),
+        Decision::Patch(ops, warning) => {
             let encoded = serde_json::to_vec(&ops).expect("JSON values serialise");
             response["patchType"] = json!("JSONPatch");
             response["patch"] = json!(base64::engine::general_purpose::STANDARD.encode(encoded));
+            warning
         }
+    };
+    if let Some(warning) = warning {
+        let warning: String = format!("fencegate: {warning}")
+            .chars()
+            .take(MAX_WARNING_CHARS)
+            .collect();
+        response["warnings"] = json!([warning]);
     }
     Reply {
         status: StatusCode::OK,
@@ -90,10 +104,11 @@ pub fn review(body: &[u8], options: &Options) -> Reply {
 enum Decision {
     Unchanged,
     Warn(String),
-    Patch(Vec<Value>),
+    /// Inject, with a warning when the pod's label looks like a failed attempt to opt out.
+    Patch(Vec<Value>, Option<String>),
 }
 
-fn decide(request: &Value, options: &Options) -> Decision {
+fn decide(request: &Value, options: &Options, opt_in: OptIn) -> Decision {
     let kind = request.get("kind");
     let group = kind.and_then(|k| k.get("group")).and_then(Value::as_str);
     let name = kind.and_then(|k| k.get("kind")).and_then(Value::as_str);
@@ -119,8 +134,19 @@ fn decide(request: &Value, options: &Options) -> Decision {
         return Decision::Warn("the request has no pod object; passed unchanged".to_owned());
     };
     let mut injected = pod.clone();
-    match inject_pod(&mut injected, options, &[]) {
-        Ok(Outcome::Injected) => Decision::Patch(patch::diff(pod, &injected)),
+    match inject_pod_as(&mut injected, options, &[], opt_in) {
+        Ok(Outcome::Injected) => {
+            // Only `disabled` opts out of a namespace's opt-in; say so to whoever tried
+            // another value.
+            let warning = inject_label(pod.get("metadata"))
+                .filter(|v| v.as_str() != Some(INJECT_ENABLED))
+                .map(|v| {
+                    format!(
+                        "label {INJECT_LABEL}: {v} does not opt out (only {INJECT_DISABLED} does); injected because the namespace opted in"
+                    )
+                });
+            Decision::Patch(patch::diff(pod, &injected), warning)
+        }
         Ok(Outcome::AlreadyInjected | Outcome::NotOptedIn) => Decision::Unchanged,
         Err(e) => Decision::Warn(format!("sidecar not injected: {e}")),
     }
@@ -147,7 +173,12 @@ pub async fn handle(req: Request<Incoming>, options: Arc<Options>) -> Response<P
         (&Method::GET | &Method::HEAD, "/healthz" | "/readyz") => {
             Response::new(ProxyBody::local("ok"))
         }
-        (&Method::POST, "/mutate") => {
+        (&Method::POST, path @ (POD_PATH | NAMESPACE_PATH)) => {
+            let opt_in = if path == NAMESPACE_PATH {
+                OptIn::Namespace
+            } else {
+                OptIn::Pod
+            };
             let body = match Limited::new(req.into_body(), MAX_BODY_BYTES)
                 .collect()
                 .await
@@ -167,11 +198,11 @@ pub async fn handle(req: Request<Incoming>, options: Arc<Options>) -> Response<P
                     return error(StatusCode::BAD_REQUEST, "the body could not be read");
                 }
             };
-            let reply = review(&body, &options);
+            let reply = review(&body, &options, opt_in);
             log(&reply);
             json_response(&reply)
         }
-        (_, "/mutate" | "/healthz" | "/readyz") => {
+        (_, POD_PATH | NAMESPACE_PATH | "/healthz" | "/readyz") => {
             error(StatusCode::METHOD_NOT_ALLOWED, "method not allowed")
         }
         _ => error(StatusCode::NOT_FOUND, "not found"),
@@ -188,11 +219,15 @@ fn log(reply: &Reply) {
             error,
             "AdmissionReview refused"
         );
-    } else if let Some(warning) = response["warnings"].get(0).and_then(Value::as_str) {
-        tracing::warn!(uid, warning, "admitted unchanged, with a warning");
-    } else {
-        let injected = response.get("patch").is_some();
-        tracing::info!(uid, injected, "admitted");
+        return;
+    }
+    let injected = response.get("patch").is_some();
+    match response["warnings"].get(0).and_then(Value::as_str) {
+        Some(warning) if injected => {
+            tracing::warn!(uid, injected, warning, "admitted, with a warning")
+        }
+        Some(warning) => tracing::warn!(uid, warning, "admitted unchanged, with a warning"),
+        None => tracing::info!(uid, injected, "admitted"),
     }
 }
 

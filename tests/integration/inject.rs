@@ -360,9 +360,14 @@ impl Webhook {
         }
     }
 
-    /// Posts an AdmissionReview; returns its `response`.
+    /// Posts an AdmissionReview to `/mutate`; returns its `response`.
     async fn review(&self, review: &Value) -> Value {
-        let reply = self.send(Method::POST, "/mutate", review.to_string()).await;
+        self.review_at("/mutate", review).await
+    }
+
+    /// Posts an AdmissionReview to `path`; returns its `response`.
+    async fn review_at(&self, path: &str, review: &Value) -> Value {
+        let reply = self.send(Method::POST, path, review.to_string()).await;
         assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
         assert_eq!(reply.headers["content-type"], "application/json");
         let body = reply.json();
@@ -512,10 +517,146 @@ async fn webhook_answers_400_to_a_body_that_is_not_an_admission_review() {
     assert_eq!(huge.status, StatusCode::PAYLOAD_TOO_LARGE);
     let health = webhook.send(Method::GET, "/healthz", "").await;
     assert_eq!(health.status, StatusCode::OK);
-    let wrong = webhook.send(Method::GET, "/mutate", "").await;
-    assert_eq!(wrong.status, StatusCode::METHOD_NOT_ALLOWED);
+    for path in ["/mutate", "/mutate-namespace"] {
+        let wrong = webhook.send(Method::GET, path, "").await;
+        assert_eq!(wrong.status, StatusCode::METHOD_NOT_ALLOWED, "{path}");
+    }
+    let garbage = webhook
+        .send(Method::POST, "/mutate-namespace", "garbage")
+        .await;
+    assert_eq!(garbage.status, StatusCode::BAD_REQUEST);
     let missing = webhook.send(Method::POST, "/validate", "{}").await;
     assert_eq!(missing.status, StatusCode::NOT_FOUND);
+}
+
+/// The review with its pod's `fencegate.io/inject` label set to `value`, or removed for `None`.
+fn labelled(review: &Value, value: Option<&str>) -> Value {
+    let mut review = review.clone();
+    let labels = review["request"]["object"]["metadata"]["labels"]
+        .as_object_mut()
+        .unwrap();
+    match value {
+        Some(v) => labels.insert("fencegate.io/inject".to_owned(), json!(v)),
+        None => labels.remove("fencegate.io/inject"),
+    };
+    review
+}
+
+/// The patch's ops, decoded.
+fn ops(response: &Value) -> Vec<Value> {
+    let raw = base64::engine::general_purpose::STANDARD
+        .decode(response["patch"].as_str().unwrap())
+        .unwrap();
+    serde_json::from_slice(&raw).unwrap()
+}
+
+#[tokio::test]
+async fn webhook_namespace_path_injects_a_pod_without_the_label() {
+    for options in [native(), classic()] {
+        let webhook = Webhook::start(options.clone()).await;
+        for name in ["pod.json", "pod-init.json"] {
+            let labelled_review = admission(name);
+            let review = labelled(&labelled_review, None);
+            let pod = &review["request"]["object"];
+            let response = webhook.review_at("/mutate-namespace", &review).await;
+            assert!(response.get("warnings").is_none(), "{response}");
+            let patched = apply(&response, pod);
+            // The same pod as one that opted in by its own label, label included.
+            let expected = injected(&labelled_review["request"]["object"], &options);
+            assert_eq!(patched, expected, "{name}, native: {}", options.native);
+            assert_eq!(
+                patched["metadata"]["labels"]["fencegate.io/inject"],
+                "enabled"
+            );
+            let ops = ops(&response);
+            assert!(ops.iter().all(|op| op["op"] == "add"), "{ops:?}");
+            assert!(
+                ops.iter()
+                    .any(|op| op["path"] == "/metadata/labels/fencegate.io~1inject"),
+                "{ops:?}"
+            );
+
+            // Called again with the injected pod, on either path: left alone.
+            let mut again = review.clone();
+            again["request"]["object"] = patched;
+            for path in ["/mutate-namespace", "/mutate"] {
+                let response = webhook.review_at(path, &again).await;
+                assert!(response.get("patch").is_none(), "{path}: {response}");
+                assert!(response.get("warnings").is_none(), "{path}: {response}");
+            }
+        }
+    }
+
+    // A pod without any labels gets the whole map; one labelled `enabled` anyway (the
+    // objectSelector normally sends it to /mutate) is injected as there.
+    let webhook = Webhook::start(native()).await;
+    let mut bare = admission("pod.json");
+    bare["request"]["object"]["metadata"]
+        .as_object_mut()
+        .unwrap()
+        .remove("labels");
+    let response = webhook.review_at("/mutate-namespace", &bare).await;
+    let patched = apply(&response, &bare["request"]["object"]);
+    assert_eq!(
+        patched["metadata"]["labels"],
+        json!({"fencegate.io/inject": "enabled"})
+    );
+    assert!(ops(&response)
+        .iter()
+        .any(|op| op["op"] == "add" && op["path"] == "/metadata/labels"));
+    let review = admission("pod.json");
+    let response = webhook.review_at("/mutate-namespace", &review).await;
+    assert_eq!(
+        apply(&response, &review["request"]["object"]),
+        injected(&review["request"]["object"], &native())
+    );
+}
+
+#[tokio::test]
+async fn webhook_namespace_path_leaves_a_pod_labelled_disabled_alone() {
+    let webhook = Webhook::start(native()).await;
+    let review = labelled(&admission("pod.json"), Some("disabled"));
+    let response = webhook.review_at("/mutate-namespace", &review).await;
+    assert!(response.get("patch").is_none(), "{response}");
+    assert!(response.get("patchType").is_none(), "{response}");
+    assert!(response.get("warnings").is_none(), "{response}");
+
+    // Any other value is no opt-out: injected, the label kept as it is, and a warning
+    // saying what opts out.
+    let review = labelled(&admission("pod.json"), Some("false"));
+    let response = webhook.review_at("/mutate-namespace", &review).await;
+    let patched = apply(&response, &review["request"]["object"]);
+    assert_eq!(
+        containers(&patched["spec"], "initContainers"),
+        ["fencegate"]
+    );
+    assert_eq!(
+        patched["metadata"]["labels"]["fencegate.io/inject"],
+        "false"
+    );
+    let warning = response["warnings"][0].as_str().unwrap();
+    assert!(
+        warning.contains("\"false\" does not opt out") && warning.contains("disabled"),
+        "{warning}"
+    );
+
+    // Problems with the pod are warnings there too, never a refusal.
+    let bad = labelled(&admission("pod-bad-annotation.json"), None);
+    let response = webhook.review_at("/mutate-namespace", &bad).await;
+    assert!(response.get("patch").is_none(), "{response}");
+    let warning = response["warnings"][0].as_str().unwrap();
+    assert!(warning.contains("fencegate.io/upstream-port"), "{warning}");
+}
+
+#[tokio::test]
+async fn webhook_pod_path_still_needs_the_pod_label() {
+    let webhook = Webhook::start(native()).await;
+    for value in [None, Some("disabled"), Some("true")] {
+        let review = labelled(&admission("pod.json"), value);
+        let response = webhook.review_at("/mutate", &review).await;
+        assert!(response.get("patch").is_none(), "{value:?}: {response}");
+        assert!(response.get("warnings").is_none(), "{value:?}: {response}");
+    }
 }
 
 /// The real binary: serves over TLS, then drains and exits 0 on SIGTERM.
