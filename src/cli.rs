@@ -64,7 +64,7 @@ enum Command {
         #[arg(long)]
         image: Option<String>,
     },
-    /// Serve the mutating admission webhook that injects the sidecar (POST /mutate).
+    /// Serve the mutating admission webhook that injects the sidecar (POST /mutate for pods that opted in, POST /mutate-namespace for pods in namespaces that did).
     Webhook {
         /// Serving certificate chain (PEM) for the webhook Service's DNS name.
         #[arg(long)]
