@@ -3,6 +3,9 @@
 //!
 //! The egress side asks [`Agent::token_for`], which checks the deadline itself at the moment
 //! of use: a token is never attached after the deadline, even if the renewer task is late.
+//!
+//! While an acquisition is under way (its first attempt, and the wait for a holder to let go),
+//! it is listed as an [`Attempt`], which the lease API reports as `acquiring`.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -91,6 +94,35 @@ impl Lease {
     }
 }
 
+/// An acquisition under way: tried at once, then retried until its `wait` has passed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Attempt {
+    pub resource: String,
+    pub holder: String,
+    /// The TTL the lease will be granted with.
+    pub ttl: Duration,
+}
+
+/// Lists an acquisition under [`Agent::attempts`] for as long as it lives (until it returns,
+/// or its future is dropped).
+struct Acquiring<'a> {
+    agent: &'a Agent,
+    resource: String,
+    id: u64,
+}
+
+impl Drop for Acquiring<'_> {
+    fn drop(&mut self) {
+        let mut acquiring = self.agent.acquiring.lock().expect("acquiring lock");
+        if let Some(attempts) = acquiring.get_mut(&self.resource) {
+            attempts.retain(|(id, _)| *id != self.id);
+            if attempts.is_empty() {
+                acquiring.remove(&self.resource);
+            }
+        }
+    }
+}
+
 /// Why an acquisition did not return a lease.
 #[derive(Debug)]
 pub enum AcquireError {
@@ -110,6 +142,9 @@ pub struct Agent {
     ttl: LeaseTtl,
     acquire: AcquireConfig,
     leases: Mutex<HashMap<String, Arc<Lease>>>,
+    /// Acquisitions under way per resource, oldest first, each with its id.
+    acquiring: Mutex<HashMap<String, Vec<(u64, Attempt)>>>,
+    next_attempt: std::sync::atomic::AtomicU64,
     events: broadcast::Sender<Event>,
     draining: std::sync::atomic::AtomicBool,
     /// Flips to true once every lease has been released at shutdown, so event streams end
@@ -130,6 +165,8 @@ impl Agent {
             ttl,
             acquire,
             leases: Mutex::default(),
+            acquiring: Mutex::default(),
+            next_attempt: std::sync::atomic::AtomicU64::new(0),
             events: broadcast::channel(1024).0,
             draining: std::sync::atomic::AtomicBool::new(false),
             closed: watch::channel(false).0,
@@ -177,6 +214,52 @@ impl Agent {
         all
     }
 
+    /// The oldest acquisition under way for `resource`, if any.
+    pub fn attempt(&self, resource: &str) -> Option<Attempt> {
+        self.acquiring
+            .lock()
+            .expect("acquiring lock")
+            .get(resource)
+            .and_then(|attempts| attempts.first())
+            .map(|(_, attempt)| attempt.clone())
+    }
+
+    /// The oldest acquisition under way for each resource, by resource.
+    pub fn attempts(&self) -> Vec<Attempt> {
+        let mut all: Vec<Attempt> = self
+            .acquiring
+            .lock()
+            .expect("acquiring lock")
+            .values()
+            .filter_map(|attempts| attempts.first())
+            .map(|(_, attempt)| attempt.clone())
+            .collect();
+        all.sort_by(|a, b| a.resource.cmp(&b.resource));
+        all
+    }
+
+    fn start_acquiring(&self, resource: &str, holder: &str, ttl: Duration) -> Acquiring<'_> {
+        let id = self
+            .next_attempt
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let attempt = Attempt {
+            resource: resource.to_owned(),
+            holder: holder.to_owned(),
+            ttl,
+        };
+        self.acquiring
+            .lock()
+            .expect("acquiring lock")
+            .entry(resource.to_owned())
+            .or_default()
+            .push((id, attempt));
+        Acquiring {
+            agent: self,
+            resource: resource.to_owned(),
+            id,
+        }
+    }
+
     /// The token to attach to a write for `resource`, if a lease is held and locally valid now.
     pub fn token_for(&self, resource: &str) -> Option<u64> {
         let lease = self.get(resource)?;
@@ -213,6 +296,7 @@ impl Agent {
                 }
             }
         }
+        let _acquiring = self.start_acquiring(resource, holder, ttl);
         let started = Instant::now();
         let deadline = started + wait;
         let mut attempt = 0;
@@ -423,5 +507,85 @@ impl Agent {
             );
         }
         let _ = self.events.send(e);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn agent(dir: &tempfile::TempDir) -> Arc<Agent> {
+        let config = crate::config::Config::parse(&format!(
+            "upstream: http://127.0.0.1:1\nleases:\n  backend: {{ kind: embedded, path: {} }}\n  ttl: 1500ms\n",
+            dir.path().join("leases.db").display()
+        ))
+        .unwrap();
+        let leases = config.leases.unwrap();
+        let backend = crate::lease::open(&leases.backend).await.unwrap();
+        let metrics = Arc::new(Metrics::new(prometheus::Registry::new()).unwrap());
+        Agent::new(backend, leases.ttl, leases.acquire, metrics)
+    }
+
+    /// Polls until `f` holds, for at most five seconds.
+    async fn eventually(what: &str, f: impl Fn() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !f() {
+            assert!(Instant::now() < deadline, "never: {what}");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    #[tokio::test]
+    async fn an_acquisition_is_listed_while_it_waits() {
+        let dir = tempfile::tempdir().unwrap();
+        let agent = agent(&dir).await;
+        let held = agent
+            .acquire("r", "w1", None, Duration::ZERO)
+            .await
+            .unwrap();
+        assert!(agent.attempts().is_empty() && agent.attempt("r").is_none());
+
+        let waiter = tokio::spawn({
+            let agent = Arc::clone(&agent);
+            async move {
+                agent
+                    .acquire(
+                        "r",
+                        "w2",
+                        Some(Duration::from_secs(3)),
+                        Duration::from_secs(10),
+                    )
+                    .await
+            }
+        });
+        eventually("w2 is listed", || agent.attempt("r").is_some()).await;
+        let expected = Attempt {
+            resource: "r".into(),
+            holder: "w2".into(),
+            ttl: Duration::from_secs(3),
+        };
+        assert_eq!(agent.attempt("r"), Some(expected.clone()));
+        assert_eq!(agent.attempts(), [expected]);
+        // The lease held here is still what this agent holds.
+        assert_eq!(agent.get("r").unwrap().grant, held.grant);
+
+        agent.release("r").await.unwrap().unwrap();
+        let got = waiter.await.unwrap().unwrap();
+        assert_eq!(got.grant.holder, "w2");
+        assert_eq!(agent.attempt("r"), None);
+        assert!(agent.attempts().is_empty());
+
+        // An acquisition whose request went away is no longer listed.
+        let gone = tokio::spawn({
+            let agent = Arc::clone(&agent);
+            async move {
+                agent
+                    .acquire("r", "w3", None, Duration::from_secs(30))
+                    .await
+            }
+        });
+        eventually("w3 is listed", || agent.attempt("r").is_some()).await;
+        gone.abort();
+        eventually("w3 is gone", || agent.attempt("r").is_none()).await;
     }
 }

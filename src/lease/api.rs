@@ -1,7 +1,8 @@
 //! The local lease API (SPEC §5), JSON over HTTP on `leases.listen` (loopback by default).
 //!
 //! `POST /v1/leases/{resource}` acquires (or returns the lease this holder already has),
-//! `GET /v1/leases[/{resource}]` shows state, `DELETE /v1/leases/{resource}` releases,
+//! `GET /v1/leases[/{resource}]` shows state (a resource without a lease here but with a `POST`
+//! under way shows that acquisition, `acquiring`), `DELETE /v1/leases/{resource}` releases,
 //! `GET /v1/leases/{resource}/events` streams transitions as Server-Sent Events.
 
 use std::convert::Infallible;
@@ -16,7 +17,7 @@ use hyper::body::Incoming;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use super::agent::{AcquireError, Agent, Lease};
+use super::agent::{AcquireError, Agent, Attempt, Lease};
 use crate::proxy::body::ProxyBody;
 
 /// Largest acquire request body: a holder id and two durations.
@@ -53,10 +54,7 @@ impl LeaseApi {
         let method = req.method().clone();
         if rest.is_empty() || rest == "/" {
             return Ok(match method {
-                Method::GET => {
-                    let all: Vec<Value> = self.agent.all().iter().map(|l| view(l)).collect();
-                    json_response(StatusCode::OK, json!({ "leases": all }))
-                }
+                Method::GET => json_response(StatusCode::OK, json!({ "leases": self.list() })),
                 _ => problem(
                     StatusCode::METHOD_NOT_ALLOWED,
                     "method-not-allowed",
@@ -84,15 +82,21 @@ impl LeaseApi {
         Ok(match (method, events) {
             (Method::GET, true) => self.events(resource),
             (Method::POST, false) => self.acquire(resource, req).await,
-            (Method::GET, false) => match self.agent.get(&resource) {
-                Some(lease) => json_response(StatusCode::OK, view(&lease)),
-                None => problem(
-                    StatusCode::NOT_FOUND,
-                    "lease-not-held",
-                    "no lease on this resource here",
-                    Some(&resource),
-                ),
-            },
+            (Method::GET, false) => {
+                // The attempt first: a grant is listed as a lease before its attempt goes, so
+                // one of the two is seen.
+                let attempt = self.agent.attempt(&resource);
+                match (self.agent.get(&resource), attempt) {
+                    (Some(lease), _) => json_response(StatusCode::OK, view(&lease)),
+                    (None, Some(attempt)) => json_response(StatusCode::OK, view_attempt(&attempt)),
+                    (None, None) => problem(
+                        StatusCode::NOT_FOUND,
+                        "lease-not-held",
+                        "no lease on this resource here",
+                        Some(&resource),
+                    ),
+                }
+            }
             (Method::DELETE, false) => match self.agent.release(&resource).await {
                 None => problem(
                     StatusCode::NOT_FOUND,
@@ -116,6 +120,25 @@ impl LeaseApi {
                 None,
             ),
         })
+    }
+
+    /// Every lease here, and every acquisition under way for a resource without one, by
+    /// resource.
+    fn list(&self) -> Vec<Value> {
+        // Attempts first, as for one resource.
+        let attempts = self.agent.attempts();
+        let leases = self.agent.all();
+        let mut all: Vec<(String, Value)> = leases
+            .iter()
+            .map(|l| (l.grant.resource.clone(), view(l)))
+            .collect();
+        for attempt in attempts {
+            if !leases.iter().any(|l| l.grant.resource == attempt.resource) {
+                all.push((attempt.resource.clone(), view_attempt(&attempt)));
+            }
+        }
+        all.sort_by(|a, b| a.0.cmp(&b.0));
+        all.into_iter().map(|(_, v)| v).collect()
     }
 
     async fn acquire(&self, resource: String, req: Request<Incoming>) -> Response<ProxyBody> {
@@ -264,6 +287,20 @@ pub fn view(lease: &Lease) -> Value {
         "renew_every_ms": (lease.ttl / 3).as_millis() as u64,
         "state": lease.state(),
         "valid_for_ms": lease.valid_for().as_millis() as u64,
+    })
+}
+
+/// An acquisition under way: no grant yet, so no lease id, token or validity.
+pub fn view_attempt(attempt: &Attempt) -> Value {
+    json!({
+        "resource": attempt.resource,
+        "holder": attempt.holder,
+        "lease_id": null,
+        "fencing_token": null,
+        "ttl_ms": attempt.ttl.as_millis() as u64,
+        "renew_every_ms": (attempt.ttl / 3).as_millis() as u64,
+        "state": "acquiring",
+        "valid_for_ms": 0,
     })
 }
 

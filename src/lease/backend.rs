@@ -1,7 +1,24 @@
 //! The lease backend trait: what a coordination system must answer, atomically.
+//!
+//! Besides single atomic steps, a backend publishes **grant events**
+//! ([`LeaseBackend::grant_events`]) so that the latest grant per resource can be cached
+//! ([`super::grants::GrantCache`]) without missing a newer grant:
+//!
+//! - [`GrantEvent::Changed`]`(resource)` after every new grant of `resource` is committed (a
+//!   backend may send it for other changes too: an extra one only costs a round trip);
+//! - [`GrantEvent::Lost`] when the subscription stops delivering (connection closed, heartbeat
+//!   unanswered): grants from then on may go unannounced;
+//! - [`GrantEvent::Live`] when it delivers again: every grant committed after `Live` was sent
+//!   is announced, grants in between are not (readers must ask the backend again).
+//!
+//! Events go through a [`tokio::sync::broadcast`] channel; a receiver that falls more than
+//! its capacity behind gets `Lagged` and must treat it as `Lost` immediately followed by `Live`.
+//! One subscription (one connection) per backend serves every receiver.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+use tokio::sync::broadcast;
 
 use crate::config::{BackendConfig, BackendKind};
 use crate::store::BoxFuture;
@@ -64,7 +81,108 @@ pub trait LeaseBackend: Send + Sync + 'static {
     /// Waiters use it to wake before their backoff ends.
     fn changed<'a>(&'a self, resource: &'a str) -> BoxFuture<'a, ()>;
 
+    /// Subscribes to grant events for every resource (see the module documentation). Starts
+    /// the backend's event subscription if it is not running yet, so it must be called inside
+    /// a Tokio runtime. The default is a subscription that is never live: a backend without
+    /// grant events gets no caching.
+    fn grant_events(&self) -> GrantEvents {
+        GrantEvents::never()
+    }
+
     fn kind(&self) -> &'static str;
+}
+
+/// A grant event (see the module documentation).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum GrantEvent {
+    /// `resource` was granted anew (or may have changed otherwise).
+    Changed(String),
+    /// The subscription stopped delivering: later grants may go unannounced until `Live`.
+    Lost,
+    /// The subscription delivers again; grants committed while it was lost were not announced.
+    Live,
+}
+
+/// A receiver of grant events, and whether the subscription was live when it was created
+/// (later transitions arrive as `Lost` and `Live`).
+pub struct GrantEvents {
+    pub live: bool,
+    pub events: broadcast::Receiver<GrantEvent>,
+}
+
+impl GrantEvents {
+    /// A subscription that never delivers anything (its channel is closed).
+    pub fn never() -> Self {
+        GrantEvents {
+            live: false,
+            events: broadcast::channel(1).1,
+        }
+    }
+}
+
+/// How often an event connection proves it is alive (a round trip on that same connection),
+/// and how long the answer may take before the subscription counts as lost.
+pub(super) const HEARTBEAT: Duration = Duration::from_secs(1);
+
+/// How many events a receiver may fall behind before it sees `Lagged`.
+const GRANT_EVENTS_CAPACITY: usize = 4096;
+
+/// The sending side of grant events, shared by a backend and its event task.
+pub(super) struct GrantFeed {
+    tx: broadcast::Sender<GrantEvent>,
+    /// Whether the subscription delivers; also taken while `Lost`/`Live` are sent, so that a
+    /// new receiver's initial state and its first event agree.
+    live: Mutex<bool>,
+}
+
+impl GrantFeed {
+    pub(super) fn new(live: bool) -> Self {
+        GrantFeed {
+            tx: broadcast::channel(GRANT_EVENTS_CAPACITY).0,
+            live: Mutex::new(live),
+        }
+    }
+
+    pub(super) fn subscribe(&self) -> GrantEvents {
+        let live = self.live.lock().unwrap_or_else(|p| p.into_inner());
+        GrantEvents {
+            live: *live,
+            events: self.tx.subscribe(),
+        }
+    }
+
+    /// Announces a (possible) new grant of `resource`.
+    pub(super) fn changed(&self, resource: &str) {
+        if self.tx.receiver_count() > 0 {
+            let _ = self.tx.send(GrantEvent::Changed(resource.to_owned()));
+        }
+    }
+
+    pub(super) fn lost(&self) {
+        let mut live = self.live.lock().unwrap_or_else(|p| p.into_inner());
+        if *live {
+            *live = false;
+            let _ = self.tx.send(GrantEvent::Lost);
+        }
+    }
+
+    pub(super) fn live(&self) {
+        let mut live = self.live.lock().unwrap_or_else(|p| p.into_inner());
+        if !*live {
+            *live = true;
+            let _ = self.tx.send(GrantEvent::Live);
+        }
+    }
+
+    /// Events may have been missed although the subscription is up (an event the backend
+    /// could not attribute to one resource): everything cached must be read again.
+    pub(super) fn resync(&self) {
+        let live = self.live.lock().unwrap_or_else(|p| p.into_inner());
+        if *live {
+            let _ = self.tx.send(GrantEvent::Lost);
+            let _ = self.tx.send(GrantEvent::Live);
+        }
+    }
 }
 
 /// Opens the backend a config names.

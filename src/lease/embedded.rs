@@ -13,7 +13,10 @@
 //! backend's clock and the agent's are the same clock.
 //!
 //! Events: a release wakes `changed()` waiters through an in-process [`Notify`]; an expiry wakes
-//! them with a timer at the (monotonic) deadline seen when they started waiting.
+//! them with a timer at the (monotonic) deadline seen when they started waiting. Grant events
+//! are in-process too, so the subscription is always live: a grant is announced after its
+//! commit and before `try_acquire` returns (and so is an acquisition that failed with an error,
+//! since a failed commit may still have reached the disk).
 //!
 //! This file also holds two helpers the networked backends share: [`new_lease_id`] and
 //! [`Waiters`].
@@ -29,7 +32,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 use tokio::sync::Notify;
 
-use super::backend::{Acquired, Grant, LeaseBackend, LeaseError};
+use super::backend::{Acquired, Grant, GrantEvents, GrantFeed, LeaseBackend, LeaseError};
 use crate::store::BoxFuture;
 
 /// `(token, expires_at_unix_ms, lease_id, holder)`; a released lease has expiry 0 and empty
@@ -48,6 +51,7 @@ struct Inner {
     /// handle whose commit failed, so the next call reopens the file.
     state: Mutex<State>,
     waiters: Waiters,
+    grants: GrantFeed,
 }
 
 struct State {
@@ -83,6 +87,7 @@ impl EmbeddedLeases {
                     deadlines: HashMap::new(),
                 }),
                 waiters: Waiters::default(),
+                grants: GrantFeed::new(true),
             }),
         })
     }
@@ -177,6 +182,14 @@ impl Inner {
         holder: &str,
         ttl: Duration,
     ) -> Result<Acquired, LeaseError> {
+        let acquired = self.grant(resource, holder, ttl);
+        if !matches!(acquired, Ok(Acquired::Held { .. })) {
+            self.grants.changed(resource);
+        }
+        acquired
+    }
+
+    fn grant(&self, resource: &str, holder: &str, ttl: Duration) -> Result<Acquired, LeaseError> {
         self.with(|db, deadlines, table| {
             let txn = db.begin_write()?;
             let granted = {
@@ -353,6 +366,10 @@ impl LeaseBackend for EmbeddedLeases {
                 _ = tokio::time::sleep_until(deadline.into()) => {}
             }
         })
+    }
+
+    fn grant_events(&self) -> GrantEvents {
+        self.inner.grants.subscribe()
     }
 
     fn kind(&self) -> &'static str {

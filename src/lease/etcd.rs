@@ -24,7 +24,15 @@
 //!
 //! Events: `changed()` watches the lock key for delete events (release, revoke and expiry all
 //! delete it), from the revision just after it saw the key held, so none is missed.
+//!
+//! Grant events: one watch per backend, started by the first `grant_events()`, on the prefix
+//! `/<prefix>/leases/` for puts: a put of a `last` key is a grant of its resource. It is `Live`
+//! once etcd confirmed the watch's creation. Every [`HEARTBEAT`] it asks for a progress
+//! notification on the same stream; a stream that ends, fails, is cancelled (compaction) or
+//! leaves a progress request unanswered for a heartbeat counts as lost (`Lost`), and the watch
+//! is created again every half second until etcd answers.
 
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use etcd_client::{
@@ -33,7 +41,9 @@ use etcd_client::{
     WatchOptions,
 };
 
-use super::backend::{Acquired, Grant, LeaseBackend, LeaseError};
+use super::backend::{
+    Acquired, Grant, GrantEvents, GrantFeed, LeaseBackend, LeaseError, HEARTBEAT,
+};
 use crate::store::BoxFuture;
 
 pub struct EtcdLeases {
@@ -42,6 +52,17 @@ pub struct EtcdLeases {
     lease: LeaseClient,
     watch: WatchClient,
     prefix: String,
+    grants: Arc<GrantFeed>,
+    /// The grant watch, started by the first `grant_events()`.
+    grant_watch: OnceLock<GrantWatch>,
+}
+
+struct GrantWatch(tokio::task::AbortHandle);
+
+impl Drop for GrantWatch {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 impl EtcdLeases {
@@ -62,6 +83,8 @@ impl EtcdLeases {
             lease: client.lease_client(),
             watch: client.watch_client(),
             prefix: prefix.to_owned(),
+            grants: Arc::new(GrantFeed::new(false)),
+            grant_watch: OnceLock::new(),
         })
     }
 
@@ -73,11 +96,71 @@ impl EtcdLeases {
         format!("/{}/leases/{resource}/last", self.prefix)
     }
 
+    fn leases_prefix(&self) -> String {
+        format!("/{}/leases/", self.prefix)
+    }
+
     /// Best effort: a lease nobody uses expires by itself anyway.
     async fn revoke(&self, id: i64) {
         if let Err(e) = self.lease.clone().revoke(id).await {
             tracing::debug!(lease = id, error = %e, "etcd lease revoke failed");
         }
+    }
+}
+
+/// Keeps one watch on the leases prefix, announcing grants, recreating it when it breaks.
+async fn watch_grants(watch: WatchClient, prefix: String, grants: Arc<GrantFeed>) {
+    loop {
+        let options = WatchOptions::new()
+            .with_prefix()
+            .with_filters([WatchFilterType::NoDelete]);
+        match watch.clone().watch(prefix.clone(), Some(options)).await {
+            Ok(stream) => {
+                let (mut requests, mut responses) = stream.split();
+                // The first answer confirms the watch: grants from here on are delivered.
+                let created = tokio::time::timeout(HEARTBEAT * 2, responses.message()).await;
+                if matches!(created, Ok(Ok(Some(ref r))) if r.created() && !r.canceled()) {
+                    grants.live();
+                    let mut heartbeat = tokio::time::interval(HEARTBEAT);
+                    heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                    // A progress request not answered yet: anything on the stream answers it.
+                    let mut asked = false;
+                    loop {
+                        tokio::select! {
+                            message = responses.message() => match message {
+                                Ok(Some(response)) if !response.canceled() => {
+                                    asked = false;
+                                    for event in response.events() {
+                                        if event.event_type() != EventType::Put {
+                                            continue;
+                                        }
+                                        let resource = event
+                                            .kv()
+                                            .and_then(|kv| kv.key_str().ok())
+                                            .and_then(|k| k.strip_prefix(prefix.as_str()))
+                                            .and_then(|k| k.strip_suffix("/last"));
+                                        if let Some(resource) = resource {
+                                            grants.changed(resource);
+                                        }
+                                    }
+                                }
+                                _ => break,
+                            },
+                            _ = heartbeat.tick() => {
+                                if asked || requests.request_progress().await.is_err() {
+                                    break;
+                                }
+                                asked = true;
+                            }
+                        }
+                    }
+                    grants.lost();
+                    tracing::debug!("etcd grant watch lost; watching again");
+                }
+            }
+            Err(e) => tracing::debug!(error = %e, "etcd grant watch cannot start"),
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
     }
 }
 
@@ -262,6 +345,21 @@ impl LeaseBackend for EtcdLeases {
                 }
             }
         })
+    }
+
+    fn grant_events(&self) -> GrantEvents {
+        let events = self.grants.subscribe();
+        self.grant_watch.get_or_init(|| {
+            GrantWatch(
+                tokio::spawn(watch_grants(
+                    self.watch.clone(),
+                    self.leases_prefix(),
+                    Arc::clone(&self.grants),
+                ))
+                .abort_handle(),
+            )
+        });
+        events
     }
 
     fn kind(&self) -> &'static str {

@@ -13,20 +13,26 @@
 //! Rows are never deleted, so there is no purge job: deleting a row would restart its tokens
 //! at 1. A row is about 100 bytes per resource ever leased. Tokens are `BIGINT`: exact to 2^63.
 //!
-//! Events: release notifies channel `<prefix>_leases` with the resource as payload (delivered at
-//! commit). One dedicated connection per backend `LISTEN`s and wakes the resource's waiters.
+//! Events: release notifies channel `<prefix>_leases` with the resource as payload, and a grant
+//! notifies `<prefix>_leases_granted` the same way, in the granting statement (both delivered at
+//! commit). One dedicated connection per backend, started by the first `changed()` or
+//! `grant_events()`, `LISTEN`s on both: it wakes the resource's waiters and sends grant events.
 //! Expiry notifies nothing, so waiters for an expiring lease wake at the end of their backoff.
-//! After the listening connection drops, every waiter is woken once and it reconnects after a
-//! second; releases in that gap are left to backoff.
+//! The listening connection runs `SELECT 1` every [`HEARTBEAT`]; when it drops or a heartbeat
+//! is not answered within [`HEARTBEAT`], every waiter is woken once, `Lost` is sent, and it
+//! reconnects after a second (`Live` once it listens again); releases in that gap are left to
+//! backoff.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use deadpool_postgres::Pool;
 use tokio::sync::{watch, OnceCell};
 use tokio_postgres::{AsyncMessage, NoTls};
 
-use super::backend::{Acquired, Grant, LeaseBackend, LeaseError};
+use super::backend::{
+    Acquired, Grant, GrantEvents, GrantFeed, LeaseBackend, LeaseError, HEARTBEAT,
+};
 use super::embedded::{new_lease_id, Waiters};
 use crate::store::BoxFuture;
 
@@ -40,14 +46,17 @@ pub struct PostgresLeases {
     schema: OnceCell<()>,
     table: String,
     channel: String,
+    grant_channel: String,
     acquire_sql: String,
     renew_sql: String,
     release_sql: String,
     latest_sql: String,
     live_sql: String,
     waiters: Arc<Waiters>,
-    /// The listening task, started by the first `changed()`, and whether it is listening.
-    listener: OnceCell<Listener>,
+    grants: Arc<GrantFeed>,
+    /// The listening task, started by the first `changed()` or `grant_events()`, and whether
+    /// it is listening.
+    listener: OnceLock<Listener>,
 }
 
 struct Listener {
@@ -68,6 +77,7 @@ impl PostgresLeases {
         let table = format!("{prefix}_leases");
         // Unquoted identifiers fold to lower case; channel names given as strings do not.
         let channel = table.to_ascii_lowercase();
+        let grant_channel = format!("{channel}_granted");
         let ttl = "now() + $4::float8 * interval '1 millisecond'";
         Ok(PostgresLeases {
             pool,
@@ -83,10 +93,14 @@ impl PostgresLeases {
                        fencing_token = l.fencing_token + 1, expires_at = EXCLUDED.expires_at, \
                        updated_at = now() \
                    WHERE l.expires_at <= now() \
-                   RETURNING fencing_token) \
-                 SELECT fencing_token, NULL::text FROM granted \
+                   RETURNING fencing_token, resource_id) \
+                 SELECT fencing_token, NULL::text, \
+                   pg_notify('{grant_channel}', \
+                     CASE WHEN octet_length(resource_id) <= {MAX_PAYLOAD} \
+                          THEN resource_id ELSE '' END)::text \
+                 FROM granted \
                  UNION ALL \
-                 SELECT NULL::bigint, holder_id FROM {table} \
+                 SELECT NULL::bigint, holder_id, NULL::text FROM {table} \
                  WHERE resource_id = $1 AND NOT EXISTS (SELECT 1 FROM granted)"
             ),
             renew_sql: format!(
@@ -112,8 +126,10 @@ impl PostgresLeases {
             ),
             table,
             channel,
+            grant_channel,
             waiters: Arc::new(Waiters::default()),
-            listener: OnceCell::new(),
+            grants: Arc::new(GrantFeed::new(false)),
+            listener: OnceLock::new(),
         })
     }
 
@@ -139,44 +155,53 @@ impl PostgresLeases {
         Ok(client)
     }
 
-    async fn listener(&self) -> &Listener {
-        self.listener
-            .get_or_init(|| async {
-                let (tx, listening) = watch::channel(false);
-                let task = tokio::spawn(listen(
-                    self.config.clone(),
-                    self.channel.clone(),
-                    Arc::clone(&self.waiters),
-                    tx,
-                ))
-                .abort_handle();
-                Listener { task, listening }
-            })
-            .await
+    /// The listening task, started on first use (inside a Tokio runtime).
+    fn listener(&self) -> &Listener {
+        self.listener.get_or_init(|| {
+            let (tx, listening) = watch::channel(false);
+            let task = tokio::spawn(listen(
+                self.config.clone(),
+                self.channel.clone(),
+                self.grant_channel.clone(),
+                Arc::clone(&self.waiters),
+                Arc::clone(&self.grants),
+                tx,
+            ))
+            .abort_handle();
+            Listener { task, listening }
+        })
     }
 }
 
-/// Keeps one connection listening on `channel`, reconnecting after a second when it drops.
+/// Keeps one connection listening on the release and grant channels, with a heartbeat,
+/// reconnecting after a second when it drops.
 async fn listen(
     config: tokio_postgres::Config,
     channel: String,
+    grant_channel: String,
     waiters: Arc<Waiters>,
+    grants: Arc<GrantFeed>,
     listening: watch::Sender<bool>,
 ) {
-    let listen_sql = format!("LISTEN \"{channel}\"");
+    let listen_sql = format!("LISTEN \"{channel}\"; LISTEN \"{grant_channel}\"");
     loop {
         match config.connect(NoTls).await {
             Ok((client, mut connection)) => {
-                let dispatch = Arc::clone(&waiters);
+                let (wake, announce) = (Arc::clone(&waiters), Arc::clone(&grants));
+                let grant_channel = grant_channel.clone();
                 // The connection yields notifications only while polled; this also drives the
-                // LISTEN below.
+                // LISTEN and the heartbeats below.
                 let mut driver = tokio::spawn(async move {
                     loop {
                         match std::future::poll_fn(|cx| connection.poll_message(cx)).await {
-                            Some(Ok(AsyncMessage::Notification(n))) => match n.payload() {
-                                "" => dispatch.wake_all(),
-                                resource => dispatch.wake(resource),
-                            },
+                            Some(Ok(AsyncMessage::Notification(n))) => {
+                                match (n.channel() == grant_channel, n.payload()) {
+                                    (true, "") => announce.resync(),
+                                    (true, resource) => announce.changed(resource),
+                                    (false, "") => wake.wake_all(),
+                                    (false, resource) => wake.wake(resource),
+                                }
+                            }
                             Some(Ok(_)) => {}
                             Some(Err(_)) | None => return,
                         }
@@ -188,11 +213,27 @@ async fn listen(
                 };
                 if listened {
                     listening.send_replace(true);
-                    let _ = (&mut driver).await;
+                    grants.live();
+                    let mut heartbeat = tokio::time::interval(HEARTBEAT);
+                    heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                    loop {
+                        tokio::select! {
+                            _ = &mut driver => break,
+                            _ = heartbeat.tick() => {
+                                let answer =
+                                    tokio::time::timeout(HEARTBEAT, client.simple_query("SELECT 1"))
+                                        .await;
+                                if !matches!(answer, Ok(Ok(_))) {
+                                    break;
+                                }
+                            }
+                        }
+                    }
                 }
                 driver.abort();
                 drop(client);
                 listening.send_replace(false);
+                grants.lost();
                 // Notifications may have been lost: let every waiter look again.
                 waiters.wake_all();
             }
@@ -315,7 +356,7 @@ impl LeaseBackend for PostgresLeases {
 
     fn changed<'a>(&'a self, resource: &'a str) -> BoxFuture<'a, ()> {
         Box::pin(async move {
-            let mut listening = self.listener().await.listening.clone();
+            let mut listening = self.listener().listening.clone();
             // Not listening (PostgreSQL down?): wait for the listener; backoff wakes meanwhile.
             if listening.wait_for(|l| *l).await.is_err() {
                 return std::future::pending().await;
@@ -342,6 +383,12 @@ impl LeaseBackend for PostgresLeases {
             }
             notified.await;
         })
+    }
+
+    fn grant_events(&self) -> GrantEvents {
+        let events = self.grants.subscribe();
+        self.listener();
+        events
     }
 
     fn kind(&self) -> &'static str {

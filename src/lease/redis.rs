@@ -11,28 +11,35 @@
 //! Tokens never pass through Lua numbers (doubles, exact only to 2^53): the script reads the
 //! counter back as a string after `INCR`.
 //!
-//! Events: the release script publishes on `<prefix>:{<resource>}:released`; one RESP3
-//! connection per backend holds a pattern subscription to `<prefix>:{*}:released` and wakes the
-//! resource's waiters. Expiry publishes nothing (keyspace notifications need server
-//! configuration), so waiters for an expiring lease wake at the end of their backoff. After a
-//! reconnect of the event connection every waiter is woken once, since releases may have been
-//! missed, and each `changed()` first pings that connection, which makes it reconnect (and
-//! resubscribe) if it had given up while Redis was down. A release in the moment before the
-//! subscription is restored is left to backoff.
+//! Events: the release script publishes on `<prefix>:{<resource>}:released`, the acquire
+//! script on `<prefix>:{<resource>}:granted` (with the new token) when it grants. One RESP3
+//! connection per backend, started by the first `changed()` or `grant_events()`, holds pattern
+//! subscriptions to `<prefix>:{*}:released` (waking the resource's waiters) and
+//! `<prefix>:{*}:granted` (grant events). Expiry publishes nothing (keyspace notifications need
+//! server configuration), so waiters for an expiring lease wake at the end of their backoff.
+//!
+//! A task keeps that connection: it pings it every [`HEARTBEAT`] and counts it lost when it
+//! closes or a ping is not answered within [`HEARTBEAT`]; then it wakes every waiter once (since
+//! releases may have been missed), sends `Lost`, and reconnects every half second until the
+//! subscriptions are confirmed again, which sends `Live`. `changed()` waits while the
+//! connection is not subscribed; the waiter's backoff wakes it meanwhile. A release in the
+//! moment before the subscription is restored is left to backoff.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::{ProtocolVersion, PushInfo, PushKind, Script, Value};
-use tokio::sync::{mpsc, OnceCell};
+use redis::{AsyncConnectionConfig, ProtocolVersion, PushInfo, PushKind, Script, Value};
+use tokio::sync::{mpsc, watch, OnceCell};
 
-use super::backend::{Acquired, Grant, LeaseBackend, LeaseError};
+use super::backend::{
+    Acquired, Grant, GrantEvents, GrantFeed, LeaseBackend, LeaseError, HEARTBEAT,
+};
 use super::embedded::{new_lease_id, Waiters};
 use crate::store::BoxFuture;
 
-/// KEYS[1] = lease, KEYS[2] = counter; ARGV[1] = lease id, ARGV[2] = holder, ARGV[3] = ttl ms.
-/// Returns {1, token} when granted, {0, current lease value} when held.
+/// KEYS[1] = lease, KEYS[2] = counter; ARGV[1] = lease id, ARGV[2] = holder, ARGV[3] = ttl ms,
+/// ARGV[4] = grant channel. Returns {1, token} when granted, {0, current lease value} when held.
 const ACQUIRE: &str = r"
 local current = redis.call('GET', KEYS[1])
 if current then
@@ -41,6 +48,7 @@ end
 redis.call('INCR', KEYS[2])
 local token = redis.call('GET', KEYS[2])
 redis.call('SET', KEYS[1], ARGV[1] .. '|' .. token .. '|' .. ARGV[2], 'PX', ARGV[3])
+redis.call('PUBLISH', ARGV[4], token)
 return {1, token}
 ";
 
@@ -71,19 +79,20 @@ pub struct RedisLeases {
     client: redis::Client,
     /// Commands; connected on first use, so fencegate starts while Redis is down.
     conn: OnceCell<ConnectionManager>,
-    /// The release subscription; set up on the first `changed()`.
-    events: OnceCell<Events>,
+    /// The event subscription; started by the first `changed()` or `grant_events()`.
+    events: OnceLock<Events>,
     acquire: Script,
     renew: Script,
     release: Script,
     prefix: String,
     waiters: Arc<Waiters>,
+    grants: Arc<GrantFeed>,
 }
 
-/// The subscribed connection and the task that dispatches its messages.
+/// The task that keeps the subscribed connection, and whether it is subscribed.
 struct Events {
-    conn: ConnectionManager,
     task: tokio::task::AbortHandle,
+    subscribed: watch::Receiver<bool>,
 }
 
 impl Drop for Events {
@@ -99,12 +108,13 @@ impl RedisLeases {
         Ok(RedisLeases {
             client,
             conn: OnceCell::new(),
-            events: OnceCell::new(),
+            events: OnceLock::new(),
             acquire: Script::new(ACQUIRE),
             renew: Script::new(RENEW),
             release: Script::new(RELEASE),
             prefix: prefix.to_owned(),
             waiters: Arc::new(Waiters::default()),
+            grants: Arc::new(GrantFeed::new(false)),
         })
     }
 
@@ -131,64 +141,121 @@ impl RedisLeases {
         Ok(conn.clone())
     }
 
-    async fn events(&self) -> Result<&Events, LeaseError> {
-        self.events
-            .get_or_try_init(|| async {
-                // Push messages need RESP3, whatever the configured URL asks for.
-                let info = self.client.get_connection_info().clone();
-                let settings = info
-                    .redis_settings()
-                    .clone()
-                    .set_protocol(ProtocolVersion::RESP3);
-                let client =
-                    redis::Client::open(info.set_redis_settings(settings)).map_err(unavailable)?;
-                let (tx, rx) = mpsc::unbounded_channel();
-                let config = Self::manager_config()
-                    .set_push_sender(tx)
-                    .set_automatic_resubscription();
-                let mut conn = ConnectionManager::new_with_config(client, config)
-                    .await
-                    .map_err(unavailable)?;
-                let task = tokio::spawn(dispatch(
-                    rx,
-                    format!("{}:{{", self.prefix),
-                    Arc::clone(&self.waiters),
-                ))
-                .abort_handle();
-                let events = Events {
-                    conn: conn.clone(),
-                    task,
-                };
-                // Returns once the server confirmed the subscription.
-                conn.psubscribe(format!("{}:{{*}}:released", self.prefix))
-                    .await
-                    .map_err(unavailable)?;
-                Ok(events)
-            })
-            .await
+    /// The event subscription, started on first use (inside a Tokio runtime).
+    fn events(&self) -> &Events {
+        self.events.get_or_init(|| {
+            let (tx, subscribed) = watch::channel(false);
+            let task = tokio::spawn(keep_subscribed(
+                self.client.clone(),
+                self.prefix.clone(),
+                Arc::clone(&self.waiters),
+                Arc::clone(&self.grants),
+                tx,
+            ))
+            .abort_handle();
+            Events { task, subscribed }
+        })
     }
 }
 
-/// Wakes the waiters of each released resource; every waiter after a disconnection.
-async fn dispatch(mut rx: mpsc::UnboundedReceiver<PushInfo>, head: String, waiters: Arc<Waiters>) {
-    while let Some(push) = rx.recv().await {
-        match push.kind {
-            PushKind::PMessage => {
-                // [pattern, channel, message]
-                if let Some(Value::BulkString(channel)) = push.data.get(1) {
-                    let resource = std::str::from_utf8(channel)
-                        .ok()
-                        .and_then(|c| c.strip_prefix(&head))
-                        .and_then(|c| c.strip_suffix("}:released"));
-                    match resource {
-                        Some(resource) => waiters.wake(resource),
-                        None => waiters.wake_all(),
+/// Keeps one RESP3 connection subscribed to the release and grant channels, reconnecting
+/// every half second while Redis is unreachable.
+async fn keep_subscribed(
+    client: redis::Client,
+    prefix: String,
+    waiters: Arc<Waiters>,
+    grants: Arc<GrantFeed>,
+    subscribed: watch::Sender<bool>,
+) {
+    // Push messages need RESP3, whatever the configured URL asks for.
+    let info = client.get_connection_info().clone();
+    let settings = info
+        .redis_settings()
+        .clone()
+        .set_protocol(ProtocolVersion::RESP3);
+    let client = match redis::Client::open(info.set_redis_settings(settings)) {
+        Ok(client) => client,
+        Err(e) => {
+            tracing::error!(error = %e, "redis lease events cannot be subscribed");
+            return;
+        }
+    };
+    let head = format!("{prefix}:{{");
+    let patterns = [
+        format!("{prefix}:{{*}}:released"),
+        format!("{prefix}:{{*}}:granted"),
+    ];
+    loop {
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let config = AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(Duration::from_secs(1)))
+            .set_response_timeout(Some(HEARTBEAT))
+            .set_push_sender(tx);
+        match client
+            .get_multiplexed_async_connection_with_config(&config)
+            .await
+        {
+            Ok(mut conn) => {
+                // Returns once the server confirmed both subscriptions.
+                if conn.psubscribe(&patterns).await.is_ok() {
+                    subscribed.send_replace(true);
+                    grants.live();
+                    let mut heartbeat = tokio::time::interval(HEARTBEAT);
+                    heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                    loop {
+                        tokio::select! {
+                            push = rx.recv() => match push {
+                                Some(push) if dispatch(&push, &head, &waiters, &grants) => {}
+                                _ => break,
+                            },
+                            _ = heartbeat.tick() => {
+                                let pong = tokio::time::timeout(
+                                    HEARTBEAT,
+                                    redis::cmd("PING").query_async::<Value>(&mut conn),
+                                )
+                                .await;
+                                if !matches!(pong, Ok(Ok(_))) {
+                                    break;
+                                }
+                            }
+                        }
                     }
+                    subscribed.send_replace(false);
+                    grants.lost();
+                    tracing::debug!("redis lease event connection lost; reconnecting");
+                }
+                // Releases may have been missed: let every waiter look again.
+                waiters.wake_all();
+            }
+            Err(e) => tracing::debug!(error = %e, "redis lease events cannot connect"),
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// Wakes the waiters of each released resource and announces each grant; `false` once the
+/// connection is gone.
+fn dispatch(push: &PushInfo, head: &str, waiters: &Waiters, grants: &GrantFeed) -> bool {
+    match push.kind {
+        PushKind::PMessage => {
+            // [pattern, channel, message]
+            if let Some(Value::BulkString(channel)) = push.data.get(1) {
+                let channel = std::str::from_utf8(channel)
+                    .ok()
+                    .and_then(|c| c.strip_prefix(head));
+                if let Some(resource) = channel.and_then(|c| c.strip_suffix("}:released")) {
+                    waiters.wake(resource);
+                } else if let Some(resource) = channel.and_then(|c| c.strip_suffix("}:granted")) {
+                    grants.changed(resource);
+                } else {
+                    waiters.wake_all();
+                    grants.resync();
                 }
             }
-            PushKind::Disconnection => waiters.wake_all(),
-            _ => {}
+            true
         }
+        PushKind::Disconnection => false,
+        _ => true,
     }
 }
 
@@ -223,6 +290,7 @@ impl LeaseBackend for RedisLeases {
                 .arg(&lease_id)
                 .arg(holder)
                 .arg(ttl_ms(ttl))
+                .arg(self.key(resource, "granted"))
                 .invoke_async(&mut conn)
                 .await
                 .map_err(unavailable)?;
@@ -291,27 +359,9 @@ impl LeaseBackend for RedisLeases {
 
     fn changed<'a>(&'a self, resource: &'a str) -> BoxFuture<'a, ()> {
         Box::pin(async move {
-            let Ok(events) = self.events().await else {
-                // No subscription (Redis down?): the waiter's backoff wakes it.
-                return std::future::pending().await;
-            };
-            // The subscribed connection gets no other traffic, so it may hold a failed
-            // reconnection from while Redis was down. A round trip proves it is up (and
-            // resubscribed); a failed one makes the manager reconnect, which the second attempt
-            // waits for.
-            let mut conn = events.conn.clone();
-            let mut up = false;
-            for _ in 0..2 {
-                if redis::cmd("PING")
-                    .query_async::<Value>(&mut conn)
-                    .await
-                    .is_ok()
-                {
-                    up = true;
-                    break;
-                }
-            }
-            if !up {
+            let mut subscribed = self.events().subscribed.clone();
+            // Not subscribed (Redis down?): wait for it; the waiter's backoff wakes it meanwhile.
+            if subscribed.wait_for(|s| *s).await.is_err() {
                 return std::future::pending().await;
             }
             // Subscribed and registered before looking: a release after the look wakes us.
@@ -332,6 +382,12 @@ impl LeaseBackend for RedisLeases {
             }
             notified.await;
         })
+    }
+
+    fn grant_events(&self) -> GrantEvents {
+        let events = self.grants.subscribe();
+        self.events();
+        events
     }
 
     fn kind(&self) -> &'static str {

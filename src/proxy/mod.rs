@@ -33,7 +33,6 @@ use crate::fence::token::token_from_headers;
 use crate::lease::agent::Agent;
 use crate::lease::LeaseBackend;
 use crate::metrics::{Metrics, Outcome, RouteMetrics, UNMATCHED};
-use crate::store::shared::BoundedMaxima;
 use crate::store::{FenceStore, StoreError, Verdict};
 use body::ProxyBody;
 use idempotent::{Attempt, UpstreamBody};
@@ -56,9 +55,10 @@ pub struct Proxy {
     /// Egress mode: instead of checking the token against the store, attach the token of the
     /// lease this sidecar holds on the resource (SPEC §3 `egress`).
     attach: Option<Arc<Agent>>,
-    /// Authoritative mode: the lease backend that issues tokens, and the latest grants seen
-    /// (a lower bound, answering refusals without a round trip).
-    authority: Option<(Arc<dyn LeaseBackend>, Arc<BoundedMaxima>)>,
+    /// Authoritative mode: the latest grant per resource, from the lease backend that issues
+    /// tokens, cached from its grant events (and the highest grants seen, a lower bound that
+    /// answers refusals without a round trip).
+    authority: Option<Arc<crate::lease::grants::GrantCache>>,
     upstream: UpstreamUrl,
     /// Kept to tell whether a reload may reuse the pooled client.
     upstream_ca: Option<std::path::PathBuf>,
@@ -82,7 +82,9 @@ impl Proxy {
 
     /// Checks tokens against the lease backend too (`fence.authority: leases`).
     pub fn with_authority(mut self, backend: Arc<dyn LeaseBackend>) -> Self {
-        self.authority = Some((backend, Arc::new(BoundedMaxima::new(100_000))));
+        self.authority = Some(Arc::new(crate::lease::grants::GrantCache::new(
+            backend, 100_000,
+        )));
         self
     }
 
@@ -424,28 +426,25 @@ impl Proxy {
 
     /// Authoritative fencing: the token must be the latest grant's. Older is stale even if the
     /// newer holder has not written yet; newer was never issued. Refusals of tokens below a
-    /// grant seen before need no round trip; everything else asks the backend, and a backend
-    /// that does not answer refuses the write (fail closed).
+    /// grant seen before need no round trip; everything else asks the grant cache, which
+    /// answers from the backend's grant events while subscribed and asks the backend
+    /// otherwise; a backend that does not answer refuses the write (fail closed).
     async fn check_authority(&self, resource: &str, token: u64) -> Option<Refusal> {
-        let (backend, seen) = self.authority.as_ref()?;
-        if let Some(floor) = seen.get(resource) {
+        let grants = self.authority.as_ref()?;
+        if let Some(floor) = grants.floor(resource) {
             if token < floor {
                 return Some(Refusal::Superseded { latest: floor });
             }
         }
-        let latest =
-            tokio::time::timeout(self.timeouts.store, backend.latest_token(resource)).await;
+        let latest = tokio::time::timeout(self.timeouts.store, grants.latest(resource)).await;
         match latest {
-            Ok(Ok(Some(latest))) => {
-                seen.observe(resource, latest);
-                match token.cmp(&latest) {
-                    std::cmp::Ordering::Less => Some(Refusal::Superseded { latest }),
-                    std::cmp::Ordering::Greater => Some(Refusal::Unissued {
-                        latest: Some(latest),
-                    }),
-                    std::cmp::Ordering::Equal => None,
-                }
-            }
+            Ok(Ok(Some(latest))) => match token.cmp(&latest) {
+                std::cmp::Ordering::Less => Some(Refusal::Superseded { latest }),
+                std::cmp::Ordering::Greater => Some(Refusal::Unissued {
+                    latest: Some(latest),
+                }),
+                std::cmp::Ordering::Equal => None,
+            },
             Ok(Ok(None)) => Some(Refusal::Unissued { latest: None }),
             Ok(Err(e)) => {
                 self.metrics.store_errors.inc();
