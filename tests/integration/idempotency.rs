@@ -507,3 +507,44 @@ async fn an_attempt_longer_than_the_window_stays_in_flight() {
     assert_eq!(first.await.unwrap().status, 201);
     assert_eq!(up.executions(), 1);
 }
+
+/// Authoritative mode: once a newer lease is granted, the old holder's retry still gets its
+/// completed write replayed, but a new key with the old token is refused before anything runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_superseded_holder_gets_its_replay_and_nothing_else() {
+    let up = Ledger::start(false).await;
+    let dir = tempfile::tempdir().unwrap();
+    let fg = fencegate(
+        &up.url(),
+        &format!(
+            "fence: {{ authority: leases }}\nleases:\n  listen: 127.0.0.1:0\n  backend: {{ kind: embedded, path: {} }}\n  ttl: 5s\n{}",
+            dir.path().join("leases.db").display(),
+            section("1m")
+        ),
+    )
+    .await;
+    let api = format!("http://{}/v1/leases/account:1", fg.leases.unwrap());
+    let grant = |holder: &'static str| {
+        let api = api.clone();
+        async move {
+            let reply = send("POST", &api, &[], format!(r#"{{"holder":"{holder}"}}"#)).await;
+            assert_eq!(reply.status, 200, "{}", reply.text());
+            reply.json()["fencing_token"].as_u64().unwrap().to_string()
+        }
+    };
+    let t1 = grant("worker-1").await;
+    let first = post(fg.listen, "/accounts/1", &t1, Some("k1"), "debit").await;
+    assert_eq!(first.status, 201, "{}", first.text());
+    assert_eq!(send("DELETE", &api, &[], "").await.status, 200);
+    let t2 = grant("worker-2").await;
+    // Worker 2 has written nothing; worker 1's retry is answered from the record.
+    let retry = post(fg.listen, "/accounts/1", &t1, Some("k1"), "debit").await;
+    assert_eq!(retry.headers["idempotent-replayed"], "true");
+    assert_eq!(retry.body, first.body);
+    // A new write by worker 1 is superseded.
+    let body = post(fg.listen, "/accounts/1", &t1, Some("k2"), "debit again")
+        .await
+        .assert_problem(409, "urn:fencegate:stale-token");
+    assert_eq!(body["current_token"].to_string(), t2);
+    assert_eq!(up.executions(), 1);
+}
