@@ -1,7 +1,7 @@
 //! Real processes: the fencegate binary (readiness from its JSON logs) and a throwaway
 //! redis-server that can be killed with `kill -9` and restarted on the same port and data.
 
-use std::net::SocketAddr;
+use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
@@ -27,7 +27,21 @@ pub struct Fencegate {
 
 impl Fencegate {
     pub async fn start(config: &Path) -> Fencegate {
-        let mut child = Command::new(BIN)
+        Fencegate::start_with(&[], config).await
+    }
+
+    /// Starts it under a command prefix (`ip netns exec <ns>`, which execs the binary: the
+    /// child's pid is fencegate's own, so signals reach it).
+    pub async fn start_with(prefix: &[String], config: &Path) -> Fencegate {
+        let mut command = match prefix.split_first() {
+            Some((program, args)) => {
+                let mut c = Command::new(program);
+                c.args(args).arg(BIN);
+                c
+            }
+            None => Command::new(BIN),
+        };
+        let mut child = command
             .args(["run", "--config"])
             .arg(config)
             .stderr(Stdio::piped())
@@ -129,20 +143,30 @@ pub fn fresh_prefix() -> String {
     format!("chaos{}_{nanos}", std::process::id())
 }
 
-/// A redis-server owned by the run, durable like production should be (AOF, fsync always),
-/// so recorded maxima survive `kill -9`.
+/// A redis-server owned by the run. A fence store's is durable like production should be (AOF,
+/// fsync always), so recorded maxima survive `kill -9`; the lease backend's keeps nothing on
+/// disk (leases are short-lived) and also listens on the host ends of the run's veth pairs.
 pub struct Redis {
     pub port: u16,
     child: Option<Child>,
     dir: tempfile::TempDir,
+    durable: bool,
+    /// Addresses besides 127.0.0.1 (private veth addresses of the run).
+    also: Vec<Ipv4Addr>,
 }
 
 impl Redis {
     pub async fn start() -> Redis {
+        Redis::start_on(true, Vec::new()).await
+    }
+
+    pub async fn start_on(durable: bool, also: Vec<Ipv4Addr>) -> Redis {
         let mut r = Redis {
             port: free_port(),
             child: None,
             dir: tempfile::tempdir().unwrap(),
+            durable,
+            also,
         };
         r.spawn().await;
         r
@@ -152,26 +176,27 @@ impl Redis {
         format!("redis://127.0.0.1:{}/", self.port)
     }
 
+    /// The URL through one of the other addresses it listens on.
+    pub fn url_at(&self, addr: Ipv4Addr) -> String {
+        format!("redis://{addr}:{}/", self.port)
+    }
+
     async fn spawn(&mut self) {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(self.dir.path().join("redis.log"))
             .unwrap();
+        let mut bind = vec!["127.0.0.1".to_owned()];
+        bind.extend(self.also.iter().map(Ipv4Addr::to_string));
+        let aof = if self.durable { "yes" } else { "no" };
         let child = Command::new("redis-server")
-            .args([
-                "--port",
-                &self.port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "yes",
-                "--appendfsync",
-                "always",
-                "--dir",
-            ])
+            .args(["--port", &self.port.to_string(), "--bind"])
+            .args(&bind)
+            // Other addresses than loopback are the run's private /30s, reached only from its
+            // own namespaces.
+            .args(["--protected-mode", "no", "--save", "", "--appendonly", aof])
+            .args(["--appendfsync", "always", "--dir"])
             .arg(self.dir.path())
             .stdout(log)
             .stderr(Stdio::null())

@@ -138,6 +138,33 @@ impl Recorder {
         tokio::time::timeout(within, search).await.ok().flatten()
     }
 
+    /// Waits for the first write (any outcome) sent at or after `after` that matches `pred`,
+    /// bounded; explicit signal as for [`Recorder::wait_ok`].
+    pub async fn wait_op(
+        &self,
+        after: Micros,
+        within: Duration,
+        pred: impl Fn(&Op) -> bool,
+    ) -> Option<Op> {
+        let mut rx = self.answered.subscribe();
+        let mut scanned = 0;
+        let search = async {
+            loop {
+                {
+                    let ops = self.ops.lock().unwrap();
+                    if let Some(op) = ops[scanned..].iter().find(|o| o.sent >= after && pred(o)) {
+                        return Some(op.clone());
+                    }
+                    scanned = ops.len();
+                }
+                if rx.changed().await.is_err() {
+                    return None;
+                }
+            }
+        };
+        tokio::time::timeout(within, search).await.ok().flatten()
+    }
+
     /// Waits until every grant has a terminal event (released or lost) from its sidecar's
     /// stream, bounded, so the deadlines computed from renewals are complete.
     pub async fn wait_terminal_events(&self, within: Duration) -> Vec<(String, String, u64)> {

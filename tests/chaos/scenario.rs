@@ -3,7 +3,7 @@
 //! loop. Also the negative control: the same workers writing straight to the ledger.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
+use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -21,11 +21,12 @@ use tokio::task::JoinHandle;
 use crate::checker::{self, History, Violation};
 use crate::clock::Clock;
 use crate::ledger::Ledger;
+use crate::netns::Lab;
 use crate::procs::{free_port, fresh_prefix, write_config, Fencegate, Redis};
 use crate::record::{Acquired, LeaseEvent, Op, Recorder};
 
-/// The machine's shared Redis (CI starts it): the lease backend of every worker sidecar.
-const LEASE_REDIS: &str = "redis://127.0.0.1:6379/";
+/// Where everything listens unless it must be reachable from a namespace.
+const LOCAL: Ipv4Addr = Ipv4Addr::LOCALHOST;
 /// Lease TTL derived from { p99_work 1000ms, p99_rtt 50ms, safety_margin 200ms,
 /// drift_buffer 200ms } = 1450ms, rounded up to 1500ms.
 const TTL: Duration = Duration::from_millis(1500);
@@ -58,16 +59,18 @@ pub enum Fault {
     FenceFreeze,
     FenceSigterm,
     SlowUpstream,
+    Partition,
 }
 
 impl Fault {
-    pub const ALL: [Fault; 6] = [
+    pub const ALL: [Fault; 7] = [
         Fault::WorkerFreeze,
         Fault::FenceKill9,
         Fault::RedisKill9,
         Fault::FenceFreeze,
         Fault::FenceSigterm,
         Fault::SlowUpstream,
+        Fault::Partition,
     ];
 
     pub fn describe(self) -> &'static str {
@@ -80,6 +83,9 @@ impl Fault {
             Fault::FenceFreeze => "fence sidecar frozen while requests queue (SIGSTOP/SIGCONT)",
             Fault::FenceSigterm => "fence sidecar SIGTERM under load, restart",
             Fault::SlowUpstream => "ledger commits slower than the fence's upstream timeout",
+            Fault::Partition => {
+                "sidecar cut off from the lease Redis past the TTL (netns + nftables drop), still running"
+            }
         }
     }
 }
@@ -108,6 +114,8 @@ struct Worker {
     name: String,
     group: usize,
     sidecar: Fencegate,
+    /// The namespace (link index) its sidecar runs in, if any.
+    link: Option<usize>,
     gate: watch::Sender<bool>,
     holding: watch::Receiver<Option<(String, u64, usize)>>,
 }
@@ -122,8 +130,19 @@ pub struct Outcome {
     pub commits: usize,
     pub grants: usize,
     pub faults: Vec<Injected>,
+    /// Fault kinds this machine cannot inject, and why.
+    pub skipped: Vec<(Fault, String)>,
     /// Extra evidence: (check, passed, total).
     pub evidence: Vec<(String, usize, usize)>,
+}
+
+/// The run's processes and network namespaces. Fields drop in order: the processes (killed on
+/// drop) before the namespaces, the nftables table and the lease Redis, also when unwinding.
+struct Rig {
+    fences: Vec<Fence>,
+    workers: Vec<Worker>,
+    lab: Option<Lab>,
+    lease_redis: Redis,
 }
 
 struct Ctx {
@@ -143,33 +162,34 @@ fn resources(mode: Mode, group: usize) -> Vec<String> {
     (0..2).map(|i| format!("{tag}{group}x{i}")).collect()
 }
 
-fn fence_yaml(port: u16, ledger: &str, store: &str) -> String {
+fn fence_yaml(ip: Ipv4Addr, port: u16, ledger: &str, store: &str) -> String {
     format!(
-        "listen: 127.0.0.1:{port}\nadmin: 127.0.0.1:0\nupstream: {ledger}\n{store}\
+        "listen: {ip}:{port}\nadmin: 127.0.0.1:0\nupstream: {ledger}\n{store}\
          timeouts: {{ upstream: {}ms, shutdown: 2s, store: 500ms }}\n\
          routes:\n  - {{ name: accounts, path: '/accounts/{{id}}', resource: 'account:{{id}}', ordering: serialize, barrier_timeout: 2s }}\n",
         FENCE_UPSTREAM_TIMEOUT.as_millis()
     )
 }
 
-fn sidecar_yaml(prefix: &str, egress_to: Option<SocketAddr>) -> String {
+/// A worker's sidecar: leases from `redis`, its lease API and egress listening on `ip`.
+fn sidecar_yaml(prefix: &str, redis: &str, ip: Ipv4Addr, egress_to: Option<SocketAddr>) -> String {
     let egress = match egress_to {
         Some(fence) => format!(
-            "egress:\n  listen: 127.0.0.1:0\n  upstream: http://{fence}\n  routes:\n    - {{ path: '/accounts/{{id}}', lease: 'account:{{id}}' }}\n"
+            "egress:\n  listen: {ip}:0\n  upstream: http://{fence}\n  routes:\n    - {{ path: '/accounts/{{id}}', lease: 'account:{{id}}' }}\n"
         ),
         None => String::new(),
     };
     format!(
         "listen: 127.0.0.1:0\nadmin: 127.0.0.1:0\nupstream: http://127.0.0.1:9\nstore: {{ kind: memory }}\n\
          timeouts: {{ upstream: 5s, shutdown: 1s }}\n\
-         leases:\n  listen: 127.0.0.1:0\n  backend: {{ kind: redis, url: '{LEASE_REDIS}', prefix: {prefix} }}\n  \
+         leases:\n  listen: {ip}:0\n  backend: {{ kind: redis, url: '{redis}', prefix: {prefix} }}\n  \
          ttl: {{ p99_work: 1000ms, p99_rtt: 50ms, safety_margin: 200ms, drift_buffer: {}ms }}\n  \
          acquire: {{ base_delay: 20ms, max_delay: 200ms, jitter: 20ms }}\n{egress}",
         DRIFT.as_millis()
     )
 }
 
-async fn start_fence(dir: &Path, group: usize, ledger: &str) -> Fence {
+async fn start_fence(dir: &Path, group: usize, ledger: &str, ip: Ipv4Addr) -> Fence {
     let port = free_port();
     let (store, redis) = if group == 0 {
         (
@@ -193,7 +213,7 @@ async fn start_fence(dir: &Path, group: usize, ledger: &str) -> Fence {
     let config = write_config(
         dir,
         &format!("fence{group}.yaml"),
-        &fence_yaml(port, ledger, &store),
+        &fence_yaml(ip, port, ledger, &store),
     );
     let process = Fencegate::start(&config).await;
     Fence {
@@ -220,26 +240,72 @@ pub async fn run(mode: Mode, secs: u64) -> Outcome {
         Mode::Fenced => 2,
         Mode::Naive => 1,
     };
-    let mut fences: Vec<Fence> = Vec::new();
+    // The partition fault's namespaces (one per group), when this machine allows them.
+    let mut skipped = Vec::new();
+    let mut lab = None;
+    if mode == Mode::Fenced {
+        match Lab::setup(groups) {
+            Ok(l) => lab = Some(l),
+            Err(reason) => skipped.push((Fault::Partition, reason)),
+        }
+    }
+    let also = lab
+        .iter()
+        .flat_map(|l| l.links.iter().map(|k| k.host_addr))
+        .collect();
+    // The lease backend of every worker sidecar: a Redis of the run's own, reachable from the
+    // namespaces through the host ends of their veth pairs.
+    let lease_redis = Redis::start_on(false, also).await;
+    if let Some(l) = &lab {
+        if let Err(reason) = l.probe(lease_redis.port).await {
+            skipped.push((Fault::Partition, reason));
+            lab = None;
+        }
+    }
+    for (fault, reason) in &skipped {
+        let kind = format!("{fault:?}").to_lowercase();
+        println!("  SKIPPED {kind} fault: {reason}");
+    }
+    let mut rig = Rig {
+        fences: Vec::new(),
+        workers: Vec::new(),
+        lab,
+        lease_redis,
+    };
+    // Reachable from the host and from the group's namespace: the host end of its veth.
+    let host_ip = |rig: &Rig, g: usize| rig.lab.as_ref().map_or(LOCAL, |l| l.links[g].host_addr);
     if mode == Mode::Fenced {
         for g in 0..groups {
-            fences.push(start_fence(ctx.dir.path(), g, &ctx.ledger.url()).await);
+            let fence = start_fence(ctx.dir.path(), g, &ctx.ledger.url(), host_ip(&rig, g)).await;
+            rig.fences.push(fence);
         }
     }
     let stop = Arc::new(AtomicBool::new(false));
-    let mut workers = Vec::new();
     let mut tasks: Vec<JoinHandle<()>> = Vec::new();
     let mut streams: Vec<JoinHandle<()>> = Vec::new();
     for g in 0..groups {
         for i in 0..WORKERS_PER_GROUP {
             let name = format!("w{g}{i}");
-            let egress_to = fences.get(g).map(|f| f.process.proxy);
+            let egress_to = rig.fences.get(g).map(|f| f.process.proxy);
+            // The group's last worker runs its sidecar in the group's namespace.
+            let link = rig
+                .lab
+                .as_ref()
+                .filter(|_| i == WORKERS_PER_GROUP - 1)
+                .map(|l| (g, l.links[g].clone()));
+            let (redis, ip) = match &link {
+                Some((_, k)) => (rig.lease_redis.url_at(k.host_addr), k.ns_addr),
+                None => (rig.lease_redis.url(), LOCAL),
+            };
             let config = write_config(
                 ctx.dir.path(),
                 &format!("{name}.yaml"),
-                &sidecar_yaml(&ctx.lease_prefix, egress_to),
+                &sidecar_yaml(&ctx.lease_prefix, &redis, ip, egress_to),
             );
-            let sidecar = Fencegate::start(&config).await;
+            let sidecar = match (&link, &rig.lab) {
+                (Some((n, _)), Some(l)) => Fencegate::start_with(&l.exec_prefix(*n), &config).await,
+                _ => Fencegate::start(&config).await,
+            };
             let (gate, gate_rx) = watch::channel(true);
             let (holding_tx, holding) = watch::channel(None);
             for id in resources(mode, g) {
@@ -267,10 +333,11 @@ pub async fn run(mode: Mode, secs: u64) -> Outcome {
                 holding: holding_tx,
                 stop: Arc::clone(&stop),
             })));
-            workers.push(Worker {
+            rig.workers.push(Worker {
                 name,
                 group: g,
                 sidecar,
+                link: link.map(|(n, _)| n),
                 gate,
                 holding,
             });
@@ -289,33 +356,28 @@ pub async fn run(mode: Mode, secs: u64) -> Outcome {
     }
     match mode {
         Mode::Fenced => {
+            let active: Vec<Fault> = Fault::ALL
+                .into_iter()
+                .filter(|f| !skipped.iter().any(|(s, _)| s == f))
+                .collect();
             let budget = Duration::from_secs(secs);
             let hard_stop = budget * 3 + Duration::from_secs(60);
             let mut round = 0usize;
             loop {
                 let elapsed = started.elapsed();
-                let rounds_done = round / Fault::ALL.len();
-                if (elapsed >= budget && rounds_done >= 3 && round % Fault::ALL.len() == 0)
+                let rounds_done = round / active.len();
+                if (elapsed >= budget && rounds_done >= 3 && round % active.len() == 0)
                     || elapsed >= hard_stop
                 {
                     break;
                 }
-                let fault = Fault::ALL[round % Fault::ALL.len()];
+                let fault = active[round % active.len()];
                 let group = match fault {
                     Fault::FenceKill9 => 0,
                     Fault::RedisKill9 => 1,
                     _ => rounds_done % groups,
                 };
-                let injected = inject(
-                    &ctx,
-                    fault,
-                    group,
-                    round,
-                    &mut fences,
-                    &mut workers,
-                    &mut evidence,
-                )
-                .await;
+                let injected = inject(&ctx, fault, group, round, &mut rig, &mut evidence).await;
                 println!(
                     "  [{:>6.1}s] {:?} on group {}: {:?} down, recovery {:?} {}",
                     started.elapsed().as_secs_f64(),
@@ -333,26 +395,17 @@ pub async fn run(mode: Mode, secs: u64) -> Outcome {
                         .wait_ok(now, 2, Duration::from_secs(10), |o| o.group == g)
                         .await;
                 }
-                for f in &mut fences {
+                for f in &mut rig.fences {
                     f.process.drain_logs();
                 }
-                for w in &mut workers {
+                for w in &mut rig.workers {
                     w.sidecar.drain_logs();
                 }
                 round += 1;
             }
         }
         Mode::Naive => {
-            let injected = inject(
-                &ctx,
-                Fault::WorkerFreeze,
-                0,
-                0,
-                &mut fences,
-                &mut workers,
-                &mut evidence,
-            )
-            .await;
+            let injected = inject(&ctx, Fault::WorkerFreeze, 0, 0, &mut rig, &mut evidence).await;
             println!(
                 "  [{:>6.1}s] {:?} on group {}: {:?} down, recovery {:?} {}",
                 started.elapsed().as_secs_f64(),
@@ -371,7 +424,7 @@ pub async fn run(mode: Mode, secs: u64) -> Outcome {
     }
     // Stop: workers finish their current hold and release it.
     stop.store(true, Ordering::SeqCst);
-    for w in &workers {
+    for w in &rig.workers {
         let _ = w.gate.send(true);
     }
     for t in tasks {
@@ -401,12 +454,14 @@ pub async fn run(mode: Mode, secs: u64) -> Outcome {
         (matching, commits.len()),
     );
     let grants = ctx.rec.acquired.lock().unwrap().len();
-    for w in &mut workers {
+    for w in &mut rig.workers {
         w.sidecar.signal("-TERM");
     }
-    for w in &mut workers {
+    for w in &mut rig.workers {
         let _ = tokio::time::timeout(Duration::from_secs(10), w.sidecar.child.wait()).await;
     }
+    // Processes first, then the namespaces, the nftables table and the lease Redis.
+    drop(rig);
     let mut evidence: Vec<(String, usize, usize)> =
         evidence.into_iter().map(|(k, (a, b))| (k, a, b)).collect();
     evidence.sort();
@@ -419,6 +474,7 @@ pub async fn run(mode: Mode, secs: u64) -> Outcome {
         commits: commits.len(),
         grants,
         faults,
+        skipped,
         evidence,
     }
 }
@@ -511,16 +567,31 @@ async fn replay(
     status
 }
 
+/// Waits (bounded) until the worker holds a lease with at least two writes still to come, so
+/// that pausing it before its next write leaves it holding: the lease and its token.
+async fn holding_with_writes_left(w: &Worker) -> Option<(String, u64)> {
+    let mut holding = w.holding.clone();
+    tokio::time::timeout(
+        Duration::from_secs(20),
+        holding.wait_for(|h| matches!(h, Some((_, _, left)) if *left >= 2)),
+    )
+    .await
+    .ok()
+    .and_then(|r| r.ok().map(|h| h.clone()))
+    .flatten()
+    .map(|(resource, token, _)| (resource, token))
+}
+
 /// Injects one fault, ends it, and measures the recovery.
 async fn inject(
     ctx: &Ctx,
     fault: Fault,
     group: usize,
     round: usize,
-    fences: &mut [Fence],
-    workers: &mut [Worker],
+    rig: &mut Rig,
     evidence: &mut HashMap<String, (usize, usize)>,
 ) -> Injected {
+    let (fences, workers) = (&mut rig.fences, &mut rig.workers);
     let rec = &ctx.rec;
     let begin = ctx.clock.now();
     let mut note_text = String::new();
@@ -531,17 +602,7 @@ async fn inject(
                 .collect();
             let victim = in_group[(round / Fault::ALL.len()) % in_group.len()];
             let w = &mut workers[victim];
-            // A victim that holds a lease with writes still to come.
-            let mut holding = w.holding.clone();
-            let held = tokio::time::timeout(
-                Duration::from_secs(20),
-                holding.wait_for(|h| matches!(h, Some((_, _, left)) if *left >= 2)),
-            )
-            .await
-            .ok()
-            .and_then(|r| r.ok().map(|h| h.clone()))
-            .flatten();
-            let Some((resource, token, _)) = held else {
+            let Some((resource, token)) = holding_with_writes_left(w).await else {
                 return Injected {
                     fault,
                     group,
@@ -675,6 +736,126 @@ async fn inject(
             let first = rec
                 .wait_ok(end, 1, Duration::from_secs(20), |o| o.group == group)
                 .await;
+            (end, first)
+        }
+        Fault::Partition => {
+            let lab = rig
+                .lab
+                .as_ref()
+                .expect("partitions are injected only with namespaces");
+            let victim = workers
+                .iter()
+                .position(|w| w.group == group && w.link.is_some())
+                .expect("a worker of each group runs in a namespace");
+            let w = &workers[victim];
+            let link = w.link.expect("in a namespace");
+            let name = w.name.clone();
+            let Some((resource, token)) = holding_with_writes_left(w).await else {
+                return Injected {
+                    fault,
+                    group,
+                    duration: Duration::ZERO,
+                    recovery: None,
+                    note: format!("skipped: {name} never held a lease"),
+                };
+            };
+            // The worker stays at its next write (slow work) while its sidecar, still running,
+            // renews into the partition.
+            let _ = w.gate.send(false);
+            let cut = lab.partition(link, rig.lease_redis.port).await;
+            note(
+                evidence,
+                "partition applied (nftables drop rules added)",
+                cut.is_ok(),
+            );
+            if let Err(e) = cut {
+                let _ = w.gate.send(true);
+                return Injected {
+                    fault,
+                    group,
+                    duration: Duration::ZERO,
+                    recovery: None,
+                    note: format!("failed: {e}"),
+                };
+            }
+            let cut_at = ctx.clock.now();
+            let cut_instant = tokio::time::Instant::now();
+            // Cut off past the TTL: until another worker has committed a higher token on the
+            // victim's resource (which needs the lease to have expired in Redis).
+            let overtaken = ctx
+                .ledger
+                .wait_commit(TTL * 6, |c| {
+                    c.resource == resource && c.token > token && c.writer != name
+                })
+                .await;
+            note(
+                evidence,
+                "partitioned holder overtaken by a higher token",
+                overtaken,
+            );
+            // Still cut off, the worker writes again: its own sidecar, whose local deadline
+            // passed without a renewal, must no longer attach the token.
+            let reopened = ctx.clock.now();
+            let _ = w.gate.send(true);
+            let next = rec
+                .wait_op(reopened, Duration::from_secs(5), |o| o.writer == name)
+                .await;
+            let refused = next.as_ref().is_some_and(|o| {
+                o.status == 503 && o.problem.as_deref() == Some("urn:fencegate:lease-not-held")
+            });
+            note(
+                evidence,
+                "partitioned holder's next write refused by its sidecar (503 lease-not-held)",
+                refused,
+            );
+            let lost = rec.events.lock().unwrap().iter().any(|e| {
+                e.writer == name && e.resource == resource && e.token == token && e.kind == "lost"
+            });
+            note(
+                evidence,
+                "partitioned sidecar reported the lease lost (event `lost`)",
+                lost,
+            );
+            if let (Some(fence), true) = (fences.get(group), overtaken) {
+                let status = replay(ctx, &name, group, fence.process.proxy, &resource, token).await;
+                note(
+                    evidence,
+                    "partitioned holder's old token replayed at the fence refused with 409",
+                    status == 409,
+                );
+            }
+            // Cut off for at least the TTL (the fault's length, not a synchronisation).
+            tokio::time::sleep_until(cut_instant + TTL).await;
+            let healed = lab.heal().await;
+            let end = ctx.clock.now();
+            note(
+                evidence,
+                "partition healed (nftables rules removed)",
+                healed.is_ok(),
+            );
+            let first = rec
+                .wait_ok(end, 1, Duration::from_secs(20), |o| o.writer == name)
+                .await;
+            // When it held a lease again (the first grant answered after the heal).
+            let regained = rec
+                .acquired
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|a| a.writer == name && a.at >= end)
+                .map(|a| a.at)
+                .min();
+            note_text = format!(
+                "{name} held {resource} with token {token}, cut off {}ms, overtaken: {overtaken}, \
+                 next write {}, lease again {} after the heal",
+                (end - cut_at) / 1000,
+                next.map_or("unanswered".into(), |o| format!(
+                    "{} {}",
+                    o.status,
+                    o.problem.unwrap_or_default()
+                )),
+                regained.map_or("-".into(), |t| format!("{}ms", (t - end) / 1000)),
+            );
             (end, first)
         }
         Fault::SlowUpstream => {
