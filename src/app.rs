@@ -146,8 +146,12 @@ impl Server {
             serve(
                 proxy_listener,
                 settings,
-                // One atomic load per request: a reload never tears a request's config.
-                move |req, peer| proxy.load_full().handle(req, peer),
+                // One atomic load per request: a reload never tears a request's config. The
+                // slot is per client connection (its clone is a new, empty slot).
+                {
+                    let own = crate::proxy::upstream::ConnUpstream::default();
+                    move |req, peer| proxy.load_full().handle_on(req, peer, Some(own.share()))
+                },
                 wait_for(stopped),
             )
             .await;

@@ -349,6 +349,7 @@ impl Proxy {
         key: String,
         subject: Subject<'_>,
         peer: SocketAddr,
+        own: Option<super::upstream::SharedSlot>,
     ) -> Response<ProxyBody> {
         let settings = self
             .idempotency
@@ -493,6 +494,7 @@ impl Proxy {
                     ticket,
                     peer,
                     Some(attempt),
+                    own,
                 )
                 .await
             }

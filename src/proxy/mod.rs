@@ -8,6 +8,7 @@ pub mod body;
 pub mod forward;
 pub mod idempotent;
 pub mod problem;
+pub mod upstream;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -196,6 +197,17 @@ impl Proxy {
         req: Request<Incoming>,
         peer: SocketAddr,
     ) -> Result<Response<ProxyBody>, Infallible> {
+        self.handle_on(req, peer, None).await
+    }
+
+    /// [`Proxy::handle`], for a request of a client connection that keeps its own upstream
+    /// connection in `own` (see [`upstream::ConnUpstream`]).
+    pub async fn handle_on(
+        self: Arc<Self>,
+        req: Request<Incoming>,
+        peer: SocketAddr,
+        own: Option<upstream::SharedSlot>,
+    ) -> Result<Response<ProxyBody>, Infallible> {
         if let Some(problem) = host_problem(&req) {
             return Ok(self.refuse(
                 Refusal::InvalidRequest(problem.into()),
@@ -254,6 +266,7 @@ impl Proxy {
                         None,
                         peer,
                         None,
+                        own,
                     )
                     .await)
             }
@@ -271,6 +284,7 @@ impl Proxy {
                         None,
                         peer,
                         None,
+                        own,
                     )
                     .await)
             }
@@ -304,6 +318,7 @@ impl Proxy {
                     None,
                     peer,
                     None,
+                    own,
                 )
                 .await);
         }
@@ -328,6 +343,7 @@ impl Proxy {
                         None,
                         peer,
                         None,
+                        own,
                     )
                     .await)
             }
@@ -356,7 +372,16 @@ impl Proxy {
                 }
                 Ok(Some(key)) => {
                     return Ok(self
-                        .idempotent_write(req, &normalised, route, &resource, key, subject, peer)
+                        .idempotent_write(
+                            req,
+                            &normalised,
+                            route,
+                            &resource,
+                            key,
+                            subject,
+                            peer,
+                            own,
+                        )
                         .await)
                 }
                 Ok(None) => {}
@@ -420,6 +445,7 @@ impl Proxy {
                 ticket,
                 peer,
                 None,
+                own,
             )
             .await)
     }
@@ -488,8 +514,14 @@ impl Proxy {
         ticket: Option<Ticket>,
         peer: SocketAddr,
         attempt: Option<Attempt>,
+        own: Option<upstream::SharedSlot>,
     ) -> Response<ProxyBody> {
         let (mut parts, body) = req.into_parts();
+        // The client connection's own upstream connection serves HTTP/1 clients of a plain
+        // upstream; HTTP/2 clients (concurrent streams) and https upstreams use the pool.
+        let own = own
+            .filter(|_| parts.version <= Version::HTTP_11 && !self.upstream.is_https())
+            .map(|slot| (slot, self.upstream.authority.clone()));
         let uri = match self.upstream_uri(normalised, &parts.uri) {
             Ok(uri) => uri,
             Err(e) => {
@@ -512,7 +544,12 @@ impl Proxy {
         let started = Instant::now();
         let exchange = tokio::time::timeout(
             self.timeouts.upstream,
-            self.client.request(Request::from_parts(parts, body)),
+            upstream::send(
+                &self.client,
+                own,
+                self.timeouts.upstream,
+                Request::from_parts(parts, body),
+            ),
         );
         let (sent, ticket, attempt) = if ticket.is_none() && attempt.is_none() {
             (exchange.await, None, None)
@@ -559,9 +596,9 @@ impl Proxy {
             Ok(Err(e)) if request_body_failed(&e) => Refusal::InvalidRequest(format!(
                 "the request body was malformed or cut short ({}); the upstream got an \
                  incomplete request",
-                error_chain(&e)
+                error_chain(e.as_ref())
             )),
-            Ok(Err(e)) => Refusal::UpstreamError(error_chain(&e)),
+            Ok(Err(e)) => Refusal::UpstreamError(error_chain(e.as_ref())),
             Err(_) => Refusal::UpstreamTimeout,
         };
         if let Some(attempt) = attempt {
@@ -691,10 +728,7 @@ fn set_token(headers: &mut http::HeaderMap, name: &HeaderName, token: u64) {
 /// recorded for an idempotency claim (draining its body), an error records an unknown
 /// outcome, and the barrier ticket is released only then.
 async fn abandoned(
-    sent: Result<
-        Result<Response<Incoming>, hyper_util::client::legacy::Error>,
-        tokio::time::error::Elapsed,
-    >,
+    sent: Result<Result<Response<Incoming>, upstream::BoxError>, tokio::time::error::Elapsed>,
     ticket: Option<Ticket>,
     attempt: Option<Attempt>,
 ) {
@@ -717,8 +751,8 @@ async fn abandoned(
 
 /// Whether a failed exchange failed on the client's own request body (malformed chunked
 /// encoding, a body shorter than its Content-Length): the client's fault, not the upstream's.
-fn request_body_failed(e: &hyper_util::client::legacy::Error) -> bool {
-    let mut source = std::error::Error::source(e);
+fn request_body_failed(e: &upstream::BoxError) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e.as_ref());
     while let Some(s) = source {
         if let Some(h) = s.downcast_ref::<hyper::Error>() {
             if h.is_user() {

@@ -20,3 +20,4 @@ mod proxy;
 mod services;
 mod stores;
 mod tls;
+mod upstream_conn;
