@@ -85,29 +85,19 @@ impl MemoryStore {
         self.expire(now);
         let k = record_key(resource, key);
         let expires = now + claim.window;
-        match self.records.entry(k.clone()) {
-            Entry::Occupied(mut e) => {
-                let live = (e.get().1 > now).then(|| &e.get().0);
-                let current = self.maxima.get(resource).map(|v| *v);
-                let begin = idempotency::decide(live, current, claim);
-                if let Begin::Execute { .. } = begin {
-                    self.raise(resource, claim.token, EqualTokens::Allow);
-                    e.insert((Record::in_flight(claim.token, claim.fingerprint), expires));
-                    self.schedule(k, expires);
-                }
-                begin
-            }
-            Entry::Vacant(e) => {
-                let current = self.maxima.get(resource).map(|v| *v);
-                let begin = idempotency::decide(None, current, claim);
-                if let Begin::Execute { .. } = begin {
-                    self.raise(resource, claim.token, EqualTokens::Allow);
-                    e.insert((Record::in_flight(claim.token, claim.fingerprint), expires));
-                    self.schedule(k, expires);
-                }
-                begin
-            }
+        let entry = self.records.entry(k.clone());
+        let live = match &entry {
+            Entry::Occupied(e) if e.get().1 > now => Some(&e.get().0),
+            _ => None,
+        };
+        let current = self.maxima.get(resource).map(|v| *v);
+        let begin = idempotency::decide(live, current, claim);
+        if let Begin::Execute { .. } = begin {
+            self.raise(resource, claim.token, EqualTokens::Allow);
+            entry.insert((Record::in_flight(claim.token, claim.fingerprint), expires));
+            self.schedule(k, expires);
         }
+        begin
     }
 
     /// [`FenceStore::finish_idempotent`], synchronous.
