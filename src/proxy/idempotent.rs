@@ -68,6 +68,8 @@ pub struct Attempt {
     claim: Claim,
     max_response: usize,
     store_timeout: Duration,
+    /// How long the rest of a body is read after its client left.
+    drain_limit: Duration,
     metrics: Arc<crate::metrics::Metrics>,
 }
 
@@ -113,6 +115,12 @@ impl Attempt {
                 }
             }
         })
+    }
+
+    /// The upstream answered without a body.
+    pub async fn record_empty(self, status: StatusCode, head: &HeaderMap) {
+        let record = self.outcome(status, head, Some(Bytes::new()));
+        self.finish(record).await
     }
 
     /// The upstream never answered (or we never sent): the write may or may not have happened.
@@ -295,24 +303,21 @@ impl Drop for Recording {
         let ticket = self.ticket.take();
         tokio::spawn(async move {
             let _ticket = ticket;
-            let mut broken = false;
-            while let Some(frame) = inner.frame().await {
-                match frame {
-                    Ok(frame) => {
-                        if let Some(chunk) = frame.data_ref() {
-                            Recording::keep(&mut copy, chunk, attempt.max_response);
-                        }
-                    }
-                    Err(_) => {
-                        broken = true;
-                        break;
+            // Bounded: an upstream that stalls mid-body must not hold the barrier ticket (or
+            // this task) forever; past the limit it counts as a broken body.
+            let drained = tokio::time::timeout(attempt.drain_limit, async {
+                while let Some(frame) = inner.frame().await {
+                    let frame = frame.ok()?;
+                    if let Some(chunk) = frame.data_ref() {
+                        Recording::keep(&mut copy, chunk, attempt.max_response);
                     }
                 }
-            }
-            let body = if broken {
-                None
-            } else {
-                copy.map(BytesMut::freeze)
+                Some(())
+            })
+            .await;
+            let body = match drained {
+                Ok(Some(())) => copy.map(BytesMut::freeze),
+                Ok(None) | Err(_) => None,
             };
             let record = attempt.outcome(status, &head, body);
             attempt.finish(record).await
@@ -394,9 +399,13 @@ impl Proxy {
         // The in-flight record must outlive the attempt, or a retry could execute alongside it:
         // it lives at least as long as the upstream may take, plus the store's two answers.
         // The outcome then lives `window`.
+        let barrier = match route.ordering {
+            Ordering::Serialize => route.barrier_timeout,
+            Ordering::None => Duration::ZERO,
+        };
         let in_flight = settings
             .window()
-            .max(self.timeouts.upstream + 2 * self.timeouts.store);
+            .max(barrier + self.timeouts.upstream + 2 * self.timeouts.store);
         let claim = Claim {
             token,
             fingerprint,
@@ -424,6 +433,17 @@ impl Proxy {
         match begin {
             Err(StoreError::Unavailable(e)) => {
                 self.metrics.store_errors.inc();
+                // The claim may have landed before the answer was lost: mark it unknown (it
+                // only ever overwrites this attempt's own in-flight record) so retries are
+                // not refused as in flight for nothing.
+                let store = Arc::clone(&self.store);
+                let (resource, key) = (resource.to_owned(), key);
+                let outcome = Record::unknown(claim.token, claim.fingerprint);
+                let limit = self.timeouts.store;
+                tokio::spawn(async move {
+                    let release = store.finish_idempotent(&resource, &key, &claim, &outcome);
+                    let _ = tokio::time::timeout(limit, release).await;
+                });
                 refuse(Refusal::StoreUnavailable(e))
             }
             Ok(Begin::Stale { current }) => {
@@ -475,6 +495,7 @@ impl Proxy {
                     },
                     max_response: settings.max_response_bytes,
                     store_timeout: self.timeouts.store,
+                    drain_limit: self.timeouts.upstream,
                     metrics: Arc::clone(&self.metrics),
                 };
                 if let Some(ticket) = &ticket {

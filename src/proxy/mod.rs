@@ -579,6 +579,15 @@ impl Proxy {
                 let (mut parts, inner) = response.into_parts();
                 forward::strip_hop_by_hop(&mut parts.headers);
                 let body = match attempt {
+                    // A response without a body (204, Content-Length: 0) is never polled by
+                    // the server: record it before it goes out.
+                    Some(attempt) if http_body::Body::is_end_stream(&inner) => {
+                        attempt.record_empty(parts.status, &parts.headers).await;
+                        ProxyBody::Upstream {
+                            inner,
+                            _ticket: ticket,
+                        }
+                    }
                     None => ProxyBody::Upstream {
                         inner,
                         _ticket: ticket,

@@ -126,7 +126,12 @@ async fn connect(
     authority: &Authority,
     timeout: Duration,
 ) -> Result<SendRequest<UpstreamBody>, BoxError> {
-    let target = (authority.host(), authority.port_u16().unwrap_or(80));
+    // `host()` keeps an IPv6 literal's brackets; the resolver wants the bare address.
+    let host = authority
+        .host()
+        .trim_start_matches('[')
+        .trim_end_matches(']');
+    let target = (host, authority.port_u16().unwrap_or(80));
     let stream = tokio::time::timeout(timeout, tokio::net::TcpStream::connect(target))
         .await
         .map_err(|_| format!("connecting to {authority} timed out after {timeout:?}"))?

@@ -56,6 +56,8 @@ impl Ledger {
                         (StatusCode::OK, "x".repeat(4096))
                     } else if path.starts_with("/busy/") {
                         (StatusCode::SERVICE_UNAVAILABLE, "busy".to_owned())
+                    } else if path.starts_with("/empty/") {
+                        (StatusCode::NO_CONTENT, String::new())
                     } else {
                         (
                             StatusCode::CREATED,
@@ -111,7 +113,7 @@ impl Ledger {
     }
 }
 
-const ROUTES: &str = "routes:\n  - { name: accounts, path: '/accounts/{id}', resource: 'account:{id}' }\n  - { name: big, path: '/big/{id}', resource: 'account:{id}' }\n  - { name: busy, path: '/busy/{id}', resource: 'account:{id}' }\n  - { name: plain, path: '/plain/{id}', resource: 'account:{id}', idempotency: false }\n";
+const ROUTES: &str = "routes:\n  - { name: accounts, path: '/accounts/{id}', resource: 'account:{id}' }\n  - { name: big, path: '/big/{id}', resource: 'account:{id}' }\n  - { name: busy, path: '/busy/{id}', resource: 'account:{id}' }\n  - { name: plain, path: '/plain/{id}', resource: 'account:{id}', idempotency: false }\n  - { name: empty, path: '/empty/{id}', resource: 'account:{id}' }\n";
 
 fn section(window: &str) -> String {
     format!("idempotency: {{ window: {window}, max_response_bytes: 1024 }}\n{ROUTES}")
@@ -547,4 +549,24 @@ async fn a_superseded_holder_gets_its_replay_and_nothing_else() {
         .assert_problem(409, "urn:fencegate:stale-token");
     assert_eq!(body["current_token"].to_string(), t2);
     assert_eq!(up.executions(), 1);
+}
+
+/// A response without a body (204) is never polled by the server, so it is recorded before it
+/// goes out: the retry sent right after it is a replay, not an in-flight conflict (on etcd, the
+/// slowest store, where recording after the response lost that race).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_empty_response_is_recorded_before_the_client_sees_it() {
+    let up = Ledger::start(false).await;
+    let (fg, _store) = on_store("etcd", &up, "1m").await;
+    for token in 1..=3u64 {
+        let key = format!("e-{token}");
+        let token = token.to_string();
+        let first = post(fg.listen, "/empty/1", &token, Some(&key), "x").await;
+        assert_eq!(first.status, 204, "{}", first.text());
+        let retry = post(fg.listen, "/empty/1", &token, Some(&key), "x").await;
+        assert_eq!(retry.status, 204, "{}", retry.text());
+        assert_eq!(retry.headers["idempotent-replayed"], "true");
+        assert_eq!(head_without_marker(&retry), head_without_marker(&first));
+    }
+    assert_eq!(up.executions(), 3);
 }
