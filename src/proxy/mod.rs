@@ -518,8 +518,12 @@ impl Proxy {
     ) -> Response<ProxyBody> {
         let (mut parts, body) = req.into_parts();
         // The client connection's own upstream connection serves HTTP/1 clients of a plain
-        // upstream; HTTP/2 clients (concurrent streams) and https upstreams use the pool.
+        // upstream; HTTP/2 clients (concurrent streams) and https upstreams use the pool, and
+        // so do exchanges that must outlive their client (a barrier ticket or an idempotency
+        // claim): the pool keeps their connection until the response has been read, whoever
+        // reads it.
         let own = own
+            .filter(|_| ticket.is_none() && attempt.is_none())
             .filter(|_| parts.version <= Version::HTTP_11 && !self.upstream.is_https())
             .map(|slot| (slot, self.upstream.authority.clone()));
         let uri = match self.upstream_uri(normalised, &parts.uri) {
