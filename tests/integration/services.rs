@@ -67,8 +67,24 @@ impl Service {
             child: None,
             dir,
         };
-        service.spawn().await;
-        service
+        // A port picked free can be taken (by another test's server, or as an outgoing
+        // connection's source port) before the server binds it: then the server exits, and it
+        // is started again on another port.
+        for _ in 0..5 {
+            if service.spawn().await {
+                return service;
+            }
+            service.child = None;
+            service.port = free_port();
+            if kind == Kind::Etcd {
+                // A fresh member on the new ports, not one bootstrapped on the old ones.
+                let _ = std::fs::remove_dir_all(service.dir.path().join("etcd"));
+            }
+        }
+        panic!(
+            "{kind:?} exited at start five times; see {:?}",
+            service.dir.path()
+        );
     }
 
     pub fn url(&self) -> String {
@@ -79,7 +95,8 @@ impl Service {
         }
     }
 
-    async fn spawn(&mut self) {
+    /// Starts the server and waits until it answers; false if it exited first.
+    async fn spawn(&mut self) -> bool {
         let dir = self.dir.path();
         let port = self.port.to_string();
         let mut cmd = match self.kind {
@@ -151,15 +168,20 @@ impl Service {
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start {:?}: {e}", self.kind));
         self.child = Some(child);
-        self.wait_ready().await;
+        self.wait_ready().await
     }
 
     /// Polls the server's own readiness answer (PING, /health, a connection).
-    async fn wait_ready(&self) {
+    async fn wait_ready(&mut self) -> bool {
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
             if self.answers().await {
-                return;
+                return true;
+            }
+            if let Some(child) = &mut self.child {
+                if matches!(child.try_wait(), Ok(Some(_))) {
+                    return false;
+                }
             }
             assert!(
                 Instant::now() < deadline,
@@ -232,7 +254,12 @@ impl Service {
 
     pub async fn restart(&mut self) {
         assert!(self.child.is_none(), "kill first");
-        self.spawn().await;
+        assert!(
+            self.spawn().await,
+            "{:?} exited at restart on port {}",
+            self.kind,
+            self.port
+        );
     }
 }
 
