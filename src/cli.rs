@@ -271,13 +271,20 @@ pub fn main() -> ExitCode {
 }
 
 /// The async runtime. `FENCEGATE_WORKERS` sets the number of worker threads (default: one per
-/// core); `1` runs everything on one thread without the work-stealing scheduler, which is
-/// cheapest for a sidecar given a single core.
+/// core the process may use, from its CPU affinity and cgroup quota); one runs everything on
+/// one thread without the work-stealing scheduler, which is cheapest for a sidecar given a
+/// single core.
 fn runtime() -> tokio::runtime::Runtime {
     let workers = std::env::var("FENCEGATE_WORKERS")
         .ok()
         .and_then(|v| v.parse::<usize>().ok())
-        .filter(|&n| n > 0);
+        .filter(|&n| n > 0)
+        .or_else(|| {
+            std::thread::available_parallelism()
+                .ok()
+                .map(usize::from)
+                .filter(|&n| n == 1)
+        });
     let mut builder = match workers {
         Some(1) => tokio::runtime::Builder::new_current_thread(),
         Some(n) => {
