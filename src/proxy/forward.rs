@@ -20,34 +20,76 @@ static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
 
+/// The position of a hop-by-hop header in [`HOP_BY_HOP`] (`name` in lower case, as header
+/// names are kept). A string match: cheaper than comparing header names one by one.
+fn hop_index(name: &str) -> Option<usize> {
+    Some(match name {
+        "connection" => 0,
+        "proxy-connection" => 1,
+        "keep-alive" => 2,
+        "proxy-authenticate" => 3,
+        "proxy-authorization" => 4,
+        "te" => 5,
+        "transfer-encoding" => 6,
+        "upgrade" => 7,
+        _ => return None,
+    })
+}
+
 /// Removes hop-by-hop headers, including every header the `Connection` header names.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    // One pass over the (few) headers finds nothing to strip in the common case, cheaper than
-    // eight removals that each hash and probe.
-    if !headers.keys().any(|k| HOP_BY_HOP.contains(k)) {
+    // One pass over the (few) headers notes which hop-by-hop ones are there; only those are
+    // removed (a removal hashes and probes). Upstreams usually send `Connection: keep-alive`
+    // and nothing else of the kind, so that is one removal.
+    let mut present = 0u8;
+    for key in headers.keys() {
+        if let Some(i) = hop_index(key.as_str()) {
+            present |= 1 << i;
+        }
+    }
+    if present == 0 {
         return;
     }
-    if headers.contains_key(header::CONNECTION) {
+    if present & 1 != 0 {
+        // Other headers the `Connection` header nominates, found among those present (no
+        // header name is built for a token such as `close` that names nothing here).
         let nominated: Vec<HeaderName> = headers
             .get_all(header::CONNECTION)
             .iter()
             .flat_map(|v| v.as_bytes().split(|&b| b == b','))
-            .filter_map(|name| HeaderName::from_bytes(name.trim_ascii()).ok())
+            .map(<[u8]>::trim_ascii)
+            // `keep-alive` is hop-by-hop anyway.
+            .filter(|token| !token.is_empty() && !token.eq_ignore_ascii_case(b"keep-alive"))
+            .filter_map(|token| {
+                headers
+                    .keys()
+                    .find(|k| k.as_str().as_bytes().eq_ignore_ascii_case(token))
+                    .cloned()
+            })
             .collect();
         for name in nominated {
             headers.remove(name);
         }
     }
-    for name in &HOP_BY_HOP {
-        headers.remove(name);
+    for (i, name) in HOP_BY_HOP.iter().enumerate() {
+        if present & (1 << i) != 0 {
+            headers.remove(name);
+        }
     }
 }
 
+/// The `X-Forwarded-For` entry for a client address (made once per client connection).
+pub fn peer_value(peer: IpAddr) -> HeaderValue {
+    HeaderValue::from_maybe_shared(bytes::Bytes::from(peer.to_string()))
+        .expect("an IP address is a valid header value")
+}
+
 /// Prepares request headers for the upstream: hop-by-hop gone, `Host` left to the client
-/// (set from the upstream address), the client's address and scheme recorded.
+/// (set from the upstream address), the client's address (`peer`, from [`peer_value`]) and
+/// scheme recorded.
 pub fn request_headers(
     headers: &mut HeaderMap,
-    peer: IpAddr,
+    peer: HeaderValue,
     https: bool,
     authority: Option<&str>,
 ) {
@@ -62,11 +104,14 @@ pub fn request_headers(
         None => headers.remove(header::HOST),
     };
     let forwarded_for = match headers.get(&X_FORWARDED_FOR).and_then(|v| v.to_str().ok()) {
-        Some(chain) => format!("{chain}, {peer}"),
-        None => peer.to_string(),
+        Some(chain) => {
+            let joined = format!("{chain}, {}", peer.to_str().unwrap_or_default());
+            // From the String's own buffer: one allocation, not two.
+            HeaderValue::from_maybe_shared(bytes::Bytes::from(joined)).ok()
+        }
+        None => Some(peer),
     };
-    // From the String's own buffer: one allocation, not two.
-    if let Ok(value) = HeaderValue::from_maybe_shared(bytes::Bytes::from(forwarded_for)) {
+    if let Some(value) = forwarded_for {
         // Several X-Forwarded-For lines would be joined by the upstream anyway; keep one.
         headers.insert(X_FORWARDED_FOR.clone(), value);
     }
@@ -99,12 +144,37 @@ mod tests {
     }
 
     #[test]
+    fn strips_every_line_of_a_nominated_header_and_keeps_the_rest() {
+        let mut h = HeaderMap::new();
+        h.append("connection", HeaderValue::from_static("keep-alive"));
+        h.append("connection", HeaderValue::from_static(" X-Hop ,Close"));
+        h.append("x-hop", HeaderValue::from_static("1"));
+        h.append("x-hop", HeaderValue::from_static("2"));
+        h.insert("close", HeaderValue::from_static("c"));
+        h.insert("content-length", HeaderValue::from_static("3"));
+        h.insert("proxy-connection", HeaderValue::from_static("keep-alive"));
+        strip_hop_by_hop(&mut h);
+        let left: Vec<&str> = h.keys().map(|k| k.as_str()).collect();
+        assert_eq!(left, ["content-length"]);
+
+        let mut untouched = HeaderMap::new();
+        untouched.insert("content-type", HeaderValue::from_static("text/plain"));
+        strip_hop_by_hop(&mut untouched);
+        assert_eq!(untouched.len(), 1);
+    }
+
+    #[test]
     fn forwarded_headers() {
         let mut h = HeaderMap::new();
         h.insert("host", HeaderValue::from_static("ledger.example"));
         h.insert("x-forwarded-for", HeaderValue::from_static("10.0.0.1"));
         h.insert("x-forwarded-proto", HeaderValue::from_static("https"));
-        request_headers(&mut h, "127.0.0.9".parse().unwrap(), false, None);
+        request_headers(
+            &mut h,
+            peer_value("127.0.0.9".parse().unwrap()),
+            false,
+            None,
+        );
         assert!(h.get("host").is_none());
         assert_eq!(h["x-forwarded-for"], "10.0.0.1, 127.0.0.9");
         assert_eq!(h["x-forwarded-proto"], "http");
@@ -113,7 +183,7 @@ mod tests {
         let mut h2 = HeaderMap::new();
         request_headers(
             &mut h2,
-            "::1".parse().unwrap(),
+            peer_value("::1".parse().unwrap()),
             true,
             Some("api.example:7440"),
         );

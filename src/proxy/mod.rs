@@ -61,6 +61,8 @@ pub struct Proxy {
     /// answers refusals without a round trip).
     authority: Option<Arc<crate::lease::grants::GrantCache>>,
     upstream: UpstreamUrl,
+    /// `Host` for requests on a client connection's own upstream connection.
+    upstream_host: http::HeaderValue,
     /// Kept to tell whether a reload may reuse the pooled client.
     upstream_ca: Option<std::path::PathBuf>,
     timeouts: Timeouts,
@@ -179,6 +181,8 @@ impl Proxy {
             attach: None,
             authority: None,
             upstream: config.upstream.clone(),
+            upstream_host: http::HeaderValue::from_str(config.upstream.authority.as_str())
+                .expect("an authority is a valid header value"),
             upstream_ca: config.upstream_ca.clone(),
             timeouts: config.timeouts.clone(),
             https: config.tls.is_some(),
@@ -517,16 +521,32 @@ impl Proxy {
         own: Option<upstream::SharedSlot>,
     ) -> Response<ProxyBody> {
         let (mut parts, body) = req.into_parts();
+        let forwarded_for = match &own {
+            Some(slot) => slot.forwarded_for(peer.ip()),
+            None => forward::peer_value(peer.ip()),
+        };
         // The client connection's own upstream connection serves HTTP/1 clients of a plain
         // upstream; HTTP/2 clients (concurrent streams) and https upstreams use the pool, and
         // so do exchanges that must outlive their client (a barrier ticket or an idempotency
         // claim): the pool keeps their connection until the response has been read, whoever
         // reads it.
-        let own = own
-            .filter(|_| ticket.is_none() && attempt.is_none())
-            .filter(|_| parts.version <= Version::HTTP_11 && !self.upstream.is_https())
-            .map(|slot| (slot, self.upstream.authority.clone()));
-        let uri = match self.upstream_uri(normalised, &parts.uri) {
+        let via = match own {
+            Some(slot)
+                if ticket.is_none()
+                    && attempt.is_none()
+                    && parts.version <= Version::HTTP_11
+                    && !self.upstream.is_https() =>
+            {
+                upstream::Route::Own(
+                    slot,
+                    self.upstream.authority.clone(),
+                    self.upstream_host.clone(),
+                )
+            }
+            _ => upstream::Route::Pool,
+        };
+        let absolute = matches!(via, upstream::Route::Pool);
+        let uri = match self.upstream_uri(normalised, &parts.uri, absolute) {
             Ok(uri) => uri,
             Err(e) => {
                 let refusal = Refusal::InvalidPath(e);
@@ -536,7 +556,7 @@ impl Proxy {
         let authority = parts.uri.authority().map(|a| a.as_str().to_owned());
         forward::request_headers(
             &mut parts.headers,
-            peer.ip(),
+            forwarded_for,
             self.https,
             authority.as_deref(),
         );
@@ -546,14 +566,11 @@ impl Proxy {
         let metrics = self.metrics_for(route);
         let method = parts.method.clone();
         let started = Instant::now();
-        let exchange = tokio::time::timeout(
+        let exchange = upstream::send(
+            &self.client,
+            via,
             self.timeouts.upstream,
-            upstream::send(
-                &self.client,
-                own,
-                self.timeouts.upstream,
-                Request::from_parts(parts, body),
-            ),
+            Request::from_parts(parts, body),
         );
         let (sent, ticket, attempt) = if ticket.is_none() && attempt.is_none() {
             (exchange.await, None, None)
@@ -620,10 +637,16 @@ impl Proxy {
         self.refuse(refusal, route, subject, &method, normalised)
     }
 
-    /// The upstream URI: its scheme and authority, the normalised path and the original query.
+    /// The upstream URI: the normalised path and the original query, after the upstream's scheme
+    /// and authority when `absolute` (the pool wants those; a connection of our own does not).
     /// When normalising changed nothing (the common case) the request's own path-and-query is
     /// reused instead of being formatted and parsed again.
-    fn upstream_uri(&self, path: &str, original: &Uri) -> Result<Uri, path::PathError> {
+    fn upstream_uri(
+        &self,
+        path: &str,
+        original: &Uri,
+        absolute: bool,
+    ) -> Result<Uri, path::PathError> {
         let query = original.query();
         let unchanged = original
             .path_and_query()
@@ -635,6 +658,9 @@ impl Proxy {
             (None, None) => PathAndQuery::try_from(path),
         }
         .map_err(|_| path::PathError::Control)?;
+        if !absolute {
+            return Ok(Uri::from(path_and_query));
+        }
         Uri::builder()
             .scheme(self.upstream.scheme.clone())
             .authority(self.upstream.authority.clone())
@@ -740,11 +766,7 @@ fn set_token(headers: &mut http::HeaderMap, name: &HeaderName, token: u64) {
 /// What happens to an upstream exchange whose client went away: the response (if any) is
 /// recorded for an idempotency claim (draining its body), an error records an unknown
 /// outcome, and the barrier ticket is released only then.
-async fn abandoned(
-    sent: Result<Result<Response<Incoming>, upstream::BoxError>, tokio::time::error::Elapsed>,
-    ticket: Option<Ticket>,
-    attempt: Option<Attempt>,
-) {
+async fn abandoned(sent: upstream::Sent, ticket: Option<Ticket>, attempt: Option<Attempt>) {
     match (sent, attempt) {
         (Ok(Ok(response)), Some(attempt)) => {
             let (parts, inner) = response.into_parts();

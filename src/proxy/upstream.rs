@@ -9,31 +9,58 @@
 
 use std::error::Error as StdError;
 use std::future::Future;
-use std::sync::{Arc, Mutex};
+use std::net::IpAddr;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use http::uri::Authority;
-use http::{Request, Response};
+use http::{HeaderValue, Request, Response};
 use hyper::body::Incoming;
 use hyper::client::conn::http1::SendRequest;
 use hyper_util::rt::TokioIo;
+use tokio::time::Sleep;
 
 use super::idempotent::UpstreamBody;
 use super::UpstreamClient;
 
 pub type BoxError = Box<dyn StdError + Send + Sync>;
 
+/// The upstream did not answer within `timeouts.upstream`.
+#[derive(Debug)]
+pub struct TimedOut;
+
+/// What an upstream exchange gives: the response head, the error, or no answer in time.
+pub type Sent = Result<Result<Response<Incoming>, BoxError>, TimedOut>;
+
 /// One client connection's upstream connection, and the authority it goes to (a reload may
 /// change the upstream; the old connection is then dropped).
 type Held = (Authority, SendRequest<UpstreamBody>);
 
-/// The slot for a client connection's upstream connection.
+/// What a client connection keeps between its requests.
+#[derive(Default)]
+struct PerConnection {
+    upstream: Mutex<Idle>,
+    /// The client's address as an `X-Forwarded-For` entry, formatted once.
+    forwarded_for: OnceLock<(IpAddr, HeaderValue)>,
+}
+
+#[derive(Default)]
+struct Idle {
+    held: Option<Held>,
+    /// The upstream timeout's timer, kept armed between requests: moving an armed timer's
+    /// deadline later is one atomic step, while a new timer per request is registered with the
+    /// timer wheel and removed again.
+    timer: Option<Pin<Box<Sleep>>>,
+}
+
+/// The state kept per client connection: its upstream connection and its formatted address.
 ///
 /// `Clone` gives a **new, empty** slot: the server clones its handler once per accepted
 /// connection, so a handler that captures a slot gives every connection its own. Requests of
 /// that connection reach it through [`ConnUpstream::share`].
 #[derive(Default)]
-pub struct ConnUpstream(Arc<Mutex<Option<Held>>>);
+pub struct ConnUpstream(Arc<PerConnection>);
 
 impl Clone for ConnUpstream {
     fn clone(&self) -> Self {
@@ -50,75 +77,120 @@ impl ConnUpstream {
 
 /// A handle on a connection's slot (same slot, unlike `ConnUpstream::clone`).
 #[derive(Clone)]
-pub struct SharedSlot(Arc<Mutex<Option<Held>>>);
+pub struct SharedSlot(Arc<PerConnection>);
 
 impl SharedSlot {
-    fn take(&self, authority: &Authority) -> Option<SendRequest<UpstreamBody>> {
-        let mut slot = self.0.lock().expect("upstream slot poisoned");
-        match slot.take() {
-            Some((a, sender)) if a == *authority && !sender.is_closed() => Some(sender),
-            _ => None,
+    /// The `X-Forwarded-For` entry for `peer`, formatted on the connection's first request.
+    pub fn forwarded_for(&self, peer: IpAddr) -> HeaderValue {
+        match self.0.forwarded_for.get() {
+            Some((ip, value)) if *ip == peer => value.clone(),
+            _ => {
+                let value = super::forward::peer_value(peer);
+                let _ = self.0.forwarded_for.set((peer, value.clone()));
+                value
+            }
         }
     }
 
-    fn put(&self, authority: Authority, sender: SendRequest<UpstreamBody>) {
-        *self.0.lock().expect("upstream slot poisoned") = Some((authority, sender));
+    fn take(
+        &self,
+        authority: &Authority,
+    ) -> (Option<SendRequest<UpstreamBody>>, Option<Pin<Box<Sleep>>>) {
+        let mut idle = self.0.upstream.lock().expect("upstream slot poisoned");
+        let sender = match idle.held.take() {
+            Some((a, sender)) if a == *authority && !sender.is_closed() => Some(sender),
+            _ => None,
+        };
+        (sender, idle.timer.take())
     }
+
+    fn put(&self, held: Option<Held>, timer: Pin<Box<Sleep>>) {
+        let mut idle = self.0.upstream.lock().expect("upstream slot poisoned");
+        idle.held = held;
+        idle.timer = Some(timer);
+    }
+}
+
+/// Where a request goes: the pool (absolute URI), or a client connection's own upstream
+/// connection (origin-form URI; the upstream's authority and its `Host` value).
+pub enum Route {
+    Pool,
+    Own(SharedSlot, Authority, HeaderValue),
 }
 
 // Built once per request and moved straight into its future: boxing the request would cost an
 // allocation per request to save stack space nobody holds on to.
 #[allow(clippy::large_enum_variant)]
 enum Via {
-    Pool(hyper_util::client::legacy::ResponseFuture),
-    Own(SharedSlot, Authority, Request<UpstreamBody>),
+    Pool(tokio::time::Timeout<hyper_util::client::legacy::ResponseFuture>),
+    Own(SharedSlot, Authority, HeaderValue, Request<UpstreamBody>),
 }
 
-/// Sends `req` (absolute URI) upstream: on `own` when given, through `pool` otherwise.
+/// Sends `req` upstream, as `route` says, waiting at most `limit` for the response head.
 pub fn send(
     pool: &UpstreamClient,
-    own: Option<(SharedSlot, Authority)>,
-    connect_timeout: Duration,
+    route: Route,
+    limit: Duration,
     req: Request<UpstreamBody>,
-) -> impl Future<Output = Result<Response<Incoming>, BoxError>> + Send + 'static {
-    let via = match own {
-        None => Via::Pool(pool.request(req)),
-        Some((slot, authority)) => Via::Own(slot, authority, req),
+) -> impl Future<Output = Sent> + Send + 'static {
+    let via = match route {
+        Route::Pool => Via::Pool(tokio::time::timeout(limit, pool.request(req))),
+        Route::Own(slot, authority, host) => Via::Own(slot, authority, host, req),
     };
     async move {
-        let (slot, authority, mut req) = match via {
-            Via::Pool(response) => return response.await.map_err(Into::into),
-            Via::Own(slot, authority, req) => (slot, authority, req),
+        let (slot, authority, host, mut req) = match via {
+            Via::Pool(response) => {
+                return match response.await {
+                    Ok(answer) => Ok(answer.map_err(Into::into)),
+                    Err(_) => Err(TimedOut),
+                }
+            }
+            Via::Own(slot, authority, host, req) => (slot, authority, host, req),
         };
-        let mut sender = match slot.take(&authority) {
-            Some(sender) => sender,
-            None => connect(&authority, connect_timeout).await?,
+        let (sender, timer) = slot.take(&authority);
+        let deadline = tokio::time::Instant::now() + limit;
+        let mut timer = match timer {
+            Some(mut timer) => {
+                timer.as_mut().reset(deadline);
+                timer
+            }
+            None => Box::pin(tokio::time::sleep_until(deadline)),
         };
-        if sender.ready().await.is_err() {
-            // Closed before anything was sent on it: a new connection is safe.
-            sender = connect(&authority, connect_timeout).await?;
-            sender.ready().await?;
+        req.headers_mut().insert(http::header::HOST, host);
+        let exchange = async {
+            let mut sender = match sender {
+                Some(sender) => sender,
+                None => connect(&authority, limit).await?,
+            };
+            if sender.ready().await.is_err() {
+                // Closed before anything was sent on it: a new connection is safe.
+                sender = connect(&authority, limit).await?;
+                sender.ready().await?;
+            }
+            let response = sender.send_request(req).await?;
+            Ok::<_, BoxError>((response, sender))
+        };
+        tokio::select! {
+            biased;
+            answer = exchange => match answer {
+                // Back in the slot once the upstream has answered (the next request waits in
+                // `ready()` for the body to end).
+                Ok((response, sender)) => {
+                    slot.put(Some((authority, sender)), timer);
+                    Ok(Ok(response))
+                }
+                // A failed exchange takes its connection with it: the next request gets a
+                // fresh one instead of queueing behind an upstream that does not answer.
+                Err(e) => {
+                    slot.put(None, timer);
+                    Ok(Err(e))
+                }
+            },
+            () = timer.as_mut() => {
+                slot.put(None, timer);
+                Err(TimedOut)
+            }
         }
-        // Origin form and the upstream's Host, as the pooled client would send them.
-        let path = req
-            .uri()
-            .path_and_query()
-            .cloned()
-            .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/"));
-        *req.uri_mut() = http::Uri::from(path);
-        req.headers_mut().insert(
-            http::header::HOST,
-            http::HeaderValue::from_str(authority.as_str())?,
-        );
-        let response = sender.send_request(req).await;
-        // Back in the slot once the upstream has answered (the next request waits in
-        // `ready()` for the body to end). An exchange that failed, or was given up by a timeout
-        // (this future dropped), takes its connection with it: the next request gets a fresh
-        // one instead of queueing behind an upstream that does not answer.
-        if response.is_ok() {
-            slot.put(authority, sender);
-        }
-        response.map_err(Into::into)
     }
 }
 
