@@ -339,6 +339,7 @@ fn writer(path: PathBuf, db: Database, names: Names, rx: mpsc::Receiver<Op>, sha
     let probe = TableDefinition::<&str, u64>::new(&probe_name);
     let mut db = Some(db);
     let mut batch = Vec::with_capacity(64);
+    let mut next_purge = 0;
     loop {
         let first = if shared.healthy.load(Ordering::Relaxed) {
             match rx.recv() {
@@ -366,9 +367,8 @@ fn writer(path: PathBuf, db: Database, names: Names, rx: mpsc::Receiver<Op>, sha
             db = Database::create(&path).ok();
         }
         let result = match &db {
-            Some(handle) => {
-                commit_batch(handle, tables, &batch, &shared).map_err(|e| e.to_string())
-            }
+            Some(handle) => commit_batch(handle, tables, &batch, &shared, &mut next_purge)
+                .map_err(|e| e.to_string()),
             None => Err(format!("cannot reopen {}", path.display())),
         };
         match result {
@@ -437,13 +437,20 @@ fn recover(
 /// The answers in batch order, the raised maxima, and whether anything was committed.
 type BatchResult = (Vec<Answer>, HashMap<Box<str>, u64>, bool);
 
+/// How often a batch of raises alone also purges expired idempotency records (a batch with
+/// keyed operations always does).
+const PURGE_EVERY_MS: u64 = 1000;
+
 /// Applies a batch in arrival order in one write transaction, committed (with its fsync)
-/// only if something was written.
+/// only if something was written. The idempotency tables are opened only when the batch has
+/// keyed operations or a purge is due (`next_purge`, ms since the Unix epoch): a table opened
+/// costs a lookup and a root update in every commit, and most batches are raises alone.
 fn commit_batch(
     db: &Database,
     tables: Tables<'_>,
     batch: &[Op],
     shared: &Shared,
+    next_purge: &mut u64,
 ) -> Result<BatchResult, redb::Error> {
     let txn = db.begin_write()?;
     let now = now_ms();
@@ -451,10 +458,18 @@ fn commit_batch(
     // Raises within this batch, applied in arrival order.
     let mut raised: HashMap<Box<str>, u64> = HashMap::new();
     let mut wrote = false;
+    let keyed = batch.iter().any(|op| !matches!(op, Op::Raise { .. }));
+    let purging = keyed || now >= *next_purge;
     {
         let mut fences = txn.open_table(tables.fences)?;
-        let mut records = txn.open_table(tables.records)?;
-        let mut expiries = txn.open_table(tables.expiries)?;
+        let mut idempotency = if purging {
+            Some((
+                txn.open_table(tables.records)?,
+                txn.open_table(tables.expiries)?,
+            ))
+        } else {
+            None
+        };
         let current = |raised: &HashMap<Box<str>, u64>, resource: &str| {
             raised
                 .get(resource)
@@ -483,8 +498,9 @@ fn commit_batch(
                     claim,
                     ..
                 } => {
+                    let (records, expiries) = idempotency.as_mut().expect("opened for keys");
                     let k = record_key(resource, key);
-                    let existing = match read_record(&records, &k)? {
+                    let existing = match read_record(records, &k)? {
                         Ok(existing) => existing,
                         Err(e) => {
                             answers.push(Answer::Failed(e));
@@ -505,7 +521,7 @@ fn commit_batch(
                         let record = Record::in_flight(claim.token, claim.fingerprint);
                         let old = existing.map(|(at, _)| at);
                         let at = expiry_ms(now, claim.window);
-                        write_record(&mut records, &mut expiries, &k, old, at, &record)?;
+                        write_record(records, expiries, &k, old, at, &record)?;
                         wrote = true;
                     }
                     Answer::Begin(begin)
@@ -517,8 +533,9 @@ fn commit_batch(
                     outcome,
                     ..
                 } => {
+                    let (records, expiries) = idempotency.as_mut().expect("opened for keys");
                     let k = record_key(resource, key);
-                    let existing = match read_record(&records, &k)? {
+                    let existing = match read_record(records, &k)? {
                         Ok(existing) => existing,
                         Err(e) => {
                             answers.push(Answer::Failed(e));
@@ -533,7 +550,7 @@ fn commit_batch(
                                 && record.fingerprint == claim.fingerprint =>
                         {
                             let next = expiry_ms(now, claim.window);
-                            write_record(&mut records, &mut expiries, &k, Some(at), next, outcome)?;
+                            write_record(records, expiries, &k, Some(at), next, outcome)?;
                             true
                         }
                         _ => false,
@@ -544,8 +561,9 @@ fn commit_batch(
             };
             answers.push(answer);
         }
-        if wrote {
-            purge(&mut records, &mut expiries, now)?;
+        if let (true, Some((records, expiries))) = (wrote, idempotency.as_mut()) {
+            purge(records, expiries, now)?;
+            *next_purge = now.saturating_add(PURGE_EVERY_MS);
         }
     }
     if wrote {
