@@ -66,12 +66,11 @@ async fn hop_by_hop_headers_are_stripped_and_forwarding_headers_set() {
 
 #[tokio::test]
 async fn upstream_down_is_502_and_the_raise_stays() {
-    // A port with nothing listening: bind, note the port, close.
-    let addr = TcpListener::bind("127.0.0.1:0")
-        .await
-        .unwrap()
-        .local_addr()
-        .unwrap();
+    // A port with nothing listening: bound but never listened on, and held for the whole test,
+    // so no other test can take it in between.
+    let reserved = tokio::net::TcpSocket::new_v4().unwrap();
+    reserved.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let addr = reserved.local_addr().unwrap();
     let fg = fencegate(&format!("http://{addr}"), ACCOUNTS).await;
     let reply = put(&fg, "1", "8").await;
     let body = reply.assert_problem(502, "urn:fencegate:upstream-error");
