@@ -6,8 +6,10 @@
 //! `max_response_bytes`) is kept; when the upstream's body ends, the record is written
 //! before the client sees the end, so a retry sent after the response never finds the key
 //! still in flight. A client that goes away early does not stop the recording: the rest of
-//! the upstream's body is drained and recorded in the background.
+//! the upstream's body is drained and recorded in the background, and an attempt that ends
+//! without an answer to record (never sent, or the upstream failed) is recorded `unknown`.
 
+use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -61,72 +63,145 @@ pub fn key_from_headers(headers: &HeaderMap, name: &HeaderName) -> Result<Option
 }
 
 /// An executed attempt: where and how to record its outcome.
+///
+/// Its outcome is written exactly once: by [`Attempt::record_empty`], [`Attempt::unknown`],
+/// or the [`Recording`] that carries it. An attempt dropped before any of these (its client
+/// went away while it waited for its barrier turn, or the process is shutting down) records
+/// `unknown` on its way out, so that its key does not stay in flight for a whole window.
 pub struct Attempt {
+    /// Taken when the outcome is written.
+    writer: Option<Writer>,
+    claim: Claim,
+    max_response: usize,
+    /// How long the rest of a body is read after its client left.
+    drain_limit: Duration,
+}
+
+/// What writing an attempt's outcome needs.
+struct Writer {
     store: Arc<dyn FenceStore>,
     resource: String,
     key: String,
     claim: Claim,
-    max_response: usize,
     store_timeout: Duration,
-    /// How long the rest of a body is read after its client left.
-    drain_limit: Duration,
     metrics: Arc<crate::metrics::Metrics>,
 }
 
-impl Attempt {
+impl Writer {
     /// Writes the outcome (bounded by the store timeout). A failure is logged: the record
     /// then stays `in_flight` until its window ends, which refuses retries (409) rather than
     /// risking a second execution.
-    fn finish(self, record: Record) -> BoxFuture<'static, ()> {
-        Box::pin(async move {
-            let m: &IdempotencyMetrics = &self.metrics.idempotency;
-            if record.phase == Phase::Unknown {
-                m.unknown.inc();
-            }
-            let started = Instant::now();
-            let written = tokio::time::timeout(
-                self.store_timeout,
-                self.store
-                    .finish_idempotent(&self.resource, &self.key, &self.claim, &record),
-            )
-            .await
-            .unwrap_or_else(|_| {
-                Err(StoreError::Unavailable(format!(
-                    "no answer within {:?}",
-                    self.store_timeout
-                )))
-            });
-            m.store_finish.observe(started.elapsed().as_secs_f64());
-            match written {
-                Ok(true) => {}
-                Ok(false) => tracing::warn!(
+    async fn write(self, record: Record) {
+        let m: &IdempotencyMetrics = &self.metrics.idempotency;
+        if record.phase == Phase::Unknown {
+            m.unknown.inc();
+        }
+        let started = Instant::now();
+        let written = tokio::time::timeout(
+            self.store_timeout,
+            self.store
+                .finish_idempotent(&self.resource, &self.key, &self.claim, &record),
+        )
+        .await
+        .unwrap_or_else(|_| {
+            Err(StoreError::Unavailable(format!(
+                "no answer within {:?}",
+                self.store_timeout
+            )))
+        });
+        m.store_finish.observe(started.elapsed().as_secs_f64());
+        match written {
+            Ok(true) => {}
+            Ok(false) => tracing::warn!(
+                resource = %self.resource,
+                fencing_token = self.claim.token,
+                "idempotency record changed while the attempt ran (expired?); outcome not recorded"
+            ),
+            Err(e) => {
+                self.metrics.store_errors.inc();
+                tracing::error!(
                     resource = %self.resource,
                     fencing_token = self.claim.token,
-                    "idempotency record changed while the attempt ran (expired?); outcome not recorded"
-                ),
-                Err(e) => {
-                    self.metrics.store_errors.inc();
-                    tracing::error!(
-                        resource = %self.resource,
-                        fencing_token = self.claim.token,
-                        error = %e,
-                        "idempotency outcome not recorded; the key stays in flight until its window ends"
-                    )
-                }
+                    error = %e,
+                    "idempotency outcome not recorded; the key stays in flight until its window ends"
+                )
             }
-        })
+        }
+    }
+}
+
+/// The write of an outcome to the store.
+///
+/// Awaited by whoever needs it done (the end of a response waits for it), and finished in the
+/// background if that waiter is dropped first: a client that hangs up must not cancel the
+/// write half-way and leave its key in flight.
+#[must_use = "dropping a Finish writes the outcome in the background; await it to wait for it"]
+pub struct Finish(Option<BoxFuture<'static, ()>>);
+
+impl Finish {
+    fn new(write: impl Future<Output = ()> + Send + 'static) -> Self {
+        Finish(Some(Box::pin(write)))
+    }
+
+    /// Lets the write finish in the background.
+    fn detach(mut self) {
+        if let Some(write) = self.0.take() {
+            background(write);
+        }
+    }
+}
+
+impl Future for Finish {
+    type Output = ();
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        if let Some(write) = &mut self.0 {
+            std::task::ready!(write.as_mut().poll(cx));
+            self.0 = None;
+        }
+        Poll::Ready(())
+    }
+}
+
+impl Drop for Finish {
+    fn drop(&mut self) {
+        if let Some(write) = self.0.take() {
+            background(write);
+        }
+    }
+}
+
+/// Runs `work` on the current runtime without waiting for it. Called from `Drop`, where
+/// `tokio::spawn`'s panic outside a runtime would abort.
+fn background(work: BoxFuture<'static, ()>) {
+    match tokio::runtime::Handle::try_current() {
+        Ok(runtime) => drop(runtime.spawn(work)),
+        Err(_) => tracing::error!(
+            "no runtime left to record an idempotency outcome on; the key stays in flight until its window ends"
+        ),
+    }
+}
+
+impl Attempt {
+    /// Writes the outcome; see [`Finish`].
+    fn finish(mut self, record: Record) -> Finish {
+        let writer = self
+            .writer
+            .take()
+            .expect("an attempt's outcome is written once, by the call that consumes it");
+        Finish::new(writer.write(record))
     }
 
     /// The upstream answered without a body.
-    pub async fn record_empty(self, status: StatusCode, head: &HeaderMap) {
+    pub fn record_empty(self, status: StatusCode, head: &HeaderMap) -> Finish {
         let record = self.outcome(status, head, Some(Bytes::new()));
-        self.finish(record).await
+        self.finish(record)
     }
 
     /// The upstream never answered (or we never sent): the write may or may not have happened.
-    pub async fn unknown(self) {
+    pub fn unknown(self) -> Finish {
         let record = Record::unknown(self.claim.token, self.claim.fingerprint);
-        self.finish(record).await
+        self.finish(record)
     }
 
     fn outcome(&self, status: StatusCode, head: &HeaderMap, body: Option<Bytes>) -> Record {
@@ -152,6 +227,18 @@ impl Attempt {
     }
 }
 
+impl Drop for Attempt {
+    /// Dropped without an outcome: nothing is known about the write (it may not have been
+    /// sent, or its answer was lost), so a retry may execute it (with a token at least this
+    /// one's), instead of being refused as in flight until the window ends.
+    fn drop(&mut self) {
+        if let Some(writer) = self.writer.take() {
+            let record = Record::unknown(self.claim.token, self.claim.fingerprint);
+            Finish::new(writer.write(record)).detach();
+        }
+    }
+}
+
 /// The upstream's body, streamed to the client and copied for the record.
 pub struct Recording {
     inner: Option<Incoming>,
@@ -162,7 +249,8 @@ pub struct Recording {
     /// The copy so far; `None` once it outgrew `max_response`.
     copy: Option<BytesMut>,
     attempt: Option<Attempt>,
-    finishing: Option<BoxFuture<'static, ()>>,
+    /// Dropped unfinished (the client left), it completes in the background.
+    finishing: Option<Finish>,
     /// The last frame, held back until the record is written: a server that knows the length
     /// stops polling after the last byte, so the end must not be waited for.
     held: Option<Frame<Bytes>>,
@@ -210,7 +298,7 @@ impl Body for Recording {
         let this = &mut *self;
         loop {
             if let Some(finishing) = &mut this.finishing {
-                return match finishing.as_mut().poll(cx) {
+                return match Pin::new(finishing).poll(cx) {
                     Poll::Ready(()) => {
                         this.finishing = None;
                         Poll::Ready(this.held.take().map(Ok))
@@ -248,7 +336,7 @@ impl Body for Recording {
                     this.inner = None;
                     if let Some(attempt) = this.attempt.take() {
                         let record = attempt.outcome(this.status, &this.head, None);
-                        tokio::spawn(attempt.finish(record));
+                        attempt.finish(record).detach();
                     }
                     return Poll::Ready(Some(Err(e)));
                 }
@@ -286,13 +374,11 @@ impl Body for Recording {
 }
 
 impl Drop for Recording {
-    /// The client went away before the end: finish recording without it.
+    /// The client went away before the end (or never started reading): finish recording
+    /// without it. An outcome already being written (`finishing`) completes on its own.
     fn drop(&mut self) {
-        if let Some(finishing) = self.finishing.take() {
-            tokio::spawn(finishing);
-            return;
-        }
         let (Some(mut inner), Some(attempt)) = (self.inner.take(), self.attempt.take()) else {
+            // No body left to read: the attempt, if still here, records `unknown` as it drops.
             return;
         };
         let (status, head, mut copy) = (
@@ -301,7 +387,7 @@ impl Drop for Recording {
             self.copy.take(),
         );
         let ticket = self.ticket.take();
-        tokio::spawn(async move {
+        background(Box::pin(async move {
             let _ticket = ticket;
             // Bounded: an upstream that stalls mid-body must not hold the barrier ticket (or
             // this task) forever; past the limit it counts as a broken body.
@@ -321,7 +407,7 @@ impl Drop for Recording {
             };
             let record = attempt.outcome(status, &head, body);
             attempt.finish(record).await
-        });
+        }));
     }
 }
 
@@ -485,18 +571,24 @@ impl Proxy {
                 if previous.is_none_or(|p| token > p) {
                     route_metrics.increments.inc();
                 }
+                let claim = Claim {
+                    window: settings.window(),
+                    ..claim
+                };
+                // From here on, however this request ends (the client may hang up while it
+                // waits for its turn or for the upstream), the attempt records an outcome.
                 let attempt = Attempt {
-                    store: Arc::clone(&self.store),
-                    resource: resource.to_owned(),
-                    key,
-                    claim: Claim {
-                        window: settings.window(),
-                        ..claim
-                    },
+                    writer: Some(Writer {
+                        store: Arc::clone(&self.store),
+                        resource: resource.to_owned(),
+                        key,
+                        claim,
+                        store_timeout: self.timeouts.store,
+                        metrics: Arc::clone(&self.metrics),
+                    }),
+                    claim,
                     max_response: settings.max_response_bytes,
-                    store_timeout: self.timeouts.store,
                     drain_limit: self.timeouts.upstream,
-                    metrics: Arc::clone(&self.metrics),
                 };
                 if let Some(ticket) = &ticket {
                     if ticket.wait_turn(route.barrier_timeout).await.is_err() {

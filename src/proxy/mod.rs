@@ -549,6 +549,10 @@ impl Proxy {
         let uri = match self.upstream_uri(normalised, &parts.uri, absolute) {
             Ok(uri) => uri,
             Err(e) => {
+                if let Some(attempt) = attempt {
+                    // Claimed but never sent: a retry may execute it.
+                    attempt.unknown().await;
+                }
                 let refusal = Refusal::InvalidPath(e);
                 return self.refuse(refusal, route, subject, &parts.method, normalised);
             }
@@ -572,18 +576,22 @@ impl Proxy {
             self.timeouts.upstream,
             Request::from_parts(parts, body),
         );
-        let (sent, ticket, attempt) = if ticket.is_none() && attempt.is_none() {
-            (exchange.await, None, None)
+        let (took, settled) = if ticket.is_none() && attempt.is_none() {
+            let sent = exchange.await;
+            (started.elapsed(), settle(sent, None, None).await)
         } else {
             // A barrier ticket or an idempotency claim must outlive the client: if it hangs
             // up while the write is with the upstream, the ticket is held (and the outcome
-            // recorded) until the upstream has answered, not dropped with the request.
+            // recorded) until the upstream has answered, not dropped with the request. The
+            // answer is settled before it is handed over: the response's body then holds the
+            // ticket and records the outcome when read to the end, and drains and records in
+            // the background when dropped unread, whether by the server (the client is gone)
+            // or with the channel (the client went away before, or even after, the send).
             let (tx, rx) = tokio::sync::oneshot::channel();
             tokio::spawn(async move {
                 let sent = exchange.await;
-                if let Err((sent, ticket, attempt)) = tx.send((sent, ticket, attempt)) {
-                    abandoned(sent, ticket, attempt).await;
-                }
+                let took = started.elapsed();
+                let _ = tx.send((took, settle(sent, ticket, attempt).await));
             });
             match rx.await {
                 Ok(done) => done,
@@ -593,47 +601,22 @@ impl Proxy {
                 }
             }
         };
-        metrics.upstream.observe(started.elapsed().as_secs_f64());
-        let refusal = match sent {
-            Ok(Ok(response)) => {
+        metrics.upstream.observe(took.as_secs_f64());
+        let refusal = match settled {
+            Ok(response) => {
                 metrics.outcome(outcome).inc();
-                let (mut parts, inner) = response.into_parts();
-                forward::strip_hop_by_hop(&mut parts.headers);
-                let body = match attempt {
-                    // A response without a body (204, Content-Length: 0) is never polled by
-                    // the server: record it before it goes out.
-                    Some(attempt) if http_body::Body::is_end_stream(&inner) => {
-                        attempt.record_empty(parts.status, &parts.headers).await;
-                        ProxyBody::Upstream {
-                            inner,
-                            _ticket: ticket,
-                        }
-                    }
-                    None => ProxyBody::Upstream {
-                        inner,
-                        _ticket: ticket,
-                    },
-                    Some(attempt) => ProxyBody::Recording(Box::new(idempotent::Recording::new(
-                        inner,
-                        ticket,
-                        parts.status,
-                        parts.headers.clone(),
-                        attempt,
-                    ))),
-                };
-                return Response::from_parts(parts, body);
+                return response;
             }
-            Ok(Err(e)) if request_body_failed(&e) => Refusal::InvalidRequest(format!(
-                "the request body was malformed or cut short ({}); the upstream got an \
-                 incomplete request",
-                error_chain(e.as_ref())
-            )),
-            Ok(Err(e)) => Refusal::UpstreamError(error_chain(e.as_ref())),
-            Err(_) => Refusal::UpstreamTimeout,
+            Err(Failed::Upstream(e)) if request_body_failed(&e) => {
+                Refusal::InvalidRequest(format!(
+                    "the request body was malformed or cut short ({}); the upstream got an \
+                     incomplete request",
+                    error_chain(e.as_ref())
+                ))
+            }
+            Err(Failed::Upstream(e)) => Refusal::UpstreamError(error_chain(e.as_ref())),
+            Err(Failed::Timeout) => Refusal::UpstreamTimeout,
         };
-        if let Some(attempt) = attempt {
-            attempt.unknown().await;
-        }
         self.refuse(refusal, route, subject, &method, normalised)
     }
 
@@ -763,25 +746,59 @@ fn set_token(headers: &mut http::HeaderMap, name: &HeaderName, token: u64) {
     headers.insert(name.clone(), http::HeaderValue::from(token));
 }
 
-/// What happens to an upstream exchange whose client went away: the response (if any) is
-/// recorded for an idempotency claim (draining its body), an error records an unknown
-/// outcome, and the barrier ticket is released only then.
-async fn abandoned(sent: upstream::Sent, ticket: Option<Ticket>, attempt: Option<Attempt>) {
-    match (sent, attempt) {
-        (Ok(Ok(response)), Some(attempt)) => {
-            let (parts, inner) = response.into_parts();
-            // Dropped unread: it drains the upstream's body and records it, ticket held.
-            drop(idempotent::Recording::new(
-                inner,
-                ticket,
-                parts.status,
-                parts.headers,
-                attempt,
-            ));
+/// An upstream exchange that produced no response.
+enum Failed {
+    Upstream(upstream::BoxError),
+    Timeout,
+}
+
+/// Makes an upstream exchange's result ready for its client, without the client: the response
+/// (hop-by-hop headers stripped) with a body that holds the barrier ticket and, for an
+/// idempotency claim, records the outcome (a response without a body is recorded here, as the
+/// server never polls its body); or the failure, recorded as an unknown outcome. Whoever drops
+/// the response from then on, read or not, the outcome is recorded.
+async fn settle(
+    sent: upstream::Sent,
+    ticket: Option<Ticket>,
+    attempt: Option<Attempt>,
+) -> Result<Response<ProxyBody>, Failed> {
+    let response = match sent {
+        Ok(Ok(response)) => response,
+        failed => {
+            if let Some(attempt) = attempt {
+                attempt.unknown().await;
+            }
+            return Err(match failed {
+                Ok(Err(e)) => Failed::Upstream(e),
+                _ => Failed::Timeout,
+            });
         }
-        (_, Some(attempt)) => attempt.unknown().await,
-        (_, None) => drop(ticket),
-    }
+    };
+    let (mut parts, inner) = response.into_parts();
+    forward::strip_hop_by_hop(&mut parts.headers);
+    let body = match attempt {
+        // A response without a body (204, Content-Length: 0) is never polled by the server:
+        // record it before it goes out.
+        Some(attempt) if http_body::Body::is_end_stream(&inner) => {
+            attempt.record_empty(parts.status, &parts.headers).await;
+            ProxyBody::Upstream {
+                inner,
+                _ticket: ticket,
+            }
+        }
+        None => ProxyBody::Upstream {
+            inner,
+            _ticket: ticket,
+        },
+        Some(attempt) => ProxyBody::Recording(Box::new(idempotent::Recording::new(
+            inner,
+            ticket,
+            parts.status,
+            parts.headers.clone(),
+            attempt,
+        ))),
+    };
+    Ok(Response::from_parts(parts, body))
 }
 
 /// Whether a failed exchange failed on the client's own request body (malformed chunked

@@ -443,10 +443,35 @@ async fn replicas_sharing_etcd_replay_each_others_records() {
     retry_on_the_other_replica("etcd").await
 }
 
+/// The first answer to a retry that is not `409 idempotency-in-flight`: the retry loop of a
+/// client whose first attempt was abandoned, bounded by a deadline.
+async fn retry_until_settled(addr: SocketAddr, path: &str, token: &str, key: &str) -> Reply {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let reply = tokio::time::timeout(
+            Duration::from_secs(10),
+            post(addr, path, token, Some(key), "x"),
+        )
+        .await
+        .expect("a retry got no answer (sent upstream again?)");
+        if reply.status != StatusCode::CONFLICT {
+            return reply;
+        }
+        // Still in flight: the abandoned attempt is being recorded.
+        reply.assert_problem(409, "urn:fencegate:idempotency-in-flight");
+        assert!(
+            Instant::now() < deadline,
+            "the abandoned write was never recorded"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// The client hangs up while its keyed write is with the upstream: the answer is still
-/// recorded, and the retry gets it instead of executing again.
+/// recorded, and the retry gets it instead of executing again. Whether fencegate notices the
+/// hang-up before the upstream's answer is handed to the request, while it is handed over, or
+/// only when it writes the response, the outcome is recorded.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "FLAKY (about 1 run in 5): the abandoned write is sometimes not recorded within 10 s, so retries get 409 in-flight until the record expires; never executed twice (src/proxy/idempotent.rs Recording::drop / proxy::abandoned)"]
 async fn a_client_that_hangs_up_still_gets_its_write_recorded() {
     use tokio::io::AsyncWriteExt;
     let up = Ledger::start(true).await;
@@ -461,25 +486,159 @@ async fn a_client_that_hangs_up_still_gets_its_write_recorded() {
     up.arrival().await;
     drop(client);
     up.release(1);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let replay = loop {
-        let reply = post(fg.listen, "/accounts/1", "5", Some("gone"), "x").await;
-        if reply.status == StatusCode::CONFLICT {
-            // Still in flight: the abandoned exchange is being recorded.
-            reply.assert_problem(409, "urn:fencegate:idempotency-in-flight");
-            assert!(
-                Instant::now() < deadline,
-                "the abandoned write was never recorded"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-            continue;
-        }
-        break reply;
-    };
+    let replay = retry_until_settled(fg.listen, "/accounts/1", "5", "gone").await;
     assert_eq!(replay.status, 201, "{}", replay.text());
     assert_eq!(replay.headers["idempotent-replayed"], "true");
     assert_eq!(replay.text(), "{\"execution\":1,\"applied\":\"x\"}");
     assert_eq!(up.executions(), 1);
+}
+
+/// An upstream that answers 201 with its head at once and holds the body until the test sends
+/// it: each request hands the test the sender of its body.
+struct Holding {
+    addr: SocketAddr,
+    executions: Arc<AtomicUsize>,
+    bodies: tokio::sync::Mutex<mpsc::UnboundedReceiver<mpsc::Sender<Bytes>>>,
+}
+
+impl Holding {
+    async fn start() -> Holding {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let executions = Arc::new(AtomicUsize::new(0));
+        let (tx, rx) = mpsc::unbounded_channel();
+        let n = Arc::clone(&executions);
+        tokio::spawn(serve(
+            listener,
+            settings(),
+            move |req: Request<Incoming>, _| {
+                let (n, tx) = (Arc::clone(&n), tx.clone());
+                async move {
+                    req.into_body().collect().await.unwrap();
+                    n.fetch_add(1, Ordering::SeqCst);
+                    let (body_tx, body_rx) = mpsc::channel(1);
+                    let _ = tx.send(body_tx);
+                    let mut resp = Response::new(ProxyBody::Channel(body_rx));
+                    *resp.status_mut() = StatusCode::CREATED;
+                    Ok(resp)
+                }
+            },
+            std::future::pending(),
+        ));
+        Holding {
+            addr,
+            executions,
+            bodies: tokio::sync::Mutex::new(rx),
+        }
+    }
+
+    /// The body sender of the next request (its head is on its way).
+    async fn next_body(&self) -> mpsc::Sender<Bytes> {
+        let mut rx = self.bodies.lock().await;
+        tokio::time::timeout(Duration::from_secs(10), rx.recv())
+            .await
+            .expect("no request reached the upstream")
+            .unwrap()
+    }
+}
+
+/// The client hangs up after the response head reached it, before the body exists: the body
+/// is drained from the upstream once it comes, and recorded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_hangs_up_after_the_head_still_gets_its_write_recorded() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let up = Holding::start().await;
+    let fg = fencegate(&format!("http://{}", up.addr), &section("1m")).await;
+    let mut client = tokio::net::TcpStream::connect(fg.listen).await.unwrap();
+    client
+        .write_all(
+            b"POST /accounts/1 HTTP/1.1\r\nHost: x\r\nFencing-Token: 5\r\nIdempotency-Key: head\r\nContent-Length: 1\r\n\r\nx",
+        )
+        .await
+        .unwrap();
+    let body = up.next_body().await;
+    let mut head = Vec::new();
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+        let mut buf = [0u8; 1024];
+        let n = tokio::time::timeout(Duration::from_secs(10), client.read(&mut buf))
+            .await
+            .expect("the response head never reached the client")
+            .unwrap();
+        assert!(n > 0, "fencegate closed the connection before the head");
+        head.extend_from_slice(&buf[..n]);
+    }
+    assert!(
+        head.starts_with(b"HTTP/1.1 201"),
+        "{}",
+        String::from_utf8_lossy(&head)
+    );
+    drop(client);
+    body.send(Bytes::from_static(b"late ")).await.unwrap();
+    body.send(Bytes::from_static(b"body")).await.unwrap();
+    drop(body);
+    let replay = retry_until_settled(fg.listen, "/accounts/1", "5", "head").await;
+    assert_eq!(replay.status, 201, "{}", replay.text());
+    assert_eq!(replay.headers["idempotent-replayed"], "true");
+    assert_eq!(replay.text(), "late body");
+    assert_eq!(up.executions.load(Ordering::SeqCst), 1);
+}
+
+/// The client hangs up while its keyed write waits for its turn behind a lower token
+/// (`ordering: serialize`): it was claimed but never sent, so its key is not left in flight
+/// for the whole window; the outcome is unknown and the retry executes it, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_hangs_up_while_queued_leaves_its_key_retryable() {
+    use tokio::io::AsyncWriteExt;
+    let up = Ledger::start(true).await;
+    let fg = fencegate(
+        &up.url(),
+        "idempotency: { window: 1m, max_response_bytes: 1024 }\nroutes:\n  - { name: queued, path: '/accounts/{id}', resource: 'account:{id}', ordering: serialize, barrier_timeout: 30s }\n",
+    )
+    .await;
+    let addr = fg.listen;
+    // Token 5 is with the upstream; token 6 must wait for it.
+    let first = tokio::spawn(async move { post(addr, "/accounts/1", "5", None, "first").await });
+    up.arrival().await;
+    let mut queued = tokio::net::TcpStream::connect(addr).await.unwrap();
+    queued
+        .write_all(
+            b"POST /accounts/1 HTTP/1.1\r\nHost: x\r\nFencing-Token: 6\r\nIdempotency-Key: queued\r\nContent-Length: 1\r\n\r\nx",
+        )
+        .await
+        .unwrap();
+    // The claim raises the maximum in the same step as it writes the in-flight record.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while recorded(&fg, "account:1").await != Some(6) {
+        assert!(
+            Instant::now() < deadline,
+            "the queued write was never claimed"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    drop(queued);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !metrics(fg.admin)
+        .await
+        .contains("fencegate_idempotency_unknown_outcomes_total 1")
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the abandoned claim stayed in flight"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        up.executions(),
+        1,
+        "the abandoned write reached the upstream"
+    );
+    up.release(2);
+    assert_eq!(first.await.unwrap().status, 201);
+    let retry = retry_until_settled(addr, "/accounts/1", "6", "queued").await;
+    assert_eq!(retry.status, 201, "{}", retry.text());
+    assert!(retry.headers.get("idempotent-replayed").is_none());
+    assert_eq!(retry.text(), "{\"execution\":2,\"applied\":\"x\"}");
+    assert_eq!(up.executions(), 2);
 }
 
 /// An attempt that takes longer than the window keeps its key in flight: a retry never runs
