@@ -104,8 +104,8 @@ p(
 p(
     "- nginx: 1 worker, keep-alive pool to the upstream, `proxy_http_version 1.1`, access log "
     "off, sets X-Forwarded-For/Proto/Host like fencegate. haproxy: `nbthread 1`, http mode, "
-    "keep-alive, `http-reuse always`, `option forwardfor`. fencegate: `TOKIO_WORKER_THREADS=1` "
-    "(one tokio worker) and `taskset` to the proxy core; route `/accounts/{id}` -> "
+    "keep-alive, `http-reuse always`, `option forwardfor`. fencegate: `taskset` to the proxy core, "
+    "where it runs its single-thread runtime (one usable CPU); route `/accounts/{id}` -> "
     "`account:{id}`, `unmatched: forward`, `token.equal: allow`, log level warn. Embedded store: "
     "a fresh temp directory (disk, fsync on) per run. "
     f"fdatasync of one 4 KiB page on that filesystem: {meta.get('fsync_before', '?')} before the "
