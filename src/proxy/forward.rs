@@ -144,6 +144,14 @@ mod tests {
     }
 
     #[test]
+    fn the_string_match_names_every_hop_by_hop_header_at_its_place() {
+        for (i, name) in HOP_BY_HOP.iter().enumerate() {
+            assert_eq!(hop_index(name.as_str()), Some(i), "{name}");
+        }
+        assert_eq!(hop_index("content-length"), None);
+    }
+
+    #[test]
     fn strips_every_line_of_a_nominated_header_and_keeps_the_rest() {
         let mut h = HeaderMap::new();
         h.append("connection", HeaderValue::from_static("keep-alive"));
