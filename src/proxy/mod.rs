@@ -38,6 +38,7 @@ use crate::store::{FenceStore, StoreError, Verdict};
 use body::ProxyBody;
 use idempotent::{Attempt, UpstreamBody};
 use problem::{Refusal, Subject};
+use upstream::Failed;
 
 pub type UpstreamClient = Client<hyper_rustls::HttpsConnector<HttpConnector>, UpstreamBody>;
 
@@ -746,12 +747,6 @@ fn set_token(headers: &mut http::HeaderMap, name: &HeaderName, token: u64) {
     headers.insert(name.clone(), http::HeaderValue::from(token));
 }
 
-/// An upstream exchange that produced no response.
-enum Failed {
-    Upstream(upstream::BoxError),
-    Timeout,
-}
-
 /// Makes an upstream exchange's result ready for its client, without the client: the response
 /// (hop-by-hop headers stripped) with a body that holds the barrier ticket and, for an
 /// idempotency claim, records the outcome (a response without a body is recorded here, as the
@@ -763,15 +758,12 @@ async fn settle(
     attempt: Option<Attempt>,
 ) -> Result<Response<ProxyBody>, Failed> {
     let response = match sent {
-        Ok(Ok(response)) => response,
-        failed => {
+        Ok(response) => response,
+        Err(failed) => {
             if let Some(attempt) = attempt {
                 attempt.unknown().await;
             }
-            return Err(match failed {
-                Ok(Err(e)) => Failed::Upstream(e),
-                _ => Failed::Timeout,
-            });
+            return Err(failed);
         }
     };
     let (mut parts, inner) = response.into_parts();

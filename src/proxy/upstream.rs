@@ -26,12 +26,15 @@ use super::UpstreamClient;
 
 pub type BoxError = Box<dyn StdError + Send + Sync>;
 
-/// The upstream did not answer within `timeouts.upstream`.
-#[derive(Debug)]
-pub struct TimedOut;
+/// Why an upstream exchange produced no response.
+pub enum Failed {
+    Upstream(BoxError),
+    /// No response head within `timeouts.upstream`.
+    Timeout,
+}
 
-/// What an upstream exchange gives: the response head, the error, or no answer in time.
-pub type Sent = Result<Result<Response<Incoming>, BoxError>, TimedOut>;
+/// What an upstream exchange gives: the response head, or why there is none.
+pub type Sent = Result<Response<Incoming>, Failed>;
 
 /// One client connection's upstream connection, and the authority it goes to (a reload may
 /// change the upstream; the old connection is then dropped).
@@ -141,8 +144,8 @@ pub fn send(
         let (slot, authority, host, mut req) = match via {
             Via::Pool(response) => {
                 return match response.await {
-                    Ok(answer) => Ok(answer.map_err(Into::into)),
-                    Err(_) => Err(TimedOut),
+                    Ok(answer) => answer.map_err(|e| Failed::Upstream(e.into())),
+                    Err(_) => Err(Failed::Timeout),
                 }
             }
             Via::Own(slot, authority, host, req) => (slot, authority, host, req),
@@ -177,18 +180,18 @@ pub fn send(
                 // `ready()` for the body to end).
                 Ok((response, sender)) => {
                     slot.put(Some((authority, sender)), timer);
-                    Ok(Ok(response))
+                    Ok(response)
                 }
                 // A failed exchange takes its connection with it: the next request gets a
                 // fresh one instead of queueing behind an upstream that does not answer.
                 Err(e) => {
                     slot.put(None, timer);
-                    Ok(Err(e))
+                    Err(Failed::Upstream(e))
                 }
             },
             () = timer.as_mut() => {
                 slot.put(None, timer);
-                Err(TimedOut)
+                Err(Failed::Timeout)
             }
         }
     }
