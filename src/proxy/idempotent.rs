@@ -82,7 +82,6 @@ struct Writer {
     store: Arc<dyn FenceStore>,
     resource: String,
     key: String,
-    claim: Claim,
     store_timeout: Duration,
     metrics: Arc<crate::metrics::Metrics>,
 }
@@ -91,7 +90,7 @@ impl Writer {
     /// Writes the outcome (bounded by the store timeout). A failure is logged: the record
     /// then stays `in_flight` until its window ends, which refuses retries (409) rather than
     /// risking a second execution.
-    async fn write(self, record: Record) {
+    async fn write(self, claim: Claim, record: Record) {
         let m: &IdempotencyMetrics = &self.metrics.idempotency;
         if record.phase == Phase::Unknown {
             m.unknown.inc();
@@ -100,7 +99,7 @@ impl Writer {
         let written = tokio::time::timeout(
             self.store_timeout,
             self.store
-                .finish_idempotent(&self.resource, &self.key, &self.claim, &record),
+                .finish_idempotent(&self.resource, &self.key, &claim, &record),
         )
         .await
         .unwrap_or_else(|_| {
@@ -114,14 +113,14 @@ impl Writer {
             Ok(true) => {}
             Ok(false) => tracing::warn!(
                 resource = %self.resource,
-                fencing_token = self.claim.token,
+                fencing_token = claim.token,
                 "idempotency record changed while the attempt ran (expired?); outcome not recorded"
             ),
             Err(e) => {
                 self.metrics.store_errors.inc();
                 tracing::error!(
                     resource = %self.resource,
-                    fencing_token = self.claim.token,
+                    fencing_token = claim.token,
                     error = %e,
                     "idempotency outcome not recorded; the key stays in flight until its window ends"
                 )
@@ -189,7 +188,7 @@ impl Attempt {
             .writer
             .take()
             .expect("an attempt's outcome is written once, by the call that consumes it");
-        Finish::new(writer.write(record))
+        Finish::new(writer.write(self.claim, record))
     }
 
     /// The upstream answered without a body.
@@ -234,7 +233,7 @@ impl Drop for Attempt {
     fn drop(&mut self) {
         if let Some(writer) = self.writer.take() {
             let record = Record::unknown(self.claim.token, self.claim.fingerprint);
-            Finish::new(writer.write(record)).detach();
+            Finish::new(writer.write(self.claim, record)).detach();
         }
     }
 }
@@ -582,7 +581,6 @@ impl Proxy {
                         store: Arc::clone(&self.store),
                         resource: resource.to_owned(),
                         key,
-                        claim,
                         store_timeout: self.timeouts.store,
                         metrics: Arc::clone(&self.metrics),
                     }),
