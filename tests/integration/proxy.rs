@@ -104,63 +104,6 @@ async fn slow_upstream_is_504() {
     up.release(1);
 }
 
-/// One keep-alive client connection keeps its own upstream connection and re-arms one upstream
-/// timer for each of its requests: a held write still gets its full timeout counted from its
-/// own start (504), and the next write on the same client connection goes out on a fresh
-/// upstream connection and is answered.
-#[tokio::test]
-async fn each_request_on_one_client_connection_gets_its_own_upstream_timeout() {
-    let up = Upstream::gated().await;
-    let limit = Duration::from_millis(300);
-    let fg = fencegate(
-        &up.url(),
-        &format!("timeouts: {{ upstream: 300ms }}\n{ACCOUNTS}"),
-    )
-    .await;
-    let stream = TcpStream::connect(fg.listen).await.unwrap();
-    let (mut client, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-        .await
-        .unwrap();
-    tokio::spawn(connection);
-    let write = |token: &str| {
-        Request::put("/accounts/1")
-            .header("host", "ledger.example")
-            .header("fencing-token", token)
-            .body(http_body_util::Full::new(Bytes::from(format!(
-                "with {token}"
-            ))))
-            .unwrap()
-    };
-    let mut statuses = Vec::new();
-    up.release(1);
-    let first = client.send_request(write("1")).await.unwrap();
-    statuses.push(first.status().as_u16());
-    assert_eq!(first.into_body().collect().await.unwrap().to_bytes(), "ok");
-    assert_eq!(up.arrival().await.token(), Some(1));
-
-    let started = tokio::time::Instant::now();
-    let held = client.send_request(write("2")).await.unwrap();
-    let waited = started.elapsed();
-    statuses.push(held.status().as_u16());
-    let body: serde_json::Value =
-        serde_json::from_slice(&held.into_body().collect().await.unwrap().to_bytes()).unwrap();
-    assert_eq!(body["type"], "urn:fencegate:upstream-timeout", "{body}");
-    assert!(
-        waited >= limit,
-        "answered after {waited:?}, before the limit"
-    );
-    assert_eq!(up.arrival().await.token(), Some(2));
-
-    // The held exchange's permit and the next one's.
-    up.release(2);
-    let third = client.send_request(write("3")).await.unwrap();
-    statuses.push(third.status().as_u16());
-    assert_eq!(third.into_body().collect().await.unwrap().to_bytes(), "ok");
-    assert_eq!(statuses, [200, 504, 200]);
-    assert_eq!(up.arrival().await.token(), Some(3));
-    assert_eq!(recorded(&fg, "account:1").await, Some(3));
-}
-
 #[tokio::test]
 async fn oversized_headers_are_431_and_not_forwarded() {
     let up = Upstream::start().await;

@@ -4,11 +4,16 @@
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
 
 use fencegate::proxy::body::ProxyBody;
 use fencegate::server::serve;
 use http::{Request, Response};
+use http_body_util::BodyExt;
 use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -121,28 +126,58 @@ async fn an_upstream_that_closes_is_reconnected_to_before_the_next_request() {
 
 /// An exchange given up by the upstream timeout takes its connection with it: the client's
 /// next request reaches the upstream on a fresh connection instead of queueing behind the
-/// request that never got its answer.
+/// request that never got its answer. The one upstream timer a client connection keeps is
+/// re-armed for each request: the held write gets its full timeout from its own start (504),
+/// and the write after it is answered, not refused at once by the expired timer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_timed_out_exchange_does_not_hold_up_the_next_request() {
     let up = Upstream::gated().await;
+    let limit = Duration::from_millis(300);
     let fg = fencegate(
         &up.url(),
         &format!("timeouts: {{ upstream: 300ms }}\n{ACCOUNTS}"),
     )
     .await;
-    let mut stream = TcpStream::connect(fg.listen).await.unwrap();
-    let put = |token: u64| {
-        format!(
-            "PUT /accounts/1 HTTP/1.1\r\nHost: x\r\nFencing-Token: {token}\r\nContent-Length: 0\r\n\r\n"
-        )
+    let stream = TcpStream::connect(fg.listen).await.unwrap();
+    let (mut client, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    let write = |token: &str| {
+        Request::put("/accounts/1")
+            .header("host", "ledger.example")
+            .header("fencing-token", token)
+            .body(http_body_util::Full::new(Bytes::from(format!(
+                "with {token}"
+            ))))
+            .unwrap()
     };
-    stream.write_all(put(1).as_bytes()).await.unwrap();
+    let mut statuses = Vec::new();
+    up.release(1);
+    let first = client.send_request(write("1")).await.unwrap();
+    statuses.push(first.status().as_u16());
+    assert_eq!(first.into_body().collect().await.unwrap().to_bytes(), "ok");
     assert_eq!(up.arrival().await.token(), Some(1));
-    let mut buf = vec![0u8; 4096];
-    let read = stream.read(&mut buf).await.unwrap();
-    let reply = String::from_utf8_lossy(&buf[..read]).into_owned();
-    assert!(reply.starts_with("HTTP/1.1 504"), "{reply}");
-    stream.write_all(put(2).as_bytes()).await.unwrap();
+
+    let started = tokio::time::Instant::now();
+    let held = client.send_request(write("2")).await.unwrap();
+    let waited = started.elapsed();
+    statuses.push(held.status().as_u16());
+    let body: serde_json::Value =
+        serde_json::from_slice(&held.into_body().collect().await.unwrap().to_bytes()).unwrap();
+    assert_eq!(body["type"], "urn:fencegate:upstream-timeout", "{body}");
+    assert!(
+        waited >= limit,
+        "answered after {waited:?}, before the limit"
+    );
     assert_eq!(up.arrival().await.token(), Some(2));
+
+    // The held exchange's permit and the next one's.
     up.release(2);
+    let third = client.send_request(write("3")).await.unwrap();
+    statuses.push(third.status().as_u16());
+    assert_eq!(third.into_body().collect().await.unwrap().to_bytes(), "ok");
+    assert_eq!(statuses, [200, 504, 200]);
+    assert_eq!(up.arrival().await.token(), Some(3));
+    assert_eq!(recorded(&fg, "account:1").await, Some(3));
 }
