@@ -265,10 +265,13 @@ impl LeaseSide {
         ));
         match self.egress_listener {
             Some((listener, proxy)) => {
+                // As on the fence listener: each client connection keeps its own upstream
+                // connection and formatted address.
+                let own = crate::proxy::upstream::ConnUpstream::default();
                 serve(
                     listener,
                     settings,
-                    move |req, peer| Arc::clone(&proxy).handle(req, peer),
+                    move |req, peer| Arc::clone(&proxy).handle_on(req, peer, Some(own.share())),
                     wait_for(stopped),
                 )
                 .await
