@@ -84,43 +84,50 @@ pub fn peer_value(peer: IpAddr) -> HeaderValue {
         .expect("an IP address is a valid header value")
 }
 
-/// Prepares request headers for the upstream: hop-by-hop gone, `Host` left to the client
-/// (set from the upstream address), the client's address (`peer`, from [`peer_value`]) and
-/// scheme recorded.
+/// Prepares request headers for the upstream: hop-by-hop gone, `Host` set to `upstream_host`
+/// (or left for the client to set from the request URI when `None`), the client's address
+/// (`peer`, from [`peer_value`]), scheme and original host recorded. Each header costs one
+/// map operation: the old `Host` comes back from the insert that replaces it.
 pub fn request_headers(
     headers: &mut HeaderMap,
     peer: HeaderValue,
     https: bool,
     authority: Option<&str>,
+    upstream_host: Option<HeaderValue>,
 ) {
     strip_hop_by_hop(headers);
+    let client_host = match upstream_host {
+        Some(upstream) => headers.insert(header::HOST, upstream),
+        None => headers.remove(header::HOST),
+    };
     // The request target's authority (absolute-form, HTTP/2 `:authority`) wins over `Host`
     // (RFC 9112 §3.2.2).
     let host = match authority.and_then(|a| HeaderValue::from_str(a).ok()) {
-        Some(authority) => {
-            headers.remove(header::HOST);
-            Some(authority)
-        }
-        None => headers.remove(header::HOST),
+        Some(authority) => Some(authority),
+        None => client_host,
     };
-    let forwarded_for = match headers.get(&X_FORWARDED_FOR).and_then(|v| v.to_str().ok()) {
-        Some(chain) => {
-            let joined = format!("{chain}, {}", peer.to_str().unwrap_or_default());
-            // From the String's own buffer: one allocation, not two.
-            HeaderValue::from_maybe_shared(bytes::Bytes::from(joined)).ok()
+    match headers.entry(&X_FORWARDED_FOR) {
+        header::Entry::Vacant(entry) => {
+            entry.insert(peer);
         }
-        None => Some(peer),
-    };
-    if let Some(value) = forwarded_for {
-        // Several X-Forwarded-For lines would be joined by the upstream anyway; keep one.
-        headers.insert(X_FORWARDED_FOR.clone(), value);
+        header::Entry::Occupied(mut entry) => {
+            if let Ok(chain) = entry.get().to_str() {
+                let joined = format!("{chain}, {}", peer.to_str().unwrap_or_default());
+                // From the String's own buffer: one allocation, not two.
+                if let Ok(value) = HeaderValue::from_maybe_shared(bytes::Bytes::from(joined)) {
+                    // Several X-Forwarded-For lines would be joined by the upstream anyway;
+                    // keep one.
+                    entry.insert(value);
+                }
+            }
+        }
     }
     headers.insert(
-        X_FORWARDED_PROTO.clone(),
+        &X_FORWARDED_PROTO,
         HeaderValue::from_static(if https { "https" } else { "http" }),
     );
     match host {
-        Some(host) => headers.insert(X_FORWARDED_HOST.clone(), host),
+        Some(host) => headers.insert(&X_FORWARDED_HOST, host),
         None => headers.remove(&X_FORWARDED_HOST),
     };
 }
@@ -182,6 +189,7 @@ mod tests {
             peer_value("127.0.0.9".parse().unwrap()),
             false,
             None,
+            None,
         );
         assert!(h.get("host").is_none());
         assert_eq!(h["x-forwarded-for"], "10.0.0.1, 127.0.0.9");
@@ -194,9 +202,29 @@ mod tests {
             peer_value("::1".parse().unwrap()),
             true,
             Some("api.example:7440"),
+            None,
         );
         assert_eq!(h2["x-forwarded-for"], "::1");
         assert_eq!(h2["x-forwarded-proto"], "https");
         assert_eq!(h2["x-forwarded-host"], "api.example:7440");
+
+        // The upstream's Host replaces the client's, which is recorded; several
+        // X-Forwarded-For lines become one.
+        let mut h3 = HeaderMap::new();
+        h3.insert("host", HeaderValue::from_static("ledger.example"));
+        h3.append("x-forwarded-for", HeaderValue::from_static("10.0.0.1"));
+        h3.append("x-forwarded-for", HeaderValue::from_static("10.0.0.2"));
+        request_headers(
+            &mut h3,
+            peer_value("127.0.0.9".parse().unwrap()),
+            false,
+            None,
+            Some(HeaderValue::from_static("127.0.0.1:8080")),
+        );
+        assert_eq!(h3["host"], "127.0.0.1:8080");
+        assert_eq!(h3.get_all("host").iter().count(), 1);
+        assert_eq!(h3.get_all("x-forwarded-for").iter().count(), 1);
+        assert_eq!(h3["x-forwarded-for"], "10.0.0.1, 127.0.0.9");
+        assert_eq!(h3["x-forwarded-host"], "ledger.example");
     }
 }

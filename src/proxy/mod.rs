@@ -376,18 +376,19 @@ impl Proxy {
                     ))
                 }
                 Ok(Some(key)) => {
-                    return Ok(self
-                        .idempotent_write(
-                            req,
-                            &normalised,
-                            route,
-                            &resource,
-                            key,
-                            subject,
-                            peer,
-                            own,
-                        )
-                        .await)
+                    // Boxed: a keyed write's state is large and rare, and inline it would
+                    // grow every request's future (moved whole at least twice per request).
+                    return Ok(Box::pin(self.idempotent_write(
+                        req,
+                        &normalised,
+                        route,
+                        &resource,
+                        key,
+                        subject,
+                        peer,
+                        own,
+                    ))
+                    .await);
                 }
                 Ok(None) => {}
             }
@@ -538,15 +539,14 @@ impl Proxy {
                     && parts.version <= Version::HTTP_11
                     && !self.upstream.is_https() =>
             {
-                upstream::Route::Own(
-                    slot,
-                    self.upstream.authority.clone(),
-                    self.upstream_host.clone(),
-                )
+                upstream::Route::Own(slot, self.upstream.authority.clone())
             }
             _ => upstream::Route::Pool,
         };
         let absolute = matches!(via, upstream::Route::Pool);
+        // On its own connection the request carries the upstream's `Host`; the pool sets it
+        // from the absolute URI.
+        let upstream_host = (!absolute).then(|| self.upstream_host.clone());
         let uri = match self.upstream_uri(normalised, &parts.uri, absolute) {
             Ok(uri) => uri,
             Err(e) => {
@@ -564,6 +564,7 @@ impl Proxy {
             forwarded_for,
             self.https,
             authority.as_deref(),
+            upstream_host,
         );
         parts.uri = uri;
         // The upstream connection is HTTP/1.1 whatever the client spoke.
@@ -579,7 +580,7 @@ impl Proxy {
         );
         let (took, settled) = if ticket.is_none() && attempt.is_none() {
             let sent = exchange.await;
-            (started.elapsed(), settle(sent, None, None).await)
+            (started.elapsed(), pass_on(sent, None))
         } else {
             // A barrier ticket or an idempotency claim must outlive the client: if it hangs
             // up while the write is with the upstream, the ticket is held (and the outcome
@@ -757,40 +758,49 @@ async fn settle(
     ticket: Option<Ticket>,
     attempt: Option<Attempt>,
 ) -> Result<Response<ProxyBody>, Failed> {
+    let Some(attempt) = attempt else {
+        return pass_on(sent, ticket);
+    };
     let response = match sent {
         Ok(response) => response,
         Err(failed) => {
-            if let Some(attempt) = attempt {
-                attempt.unknown().await;
-            }
+            attempt.unknown().await;
             return Err(failed);
         }
     };
     let (mut parts, inner) = response.into_parts();
     forward::strip_hop_by_hop(&mut parts.headers);
-    let body = match attempt {
+    let body = if http_body::Body::is_end_stream(&inner) {
         // A response without a body (204, Content-Length: 0) is never polled by the server:
         // record it before it goes out.
-        Some(attempt) if http_body::Body::is_end_stream(&inner) => {
-            attempt.record_empty(parts.status, &parts.headers).await;
-            ProxyBody::Upstream {
-                inner,
-                _ticket: ticket,
-            }
-        }
-        None => ProxyBody::Upstream {
+        attempt.record_empty(parts.status, &parts.headers).await;
+        ProxyBody::Upstream {
             inner,
             _ticket: ticket,
-        },
-        Some(attempt) => ProxyBody::Recording(Box::new(idempotent::Recording::new(
+        }
+    } else {
+        ProxyBody::Recording(Box::new(idempotent::Recording::new(
             inner,
             ticket,
             parts.status,
             parts.headers.clone(),
             attempt,
-        ))),
+        )))
     };
     Ok(Response::from_parts(parts, body))
+}
+
+/// [`settle`] without an idempotency attempt: nothing to record, so nothing to wait for.
+fn pass_on(sent: upstream::Sent, ticket: Option<Ticket>) -> Result<Response<ProxyBody>, Failed> {
+    let (mut parts, inner) = sent?.into_parts();
+    forward::strip_hop_by_hop(&mut parts.headers);
+    Ok(Response::from_parts(
+        parts,
+        ProxyBody::Upstream {
+            inner,
+            _ticket: ticket,
+        },
+    ))
 }
 
 /// Whether a failed exchange failed on the client's own request body (malformed chunked

@@ -101,7 +101,11 @@ impl SharedSlot {
     ) -> (Option<SendRequest<UpstreamBody>>, Option<Pin<Box<Sleep>>>) {
         let mut idle = self.0.upstream.lock().expect("upstream slot poisoned");
         let sender = match idle.held.take() {
-            Some((a, sender)) if a == *authority && !sender.is_closed() => Some(sender),
+            // Byte equality, not `Authority`'s case-insensitive one: both come from the same
+            // configuration, and this runs on every request.
+            Some((a, sender)) if a.as_str() == authority.as_str() && !sender.is_closed() => {
+                Some(sender)
+            }
             _ => None,
         };
         (sender, idle.timer.take())
@@ -115,10 +119,10 @@ impl SharedSlot {
 }
 
 /// Where a request goes: the pool (absolute URI), or a client connection's own upstream
-/// connection (origin-form URI; the upstream's authority and its `Host` value).
+/// connection (origin-form URI, `Host` already set; the upstream's authority).
 pub enum Route {
     Pool,
-    Own(SharedSlot, Authority, HeaderValue),
+    Own(SharedSlot, Authority),
 }
 
 // Built once per request and moved straight into its future: boxing the request would cost an
@@ -126,7 +130,7 @@ pub enum Route {
 #[allow(clippy::large_enum_variant)]
 enum Via {
     Pool(tokio::time::Timeout<hyper_util::client::legacy::ResponseFuture>),
-    Own(SharedSlot, Authority, HeaderValue, Request<UpstreamBody>),
+    Own(SharedSlot, Authority, Request<UpstreamBody>),
 }
 
 /// Sends `req` upstream, as `route` says, waiting at most `limit` for the response head.
@@ -138,17 +142,17 @@ pub fn send(
 ) -> impl Future<Output = Sent> + Send + 'static {
     let via = match route {
         Route::Pool => Via::Pool(tokio::time::timeout(limit, pool.request(req))),
-        Route::Own(slot, authority, host) => Via::Own(slot, authority, host, req),
+        Route::Own(slot, authority) => Via::Own(slot, authority, req),
     };
     async move {
-        let (slot, authority, host, mut req) = match via {
+        let (slot, authority, req) = match via {
             Via::Pool(response) => {
                 return match response.await {
                     Ok(answer) => answer.map_err(|e| Failed::Upstream(e.into())),
                     Err(_) => Err(Failed::Timeout),
                 }
             }
-            Via::Own(slot, authority, host, req) => (slot, authority, host, req),
+            Via::Own(slot, authority, req) => (slot, authority, req),
         };
         let (sender, timer) = slot.take(&authority);
         let deadline = tokio::time::Instant::now() + limit;
@@ -159,7 +163,6 @@ pub fn send(
             }
             None => Box::pin(tokio::time::sleep_until(deadline)),
         };
-        req.headers_mut().insert(http::header::HOST, host);
         let exchange = async {
             let mut sender = match sender {
                 Some(sender) => sender,
