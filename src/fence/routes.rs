@@ -20,6 +20,8 @@ pub struct Route {
     pub ordering: Ordering,
     pub barrier_timeout: std::time::Duration,
     pub fence: bool,
+    /// The path template ends with `/`: a trailing slash in a request is then part of the match.
+    slash_template: bool,
 }
 
 impl Route {
@@ -87,6 +89,7 @@ impl RouteTable {
                     ordering: c.ordering,
                     barrier_timeout: c.barrier_timeout,
                     fence: c.fence,
+                    slash_template: c.path.source.len() > 1 && c.path.source.ends_with('/'),
                 }
             })
             .collect();
@@ -115,21 +118,23 @@ impl RouteTable {
         query: Option<&str>,
         headers: &HeaderMap,
     ) -> Result<Matched<'_>, (Option<&Route>, ResourceError)> {
-        // `/accounts/42/` is `/accounts/42` to most frameworks, so it must be to the fence too.
-        let found = match self.router.at(path) {
-            Ok(found) => found,
-            Err(_) => match path.strip_suffix('/').filter(|p| !p.is_empty()) {
-                Some(trimmed) => match self.router.at(trimmed) {
-                    Ok(found) => found,
-                    Err(_) => return Ok(Matched::None),
-                },
-                None => return Ok(Matched::None),
+        // `/accounts/42/` is `/accounts/42` to most frameworks, so it must be to the fence too:
+        // unless the path matches a template written with a trailing slash, the path without
+        // its slash is matched first, so that both spellings land on the same route with the
+        // same captures (a catch-all would otherwise capture the slash, or match in place of the
+        // route the slashless path is on).
+        let trimmed = path.strip_suffix('/').filter(|p| !p.is_empty());
+        let exact = self.router.at(path).ok();
+        let found = match (trimmed, exact) {
+            (_, Some(found)) if self.routes[found.value[0]].slash_template => found,
+            (Some(trimmed), exact) => match (self.router.at(trimmed), exact) {
+                (Ok(found), _) | (Err(_), Some(found)) => found,
+                (Err(_), None) => return Ok(Matched::None),
             },
+            (None, Some(found)) => found,
+            (None, None) => return Ok(Matched::None),
         };
-        let path = path
-            .strip_suffix('/')
-            .filter(|p| !p.is_empty())
-            .unwrap_or(path);
+        let path = trimmed.unwrap_or(path);
         let candidates = found.value.iter().map(|&i| &self.routes[i]);
         let Some(route) = candidates.clone().find(|r| r.fences(method)) else {
             let first = candidates
@@ -262,6 +267,24 @@ mod tests {
             t.lookup(&Method::PUT, "/accounts/7/x", None, &h),
             Ok(Matched::None)
         ));
+        let t = table(concat!(
+            "  - { name: files, path: '/files/{*p}', resource: 'file:{p}' }\n",
+            "  - { name: acc, path: '/accounts/{id}', resource: 'account:{id}' }\n",
+            "  - { name: slash, path: '/slash/{id}/', resource: 's:{id}' }\n",
+            "  - { name: other, path: '/{*rest}', fence: false }\n",
+        ));
+        assert_eq!(
+            fenced(t.lookup(&Method::PUT, "/files/a/b/", None, &h).unwrap()).1,
+            "file:a/b"
+        );
+        assert_eq!(
+            fenced(t.lookup(&Method::PUT, "/accounts/7/", None, &h).unwrap()).1,
+            "account:7"
+        );
+        assert_eq!(
+            fenced(t.lookup(&Method::PUT, "/slash/7/", None, &h).unwrap()).1,
+            "s:7"
+        );
     }
 
     #[test]

@@ -352,6 +352,63 @@ async fn resource_from_header_and_query() {
     assert_eq!(up.count(), 1);
 }
 
+/// `/files/a/b/` is `/files/a/b` to the upstream, so it must be the same resource on a
+/// catch-all capture too, and it must be on the route `/files/a/b` is on.
+#[tokio::test]
+async fn trailing_slash_on_a_catch_all_is_the_same_resource_and_route() {
+    let up = Upstream::start().await;
+    let fg = fencegate(
+        &up.url(),
+        "routes:\n  - { name: files, path: '/files/{*path}', resource: 'file:{path}' }\n  \
+         - { name: item, path: '/a/{id}', resource: 'a:{id}' }\n  \
+         - { name: other, path: '/{*rest}', fence: false }\n",
+    )
+    .await;
+    let base = format!("http://{}", fg.listen);
+    let ok = send(
+        "PUT",
+        &format!("{base}/files/x/y"),
+        &[("fencing-token", "5")],
+        "",
+    )
+    .await;
+    assert_eq!(ok.status, 200);
+    send(
+        "PUT",
+        &format!("{base}/files/x/y/"),
+        &[("fencing-token", "4")],
+        "",
+    )
+    .await
+    .assert_problem(409, "urn:fencegate:stale-token");
+    assert_eq!(recorded(&fg, "file:x%2Fy%2F").await, None);
+    assert_eq!(up.count(), 1);
+
+    let ok = send(
+        "PUT",
+        &format!("{base}/a/42"),
+        &[("fencing-token", "5")],
+        "",
+    )
+    .await;
+    assert_eq!(ok.status, 200);
+    send(
+        "PUT",
+        &format!("{base}/a/42/"),
+        &[("fencing-token", "4")],
+        "",
+    )
+    .await
+    .assert_problem(409, "urn:fencegate:stale-token");
+    send("PUT", &format!("{base}/a/42/"), &[], "")
+        .await
+        .assert_problem(428, "urn:fencegate:token-required");
+    assert_eq!(up.count(), 2);
+    // Unfenced with or without the slash.
+    let ok = send("PUT", &format!("{base}/b/42/"), &[], "").await;
+    assert_eq!(ok.status, 200);
+}
+
 /// A small tmpfs of the test's own, unmounted when the test ends.
 struct SmallDisk {
     dir: tempfile::TempDir,
