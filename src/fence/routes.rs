@@ -188,26 +188,39 @@ fn header_value<'h>(
 
 fn query_value(query: Option<&str>, name: &str) -> Result<String, ResourceError> {
     let missing = || ResourceError::Query(name.to_owned());
-    let mut found = None;
-    for pair in query.unwrap_or_default().split('&') {
-        let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
-        // Keys compare decoded: `sh%61rd` is `shard` to any downstream that decodes them.
-        let key = percent_encoding::percent_decode_str(key).decode_utf8_lossy();
-        if key == name {
-            if found.is_some() {
-                // Two values: the downstream may pick either, so neither names the resource.
-                return Err(missing());
-            }
-            found = Some(value);
-        }
+    let query = query.unwrap_or_default();
+    let found = single_value(query.split('&'), name).ok_or_else(missing)?;
+    // Some servers also split on `;` (Rack 2, Go before 1.17, Python before 3.9.2) and keep
+    // the last of two values. Unless both readings give this one value, the query names two
+    // resources, and neither can be trusted.
+    if query.contains(';') && single_value(query.split(['&', ';']), name) != Some(found) {
+        return Err(missing());
     }
-    let decoded = percent_encoding::percent_decode_str(found.ok_or_else(missing)?)
+    let decoded = percent_encoding::percent_decode_str(found)
         .decode_utf8()
         .map_err(|_| missing())?;
     if decoded.is_empty() || decoded.chars().any(char::is_control) {
         return Err(missing());
     }
     Ok(decoded.into_owned())
+}
+
+/// The value of the one pair named `name` among `pairs`; `None` when there is none, or more
+/// than one (the downstream may pick either, so neither names the resource).
+fn single_value<'q>(pairs: impl Iterator<Item = &'q str>, name: &str) -> Option<&'q str> {
+    let mut found = None;
+    for pair in pairs {
+        let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+        // Keys compare decoded: `sh%61rd` is `shard` to any downstream that decodes them.
+        let key = percent_encoding::percent_decode_str(key).decode_utf8_lossy();
+        if key == name {
+            if found.is_some() {
+                return None;
+            }
+            found = Some(value);
+        }
+    }
+    found
 }
 
 #[cfg(test)]

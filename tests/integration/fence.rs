@@ -409,6 +409,53 @@ async fn trailing_slash_on_a_catch_all_is_the_same_resource_and_route() {
     assert_eq!(ok.status, 200);
 }
 
+/// Many servers (Rack 2, Go before 1.17, Python before 3.9.2) also split a query on `;`, and
+/// take the last of two values: `account=1&x=;account=2` is account 2 to them. A resource taken
+/// from such a query is ambiguous and refused, like a `;` in the path.
+#[tokio::test]
+async fn query_resource_with_a_semicolon_separator_is_refused() {
+    let up = Upstream::start().await;
+    let fg = fencegate(
+        &up.url(),
+        "routes:\n  - { name: jobs, path: /jobs, resource: 'account:{query:account}' }\n",
+    )
+    .await;
+    let base = format!("http://{}", fg.listen);
+    let ok = send(
+        "PUT",
+        &format!("{base}/jobs?account=2"),
+        &[("fencing-token", "5")],
+        "",
+    )
+    .await;
+    assert_eq!(ok.status, 200);
+    for query in [
+        "account=1&x=;account=2",
+        "account=1;account=2",
+        "x=1;account=2&account=1",
+    ] {
+        send(
+            "PUT",
+            &format!("{base}/jobs?{query}"),
+            &[("fencing-token", "4")],
+            "",
+        )
+        .await
+        .assert_problem(400, "urn:fencegate:invalid-resource");
+    }
+    assert_eq!(recorded(&fg, "account:1").await, None);
+    assert_eq!(up.count(), 1);
+    // A `;` inside another parameter's value changes nothing for `account`.
+    let ok = send(
+        "PUT",
+        &format!("{base}/jobs?filter=a;b&account=2"),
+        &[("fencing-token", "5")],
+        "",
+    )
+    .await;
+    assert_eq!(ok.status, 200);
+}
+
 /// A small tmpfs of the test's own, unmounted when the test ends.
 struct SmallDisk {
     dir: tempfile::TempDir,
