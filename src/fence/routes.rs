@@ -28,7 +28,12 @@ impl Route {
     pub fn fences(&self, method: &Method) -> bool {
         self.fence
             && match &self.fenced_methods {
-                Some(methods) => methods.contains(method),
+                // Listed methods are fenced in any case: a server that folds `put` into `PUT`
+                // must not get it unchecked. (Unlisted methods in any case stay fenced by
+                // default, `get` included.)
+                Some(methods) => methods
+                    .iter()
+                    .any(|m| m.as_str().eq_ignore_ascii_case(method.as_str())),
                 None => !matches!(*method, Method::GET | Method::HEAD | Method::OPTIONS),
             }
     }

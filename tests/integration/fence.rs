@@ -456,6 +456,37 @@ async fn query_resource_with_a_semicolon_separator_is_refused() {
     assert_eq!(ok.status, 200);
 }
 
+/// Methods are case-sensitive, but some servers and frameworks fold them (Jetty's legacy
+/// compliance modes, Django and Werkzeug upper-case `REQUEST_METHOD`): a listed method in
+/// another case is fenced too, rather than forwarded unchecked.
+#[tokio::test]
+async fn listed_methods_are_fenced_in_any_case() {
+    let up = Upstream::start().await;
+    let fg = fencegate(
+        &up.url(),
+        "routes:\n  - { name: jobs, path: '/jobs/{id}', methods: [PUT], resource: 'job:{id}' }\n",
+    )
+    .await;
+    let ok = send(
+        "PUT",
+        &format!("http://{}/jobs/1", fg.listen),
+        &[("fencing-token", "5")],
+        "",
+    )
+    .await;
+    assert_eq!(ok.status, 200);
+    for method in ["put", "Put"] {
+        let resp = raw(
+            fg.listen,
+            format!("{method} /jobs/1 HTTP/1.1\r\nHost: x\r\nFencing-Token: 4\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+                .as_bytes(),
+        )
+        .await;
+        assert!(resp.starts_with("HTTP/1.1 409"), "{method}: {resp}");
+    }
+    assert_eq!(up.count(), 1);
+}
+
 /// A small tmpfs of the test's own, unmounted when the test ends.
 struct SmallDisk {
     dir: tempfile::TempDir,
