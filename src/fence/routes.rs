@@ -180,6 +180,14 @@ fn header_value<'h>(
     headers: &'h HeaderMap,
     name: &http::HeaderName,
 ) -> Result<&'h str, ResourceError> {
+    // `X_Tenant` is `X-Tenant` to servers that fold `_` into `-` (CGI-style `HTTP_X_TENANT`):
+    // with both present the downstream may pick the other value, so neither names the resource.
+    if headers
+        .keys()
+        .any(|k| crate::fence::token::is_alias(k, name))
+    {
+        return Err(ResourceError::Header(name.to_string()));
+    }
     let mut values = headers.get_all(name).iter();
     match (values.next(), values.next()) {
         (Some(v), None) => v

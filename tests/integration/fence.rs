@@ -350,6 +350,20 @@ async fn resource_from_header_and_query() {
     let reply = send("PUT", &url, &[("fencing-token", "2")], "").await;
     reply.assert_problem(400, "urn:fencegate:invalid-resource");
     assert_eq!(up.count(), 1);
+    // `X_Tenant` is `X-Tenant` to a CGI-style upstream, which may take it over `x-tenant`.
+    let reply = send(
+        "PUT",
+        &url,
+        &[
+            ("x-tenant", "acme"),
+            ("x_tenant", "globex"),
+            ("fencing-token", "1"),
+        ],
+        "",
+    )
+    .await;
+    reply.assert_problem(400, "urn:fencegate:invalid-resource");
+    assert_eq!(up.count(), 1);
 }
 
 /// `/files/a/b/` is `/files/a/b` to the upstream, so it must be the same resource on a
