@@ -20,13 +20,20 @@ pub struct Route {
     pub ordering: Ordering,
     pub barrier_timeout: std::time::Duration,
     pub fence: bool,
+    /// The path template ends with `/`: a trailing slash in a request is then part of the match.
+    slash_template: bool,
 }
 
 impl Route {
     pub fn fences(&self, method: &Method) -> bool {
         self.fence
             && match &self.fenced_methods {
-                Some(methods) => methods.contains(method),
+                // Listed methods are fenced in any case: a server that folds `put` into `PUT`
+                // must not get it unchecked. (Unlisted methods in any case stay fenced by
+                // default, `get` included.)
+                Some(methods) => methods
+                    .iter()
+                    .any(|m| m.as_str().eq_ignore_ascii_case(method.as_str())),
                 None => !matches!(*method, Method::GET | Method::HEAD | Method::OPTIONS),
             }
     }
@@ -87,6 +94,7 @@ impl RouteTable {
                     ordering: c.ordering,
                     barrier_timeout: c.barrier_timeout,
                     fence: c.fence,
+                    slash_template: c.path.source.len() > 1 && c.path.source.ends_with('/'),
                 }
             })
             .collect();
@@ -115,21 +123,23 @@ impl RouteTable {
         query: Option<&str>,
         headers: &HeaderMap,
     ) -> Result<Matched<'_>, (Option<&Route>, ResourceError)> {
-        // `/accounts/42/` is `/accounts/42` to most frameworks, so it must be to the fence too.
-        let found = match self.router.at(path) {
-            Ok(found) => found,
-            Err(_) => match path.strip_suffix('/').filter(|p| !p.is_empty()) {
-                Some(trimmed) => match self.router.at(trimmed) {
-                    Ok(found) => found,
-                    Err(_) => return Ok(Matched::None),
-                },
-                None => return Ok(Matched::None),
+        // `/accounts/42/` is `/accounts/42` to most frameworks, so it must be to the fence too:
+        // unless the path matches a template written with a trailing slash, the path without
+        // its slash is matched first, so that both spellings land on the same route with the
+        // same captures (a catch-all would otherwise capture the slash, or match in place of the
+        // route the slashless path is on).
+        let trimmed = path.strip_suffix('/').filter(|p| !p.is_empty());
+        let exact = self.router.at(path).ok();
+        let found = match (trimmed, exact) {
+            (_, Some(found)) if self.routes[found.value[0]].slash_template => found,
+            (Some(trimmed), exact) => match (self.router.at(trimmed), exact) {
+                (Ok(found), _) | (Err(_), Some(found)) => found,
+                (Err(_), None) => return Ok(Matched::None),
             },
+            (None, Some(found)) => found,
+            (None, None) => return Ok(Matched::None),
         };
-        let path = path
-            .strip_suffix('/')
-            .filter(|p| !p.is_empty())
-            .unwrap_or(path);
+        let path = trimmed.unwrap_or(path);
         let candidates = found.value.iter().map(|&i| &self.routes[i]);
         let Some(route) = candidates.clone().find(|r| r.fences(method)) else {
             let first = candidates
@@ -170,6 +180,14 @@ fn header_value<'h>(
     headers: &'h HeaderMap,
     name: &http::HeaderName,
 ) -> Result<&'h str, ResourceError> {
+    // `X_Tenant` is `X-Tenant` to servers that fold `_` into `-` (CGI-style `HTTP_X_TENANT`):
+    // with both present the downstream may pick the other value, so neither names the resource.
+    if headers
+        .keys()
+        .any(|k| crate::fence::token::is_alias(k, name))
+    {
+        return Err(ResourceError::Header(name.to_string()));
+    }
     let mut values = headers.get_all(name).iter();
     match (values.next(), values.next()) {
         (Some(v), None) => v
@@ -183,26 +201,39 @@ fn header_value<'h>(
 
 fn query_value(query: Option<&str>, name: &str) -> Result<String, ResourceError> {
     let missing = || ResourceError::Query(name.to_owned());
-    let mut found = None;
-    for pair in query.unwrap_or_default().split('&') {
-        let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
-        // Keys compare decoded: `sh%61rd` is `shard` to any downstream that decodes them.
-        let key = percent_encoding::percent_decode_str(key).decode_utf8_lossy();
-        if key == name {
-            if found.is_some() {
-                // Two values: the downstream may pick either, so neither names the resource.
-                return Err(missing());
-            }
-            found = Some(value);
-        }
+    let query = query.unwrap_or_default();
+    let found = single_value(query.split('&'), name).ok_or_else(missing)?;
+    // Some servers also split on `;` (Rack 2, Go before 1.17, Python before 3.9.2) and keep
+    // the last of two values. Unless both readings give this one value, the query names two
+    // resources, and neither can be trusted.
+    if query.contains(';') && single_value(query.split(['&', ';']), name) != Some(found) {
+        return Err(missing());
     }
-    let decoded = percent_encoding::percent_decode_str(found.ok_or_else(missing)?)
+    let decoded = percent_encoding::percent_decode_str(found)
         .decode_utf8()
         .map_err(|_| missing())?;
     if decoded.is_empty() || decoded.chars().any(char::is_control) {
         return Err(missing());
     }
     Ok(decoded.into_owned())
+}
+
+/// The value of the one pair named `name` among `pairs`; `None` when there is none, or more
+/// than one (the downstream may pick either, so neither names the resource).
+fn single_value<'q>(pairs: impl Iterator<Item = &'q str>, name: &str) -> Option<&'q str> {
+    let mut found = None;
+    for pair in pairs {
+        let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+        // Keys compare decoded: `sh%61rd` is `shard` to any downstream that decodes them.
+        let key = percent_encoding::percent_decode_str(key).decode_utf8_lossy();
+        if key == name {
+            if found.is_some() {
+                return None;
+            }
+            found = Some(value);
+        }
+    }
+    found
 }
 
 #[cfg(test)]
@@ -262,6 +293,24 @@ mod tests {
             t.lookup(&Method::PUT, "/accounts/7/x", None, &h),
             Ok(Matched::None)
         ));
+        let t = table(concat!(
+            "  - { name: files, path: '/files/{*p}', resource: 'file:{p}' }\n",
+            "  - { name: acc, path: '/accounts/{id}', resource: 'account:{id}' }\n",
+            "  - { name: slash, path: '/slash/{id}/', resource: 's:{id}' }\n",
+            "  - { name: other, path: '/{*rest}', fence: false }\n",
+        ));
+        assert_eq!(
+            fenced(t.lookup(&Method::PUT, "/files/a/b/", None, &h).unwrap()).1,
+            "file:a/b"
+        );
+        assert_eq!(
+            fenced(t.lookup(&Method::PUT, "/accounts/7/", None, &h).unwrap()).1,
+            "account:7"
+        );
+        assert_eq!(
+            fenced(t.lookup(&Method::PUT, "/slash/7/", None, &h).unwrap()).1,
+            "s:7"
+        );
     }
 
     #[test]

@@ -81,7 +81,7 @@ pub fn token_from_headers(
 }
 
 /// `fencing_token` for `fencing-token`: same name once `_` is read as `-`, but not equal.
-fn is_alias(candidate: &HeaderName, name: &HeaderName) -> bool {
+pub(crate) fn is_alias(candidate: &HeaderName, name: &HeaderName) -> bool {
     let (c, n) = (candidate.as_str().as_bytes(), name.as_str().as_bytes());
     c.len() == n.len()
         && c.contains(&b'_')

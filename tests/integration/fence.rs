@@ -350,6 +350,155 @@ async fn resource_from_header_and_query() {
     let reply = send("PUT", &url, &[("fencing-token", "2")], "").await;
     reply.assert_problem(400, "urn:fencegate:invalid-resource");
     assert_eq!(up.count(), 1);
+    // `X_Tenant` is `X-Tenant` to a CGI-style upstream, which may take it over `x-tenant`.
+    let reply = send(
+        "PUT",
+        &url,
+        &[
+            ("x-tenant", "acme"),
+            ("x_tenant", "globex"),
+            ("fencing-token", "1"),
+        ],
+        "",
+    )
+    .await;
+    reply.assert_problem(400, "urn:fencegate:invalid-resource");
+    assert_eq!(up.count(), 1);
+}
+
+/// `/files/a/b/` is `/files/a/b` to the upstream, so it must be the same resource on a
+/// catch-all capture too, and it must be on the route `/files/a/b` is on.
+#[tokio::test]
+async fn trailing_slash_on_a_catch_all_is_the_same_resource_and_route() {
+    let up = Upstream::start().await;
+    let fg = fencegate(
+        &up.url(),
+        "routes:\n  - { name: files, path: '/files/{*path}', resource: 'file:{path}' }\n  \
+         - { name: item, path: '/a/{id}', resource: 'a:{id}' }\n  \
+         - { name: other, path: '/{*rest}', fence: false }\n",
+    )
+    .await;
+    let base = format!("http://{}", fg.listen);
+    let ok = send(
+        "PUT",
+        &format!("{base}/files/x/y"),
+        &[("fencing-token", "5")],
+        "",
+    )
+    .await;
+    assert_eq!(ok.status, 200);
+    send(
+        "PUT",
+        &format!("{base}/files/x/y/"),
+        &[("fencing-token", "4")],
+        "",
+    )
+    .await
+    .assert_problem(409, "urn:fencegate:stale-token");
+    assert_eq!(recorded(&fg, "file:x%2Fy%2F").await, None);
+    assert_eq!(up.count(), 1);
+
+    let ok = send(
+        "PUT",
+        &format!("{base}/a/42"),
+        &[("fencing-token", "5")],
+        "",
+    )
+    .await;
+    assert_eq!(ok.status, 200);
+    send(
+        "PUT",
+        &format!("{base}/a/42/"),
+        &[("fencing-token", "4")],
+        "",
+    )
+    .await
+    .assert_problem(409, "urn:fencegate:stale-token");
+    send("PUT", &format!("{base}/a/42/"), &[], "")
+        .await
+        .assert_problem(428, "urn:fencegate:token-required");
+    assert_eq!(up.count(), 2);
+    // Unfenced with or without the slash.
+    let ok = send("PUT", &format!("{base}/b/42/"), &[], "").await;
+    assert_eq!(ok.status, 200);
+}
+
+/// Many servers (Rack 2, Go before 1.17, Python before 3.9.2) also split a query on `;`, and
+/// take the last of two values: `account=1&x=;account=2` is account 2 to them. A resource taken
+/// from such a query is ambiguous and refused, like a `;` in the path.
+#[tokio::test]
+async fn query_resource_with_a_semicolon_separator_is_refused() {
+    let up = Upstream::start().await;
+    let fg = fencegate(
+        &up.url(),
+        "routes:\n  - { name: jobs, path: /jobs, resource: 'account:{query:account}' }\n",
+    )
+    .await;
+    let base = format!("http://{}", fg.listen);
+    let ok = send(
+        "PUT",
+        &format!("{base}/jobs?account=2"),
+        &[("fencing-token", "5")],
+        "",
+    )
+    .await;
+    assert_eq!(ok.status, 200);
+    for query in [
+        "account=1&x=;account=2",
+        "account=1;account=2",
+        "x=1;account=2&account=1",
+    ] {
+        send(
+            "PUT",
+            &format!("{base}/jobs?{query}"),
+            &[("fencing-token", "4")],
+            "",
+        )
+        .await
+        .assert_problem(400, "urn:fencegate:invalid-resource");
+    }
+    assert_eq!(recorded(&fg, "account:1").await, None);
+    assert_eq!(up.count(), 1);
+    // A `;` inside another parameter's value changes nothing for `account`.
+    let ok = send(
+        "PUT",
+        &format!("{base}/jobs?filter=a;b&account=2"),
+        &[("fencing-token", "5")],
+        "",
+    )
+    .await;
+    assert_eq!(ok.status, 200);
+}
+
+/// Methods are case-sensitive, but some servers and frameworks fold them (Jetty's legacy
+/// compliance modes, Django and Werkzeug upper-case `REQUEST_METHOD`): a listed method in
+/// another case is fenced too, rather than forwarded unchecked.
+#[tokio::test]
+async fn listed_methods_are_fenced_in_any_case() {
+    let up = Upstream::start().await;
+    let fg = fencegate(
+        &up.url(),
+        "routes:\n  - { name: jobs, path: '/jobs/{id}', methods: [PUT], resource: 'job:{id}' }\n",
+    )
+    .await;
+    let ok = send(
+        "PUT",
+        &format!("http://{}/jobs/1", fg.listen),
+        &[("fencing-token", "5")],
+        "",
+    )
+    .await;
+    assert_eq!(ok.status, 200);
+    for method in ["put", "Put"] {
+        let resp = raw(
+            fg.listen,
+            format!("{method} /jobs/1 HTTP/1.1\r\nHost: x\r\nFencing-Token: 4\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+                .as_bytes(),
+        )
+        .await;
+        assert!(resp.starts_with("HTTP/1.1 409"), "{method}: {resp}");
+    }
+    assert_eq!(up.count(), 1);
 }
 
 /// A small tmpfs of the test's own, unmounted when the test ends.
