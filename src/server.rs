@@ -51,6 +51,7 @@ pub async fn serve<H, F>(
         .http1()
         .timer(TokioTimer::new())
         .header_read_timeout(settings.header_read)
+        .writev(false)
         .max_buf_size(settings.max_header_bytes.max(8192))
         .max_headers(settings.max_headers);
     builder

@@ -215,7 +215,10 @@ async fn connect(
         .map_err(|_| format!("connecting to {authority} timed out after {timeout:?}"))?
         .map_err(|e| format!("connecting to {authority}: {e}"))?;
     stream.set_nodelay(true)?;
-    let (sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+    let (sender, connection) = hyper::client::conn::http1::Builder::new()
+        .writev(false)
+        .handshake(TokioIo::new(stream))
+        .await?;
     tokio::spawn(async move {
         if let Err(e) = connection.await {
             tracing::debug!(error = %e, "upstream connection ended");
