@@ -229,9 +229,14 @@ pub async fn send(
 
 /// A fenced PUT to `/accounts/{id}` with a token.
 pub async fn put(server: &Server, id: &str, token: &str) -> Reply {
+    put_at(server, &format!("/accounts/{id}"), token).await
+}
+
+/// A PUT with a token to `target` (path and query) on the listener.
+pub async fn put_at(server: &Server, target: &str, token: &str) -> Reply {
     send(
         "PUT",
-        &format!("http://{}/accounts/{id}", server.listen),
+        &format!("http://{}{target}", server.listen),
         &[("fencing-token", token)],
         format!("write with {token}"),
     )

@@ -379,41 +379,19 @@ async fn trailing_slash_on_a_catch_all_is_the_same_resource_and_route() {
     )
     .await;
     let base = format!("http://{}", fg.listen);
-    let ok = send(
-        "PUT",
-        &format!("{base}/files/x/y"),
-        &[("fencing-token", "5")],
-        "",
-    )
-    .await;
+    let ok = put_at(&fg, "/files/x/y", "5").await;
     assert_eq!(ok.status, 200);
-    send(
-        "PUT",
-        &format!("{base}/files/x/y/"),
-        &[("fencing-token", "4")],
-        "",
-    )
-    .await
-    .assert_problem(409, "urn:fencegate:stale-token");
+    put_at(&fg, "/files/x/y/", "4")
+        .await
+        .assert_problem(409, "urn:fencegate:stale-token");
     assert_eq!(recorded(&fg, "file:x%2Fy%2F").await, None);
     assert_eq!(up.count(), 1);
 
-    let ok = send(
-        "PUT",
-        &format!("{base}/a/42"),
-        &[("fencing-token", "5")],
-        "",
-    )
-    .await;
+    let ok = put_at(&fg, "/a/42", "5").await;
     assert_eq!(ok.status, 200);
-    send(
-        "PUT",
-        &format!("{base}/a/42/"),
-        &[("fencing-token", "4")],
-        "",
-    )
-    .await
-    .assert_problem(409, "urn:fencegate:stale-token");
+    put_at(&fg, "/a/42/", "4")
+        .await
+        .assert_problem(409, "urn:fencegate:stale-token");
     send("PUT", &format!("{base}/a/42/"), &[], "")
         .await
         .assert_problem(428, "urn:fencegate:token-required");
@@ -434,39 +412,21 @@ async fn query_resource_with_a_semicolon_separator_is_refused() {
         "routes:\n  - { name: jobs, path: /jobs, resource: 'account:{query:account}' }\n",
     )
     .await;
-    let base = format!("http://{}", fg.listen);
-    let ok = send(
-        "PUT",
-        &format!("{base}/jobs?account=2"),
-        &[("fencing-token", "5")],
-        "",
-    )
-    .await;
+    let ok = put_at(&fg, "/jobs?account=2", "5").await;
     assert_eq!(ok.status, 200);
     for query in [
         "account=1&x=;account=2",
         "account=1;account=2",
         "x=1;account=2&account=1",
     ] {
-        send(
-            "PUT",
-            &format!("{base}/jobs?{query}"),
-            &[("fencing-token", "4")],
-            "",
-        )
-        .await
-        .assert_problem(400, "urn:fencegate:invalid-resource");
+        put_at(&fg, &format!("/jobs?{query}"), "4")
+            .await
+            .assert_problem(400, "urn:fencegate:invalid-resource");
     }
     assert_eq!(recorded(&fg, "account:1").await, None);
     assert_eq!(up.count(), 1);
     // A `;` inside another parameter's value changes nothing for `account`.
-    let ok = send(
-        "PUT",
-        &format!("{base}/jobs?filter=a;b&account=2"),
-        &[("fencing-token", "5")],
-        "",
-    )
-    .await;
+    let ok = put_at(&fg, "/jobs?filter=a;b&account=2", "5").await;
     assert_eq!(ok.status, 200);
 }
 
