@@ -441,13 +441,7 @@ async fn listed_methods_are_fenced_in_any_case() {
         "routes:\n  - { name: jobs, path: '/jobs/{id}', methods: [PUT], resource: 'job:{id}' }\n",
     )
     .await;
-    let ok = send(
-        "PUT",
-        &format!("http://{}/jobs/1", fg.listen),
-        &[("fencing-token", "5")],
-        "",
-    )
-    .await;
+    let ok = put_at(&fg, "/jobs/1", "5").await;
     assert_eq!(ok.status, 200);
     for method in ["put", "Put"] {
         let resp = raw(
