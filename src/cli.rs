@@ -294,6 +294,7 @@ fn runtime() -> tokio::runtime::Runtime {
         }
         None => tokio::runtime::Builder::new_multi_thread(),
     };
+    crate::store::defer_wakes_to_park(&mut builder);
     builder
         .enable_all()
         .build()

@@ -5,6 +5,13 @@
 //! whatever raises queued up while the previous sync ran (group commit): under load many raises
 //! share one sync instead of queueing for one each.
 //!
+//! When the writer has just committed, a raise queued from a runtime thread set up with
+//! [`defer_wakes_to_park`] does not wake it at once: the runtime wakes it when it runs out of
+//! work (or the writer looks again after [`Timing::poll`]). Woken by the first raise, the writer
+//! would take the core from the proxy it shares it with and commit that raise nearly alone;
+//! woken when the runtime parks, it commits every raise the runtime's ready work produced. A
+//! writer that has gone idle is woken at once, so a lone write never waits.
+//!
 //! All maxima are also held in memory (loaded at open, updated after each commit), so a stale
 //! token or a repeat of the current token is answered without touching the disk. The cache only
 //! ever holds durable values, and this process is the file's only writer (redb locks it).
@@ -17,11 +24,13 @@
 //! `{prefix}.idempotency.expiry`, holds `(expires_ms, record key)` for every record, so
 //! purging the expired ones (inside write transactions) visits only those.
 
+use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{fence, AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::thread::Thread;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use dashmap::DashMap;
 use redb::{Database, ReadableDatabase, ReadableTable, Table, TableDefinition};
@@ -36,6 +45,41 @@ const MAX_BATCH: usize = 4096;
 
 /// Upper bound on expired records purged per transaction; the rest go with the next ones.
 const MAX_PURGE: usize = 1024;
+
+/// How long the writer, after a commit, waits for a wake before it looks at the queue again,
+/// and then goes idle if it found nothing.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Timing {
+    pub(crate) poll: Duration,
+}
+
+impl Default for Timing {
+    fn default() -> Self {
+        Timing {
+            poll: Duration::from_millis(1),
+        }
+    }
+}
+
+thread_local! {
+    /// This thread runs a runtime whose park hook wakes the writers ([`defer_wakes_to_park`]).
+    static PARKS_HERE: Cell<bool> = const { Cell::new(false) };
+    /// Writers to wake when this thread's runtime parks.
+    static DEFERRED: RefCell<Vec<Thread>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Sets up `builder`'s runtime so that raises queued from its threads wake the embedded
+/// store's writer when the runtime runs out of work, not one by one (see the module comment).
+pub fn defer_wakes_to_park(builder: &mut tokio::runtime::Builder) {
+    builder.on_thread_park(|| {
+        PARKS_HERE.set(true);
+        DEFERRED.with_borrow_mut(|writers| {
+            for writer in writers.drain(..) {
+                writer.unpark();
+            }
+        });
+    });
+}
 
 /// Record key to `(expires_ms, encoded record)`.
 type Records<'a> = TableDefinition<'a, &'static str, (u64, &'static [u8])>;
@@ -120,12 +164,16 @@ struct Shared {
     healthy: AtomicBool,
     /// Committed write transactions, for tests and metrics of group commit.
     commits: AtomicU64,
+    /// The writer waits without a deadline: a new operation wakes it at once.
+    idle: AtomicBool,
 }
 
 pub struct EmbeddedStore {
     shared: Arc<Shared>,
-    /// Queue to the writer thread; closing it stops the thread.
+    /// Queue to the writer thread; closing it (and waking the thread) stops the thread.
     queue: Option<mpsc::Sender<Op>>,
+    /// The writer thread, to wake.
+    waker: Thread,
     /// Joined on drop, so the database file is unlocked when the store is gone.
     writer: Option<std::thread::JoinHandle<()>>,
 }
@@ -133,6 +181,7 @@ pub struct EmbeddedStore {
 impl Drop for EmbeddedStore {
     fn drop(&mut self) {
         drop(self.queue.take());
+        self.waker.unpark();
         if let Some(writer) = self.writer.take() {
             let _ = writer.join();
         }
@@ -142,6 +191,15 @@ impl Drop for EmbeddedStore {
 impl EmbeddedStore {
     /// Opens (creating if needed) the database and loads every maximum into memory.
     pub fn open(path: &Path, prefix: &str) -> Result<Self, StoreError> {
+        Self::open_timed(path, prefix, Timing::default())
+    }
+
+    /// [`EmbeddedStore::open`] with the writer's timing set (tests).
+    pub(crate) fn open_timed(
+        path: &Path,
+        prefix: &str,
+        timing: Timing,
+    ) -> Result<Self, StoreError> {
         let fail = |what: &str, e: &dyn std::fmt::Display| {
             StoreError::Unavailable(format!("{what} {}: {e}", path.display()))
         };
@@ -174,19 +232,38 @@ impl EmbeddedStore {
             maxima,
             healthy: AtomicBool::new(true),
             commits: AtomicU64::new(0),
+            idle: AtomicBool::new(false),
         });
         let (queue, rx) = mpsc::channel();
         let writer_shared = Arc::clone(&shared);
         let writer_path = path.to_owned();
         let writer = std::thread::Builder::new()
             .name("fencegate-store".into())
-            .spawn(move || writer(writer_path, db, names, rx, writer_shared))
+            .spawn(move || writer(writer_path, db, names, rx, writer_shared, timing))
             .map_err(|e| fail("cannot start the writer for", &e))?;
         Ok(EmbeddedStore {
             shared,
             queue: Some(queue),
+            waker: writer.thread().clone(),
             writer: Some(writer),
         })
+    }
+
+    /// Wakes the writer for an operation just queued: at once, or when this thread's runtime
+    /// parks (see the module comment).
+    fn wake(&self) {
+        // Pairs with the fence in `writer` between marking itself idle and a last look at the
+        // queue: either it sees this operation, or this sees it idle.
+        fence(Ordering::SeqCst);
+        if !PARKS_HERE.get() || self.shared.idle.load(Ordering::Relaxed) {
+            self.waker.unpark();
+            return;
+        }
+        DEFERRED.with_borrow_mut(|writers| {
+            if !writers.iter().any(|w| w.id() == self.waker.id()) {
+                writers.push(self.waker.clone());
+            }
+        });
     }
 
     fn send<T>(
@@ -198,7 +275,7 @@ impl EmbeddedStore {
         T: Send + 'static,
     {
         let sent = match &self.queue {
-            Some(queue) => queue.send(op).map_err(|_| ()),
+            Some(queue) => queue.send(op).map(|()| self.wake()).map_err(|_| ()),
             None => Err(()),
         };
         Box::pin(async move {
@@ -327,9 +404,15 @@ struct Tables<'n> {
     expiries: Expiries<'n>,
 }
 
-/// The writer thread: block for one operation, take every other queued one, commit them
-/// together.
-fn writer(path: PathBuf, db: Database, names: Names, rx: mpsc::Receiver<Op>, shared: Arc<Shared>) {
+/// The writer thread: wait for operations, take every queued one, commit them together.
+fn writer(
+    path: PathBuf,
+    db: Database,
+    names: Names,
+    rx: mpsc::Receiver<Op>,
+    shared: Arc<Shared>,
+    timing: Timing,
+) {
     let tables = Tables {
         fences: TableDefinition::new(&names.fences),
         records: Records::new(&names.records),
@@ -340,29 +423,55 @@ fn writer(path: PathBuf, db: Database, names: Names, rx: mpsc::Receiver<Op>, sha
     let mut db = Some(db);
     let mut batch = Vec::with_capacity(64);
     let mut next_purge = 0;
+    // Until when, after a commit, the next raises may wait for the runtime to park.
+    let mut active_until: Option<Instant> = None;
+    let mut next_recovery = Instant::now() + RETRY;
     loop {
-        let first = if shared.healthy.load(Ordering::Relaxed) {
-            match rx.recv() {
-                Ok(first) => first,
-                Err(_) => return,
-            }
-        } else {
-            match rx.recv_timeout(RETRY) {
-                Ok(first) => first,
-                Err(mpsc::RecvTimeoutError::Timeout) => {
-                    recover(&path, &mut db, probe, &shared);
-                    continue;
+        let closed = loop {
+            match rx.try_recv() {
+                Ok(op) => {
+                    batch.push(op);
+                    if batch.len() == MAX_BATCH {
+                        break false;
+                    }
                 }
-                Err(mpsc::RecvTimeoutError::Disconnected) => return,
+                Err(mpsc::TryRecvError::Empty) => break false,
+                Err(mpsc::TryRecvError::Disconnected) => break true,
             }
         };
-        batch.push(first);
-        while batch.len() < MAX_BATCH {
-            match rx.try_recv() {
-                Ok(next) => batch.push(next),
-                Err(_) => break,
+        if batch.is_empty() {
+            if closed {
+                return;
             }
+            if !shared.healthy.load(Ordering::Relaxed) {
+                let now = Instant::now();
+                if now >= next_recovery {
+                    recover(&path, &mut db, probe, &shared);
+                    next_recovery = now + RETRY;
+                }
+                std::thread::park_timeout(next_recovery.saturating_duration_since(now));
+            } else if let Some(until) = active_until {
+                // A wake can come late, for an operation already taken: an early return with
+                // nothing queued only means waiting again until the deadline.
+                match until.checked_duration_since(Instant::now()) {
+                    Some(left) if !left.is_zero() => std::thread::park_timeout(left),
+                    _ => active_until = None,
+                }
+            } else {
+                shared.idle.store(true, Ordering::Relaxed);
+                // Pairs with the fence in `EmbeddedStore::wake`.
+                fence(Ordering::SeqCst);
+                match rx.try_recv() {
+                    Ok(op) => batch.push(op),
+                    Err(mpsc::TryRecvError::Empty) => std::thread::park(),
+                    // The next look returns.
+                    Err(mpsc::TryRecvError::Disconnected) => {}
+                }
+                shared.idle.store(false, Ordering::Relaxed);
+            }
+            continue;
         }
+        active_until = Some(Instant::now() + timing.poll);
         if db.is_none() {
             db = Database::create(&path).ok();
         }
@@ -766,5 +875,107 @@ mod tests {
         }
         // 200 raises queued while earlier syncs ran: far fewer commits than raises.
         assert!(store.commits() < 100, "{} commits", store.commits());
+    }
+
+    /// A writer that, once active, only ever wakes when told to (the test outlives its poll).
+    fn patient(dir: &tempfile::TempDir) -> EmbeddedStore {
+        let timing = Timing {
+            poll: Duration::from_secs(3600),
+        };
+        EmbeddedStore::open_timed(&dir.path().join("f.db"), "t", timing).unwrap()
+    }
+
+    fn hooked_runtime() -> tokio::runtime::Runtime {
+        let mut builder = tokio::runtime::Builder::new_current_thread();
+        defer_wakes_to_park(&mut builder);
+        builder.enable_all().build().unwrap()
+    }
+
+    /// Spins (no sleep) until `done`, for at most 10 s.
+    fn until(what: &str, done: impl Fn() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !done() {
+            assert!(Instant::now() < deadline, "timed out waiting for {what}");
+            std::thread::yield_now();
+        }
+    }
+
+    #[test]
+    fn raises_queued_before_the_runtime_parks_share_one_commit() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = patient(&dir);
+        until("the writer to go idle", || {
+            store.shared.idle.load(Ordering::Relaxed)
+        });
+        hooked_runtime().block_on(async {
+            // The writer is idle, so this wakes it at once; the runtime parks while it waits.
+            let v = store
+                .compare_and_raise("first", 1, EqualTokens::Allow)
+                .await;
+            assert_eq!(v.unwrap(), Verdict::Admitted { previous: None });
+            assert_eq!(store.commits(), 1);
+            // The writer has just committed: these wait for the runtime to park, then go
+            // together.
+            let raises: Vec<_> = (0..64)
+                .map(|i| {
+                    store.compare_and_raise(
+                        ["a", "b", "c", "d"][i % 4],
+                        2 + i as u64,
+                        EqualTokens::Allow,
+                    )
+                })
+                .collect();
+            let mut verdicts = Vec::new();
+            for raise in raises {
+                verdicts.push(raise.await.unwrap());
+            }
+            assert_eq!(store.commits(), 2);
+            assert_eq!(verdicts[0], Verdict::Admitted { previous: None });
+            assert_eq!(verdicts[4], Verdict::Admitted { previous: Some(2) });
+            assert_eq!(verdicts[63], Verdict::Admitted { previous: Some(61) });
+        });
+        assert_eq!(cached_maximum(&store, "d"), Some(65));
+    }
+
+    fn cached_maximum(store: &EmbeddedStore, resource: &str) -> Option<u64> {
+        store.shared.maxima.get(resource).map(|v| *v)
+    }
+
+    #[tokio::test]
+    async fn a_thread_without_the_hook_wakes_the_writer_at_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = patient(&dir);
+        for token in 1..=3 {
+            // After the first commit the writer waits an hour unless woken.
+            let raise = store.compare_and_raise("r", token, EqualTokens::Allow);
+            let v = tokio::time::timeout(Duration::from_secs(10), raise)
+                .await
+                .expect("the writer was not woken");
+            assert!(matches!(v.unwrap(), Verdict::Admitted { .. }));
+        }
+        assert_eq!(store.commits(), 3);
+    }
+
+    #[test]
+    fn an_idle_writer_is_woken_at_once_even_from_a_hooked_runtime() {
+        let dir = tempfile::tempdir().unwrap();
+        let timing = Timing {
+            poll: Duration::from_micros(1),
+        };
+        let store = EmbeddedStore::open_timed(&dir.path().join("f.db"), "t", timing).unwrap();
+        hooked_runtime().block_on(async {
+            let v = store.compare_and_raise("r", 1, EqualTokens::Allow).await;
+            assert_eq!(v.unwrap(), Verdict::Admitted { previous: None });
+            until("the writer to go idle", || {
+                store.shared.idle.load(Ordering::Relaxed)
+            });
+            // Queued without letting the runtime park: only an immediate wake commits it.
+            let raise = store.compare_and_raise("r", 2, EqualTokens::Allow);
+            until("the second commit", || store.commits() == 2);
+            assert_eq!(
+                raise.await.unwrap(),
+                Verdict::Admitted { previous: Some(1) }
+            );
+        });
     }
 }

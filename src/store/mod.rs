@@ -12,7 +12,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 
-pub use embedded::EmbeddedStore;
+pub use embedded::{defer_wakes_to_park, EmbeddedStore};
 pub(crate) use etcd::endpoints as etcd_endpoints;
 pub use memory::MemoryStore;
 pub(crate) use postgres::pool as postgres_pool;
