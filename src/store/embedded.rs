@@ -7,7 +7,7 @@
 //!
 //! When the writer has just committed, a raise queued from a runtime thread set up with
 //! [`defer_wakes_to_park`] does not wake it at once: the runtime wakes it when it runs out of
-//! work (or the writer looks again after [`Timing::poll`]). Woken by the first raise, the writer
+//! work (or the writer looks again after [`POLL`]). Woken by the first raise, the writer
 //! would take the core from the proxy it shares it with and commit that raise nearly alone;
 //! woken when the runtime parks, it commits every raise the runtime's ready work produced. A
 //! writer that has gone idle is woken at once, so a lone write never waits.
@@ -48,18 +48,7 @@ const MAX_PURGE: usize = 1024;
 
 /// How long the writer, after a commit, waits for a wake before it looks at the queue again,
 /// and then goes idle if it found nothing.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Timing {
-    pub(crate) poll: Duration,
-}
-
-impl Default for Timing {
-    fn default() -> Self {
-        Timing {
-            poll: Duration::from_millis(1),
-        }
-    }
-}
+const POLL: Duration = Duration::from_millis(1);
 
 thread_local! {
     /// This thread runs a runtime whose park hook wakes the writers ([`defer_wakes_to_park`]).
@@ -172,8 +161,6 @@ pub struct EmbeddedStore {
     shared: Arc<Shared>,
     /// Queue to the writer thread; closing it (and waking the thread) stops the thread.
     queue: Option<mpsc::Sender<Op>>,
-    /// The writer thread, to wake.
-    waker: Thread,
     /// Joined on drop, so the database file is unlocked when the store is gone.
     writer: Option<std::thread::JoinHandle<()>>,
 }
@@ -181,8 +168,8 @@ pub struct EmbeddedStore {
 impl Drop for EmbeddedStore {
     fn drop(&mut self) {
         drop(self.queue.take());
-        self.waker.unpark();
         if let Some(writer) = self.writer.take() {
+            writer.thread().unpark();
             let _ = writer.join();
         }
     }
@@ -191,15 +178,11 @@ impl Drop for EmbeddedStore {
 impl EmbeddedStore {
     /// Opens (creating if needed) the database and loads every maximum into memory.
     pub fn open(path: &Path, prefix: &str) -> Result<Self, StoreError> {
-        Self::open_timed(path, prefix, Timing::default())
+        Self::open_polling(path, prefix, POLL)
     }
 
-    /// [`EmbeddedStore::open`] with the writer's timing set (tests).
-    pub(crate) fn open_timed(
-        path: &Path,
-        prefix: &str,
-        timing: Timing,
-    ) -> Result<Self, StoreError> {
+    /// [`EmbeddedStore::open`] with the writer's [`POLL`] set (tests).
+    fn open_polling(path: &Path, prefix: &str, poll: Duration) -> Result<Self, StoreError> {
         let fail = |what: &str, e: &dyn std::fmt::Display| {
             StoreError::Unavailable(format!("{what} {}: {e}", path.display()))
         };
@@ -239,12 +222,11 @@ impl EmbeddedStore {
         let writer_path = path.to_owned();
         let writer = std::thread::Builder::new()
             .name("fencegate-store".into())
-            .spawn(move || writer(writer_path, db, names, rx, writer_shared, timing))
+            .spawn(move || writer(writer_path, db, names, rx, writer_shared, poll))
             .map_err(|e| fail("cannot start the writer for", &e))?;
         Ok(EmbeddedStore {
             shared,
             queue: Some(queue),
-            waker: writer.thread().clone(),
             writer: Some(writer),
         })
     }
@@ -252,16 +234,20 @@ impl EmbeddedStore {
     /// Wakes the writer for an operation just queued: at once, or when this thread's runtime
     /// parks (see the module comment).
     fn wake(&self) {
+        // Present until the store is dropped, and nothing is sent after that.
+        let Some(writer) = self.writer.as_ref().map(|w| w.thread()) else {
+            return;
+        };
         // Pairs with the fence in `writer` between marking itself idle and a last look at the
         // queue: either it sees this operation, or this sees it idle.
         fence(Ordering::SeqCst);
         if !PARKS_HERE.get() || self.shared.idle.load(Ordering::Relaxed) {
-            self.waker.unpark();
+            writer.unpark();
             return;
         }
         DEFERRED.with_borrow_mut(|writers| {
-            if !writers.iter().any(|w| w.id() == self.waker.id()) {
-                writers.push(self.waker.clone());
+            if !writers.iter().any(|w| w.id() == writer.id()) {
+                writers.push(writer.clone());
             }
         });
     }
@@ -411,7 +397,7 @@ fn writer(
     names: Names,
     rx: mpsc::Receiver<Op>,
     shared: Arc<Shared>,
-    timing: Timing,
+    poll: Duration,
 ) {
     let tables = Tables {
         fences: TableDefinition::new(&names.fences),
@@ -471,7 +457,7 @@ fn writer(
             }
             continue;
         }
-        active_until = Some(Instant::now() + timing.poll);
+        active_until = Some(Instant::now() + poll);
         if db.is_none() {
             db = Database::create(&path).ok();
         }
@@ -879,10 +865,8 @@ mod tests {
 
     /// A writer that, once active, only ever wakes when told to (the test outlives its poll).
     fn patient(dir: &tempfile::TempDir) -> EmbeddedStore {
-        let timing = Timing {
-            poll: Duration::from_secs(3600),
-        };
-        EmbeddedStore::open_timed(&dir.path().join("f.db"), "t", timing).unwrap()
+        EmbeddedStore::open_polling(&dir.path().join("f.db"), "t", Duration::from_secs(3600))
+            .unwrap()
     }
 
     fn hooked_runtime() -> tokio::runtime::Runtime {
@@ -934,11 +918,7 @@ mod tests {
             assert_eq!(verdicts[4], Verdict::Admitted { previous: Some(2) });
             assert_eq!(verdicts[63], Verdict::Admitted { previous: Some(61) });
         });
-        assert_eq!(cached_maximum(&store, "d"), Some(65));
-    }
-
-    fn cached_maximum(store: &EmbeddedStore, resource: &str) -> Option<u64> {
-        store.shared.maxima.get(resource).map(|v| *v)
+        assert_eq!(store.shared.maxima.get("d").map(|v| *v), Some(65));
     }
 
     #[tokio::test]
@@ -959,10 +939,8 @@ mod tests {
     #[test]
     fn an_idle_writer_is_woken_at_once_even_from_a_hooked_runtime() {
         let dir = tempfile::tempdir().unwrap();
-        let timing = Timing {
-            poll: Duration::from_micros(1),
-        };
-        let store = EmbeddedStore::open_timed(&dir.path().join("f.db"), "t", timing).unwrap();
+        let poll = Duration::from_micros(1);
+        let store = EmbeddedStore::open_polling(&dir.path().join("f.db"), "t", poll).unwrap();
         hooked_runtime().block_on(async {
             let v = store.compare_and_raise("r", 1, EqualTokens::Allow).await;
             assert_eq!(v.unwrap(), Verdict::Admitted { previous: None });
