@@ -11,11 +11,12 @@ import statistics
 import sys
 
 WORK = sys.argv[1]
-TARGETS = ["direct", "nginx", "haproxy", "fg-memory", "fg-embedded", "fg2-memory", "fg2-embedded"]
+TARGETS = ["direct", "nginx", "haproxy", "hyper-floor", "fg-memory", "fg-embedded", "fg2-memory", "fg2-embedded"]
 NAMES = {
     "direct": "direct (no proxy)",
     "nginx": "nginx",
     "haproxy": "haproxy",
+    "hyper-floor": "hyper-floor (hyper, forwarding only)",
     "fg-memory": "fencegate, memory store",
     "fg-embedded": "fencegate, embedded store",
     "fg2-memory": "fencegate (--compare binary), memory store",
@@ -104,7 +105,11 @@ p(
 p(
     "- nginx: 1 worker, keep-alive pool to the upstream, `proxy_http_version 1.1`, access log "
     "off, sets X-Forwarded-For/Proto/Host like fencegate. haproxy: `nbthread 1`, http mode, "
-    "keep-alive, `http-reuse always`, `option forwardfor`. fencegate: `taskset` to the proxy core, "
+    "keep-alive, `http-reuse always`, `option forwardfor`. hyper-floor (bench/hyper-floor): "
+    "the least a proxy built on hyper can do, with fencegate's hyper server and client settings, "
+    "runtime and allocator: one upstream connection per client connection, every request and "
+    "response passed on as it came (no route, token, header rewriting, timer, metric or log), "
+    "so it marks what hyper itself costs. fencegate: `taskset` to the proxy core, "
     "where it runs its single-thread runtime (one usable CPU); route `/accounts/{id}` -> "
     "`account:{id}`, `unmatched: forward`, `token.equal: allow`, log level warn. Embedded store: "
     "a fresh temp directory (disk, fsync on) per run. "
@@ -455,14 +460,30 @@ for workload, label in (("get", "GET pass-through"), ("put", "fenced PUT")):
             f"{f['cpu_best']:.1f} vs {n['cpu_best']:.1f} us) and reaches {f['rps'] / n['rps']:.2f}x "
             "its req/s"
         )
+for workload, label in (("get", "GET pass-through"), ("put", "PUT")):
+    h = summary.get((workload, "hyper-floor"))
+    n = summary.get((workload, "nginx"))
+    if h and n and h.get("cpu") and n.get("cpu"):
+        v.append(
+            f"{label}: hyper-floor, which forwards without any check or rewriting, uses "
+            f"{h['cpu'] / n['cpu']:.2f}x nginx's CPU per request (median {h['cpu']:.1f} vs "
+            f"{n['cpu']:.1f} us) and reaches {h['rps'] / n['rps']:.2f}x its req/s"
+        )
 if instr:
     for workload in ("get", "put"):
         f = per.get(("fg-memory", workload))
         n = per.get(("nginx", workload))
+        h = per.get(("hyper-floor", workload))
         if f and n:
             v.append(
                 f"{workload.upper()}: {f:,.0f} vs {n:,.0f} user-space instructions per request "
                 f"({f / n:.2f}x, noise-free)"
+                + (
+                    f"; hyper-floor {h:,.0f} ({h / n:.2f}x), so hyper accounts for "
+                    f"{(h - n) / (f - n):.0%} of fencegate's excess over nginx"
+                    if h and f > n
+                    else ""
+                )
             )
 if v:
     block = ["## Verdict", ""]
