@@ -284,7 +284,8 @@ pub async fn raw(addr: SocketAddr, request: &[u8]) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
-fn complete_response(buf: &[u8]) -> Option<usize> {
+/// The length of the first complete response in `buf` (a Content-Length body), if it is all there.
+pub fn complete_response(buf: &[u8]) -> Option<usize> {
     let text = std::str::from_utf8(buf).ok()?;
     let head_end = text.find("\r\n\r\n")? + 4;
     let length = text[..head_end].lines().find_map(|l| {

@@ -628,6 +628,66 @@ async fn slow_headers_are_cut_off_after_header_read() {
     assert_eq!(put(&fg, "1", "5").await.status, 200);
 }
 
+/// On a kept-alive connection the header-read clock starts again for every head (the
+/// connection's timer is reused from head to head): a second head that never ends is cut off
+/// after `header_read` counted from the end of the first exchange, not from the first head's
+/// start.
+#[tokio::test]
+async fn a_slow_second_head_on_a_kept_alive_connection_is_cut_off() {
+    let up = Upstream::start().await;
+    let fg = fencegate(
+        &up.url(),
+        &format!("timeouts: {{ header_read: 300ms }}\n{ACCOUNTS}"),
+    )
+    .await;
+    let mut stream = TcpStream::connect(fg.listen).await.unwrap();
+    // The first head takes 200 ms (within its 300 ms), so its deadline falls 100 ms after it
+    // is answered: a timer left at that deadline would cut the second head short.
+    stream
+        .write_all(b"PUT /accounts/1 HTTP/1.1\r\nHost: x\r\n")
+        .await
+        .unwrap();
+    // The client's pacing (not a synchronisation).
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    stream
+        .write_all(b"Fencing-Token: 5\r\nContent-Length: 0\r\n\r\n")
+        .await
+        .unwrap();
+    let mut first = Vec::new();
+    let mut buf = [0u8; 4096];
+    while complete_response(&first).is_none() {
+        let n = tokio::time::timeout(Duration::from_secs(10), stream.read(&mut buf))
+            .await
+            .expect("no answer to the first request")
+            .unwrap();
+        assert_ne!(n, 0, "closed after the first request");
+        first.extend_from_slice(&buf[..n]);
+    }
+    let answered = Instant::now();
+    assert!(
+        first.starts_with(b"HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&first)
+    );
+    stream
+        .write_all(b"PUT /accounts/1 HTTP/1.1\r\nHost: x\r\nFencing-Token: 6\r\n")
+        .await
+        .unwrap();
+    let (answer, _) = read_until_closed(&mut stream, Duration::from_secs(5)).await;
+    let after = answered.elapsed();
+    assert!(
+        after >= Duration::from_millis(250) && after < Duration::from_secs(3),
+        "second head cut off {after:?} after the first answer"
+    );
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(
+        answer.is_empty() || answer.starts_with("HTTP/1.1 408"),
+        "{answer}"
+    );
+    assert_eq!(up.count(), 1);
+    assert_eq!(recorded(&fg, "account:1").await, Some(5));
+}
+
 /// A body that never completes: the write was admitted when its head arrived (the token is
 /// raised, SPEC §1: never undone), the upstream never gets a complete request, and the client
 /// gets 504 once `timeouts.upstream` passes.
