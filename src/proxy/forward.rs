@@ -42,15 +42,25 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     // removed (a removal hashes and probes). Upstreams usually send `Connection: keep-alive`
     // and nothing else of the kind, so that is one removal.
     let mut present = 0u8;
-    for key in headers.keys() {
-        if let Some(i) = hop_index(key.as_str()) {
+    // Whether a `Connection` header names anything besides `keep-alive` (which is removed
+    // anyway): only then are the other headers searched for what it names.
+    let mut nominates = false;
+    for (name, value) in headers.iter() {
+        if let Some(i) = hop_index(name.as_str()) {
             present |= 1 << i;
+            if i == 0 && !nominates {
+                nominates = value
+                    .as_bytes()
+                    .split(|&b| b == b',')
+                    .map(<[u8]>::trim_ascii)
+                    .any(|token| !token.is_empty() && !token.eq_ignore_ascii_case(b"keep-alive"));
+            }
         }
     }
     if present == 0 {
         return;
     }
-    if present & 1 != 0 {
+    if nominates {
         // Other headers the `Connection` header nominates, found among those present (no
         // header name is built for a token such as `close` that names nothing here).
         let nominated: Vec<HeaderName> = headers
