@@ -393,7 +393,13 @@ impl Proxy {
                 Ok(None) => {}
             }
         }
-        if let Some(refusal) = self.check_authority(&resource, token).await {
+        // Boxed, and only with an authority: its state (a timeout around the backend's answer)
+        // would otherwise grow every request's future.
+        let refusal = match self.authority {
+            Some(_) => Box::pin(self.check_authority(&resource, token)).await,
+            None => None,
+        };
+        if let Some(refusal) = refusal {
             return Ok(self.refuse(
                 refusal,
                 Some(route),
@@ -431,7 +437,11 @@ impl Proxy {
             }
         }
         if let Some(ticket) = &ticket {
-            if ticket.wait_turn(route.barrier_timeout).await.is_err() {
+            // Boxed: the barrier's timed wait is rare state in every request's future.
+            if Box::pin(ticket.wait_turn(route.barrier_timeout))
+                .await
+                .is_err()
+            {
                 return Ok(self.refuse(
                     Refusal::BarrierTimeout,
                     Some(route),
@@ -571,11 +581,12 @@ impl Proxy {
         parts.version = Version::HTTP_11;
         let metrics = self.metrics_for(route);
         let method = parts.method.clone();
-        let started = Instant::now();
+        // tokio's clock: the upstream deadline is a tokio timer's.
+        let started = tokio::time::Instant::now();
         let exchange = upstream::send(
             &self.client,
             via,
-            self.timeouts.upstream,
+            started + self.timeouts.upstream,
             Request::from_parts(parts, body),
         );
         let (took, settled) = if ticket.is_none() && attempt.is_none() {

@@ -12,6 +12,7 @@ use std::future::Future;
 use std::net::IpAddr;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, OnceLock};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use http::uri::Authority;
@@ -19,7 +20,7 @@ use http::{HeaderValue, Request, Response};
 use hyper::body::Incoming;
 use hyper::client::conn::http1::SendRequest;
 use hyper_util::rt::TokioIo;
-use tokio::time::Sleep;
+use tokio::time::{Instant, Sleep};
 
 use super::idempotent::UpstreamBody;
 use super::UpstreamClient;
@@ -125,77 +126,153 @@ pub enum Route {
     Own(SharedSlot, Authority),
 }
 
-// Built once per request and moved straight into its future: boxing the request would cost an
-// allocation per request to save stack space nobody holds on to.
-#[allow(clippy::large_enum_variant)]
-enum Via {
-    Pool(tokio::time::Timeout<hyper_util::client::legacy::ResponseFuture>),
-    Own(SharedSlot, Authority, Request<UpstreamBody>),
-}
-
-/// Sends `req` upstream, as `route` says, waiting at most `limit` for the response head.
+/// Sends `req` upstream, as `route` says, waiting until `deadline` for the response head.
+///
+/// On a client connection's own upstream connection that is ready (the usual case: the
+/// previous exchange is over), the request is queued on it here, before the returned future
+/// is first polled, and that future only waits for the answer. It then holds no request and no
+/// connecting state, which keeps every request's future small (hyper moves it whole).
+/// Connecting, or waiting for the connection to become ready, is the boxed slow path.
 pub fn send(
     pool: &UpstreamClient,
     route: Route,
-    limit: Duration,
+    deadline: Instant,
     req: Request<UpstreamBody>,
 ) -> impl Future<Output = Sent> + Send + 'static {
-    let via = match route {
-        Route::Pool => Via::Pool(tokio::time::timeout(limit, pool.request(req))),
-        Route::Own(slot, authority) => Via::Own(slot, authority, req),
+    let (slot, authority) = match route {
+        Route::Pool => {
+            let response = tokio::time::timeout_at(deadline, pool.request(req));
+            return Exchange::Pool { response };
+        }
+        Route::Own(slot, authority) => (slot, authority),
     };
-    async move {
-        let (slot, authority, req) = match via {
-            Via::Pool(response) => {
-                return match response.await {
-                    Ok(answer) => answer.map_err(|e| Failed::Upstream(e.into())),
-                    Err(_) => Err(Failed::Timeout),
-                }
+    let (sender, timer) = slot.take(&authority);
+    let timer = match timer {
+        Some(mut timer) => {
+            timer.as_mut().reset(deadline);
+            timer
+        }
+        None => Box::pin(tokio::time::sleep_until(deadline)),
+    };
+    match sender {
+        Some(mut sender) if sender.is_ready() => Exchange::Ready {
+            response: sender.send_request(req),
+            held: Some(Holding {
+                slot,
+                authority,
+                sender,
+                timer,
+            }),
+        },
+        sender => Exchange::Connecting {
+            exchange: Box::pin(connect_and_send(slot, authority, sender, timer, req)),
+        },
+    }
+}
+
+/// What a client connection's upstream exchange keeps until the answer: the connection goes
+/// back to the slot with the timer once the upstream has answered.
+struct Holding {
+    slot: SharedSlot,
+    authority: Authority,
+    sender: SendRequest<UpstreamBody>,
+    timer: Pin<Box<Sleep>>,
+}
+
+impl Holding {
+    /// Back in the slot once the upstream has answered (the next request waits for the body
+    /// to end); a failed exchange takes its connection with it, so the next request gets a
+    /// fresh one instead of queueing behind an upstream that does not answer.
+    fn settle(self, answer: Result<Response<Incoming>, BoxError>) -> Sent {
+        match answer {
+            Ok(response) => {
+                self.slot
+                    .put(Some((self.authority, self.sender)), self.timer);
+                Ok(response)
             }
-            Via::Own(slot, authority, req) => (slot, authority, req),
-        };
-        let (sender, timer) = slot.take(&authority);
-        let deadline = tokio::time::Instant::now() + limit;
-        let mut timer = match timer {
-            Some(mut timer) => {
-                timer.as_mut().reset(deadline);
-                timer
+            Err(e) => {
+                self.slot.put(None, self.timer);
+                Err(Failed::Upstream(e))
             }
-            None => Box::pin(tokio::time::sleep_until(deadline)),
-        };
-        let exchange = async {
-            let mut sender = match sender {
-                Some(sender) => sender,
-                None => connect(&authority, limit).await?,
-            };
-            if sender.ready().await.is_err() {
-                // Closed before anything was sent on it: a new connection is safe.
-                sender = connect(&authority, limit).await?;
-                sender.ready().await?;
+        }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// An upstream exchange in flight (see [`send`]).
+    #[project = ExchangeProj]
+    enum Exchange<R> {
+        Pool { #[pin] response: tokio::time::Timeout<hyper_util::client::legacy::ResponseFuture> },
+        /// Queued on a ready connection: waiting for the answer, or for the timer.
+        Ready { #[pin] response: R, held: Option<Holding> },
+        Connecting { exchange: Pin<Box<dyn Future<Output = Sent> + Send>> },
+    }
+}
+
+impl<R> Future for Exchange<R>
+where
+    R: Future<Output = Result<Response<Incoming>, hyper::Error>>,
+{
+    type Output = Sent;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Sent> {
+        match self.project() {
+            ExchangeProj::Pool { response } => response.poll(cx).map(|answer| match answer {
+                Ok(answer) => answer.map_err(|e| Failed::Upstream(e.into())),
+                Err(_) => Err(Failed::Timeout),
+            }),
+            ExchangeProj::Ready { response, held } => {
+                if let Poll::Ready(answer) = response.poll(cx) {
+                    let held = held.take().expect("polled after completion");
+                    return Poll::Ready(held.settle(answer.map_err(Into::into)));
+                }
+                let timer = &mut held.as_mut().expect("polled after completion").timer;
+                if timer.as_mut().poll(cx).is_pending() {
+                    return Poll::Pending;
+                }
+                let held = held.take().expect("polled after completion");
+                held.slot.put(None, held.timer);
+                Poll::Ready(Err(Failed::Timeout))
             }
-            let response = sender.send_request(req).await?;
-            Ok::<_, BoxError>((response, sender))
+            ExchangeProj::Connecting { exchange } => exchange.as_mut().poll(cx),
+        }
+    }
+}
+
+/// The slow path of [`send`]: a connection to open, or one to wait for, then the request.
+async fn connect_and_send(
+    slot: SharedSlot,
+    authority: Authority,
+    sender: Option<SendRequest<UpstreamBody>>,
+    mut timer: Pin<Box<Sleep>>,
+    req: Request<UpstreamBody>,
+) -> Sent {
+    let limit = timer.deadline().saturating_duration_since(Instant::now());
+    let exchange = async {
+        let mut sender = match sender {
+            Some(sender) => sender,
+            None => connect(&authority, limit).await?,
         };
-        tokio::select! {
-            biased;
-            answer = exchange => match answer {
-                // Back in the slot once the upstream has answered (the next request waits in
-                // `ready()` for the body to end).
-                Ok((response, sender)) => {
-                    slot.put(Some((authority, sender)), timer);
-                    Ok(response)
-                }
-                // A failed exchange takes its connection with it: the next request gets a
-                // fresh one instead of queueing behind an upstream that does not answer.
-                Err(e) => {
-                    slot.put(None, timer);
-                    Err(Failed::Upstream(e))
-                }
-            },
-            () = timer.as_mut() => {
+        if sender.ready().await.is_err() {
+            // Closed before anything was sent on it: a new connection is safe.
+            sender = connect(&authority, limit).await?;
+            sender.ready().await?;
+        }
+        let response = sender.send_request(req).await?;
+        Ok::<_, BoxError>((response, sender))
+    };
+    tokio::select! {
+        biased;
+        answer = exchange => match answer {
+            Ok((response, sender)) => Holding { slot, authority, sender, timer }.settle(Ok(response)),
+            Err(e) => {
                 slot.put(None, timer);
-                Err(Failed::Timeout)
+                Err(Failed::Upstream(e))
             }
+        },
+        () = timer.as_mut() => {
+            slot.put(None, timer);
+            Err(Failed::Timeout)
         }
     }
 }

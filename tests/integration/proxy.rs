@@ -2,6 +2,8 @@
 
 use std::convert::Infallible;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -283,4 +285,95 @@ async fn serialize_lets_a_higher_token_through_once_the_lower_finishes() {
     assert_eq!(up.arrival().await.token(), Some(2));
     up.release(1);
     assert_eq!(second.await.unwrap().status, 200);
+}
+
+/// A scripted upstream on raw TCP: counts the connections it accepts, answers `200 ok` to
+/// every GET except `/items/slow`, which it never answers (the connection stays open).
+async fn counting_upstream() -> (std::net::SocketAddr, Arc<AtomicUsize>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let counter = Arc::clone(&accepted);
+    tokio::spawn(async move {
+        loop {
+            let (mut stream, _) = listener.accept().await.unwrap();
+            counter.fetch_add(1, Ordering::SeqCst);
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                let mut buf = [0u8; 4096];
+                loop {
+                    let n = match stream.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => n,
+                    };
+                    head.extend_from_slice(&buf[..n]);
+                    while let Some(end) = head.windows(4).position(|w| w == b"\r\n\r\n") {
+                        let request: Vec<u8> = head.drain(..end + 4).collect();
+                        if request.starts_with(b"GET /items/slow ") {
+                            std::future::pending::<()>().await;
+                        }
+                        let answer = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+                        if stream.write_all(answer).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+            });
+        }
+    });
+    (addr, accepted)
+}
+
+/// Sends one GET on `client` and reads its whole answer: (status, body).
+async fn get_on(client: &mut tokio::net::TcpStream, path: &str) -> (u16, String) {
+    let request = format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n");
+    client.write_all(request.as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    let mut buf = [0u8; 4096];
+    let end = loop {
+        if let Some(end) = complete_response(&answer) {
+            break end;
+        }
+        let n = tokio::time::timeout(Duration::from_secs(10), client.read(&mut buf))
+            .await
+            .expect("no answer within 10s")
+            .unwrap();
+        assert_ne!(n, 0, "fencegate closed the client connection");
+        answer.extend_from_slice(&buf[..n]);
+    };
+    let text = String::from_utf8_lossy(&answer[..end]).into_owned();
+    let status = text[9..12].parse().unwrap();
+    let body = text.split_once("\r\n\r\n").unwrap().1.to_owned();
+    (status, body)
+}
+
+/// A client connection keeps one upstream connection for its requests, one after another;
+/// an exchange that timed out takes its upstream connection with it (it may still carry the
+/// late answer), and the next request gets a fresh one.
+#[tokio::test]
+async fn a_client_connection_reuses_its_upstream_connection_until_an_exchange_times_out() {
+    let (upstream, accepted) = counting_upstream().await;
+    let fg = fencegate(
+        &format!("http://{upstream}"),
+        &format!("unmatched: forward\ntimeouts: {{ upstream: 300ms }}\n{ACCOUNTS}"),
+    )
+    .await;
+    let mut client = tokio::net::TcpStream::connect(fg.listen).await.unwrap();
+    assert_eq!(get_on(&mut client, "/items/1").await, (200, "ok".into()));
+    assert_eq!(get_on(&mut client, "/items/2").await, (200, "ok".into()));
+    assert_eq!(
+        accepted.load(Ordering::SeqCst),
+        1,
+        "the second request connected anew"
+    );
+
+    let (status, body) = get_on(&mut client, "/items/slow").await;
+    assert_eq!(status, 504, "{body}");
+    assert!(body.contains("urn:fencegate:upstream-timeout"), "{body}");
+    assert_eq!(get_on(&mut client, "/items/3").await, (200, "ok".into()));
+    assert_eq!(
+        accepted.load(Ordering::SeqCst),
+        2,
+        "the timed-out connection was reused"
+    );
 }
