@@ -284,6 +284,25 @@ pub async fn raw(addr: SocketAddr, request: &[u8]) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
+/// Reads one whole response (Content-Length body) from a connection that stays open, and
+/// returns it as text; fails if the server closes or says nothing within 10 s.
+pub async fn read_response(stream: &mut TcpStream) -> String {
+    let mut answer = Vec::new();
+    let mut buf = [0u8; 4096];
+    let end = loop {
+        if let Some(end) = complete_response(&answer) {
+            break end;
+        }
+        let n = tokio::time::timeout(Duration::from_secs(10), stream.read(&mut buf))
+            .await
+            .expect("no answer within 10s")
+            .unwrap();
+        assert_ne!(n, 0, "the server closed the connection");
+        answer.extend_from_slice(&buf[..n]);
+    };
+    String::from_utf8_lossy(&answer[..end]).into_owned()
+}
+
 /// The length of the first complete response in `buf` (a Content-Length body), if it is all there.
 pub fn complete_response(buf: &[u8]) -> Option<usize> {
     let text = std::str::from_utf8(buf).ok()?;

@@ -328,20 +328,7 @@ async fn counting_upstream() -> (std::net::SocketAddr, Arc<AtomicUsize>) {
 async fn get_on(client: &mut tokio::net::TcpStream, path: &str) -> (u16, String) {
     let request = format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n");
     client.write_all(request.as_bytes()).await.unwrap();
-    let mut answer = Vec::new();
-    let mut buf = [0u8; 4096];
-    let end = loop {
-        if let Some(end) = complete_response(&answer) {
-            break end;
-        }
-        let n = tokio::time::timeout(Duration::from_secs(10), client.read(&mut buf))
-            .await
-            .expect("no answer within 10s")
-            .unwrap();
-        assert_ne!(n, 0, "fencegate closed the client connection");
-        answer.extend_from_slice(&buf[..n]);
-    };
-    let text = String::from_utf8_lossy(&answer[..end]).into_owned();
+    let text = read_response(client).await;
     let status = text[9..12].parse().unwrap();
     let body = text.split_once("\r\n\r\n").unwrap().1.to_owned();
     (status, body)
