@@ -165,7 +165,6 @@ impl Drain {
         Entry {
             drain: Arc::clone(self),
             id,
-            registered: false,
         }
     }
 
@@ -202,7 +201,6 @@ impl Drain {
 struct Entry {
     drain: Arc<Drain>,
     id: u64,
-    registered: bool,
 }
 
 impl Entry {
@@ -212,6 +210,7 @@ impl Entry {
             conn: Box::pin(conn),
             entry: self,
             finish,
+            registered: false,
             told: false,
         }
     }
@@ -234,6 +233,9 @@ struct Watched<C> {
     conn: Pin<Box<C>>,
     entry: Entry,
     finish: fn(Pin<&mut C>),
+    /// Its task's waker is with the drain.
+    registered: bool,
+    /// It has been told to finish.
     told: bool,
 }
 
@@ -243,11 +245,11 @@ impl<C: Future> Future for Watched<C> {
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<C::Output> {
         let this = &mut *self;
         if !this.told {
-            if !this.entry.registered {
+            if !this.registered {
                 // The connection's own task polls it, so this waker stays the one to wake.
                 let mut open = this.entry.drain.open.lock().expect("drain lock poisoned");
                 open.wakers.insert(this.entry.id, Some(cx.waker().clone()));
-                this.entry.registered = true;
+                this.registered = true;
             }
             if this.entry.drain.draining.load(Ordering::Acquire) {
                 (this.finish)(this.conn.as_mut());
@@ -265,9 +267,9 @@ type IdleSleep = Arc<Mutex<Option<Pin<Box<tokio::time::Sleep>>>>>;
 ///
 /// hyper asks its timer for a new sleep for every request head and drops it once the head is
 /// in. With tokio's own timer that is a timer-wheel entry registered and removed per request,
-/// each under the timer driver's lock (callgrind: about 1,400 instructions of a proxied GET).
-/// This timer keeps one tokio sleep per connection and moves its deadline later for each head,
-/// which is a single atomic step while the sleep has not fired.
+/// each under the timer driver's lock. This timer keeps one tokio sleep per connection and
+/// moves its deadline later for each head, which is a single atomic step while the sleep has
+/// not fired (callgrind at a fixed 1,000 GET/s: 330 to 420 fewer instructions per request).
 #[derive(Default)]
 struct HeadTimer(IdleSleep);
 

@@ -3,9 +3,10 @@
 //! Each client connection gets one upstream connection, and every request is sent on it as it
 //! came (origin-form target, client headers, streaming body) and answered with the upstream's
 //! response as it came. No route, token, header rewriting, hop-by-hop stripping, timer, metric
-//! or log: fencegate does all of those on top of the same hyper server and client, with the
-//! same runtime (one thread), allocator and write settings. So fencegate's cost minus this
-//! one's is the fence's own, and this one's minus nginx's is what hyper costs over nginx.
+//! or log: fencegate does all of those on top of hyper's HTTP/1 server (through hyper-util's
+//! HTTP/1+2 builder) and client, with the same runtime (one thread), allocator and flat-buffer
+//! writes. So fencegate's cost minus this one's is fencegate's own work, and this one's minus
+//! nginx's is what hyper costs over nginx.
 
 use std::future::poll_fn;
 use std::net::SocketAddr;
