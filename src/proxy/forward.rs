@@ -38,50 +38,47 @@ fn hop_index(name: &str) -> Option<usize> {
 
 /// Removes hop-by-hop headers, including every header the `Connection` header names.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    // One pass over the (few) headers notes which hop-by-hop ones are there; only those are
-    // removed (a removal hashes and probes). Upstreams usually send `Connection: keep-alive`
-    // and nothing else of the kind, so that is one removal.
+    // One pass over the (few) header names notes which hop-by-hop ones are there; only those
+    // are removed (a removal hashes and probes). Upstreams usually send `Connection:
+    // keep-alive` and nothing else of the kind, so that is one removal. The names, not the
+    // values: walking a map's names is a plain slice walk, its values a linked walk.
     let mut present = 0u8;
-    // Whether a `Connection` header names anything besides `keep-alive` (which is removed
-    // anyway): only then are the other headers searched for what it names.
-    let mut nominates = false;
-    for (name, value) in headers.iter() {
+    for name in headers.keys() {
         if let Some(i) = hop_index(name.as_str()) {
             present |= 1 << i;
-            if i == 0 && !nominates {
-                nominates = value
-                    .as_bytes()
-                    .split(|&b| b == b',')
-                    .map(<[u8]>::trim_ascii)
-                    .any(|token| !token.is_empty() && !token.eq_ignore_ascii_case(b"keep-alive"));
-            }
         }
     }
     if present == 0 {
         return;
     }
-    if nominates {
-        // Other headers the `Connection` header nominates, found among those present (no
-        // header name is built for a token such as `close` that names nothing here).
-        let nominated: Vec<HeaderName> = headers
-            .get_all(header::CONNECTION)
-            .iter()
-            .flat_map(|v| v.as_bytes().split(|&b| b == b','))
-            .map(<[u8]>::trim_ascii)
-            // `keep-alive` is hop-by-hop anyway.
-            .filter(|token| !token.is_empty() && !token.eq_ignore_ascii_case(b"keep-alive"))
-            .filter_map(|token| {
-                headers
-                    .keys()
-                    .find(|k| k.as_str().as_bytes().eq_ignore_ascii_case(token))
-                    .cloned()
-            })
-            .collect();
-        for name in nominated {
-            headers.remove(name);
+    if present & 1 != 0 {
+        // `Connection` and, after it, the headers it nominates (besides `keep-alive`, which is
+        // hop-by-hop anyway). One lookup finds its values and removes them.
+        if let header::Entry::Occupied(connection) = headers.entry(header::CONNECTION) {
+            let mut nominated: Vec<HeaderName> = Vec::new();
+            for value in connection.iter() {
+                // What upstreams send; it nominates nothing.
+                if value.as_bytes().eq_ignore_ascii_case(b"keep-alive") {
+                    continue;
+                }
+                for token in value.as_bytes().split(|&b| b == b',') {
+                    let token = token.trim_ascii();
+                    if token.is_empty() || token.eq_ignore_ascii_case(b"keep-alive") {
+                        continue;
+                    }
+                    // A token that is no header name names no header here.
+                    if let Ok(name) = HeaderName::from_bytes(token) {
+                        nominated.push(name);
+                    }
+                }
+            }
+            connection.remove();
+            for name in nominated {
+                headers.remove(name);
+            }
         }
     }
-    for (i, name) in HOP_BY_HOP.iter().enumerate() {
+    for (i, name) in HOP_BY_HOP.iter().enumerate().skip(1) {
         if present & (1 << i) != 0 {
             headers.remove(name);
         }
