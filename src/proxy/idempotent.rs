@@ -596,12 +596,11 @@ impl Proxy {
                     }
                 }
                 let req = Request::from_parts(parts, Either::Right(Full::new(body)));
-                self.forward(
+                self.forward_held(
                     req,
                     normalised,
-                    Some(route),
+                    route,
                     subject,
-                    Outcome::Admitted,
                     ticket,
                     peer,
                     Some(attempt),

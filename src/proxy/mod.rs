@@ -11,6 +11,7 @@ pub mod problem;
 pub mod upstream;
 
 use std::convert::Infallible;
+use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
@@ -72,6 +73,15 @@ pub struct Proxy {
     /// Idempotency keys: the section, and per route (indexed like the table) whether it applies.
     idempotency: Option<IdempotencyConfig>,
     idempotent: Vec<bool>,
+}
+
+/// What answering a forwarded request needs besides the upstream's answer.
+struct Answer<'a> {
+    route: Option<&'a Route>,
+    subject: Subject<'a>,
+    outcome: Outcome,
+    method: &'a Method,
+    normalised: &'a str,
 }
 
 impl Proxy {
@@ -268,9 +278,7 @@ impl Proxy {
                         None,
                         Subject::default(),
                         Outcome::Forwarded,
-                        None,
                         peer,
-                        None,
                         own,
                     )
                     .await)
@@ -286,9 +294,7 @@ impl Proxy {
                             ..Subject::default()
                         },
                         Outcome::Forwarded,
-                        None,
                         peer,
-                        None,
                         own,
                     )
                     .await)
@@ -320,9 +326,7 @@ impl Proxy {
                     Some(route),
                     subject,
                     Outcome::Admitted,
-                    None,
                     peer,
-                    None,
                     own,
                 )
                 .await);
@@ -345,9 +349,7 @@ impl Proxy {
                         Some(route),
                         subject,
                         Outcome::Forwarded,
-                        None,
                         peer,
-                        None,
                         own,
                     )
                     .await)
@@ -451,19 +453,35 @@ impl Proxy {
                 ));
             }
         }
-        Ok(self
-            .forward(
-                req.map(http_body_util::Either::Left),
-                &normalised,
-                Some(route),
-                subject,
-                Outcome::Admitted,
-                ticket,
-                peer,
-                None,
-                own,
-            )
-            .await)
+        let req = req.map(http_body_util::Either::Left);
+        Ok(match ticket {
+            None => {
+                self.forward(
+                    req,
+                    &normalised,
+                    Some(route),
+                    subject,
+                    Outcome::Admitted,
+                    peer,
+                    own,
+                )
+                .await
+            }
+            // Boxed: rare, and its state would grow every request's future.
+            ticket => {
+                Box::pin(self.forward_held(
+                    req,
+                    &normalised,
+                    route,
+                    subject,
+                    ticket,
+                    peer,
+                    None,
+                    own,
+                ))
+                .await
+            }
+        })
     }
 
     /// Authoritative fencing: the token must be the latest grant's. Older is stale even if the
@@ -519,105 +537,112 @@ impl Proxy {
         answer
     }
 
+    /// Sends the request upstream and answers with the upstream's response (or the refusal
+    /// that says why there is none).
+    ///
+    /// Everything up to the send happens here, when called: the returned future holds only
+    /// the exchange and what the answer needs (route and subject for metrics and the log),
+    /// not the request. hyper moves a request's whole future several times, and the request
+    /// is large. A write that must outlive its client goes through [`Proxy::forward_held`].
     #[allow(clippy::too_many_arguments)]
-    async fn forward(
+    fn forward<'a>(
+        &'a self,
+        req: Request<UpstreamBody>,
+        normalised: &'a str,
+        route: Option<&'a Route>,
+        subject: Subject<'a>,
+        outcome: Outcome,
+        peer: SocketAddr,
+        own: Option<upstream::SharedSlot>,
+    ) -> impl Future<Output = Response<ProxyBody>> + Send + 'a {
+        let method = req.method().clone();
+        let sending = self.send(req, normalised, true, peer, own);
+        async move {
+            match sending {
+                Ok((exchange, started)) => {
+                    let sent = exchange.await;
+                    let settled = pass_on(sent, None);
+                    let answer = Answer {
+                        route,
+                        subject,
+                        outcome,
+                        method: &method,
+                        normalised,
+                    };
+                    self.answer(answer, started.elapsed(), settled)
+                }
+                Err(e) => self.refuse(Refusal::InvalidPath(e), route, subject, &method, normalised),
+            }
+        }
+    }
+
+    /// [`Proxy::forward`] for a write that holds a barrier ticket or an idempotency claim.
+    /// These must outlive the client: if it hangs up while the write is with the upstream,
+    /// the ticket is held (and the outcome recorded) until the upstream has answered, not
+    /// dropped with the request. The answer is settled before it is handed over: the
+    /// response's body then holds the ticket and records the outcome when read to the end,
+    /// and drains and records in the background when dropped unread, whether by the server
+    /// (the client is gone) or with the channel (the client went away before, or even after,
+    /// the send).
+    #[allow(clippy::too_many_arguments)]
+    async fn forward_held(
         &self,
         req: Request<UpstreamBody>,
         normalised: &str,
-        route: Option<&Route>,
+        route: &Route,
         subject: Subject<'_>,
-        outcome: Outcome,
         ticket: Option<Ticket>,
         peer: SocketAddr,
         attempt: Option<Attempt>,
         own: Option<upstream::SharedSlot>,
     ) -> Response<ProxyBody> {
-        let (mut parts, body) = req.into_parts();
-        let forwarded_for = match &own {
-            Some(slot) => slot.forwarded_for(peer.ip()),
-            None => forward::peer_value(peer.ip()),
-        };
-        // The client connection's own upstream connection serves HTTP/1 clients of a plain
-        // upstream; HTTP/2 clients (concurrent streams) and https upstreams use the pool, and
-        // so do exchanges that must outlive their client (a barrier ticket or an idempotency
-        // claim): the pool keeps their connection until the response has been read, whoever
-        // reads it.
-        let via = match own {
-            Some(slot)
-                if ticket.is_none()
-                    && attempt.is_none()
-                    && parts.version <= Version::HTTP_11
-                    && !self.upstream.is_https() =>
-            {
-                upstream::Route::Own(slot, self.upstream.authority.clone())
-            }
-            _ => upstream::Route::Pool,
-        };
-        let absolute = matches!(via, upstream::Route::Pool);
-        // On its own connection the request carries the upstream's `Host`; the pool sets it
-        // from the absolute URI.
-        let upstream_host = (!absolute).then(|| self.upstream_host.clone());
-        let uri = match self.upstream_uri(normalised, &parts.uri, absolute) {
-            Ok(uri) => uri,
+        let method = req.method().clone();
+        let route = Some(route);
+        let (exchange, started) = match self.send(req, normalised, false, peer, own) {
+            Ok(sending) => sending,
             Err(e) => {
                 if let Some(attempt) = attempt {
                     // Claimed but never sent: a retry may execute it.
                     attempt.unknown().await;
                 }
-                let refusal = Refusal::InvalidPath(e);
-                return self.refuse(refusal, route, subject, &parts.method, normalised);
+                return self.refuse(Refusal::InvalidPath(e), route, subject, &method, normalised);
             }
         };
-        // Borrowed from the URI (a field apart from the headers): no copy of the authority.
-        forward::request_headers(
-            &mut parts.headers,
-            forwarded_for,
-            self.https,
-            parts.uri.authority().map(|a| a.as_str()),
-            upstream_host,
-        );
-        parts.uri = uri;
-        // The upstream connection is HTTP/1.1 whatever the client spoke.
-        parts.version = Version::HTTP_11;
-        let metrics = self.metrics_for(route);
-        let method = parts.method.clone();
-        // tokio's clock: the upstream deadline is a tokio timer's.
-        let started = tokio::time::Instant::now();
-        let exchange = upstream::send(
-            &self.client,
-            via,
-            started + self.timeouts.upstream,
-            Request::from_parts(parts, body),
-        );
-        let (took, settled) = if ticket.is_none() && attempt.is_none() {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        tokio::spawn(async move {
             let sent = exchange.await;
-            (started.elapsed(), pass_on(sent, None))
-        } else {
-            // A barrier ticket or an idempotency claim must outlive the client: if it hangs
-            // up while the write is with the upstream, the ticket is held (and the outcome
-            // recorded) until the upstream has answered, not dropped with the request. The
-            // answer is settled before it is handed over: the response's body then holds the
-            // ticket and records the outcome when read to the end, and drains and records in
-            // the background when dropped unread, whether by the server (the client is gone)
-            // or with the channel (the client went away before, or even after, the send).
-            let (tx, rx) = tokio::sync::oneshot::channel();
-            tokio::spawn(async move {
-                let sent = exchange.await;
-                let took = started.elapsed();
-                let _ = tx.send((took, settle(sent, ticket, attempt).await));
-            });
-            match rx.await {
-                Ok(done) => done,
-                Err(_) => {
-                    let refusal = Refusal::UpstreamError("the upstream exchange failed".into());
-                    return self.refuse(refusal, route, subject, &method, normalised);
-                }
-            }
+            let took = started.elapsed();
+            let _ = tx.send((took, settle(sent, ticket, attempt).await));
+        });
+        let answer = Answer {
+            route,
+            subject,
+            outcome: Outcome::Admitted,
+            method: &method,
+            normalised,
         };
+        match rx.await {
+            Ok((took, settled)) => self.answer(answer, took, settled),
+            Err(_) => {
+                let refusal = Refusal::UpstreamError("the upstream exchange failed".into());
+                self.refuse(refusal, route, subject, &method, normalised)
+            }
+        }
+    }
+
+    /// The response to a forwarded request, counted: the upstream's, or the refusal that says
+    /// why there is none.
+    fn answer(
+        &self,
+        answer: Answer<'_>,
+        took: std::time::Duration,
+        settled: Result<Response<ProxyBody>, Failed>,
+    ) -> Response<ProxyBody> {
+        let metrics = self.metrics_for(answer.route);
         metrics.upstream.observe(took.as_secs_f64());
         let refusal = match settled {
             Ok(response) => {
-                metrics.outcome(outcome).inc();
+                metrics.outcome(answer.outcome).inc();
                 return response;
             }
             Err(Failed::Upstream(e)) if request_body_failed(&e) => {
@@ -630,7 +655,75 @@ impl Proxy {
             Err(Failed::Upstream(e)) => Refusal::UpstreamError(error_chain(e.as_ref())),
             Err(Failed::Timeout) => Refusal::UpstreamTimeout,
         };
-        self.refuse(refusal, route, subject, &method, normalised)
+        self.refuse(
+            refusal,
+            answer.route,
+            answer.subject,
+            answer.method,
+            answer.normalised,
+        )
+    }
+
+    /// The request, made ready for the upstream (URI, forwarding headers, HTTP/1.1) and sent;
+    /// the exchange and when it started. `may_own`: whether the exchange may use the client
+    /// connection's own upstream connection (see below).
+    fn send(
+        &self,
+        req: Request<UpstreamBody>,
+        normalised: &str,
+        may_own: bool,
+        peer: SocketAddr,
+        own: Option<upstream::SharedSlot>,
+    ) -> Result<
+        (
+            impl Future<Output = upstream::Sent> + Send + 'static,
+            tokio::time::Instant,
+        ),
+        path::PathError,
+    > {
+        let (mut parts, body) = req.into_parts();
+        let forwarded_for = match &own {
+            Some(slot) => slot.forwarded_for(peer.ip()),
+            None => forward::peer_value(peer.ip()),
+        };
+        // The client connection's own upstream connection serves HTTP/1 clients of a plain
+        // upstream; HTTP/2 clients (concurrent streams) and https upstreams use the pool, and
+        // so do exchanges that must outlive their client (a barrier ticket or an idempotency
+        // claim): the pool keeps their connection until the response has been read, whoever
+        // reads it.
+        let via = match own {
+            Some(slot)
+                if may_own && parts.version <= Version::HTTP_11 && !self.upstream.is_https() =>
+            {
+                upstream::Route::Own(slot, self.upstream.authority.clone())
+            }
+            _ => upstream::Route::Pool,
+        };
+        let absolute = matches!(via, upstream::Route::Pool);
+        // On its own connection the request carries the upstream's `Host`; the pool sets it
+        // from the absolute URI.
+        let upstream_host = (!absolute).then(|| self.upstream_host.clone());
+        let uri = self.upstream_uri(normalised, &parts.uri, absolute)?;
+        // Borrowed from the URI (a field apart from the headers): no copy of the authority.
+        forward::request_headers(
+            &mut parts.headers,
+            forwarded_for,
+            self.https,
+            parts.uri.authority().map(|a| a.as_str()),
+            upstream_host,
+        );
+        parts.uri = uri;
+        // The upstream connection is HTTP/1.1 whatever the client spoke.
+        parts.version = Version::HTTP_11;
+        // tokio's clock: the upstream deadline is a tokio timer's.
+        let started = tokio::time::Instant::now();
+        let exchange = upstream::send(
+            &self.client,
+            via,
+            started + self.timeouts.upstream,
+            Request::from_parts(parts, body),
+        );
+        Ok((exchange, started))
     }
 
     /// The upstream URI: the normalised path and the original query, after the upstream's scheme

@@ -141,7 +141,8 @@ pub fn send(
 ) -> impl Future<Output = Sent> + Send + 'static {
     let (slot, authority) = match route {
         Route::Pool => {
-            let response = tokio::time::timeout_at(deadline, pool.request(req));
+            // Boxed: the timeout's timer is large, and the pool's requests are the fewer.
+            let response = Box::pin(tokio::time::timeout_at(deadline, pool.request(req)));
             return Exchange::Pool { response };
         }
         Route::Own(slot, authority) => (slot, authority),
@@ -202,7 +203,7 @@ pin_project_lite::pin_project! {
     /// An upstream exchange in flight (see [`send`]).
     #[project = ExchangeProj]
     enum Exchange<R> {
-        Pool { #[pin] response: tokio::time::Timeout<hyper_util::client::legacy::ResponseFuture> },
+        Pool { response: Pin<Box<tokio::time::Timeout<hyper_util::client::legacy::ResponseFuture>>> },
         /// Queued on a ready connection: waiting for the answer, or for the timer.
         Ready { #[pin] response: R, held: Option<Holding> },
         Connecting { exchange: Pin<Box<dyn Future<Output = Sent> + Send>> },
@@ -217,10 +218,12 @@ where
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Sent> {
         match self.project() {
-            ExchangeProj::Pool { response } => response.poll(cx).map(|answer| match answer {
-                Ok(answer) => answer.map_err(|e| Failed::Upstream(e.into())),
-                Err(_) => Err(Failed::Timeout),
-            }),
+            ExchangeProj::Pool { response } => {
+                response.as_mut().poll(cx).map(|answer| match answer {
+                    Ok(answer) => answer.map_err(|e| Failed::Upstream(e.into())),
+                    Err(_) => Err(Failed::Timeout),
+                })
+            }
             ExchangeProj::Ready { response, held } => {
                 if let Poll::Ready(answer) = response.poll(cx) {
                     let held = held.take().expect("polled after completion");
