@@ -52,9 +52,9 @@ struct PerConnection {
 #[derive(Default)]
 struct Idle {
     held: Option<Held>,
-    /// The upstream timeout's timer, kept armed between requests: moving an armed timer's
-    /// deadline later is one atomic step, while a new timer per request is registered with the
-    /// timer wheel and removed again.
+    /// The upstream timeout's timer, kept armed between requests: a new timer per request
+    /// would be registered with the timer wheel and removed again. Each request's deadline is
+    /// later than the one before, and the timer is not moved to it (see [`poll_deadline`]).
     timer: Option<Pin<Box<Sleep>>>,
 }
 
@@ -150,7 +150,9 @@ pub fn send(
     let (sender, timer) = slot.take(&authority);
     let timer = match timer {
         Some(mut timer) => {
-            timer.as_mut().reset(deadline);
+            if timer.deadline() > deadline {
+                timer.as_mut().reset(deadline);
+            }
             timer
         }
         None => Box::pin(tokio::time::sleep_until(deadline)),
@@ -163,10 +165,13 @@ pub fn send(
                 authority,
                 sender,
                 timer,
+                deadline,
             }),
         },
         sender => Exchange::Connecting {
-            exchange: Box::pin(connect_and_send(slot, authority, sender, timer, req)),
+            exchange: Box::pin(connect_and_send(
+                slot, authority, sender, timer, deadline, req,
+            )),
         },
     }
 }
@@ -177,7 +182,27 @@ struct Holding {
     slot: SharedSlot,
     authority: Authority,
     sender: SendRequest<UpstreamBody>,
+    /// Fires at `deadline` or earlier (see [`poll_deadline`]).
     timer: Pin<Box<Sleep>>,
+    deadline: Instant,
+}
+
+/// Waits on a kept timer for `deadline`, which may be later than the timer's own. Moving a
+/// timer costs more than the rest of the per-request timer work together (the deadline's
+/// conversion to timer ticks, then an atomic step), and the deadlines of one connection's
+/// requests only move later: so the timer keeps an earlier request's deadline, and only when
+/// it fires there (an upstream slower than the timeout, or a connection idle for as long) is
+/// it armed again at this one.
+fn poll_deadline(timer: &mut Pin<Box<Sleep>>, deadline: Instant, cx: &mut Context<'_>) -> Poll<()> {
+    loop {
+        if timer.as_mut().poll(cx).is_pending() {
+            return Poll::Pending;
+        }
+        if timer.deadline() >= deadline {
+            return Poll::Ready(());
+        }
+        timer.as_mut().reset(deadline);
+    }
 }
 
 impl Holding {
@@ -229,8 +254,8 @@ where
                     let held = held.take().expect("polled after completion");
                     return Poll::Ready(held.settle(answer.map_err(Into::into)));
                 }
-                let timer = &mut held.as_mut().expect("polled after completion").timer;
-                if timer.as_mut().poll(cx).is_pending() {
+                let holding = held.as_mut().expect("polled after completion");
+                if poll_deadline(&mut holding.timer, holding.deadline, cx).is_pending() {
                     return Poll::Pending;
                 }
                 let held = held.take().expect("polled after completion");
@@ -248,9 +273,10 @@ async fn connect_and_send(
     authority: Authority,
     sender: Option<SendRequest<UpstreamBody>>,
     mut timer: Pin<Box<Sleep>>,
+    deadline: Instant,
     req: Request<UpstreamBody>,
 ) -> Sent {
-    let limit = timer.deadline().saturating_duration_since(Instant::now());
+    let limit = deadline.saturating_duration_since(Instant::now());
     let exchange = async {
         let mut sender = match sender {
             Some(sender) => sender,
@@ -267,13 +293,15 @@ async fn connect_and_send(
     tokio::select! {
         biased;
         answer = exchange => match answer {
-            Ok((response, sender)) => Holding { slot, authority, sender, timer }.settle(Ok(response)),
+            Ok((response, sender)) => {
+                Holding { slot, authority, sender, timer, deadline }.settle(Ok(response))
+            }
             Err(e) => {
                 slot.put(None, timer);
                 Err(Failed::Upstream(e))
             }
         },
-        () = timer.as_mut() => {
+        () = std::future::poll_fn(|cx| poll_deadline(&mut timer, deadline, cx)) => {
             slot.put(None, timer);
             Err(Failed::Timeout)
         }
