@@ -334,3 +334,24 @@ async fn connect(
     });
     Ok(sender)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A kept timer still set at an earlier request's deadline fires at the current one's,
+    /// and one set at the current deadline fires there.
+    #[tokio::test(start_paused = true)]
+    async fn a_timer_kept_at_an_earlier_deadline_waits_for_the_current_one() {
+        let start = Instant::now();
+        let mut timer = Box::pin(tokio::time::sleep_until(start + Duration::from_secs(1)));
+        let deadline = start + Duration::from_secs(3);
+        std::future::poll_fn(|cx| poll_deadline(&mut timer, deadline, cx)).await;
+        assert_eq!(Instant::now() - start, Duration::from_secs(3));
+
+        let deadline = Instant::now() + Duration::from_secs(2);
+        timer.as_mut().reset(deadline);
+        std::future::poll_fn(|cx| poll_deadline(&mut timer, deadline, cx)).await;
+        assert_eq!(Instant::now() - start, Duration::from_secs(5));
+    }
+}
