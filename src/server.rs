@@ -49,9 +49,28 @@ pub async fn serve<H, F>(
     H: Fn(Request<Incoming>, SocketAddr) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = Result<Response<ProxyBody>, Infallible>> + Send + 'static,
 {
+    // Connections are served by hyper's HTTP/1 or HTTP/2 connection, as ALPN or, in
+    // cleartext, their first bytes say ([`sniff`]); plain ones whose first bytes do not tell
+    // yet by hyper-util's builder, which reads them itself and replays them to the connection.
+    // Serving directly spares every read that replay wrapper, and a connection that sends
+    // nothing is closed after `header_read` (the builder would wait for its first bytes for
+    // ever). The header-read timer is per connection ([`HeadTimer`]), set on each
+    // connection's copy of the builder.
+    let mut http1 = hyper::server::conn::http1::Builder::new();
+    http1
+        .header_read_timeout(settings.header_read)
+        .writev(false)
+        .max_buf_size(settings.max_header_bytes.max(8192))
+        .max_headers(settings.max_headers);
+    let mut http2 = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+    http2
+        .timer(TokioTimer::new())
+        .max_header_list_size(u32::try_from(settings.max_header_bytes).unwrap_or(u32::MAX))
+        .max_concurrent_streams(256)
+        // Bounds the rapid-reset pattern (CVE-2023-44487): too many resets close the connection.
+        .max_pending_accept_reset_streams(50)
+        .max_local_error_reset_streams(256);
     let mut builder = auto::Builder::new(TokioExecutor::new());
-    // The header-read timer is per connection ([`HeadTimer`]), set on each connection's copy
-    // of this builder.
     builder
         .http1()
         .header_read_timeout(settings.header_read)
@@ -63,7 +82,6 @@ pub async fn serve<H, F>(
         .timer(TokioTimer::new())
         .max_header_list_size(u32::try_from(settings.max_header_bytes).unwrap_or(u32::MAX))
         .max_concurrent_streams(256)
-        // Bounds the rapid-reset pattern (CVE-2023-44487): too many resets close the connection.
         .max_pending_accept_reset_streams(50)
         .max_local_error_reset_streams(256);
     let drain = Arc::new(Drain::default());
@@ -90,8 +108,10 @@ pub async fn serve<H, F>(
         };
         backoff = Duration::from_millis(5);
         let _ = stream.set_nodelay(true);
+        let head_timer = HeadTimer::default();
         let mut builder = builder.clone();
-        builder.http1().timer(HeadTimer::default());
+        let mut http1 = http1.clone();
+        let http2 = http2.clone();
         let entry = drain.enter();
         let handler = handler.clone();
         let settings_tls = settings.tls.clone();
@@ -100,10 +120,24 @@ pub async fn serve<H, F>(
             let _permit = permit;
             let service = service_fn(move |req| handler(req, peer));
             match settings_tls {
-                None => {
-                    let conn = builder.serve_connection(TokioIo::new(stream), service);
-                    let _ = entry.watch(conn, |conn| conn.graceful_shutdown()).await;
-                }
+                None => match tokio::time::timeout(handshake_limit, sniff(&stream)).await {
+                    Ok(Ok(Sniffed::Http1)) => {
+                        http1.timer(head_timer);
+                        let conn = http1.serve_connection(TokioIo::new(stream), service);
+                        let _ = entry.watch(conn, |conn| conn.graceful_shutdown()).await;
+                    }
+                    Ok(Ok(Sniffed::Http2)) => {
+                        let conn = http2.serve_connection(TokioIo::new(stream), service);
+                        let _ = entry.watch(conn, |conn| conn.graceful_shutdown()).await;
+                    }
+                    Ok(Ok(Sniffed::NotYet)) => {
+                        builder.http1().timer(head_timer);
+                        let conn = builder.serve_connection(TokioIo::new(stream), service);
+                        let _ = entry.watch(conn, |conn| conn.graceful_shutdown()).await;
+                    }
+                    // Closed, failed, or silent for as long as a head may take.
+                    Ok(Err(_)) | Err(_) => {}
+                },
                 Some(acceptor) => {
                     let tls = match tokio::time::timeout(handshake_limit, acceptor.accept(stream))
                         .await
@@ -118,8 +152,15 @@ pub async fn serve<H, F>(
                             return;
                         }
                     };
-                    let conn = builder.serve_connection(TokioIo::new(tls), service);
-                    let _ = entry.watch(conn, |conn| conn.graceful_shutdown()).await;
+                    // Over TLS the version is negotiated (ALPN), never sniffed (RFC 9113 §3.3).
+                    if tls.get_ref().1.alpn_protocol() == Some(b"h2") {
+                        let conn = http2.serve_connection(TokioIo::new(tls), service);
+                        let _ = entry.watch(conn, |conn| conn.graceful_shutdown()).await;
+                    } else {
+                        http1.timer(head_timer);
+                        let conn = http1.serve_connection(TokioIo::new(tls), service);
+                        let _ = entry.watch(conn, |conn| conn.graceful_shutdown()).await;
+                    }
                 }
             }
         });
@@ -133,6 +174,33 @@ pub async fn serve<H, F>(
             tracing::warn!(drain = ?settings.drain, "connections still open after the drain timeout; closing them");
         }
     }
+}
+
+/// What a plain connection's first bytes say it speaks.
+#[derive(Debug, PartialEq)]
+enum Sniffed {
+    Http1,
+    /// The HTTP/2 connection preface (prior knowledge, RFC 9113 §3.3).
+    Http2,
+    /// A beginning of the preface, but not all of it yet.
+    NotYet,
+}
+
+/// The HTTP/2 connection preface.
+const PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// Tells HTTP/1 from HTTP/2 by the first bytes that arrive, without taking them from the
+/// socket: the HTTP/1 or HTTP/2 connection then reads the stream as it came. An error for a
+/// connection closed before it sent anything.
+async fn sniff(stream: &tokio::net::TcpStream) -> std::io::Result<Sniffed> {
+    let mut first = [0u8; PREFACE.len()];
+    let n = stream.peek(&mut first).await?;
+    Ok(match n {
+        0 => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+        _ if first[..n] != PREFACE[..n] => Sniffed::Http1,
+        _ if n == PREFACE.len() => Sniffed::Http2,
+        _ => Sniffed::NotYet,
+    })
 }
 
 /// The open connections, and the signal that tells them to finish.
@@ -519,6 +587,35 @@ mod tests {
     fn pending_watched(w: &mut Watched<Conn>) -> bool {
         let mut cx = Context::from_waker(std::task::Waker::noop());
         Pin::new(w).poll(&mut cx).is_pending()
+    }
+
+    /// The first bytes, peeked: the preface is HTTP/2, anything that leaves it is HTTP/1, a
+    /// part of it is not decided, a close before any byte is an error; nothing is taken.
+    #[tokio::test]
+    async fn sniff_tells_the_version_by_the_first_bytes_and_leaves_them() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        for (sent, expected) in [
+            (&PREFACE[..], Some(Sniffed::Http2)),
+            (&b"GET / HTTP/1.1\r\n"[..], Some(Sniffed::Http1)),
+            (&b"PUT /a HTTP/1.1\r\n"[..], Some(Sniffed::Http1)),
+            (&b"P"[..], Some(Sniffed::NotYet)),
+            (&PREFACE[..23], Some(Sniffed::NotYet)),
+            (&b""[..], None),
+        ] {
+            let mut client = tokio::net::TcpStream::connect(addr).await.unwrap();
+            let (mut server, _) = listener.accept().await.unwrap();
+            client.write_all(sent).await.unwrap();
+            if sent.is_empty() {
+                client.shutdown().await.unwrap();
+            }
+            let got = sniff(&server).await.ok();
+            assert_eq!(got, expected, "{:?}", String::from_utf8_lossy(sent));
+            let mut kept = vec![0u8; sent.len()];
+            server.read_exact(&mut kept).await.unwrap();
+            assert_eq!(kept, sent, "the bytes stay for the connection");
+        }
     }
 
     /// hyper's `reset` moves the deadline of the sleep it holds.

@@ -628,6 +628,25 @@ async fn slow_headers_are_cut_off_after_header_read() {
     assert_eq!(put(&fg, "1", "5").await.status, 200);
 }
 
+/// A connection that never sends a byte holds a connection slot only for `header_read`.
+#[tokio::test]
+async fn a_connection_that_sends_nothing_is_closed_after_header_read() {
+    let up = Upstream::start().await;
+    let fg = fencegate(
+        &up.url(),
+        &format!("timeouts: {{ header_read: 300ms }}\n{ACCOUNTS}"),
+    )
+    .await;
+    let mut stream = TcpStream::connect(fg.listen).await.unwrap();
+    let (answer, after) = read_until_closed(&mut stream, Duration::from_secs(5)).await;
+    assert!(answer.is_empty(), "{}", String::from_utf8_lossy(&answer));
+    assert!(
+        after >= Duration::from_millis(250) && after < Duration::from_secs(3),
+        "closed after {after:?}"
+    );
+    assert_eq!(put(&fg, "1", "5").await.status, 200);
+}
+
 /// On a kept-alive connection the header-read clock starts again for every head (the
 /// connection's timer is reused from head to head): a second head that never ends is cut off
 /// after `header_read` counted from the end of the first exchange, not from the first head's
