@@ -64,17 +64,30 @@ pub fn token_from_headers(
     if values.next().is_some() {
         return Err(TokenError::Duplicate);
     }
-    for connection in headers.get_all(CONNECTION) {
-        let nominated = connection
-            .as_bytes()
-            .split(|&b| b == b',')
-            .map(<[u8]>::trim_ascii)
-            .any(|option| option.eq_ignore_ascii_case(name.as_str().as_bytes()));
-        if nominated {
-            return Err(TokenError::ConnectionNominated);
+    // One walk over the names finds an alias and tells whether there is a `Connection`
+    // header at all (most requests have none: its values are then not looked up).
+    let mut connection = false;
+    let mut alias = None;
+    for key in headers.keys() {
+        if *key == CONNECTION {
+            connection = true;
+        } else if alias.is_none() && is_alias(key, name) {
+            alias = Some(key);
         }
     }
-    if let Some(alias) = headers.keys().find(|k| is_alias(k, name)) {
+    if connection {
+        for value in headers.get_all(CONNECTION) {
+            let nominated = value
+                .as_bytes()
+                .split(|&b| b == b',')
+                .map(<[u8]>::trim_ascii)
+                .any(|option| option.eq_ignore_ascii_case(name.as_str().as_bytes()));
+            if nominated {
+                return Err(TokenError::ConnectionNominated);
+            }
+        }
+    }
+    if let Some(alias) = alias {
         return Err(TokenError::Alias(alias.as_str().to_owned()));
     }
     first.map(|v| parse_token(v.as_bytes())).transpose()
