@@ -17,6 +17,7 @@ use std::time::Duration;
 
 use http::{Request, Response};
 use hyper::body::Incoming;
+use hyper::server::conn::{http1, http2};
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
@@ -56,13 +57,13 @@ pub async fn serve<H, F>(
     // nothing is closed after `header_read` (the builder would wait for its first bytes for
     // ever). The header-read timer is per connection ([`HeadTimer`]), set on each
     // connection's copy of the builder.
-    let mut http1 = hyper::server::conn::http1::Builder::new();
+    let mut http1 = http1::Builder::new();
     http1
         .header_read_timeout(settings.header_read)
         .writev(false)
         .max_buf_size(settings.max_header_bytes.max(8192))
         .max_headers(settings.max_headers);
-    let mut http2 = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+    let mut http2 = http2::Builder::new(TokioExecutor::new());
     http2
         .timer(TokioTimer::new())
         .max_header_list_size(u32::try_from(settings.max_header_bytes).unwrap_or(u32::MAX))
@@ -70,20 +71,19 @@ pub async fn serve<H, F>(
         // Bounds the rapid-reset pattern (CVE-2023-44487): too many resets close the connection.
         .max_pending_accept_reset_streams(50)
         .max_local_error_reset_streams(256);
-    let mut builder = auto::Builder::new(TokioExecutor::new());
-    builder
-        .http1()
+    let mut auto = auto::Builder::new(TokioExecutor::new());
+    auto.http1()
         .header_read_timeout(settings.header_read)
         .writev(false)
         .max_buf_size(settings.max_header_bytes.max(8192))
         .max_headers(settings.max_headers);
-    builder
-        .http2()
+    auto.http2()
         .timer(TokioTimer::new())
         .max_header_list_size(u32::try_from(settings.max_header_bytes).unwrap_or(u32::MAX))
         .max_concurrent_streams(256)
         .max_pending_accept_reset_streams(50)
         .max_local_error_reset_streams(256);
+    let builders = Arc::new(Builders { http1, http2, auto });
     let drain = Arc::new(Drain::default());
     let slots = Arc::new(Semaphore::new(settings.max_connections));
     tokio::pin!(shutdown);
@@ -108,10 +108,7 @@ pub async fn serve<H, F>(
         };
         backoff = Duration::from_millis(5);
         let _ = stream.set_nodelay(true);
-        let head_timer = HeadTimer::default();
-        let mut builder = builder.clone();
-        let mut http1 = http1.clone();
-        let http2 = http2.clone();
+        let builders = Arc::clone(&builders);
         let entry = drain.enter();
         let handler = handler.clone();
         let settings_tls = settings.tls.clone();
@@ -122,17 +119,21 @@ pub async fn serve<H, F>(
             match settings_tls {
                 None => match tokio::time::timeout(handshake_limit, sniff(&stream)).await {
                     Ok(Ok(Sniffed::Http1)) => {
-                        http1.timer(head_timer);
-                        let conn = http1.serve_connection(TokioIo::new(stream), service);
+                        let conn = builders
+                            .http1()
+                            .serve_connection(TokioIo::new(stream), service);
                         let _ = entry.watch(conn, |conn| conn.graceful_shutdown()).await;
                     }
                     Ok(Ok(Sniffed::Http2)) => {
-                        let conn = http2.serve_connection(TokioIo::new(stream), service);
+                        let conn = builders
+                            .http2
+                            .serve_connection(TokioIo::new(stream), service);
                         let _ = entry.watch(conn, |conn| conn.graceful_shutdown()).await;
                     }
                     Ok(Ok(Sniffed::NotYet)) => {
-                        builder.http1().timer(head_timer);
-                        let conn = builder.serve_connection(TokioIo::new(stream), service);
+                        let mut auto = builders.auto.clone();
+                        auto.http1().timer(HeadTimer::default());
+                        let conn = auto.serve_connection(TokioIo::new(stream), service);
                         let _ = entry.watch(conn, |conn| conn.graceful_shutdown()).await;
                     }
                     // Closed, failed, or silent for as long as a head may take.
@@ -154,11 +155,12 @@ pub async fn serve<H, F>(
                     };
                     // Over TLS the version is negotiated (ALPN), never sniffed (RFC 9113 §3.3).
                     if tls.get_ref().1.alpn_protocol() == Some(b"h2") {
-                        let conn = http2.serve_connection(TokioIo::new(tls), service);
+                        let conn = builders.http2.serve_connection(TokioIo::new(tls), service);
                         let _ = entry.watch(conn, |conn| conn.graceful_shutdown()).await;
                     } else {
-                        http1.timer(head_timer);
-                        let conn = http1.serve_connection(TokioIo::new(tls), service);
+                        let conn = builders
+                            .http1()
+                            .serve_connection(TokioIo::new(tls), service);
                         let _ = entry.watch(conn, |conn| conn.graceful_shutdown()).await;
                     }
                 }
@@ -173,6 +175,23 @@ pub async fn serve<H, F>(
         () = tokio::time::sleep(settings.drain) => {
             tracing::warn!(drain = ?settings.drain, "connections still open after the drain timeout; closing them");
         }
+    }
+}
+
+/// The connection builders, configured once.
+struct Builders {
+    http1: http1::Builder,
+    http2: http2::Builder<TokioExecutor>,
+    /// For plain connections whose first bytes do not tell the version yet.
+    auto: auto::Builder<TokioExecutor>,
+}
+
+impl Builders {
+    /// The HTTP/1 builder, with a header-read timer of the connection's own.
+    fn http1(&self) -> http1::Builder {
+        let mut http1 = self.http1.clone();
+        http1.timer(HeadTimer::default());
+        http1
     }
 }
 
