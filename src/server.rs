@@ -57,32 +57,36 @@ pub async fn serve<H, F>(
     // nothing is closed after `header_read` (the builder would wait for its first bytes for
     // ever). The header-read timer is per connection ([`HeadTimer`]), set on each
     // connection's copy of the builder.
+    //
+    // hyper's builders and hyper-util's take the same settings through different types.
+    macro_rules! http1_settings {
+        ($builder:expr) => {
+            $builder
+                .header_read_timeout(settings.header_read)
+                .writev(false)
+                .max_buf_size(settings.max_header_bytes.max(8192))
+                .max_headers(settings.max_headers)
+        };
+    }
+    macro_rules! http2_settings {
+        ($builder:expr) => {
+            $builder
+                .timer(TokioTimer::new())
+                .max_header_list_size(u32::try_from(settings.max_header_bytes).unwrap_or(u32::MAX))
+                .max_concurrent_streams(256)
+                // Bounds the rapid-reset pattern (CVE-2023-44487): too many resets close the
+                // connection.
+                .max_pending_accept_reset_streams(50)
+                .max_local_error_reset_streams(256)
+        };
+    }
     let mut http1 = http1::Builder::new();
-    http1
-        .header_read_timeout(settings.header_read)
-        .writev(false)
-        .max_buf_size(settings.max_header_bytes.max(8192))
-        .max_headers(settings.max_headers);
+    http1_settings!(http1);
     let mut http2 = http2::Builder::new(TokioExecutor::new());
-    http2
-        .timer(TokioTimer::new())
-        .max_header_list_size(u32::try_from(settings.max_header_bytes).unwrap_or(u32::MAX))
-        .max_concurrent_streams(256)
-        // Bounds the rapid-reset pattern (CVE-2023-44487): too many resets close the connection.
-        .max_pending_accept_reset_streams(50)
-        .max_local_error_reset_streams(256);
+    http2_settings!(http2);
     let mut auto = auto::Builder::new(TokioExecutor::new());
-    auto.http1()
-        .header_read_timeout(settings.header_read)
-        .writev(false)
-        .max_buf_size(settings.max_header_bytes.max(8192))
-        .max_headers(settings.max_headers);
-    auto.http2()
-        .timer(TokioTimer::new())
-        .max_header_list_size(u32::try_from(settings.max_header_bytes).unwrap_or(u32::MAX))
-        .max_concurrent_streams(256)
-        .max_pending_accept_reset_streams(50)
-        .max_local_error_reset_streams(256);
+    http1_settings!(auto.http1());
+    http2_settings!(auto.http2());
     let builders = Arc::new(Builders { http1, http2, auto });
     let drain = Arc::new(Drain::default());
     let slots = Arc::new(Semaphore::new(settings.max_connections));
