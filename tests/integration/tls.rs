@@ -347,6 +347,41 @@ async fn tls_listener_negotiates_alpn() {
     assert_one_put(&upstream.seen(), "3", "https");
 }
 
+/// After the handshake, an HTTP/1 connection (ALPN `http/1.1`, or none) that sends nothing is
+/// closed after `header_read`. (An HTTP/2 connection may stay idle: its clients keep it open
+/// between requests.)
+#[tokio::test]
+async fn a_tls_connection_that_sends_nothing_is_closed_after_header_read() {
+    use tokio::io::AsyncReadExt;
+    let upstream = Upstream::start().await;
+    let yaml = format!(
+        "timeouts: {{ header_read: 300ms }}\n{}",
+        tls_listener(false)
+    );
+    let server = fencegate(&upstream.url(), &yaml).await;
+    for offer in [&[b"http/1.1".as_slice()][..], &[]] {
+        let mut config = client_tls(false);
+        config.alpn_protocols = offer.iter().map(|p| p.to_vec()).collect();
+        let tcp = TcpStream::connect(server.listen).await.unwrap();
+        let mut tls = TlsConnector::from(Arc::new(config))
+            .connect(ServerName::try_from("localhost").unwrap(), tcp)
+            .await
+            .unwrap();
+        let started = std::time::Instant::now();
+        let mut buf = Vec::new();
+        let read =
+            tokio::time::timeout(std::time::Duration::from_secs(5), tls.read_to_end(&mut buf))
+                .await;
+        let after = started.elapsed();
+        assert!(read.is_ok(), "{offer:?}: still open after 5 s");
+        assert!(
+            after >= std::time::Duration::from_millis(250),
+            "{offer:?}: closed after {after:?}"
+        );
+    }
+    assert_eq!(upstream.count(), 0);
+}
+
 #[tokio::test]
 async fn tls_listener_refuses_plain_http() {
     let upstream = Upstream::start().await;
