@@ -16,7 +16,8 @@
 //! - [`lease`]: the lease agent: backends (embedded, Redis, PostgreSQL, etcd), renewal,
 //!   the local lease API and the egress proxy.
 //! - [`proxy`]: the request path, refusals as problem+json, header surgery, streaming bodies.
-//! - [`server`]: accept loop with TLS, HTTP/1 + HTTP/2, limits and graceful drain.
+//! - [`server`]: accept loop with TLS, HTTP/1 + HTTP/2, limits and graceful drain;
+//!   [`timer`]: the timers a connection keeps from request to request.
 //! - [`admin`]: metrics, probes and the fence inspection API; [`metrics`]: their definitions.
 //! - [`reload`]: live configuration (file change or SIGHUP).
 //! - [`app`]: wiring and the shutdown order; [`cli`]: the command line; [`demo`]: the
@@ -39,5 +40,6 @@ pub mod proxy;
 pub mod reload;
 pub mod server;
 pub mod store;
+pub mod timer;
 pub mod tls;
 pub mod ttl;

@@ -367,24 +367,14 @@ impl Kept {
                 return Poll::Pending;
             }
         }
-        loop {
-            if self.sleep.as_mut().poll(cx).is_pending() {
-                self.waker = Some(cx.waker().clone());
-                return Poll::Pending;
-            }
-            self.waker = None;
-            if self.sleep.deadline() >= deadline {
-                return Poll::Ready(());
-            }
-            // Fired at an earlier head's deadline: armed again at this one's.
-            self.sleep.as_mut().reset(deadline);
-        }
+        let polled = crate::timer::poll_until(&mut self.sleep, deadline, cx);
+        self.waker = polled.is_pending().then(|| cx.waker().clone());
+        polled
     }
 
     /// Makes sure the sleep fires no later than `deadline`.
     fn no_later_than(&mut self, deadline: tokio::time::Instant) {
-        if self.sleep.deadline() > deadline {
-            self.sleep.as_mut().reset(deadline);
+        if crate::timer::no_later_than(&mut self.sleep, deadline) {
             self.waker = None;
         }
     }
@@ -396,13 +386,11 @@ type IdleSleep = Arc<Mutex<Option<Kept>>>;
 ///
 /// hyper asks its timer for a new sleep for every request head and drops it once the head is
 /// in. With tokio's own timer that is a timer-wheel entry registered and removed per request,
-/// each under the timer driver's lock. This timer keeps one tokio sleep per connection. Each
-/// head's deadline is later than the one before, and the sleep is not moved to it: when it
-/// fires at an earlier head's deadline (rare: only a connection idle or slow for that long),
-/// it is armed again at the current head's, and only a head that wants an earlier deadline
-/// moves it. Nor is it polled again while it is registered with the connection's waker. So a
-/// head costs no timer work at all, where moving the deadline and polling would cost about
-/// 300 instructions (callgrind, fixed 1,000 GET/s), and a new sleep per head about 700.
+/// each under the timer driver's lock. This timer keeps one tokio sleep per connection, not
+/// moved to each head's later deadline ([`crate::timer`]), and not polled again while it is
+/// registered with the connection's waker. So a head costs no timer work at all, where moving
+/// the deadline and polling would cost about 300 instructions (callgrind, fixed 1,000
+/// GET/s), and a new sleep per head about 700.
 #[derive(Default)]
 struct HeadTimer(IdleSleep);
 

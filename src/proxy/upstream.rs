@@ -53,8 +53,8 @@ struct PerConnection {
 struct Idle {
     held: Option<Held>,
     /// The upstream timeout's timer, kept armed between requests: a new timer per request
-    /// would be registered with the timer wheel and removed again. Each request's deadline is
-    /// later than the one before, and the timer is not moved to it (see [`poll_deadline`]).
+    /// would be registered with the timer wheel and removed again. It is not moved to each
+    /// request's later deadline (see [`crate::timer`]).
     timer: Option<Pin<Box<Sleep>>>,
 }
 
@@ -150,9 +150,7 @@ pub fn send(
     let (sender, timer) = slot.take(&authority);
     let timer = match timer {
         Some(mut timer) => {
-            if timer.deadline() > deadline {
-                timer.as_mut().reset(deadline);
-            }
+            crate::timer::no_later_than(&mut timer, deadline);
             timer
         }
         None => Box::pin(tokio::time::sleep_until(deadline)),
@@ -182,27 +180,9 @@ struct Holding {
     slot: SharedSlot,
     authority: Authority,
     sender: SendRequest<UpstreamBody>,
-    /// Fires at `deadline` or earlier (see [`poll_deadline`]).
+    /// Fires at `deadline` or earlier (see [`crate::timer`]).
     timer: Pin<Box<Sleep>>,
     deadline: Instant,
-}
-
-/// Waits on a kept timer for `deadline`, which may be later than the timer's own. Moving a
-/// timer costs more than the rest of the per-request timer work together (the deadline's
-/// conversion to timer ticks, then an atomic step), and the deadlines of one connection's
-/// requests only move later: so the timer keeps an earlier request's deadline, and only when
-/// it fires there (an upstream slower than the timeout, or a connection idle for as long) is
-/// it armed again at this one.
-fn poll_deadline(timer: &mut Pin<Box<Sleep>>, deadline: Instant, cx: &mut Context<'_>) -> Poll<()> {
-    loop {
-        if timer.as_mut().poll(cx).is_pending() {
-            return Poll::Pending;
-        }
-        if timer.deadline() >= deadline {
-            return Poll::Ready(());
-        }
-        timer.as_mut().reset(deadline);
-    }
 }
 
 impl Holding {
@@ -255,7 +235,7 @@ where
                     return Poll::Ready(held.settle(answer.map_err(Into::into)));
                 }
                 let holding = held.as_mut().expect("polled after completion");
-                if poll_deadline(&mut holding.timer, holding.deadline, cx).is_pending() {
+                if crate::timer::poll_until(&mut holding.timer, holding.deadline, cx).is_pending() {
                     return Poll::Pending;
                 }
                 let held = held.take().expect("polled after completion");
@@ -301,7 +281,7 @@ async fn connect_and_send(
                 Err(Failed::Upstream(e))
             }
         },
-        () = std::future::poll_fn(|cx| poll_deadline(&mut timer, deadline, cx)) => {
+        () = std::future::poll_fn(|cx| crate::timer::poll_until(&mut timer, deadline, cx)) => {
             slot.put(None, timer);
             Err(Failed::Timeout)
         }
@@ -333,25 +313,4 @@ async fn connect(
         }
     });
     Ok(sender)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A kept timer still set at an earlier request's deadline fires at the current one's,
-    /// and one set at the current deadline fires there.
-    #[tokio::test(start_paused = true)]
-    async fn a_timer_kept_at_an_earlier_deadline_waits_for_the_current_one() {
-        let start = Instant::now();
-        let mut timer = Box::pin(tokio::time::sleep_until(start + Duration::from_secs(1)));
-        let deadline = start + Duration::from_secs(3);
-        std::future::poll_fn(|cx| poll_deadline(&mut timer, deadline, cx)).await;
-        assert_eq!(Instant::now() - start, Duration::from_secs(3));
-
-        let deadline = Instant::now() + Duration::from_secs(2);
-        timer.as_mut().reset(deadline);
-        std::future::poll_fn(|cx| poll_deadline(&mut timer, deadline, cx)).await;
-        assert_eq!(Instant::now() - start, Duration::from_secs(5));
-    }
 }
