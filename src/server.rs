@@ -26,6 +26,7 @@ use tokio::sync::Semaphore;
 use tokio_rustls::TlsAcceptor;
 
 use crate::proxy::body::ProxyBody;
+use crate::timer::Kept;
 
 /// Connection-level settings.
 #[derive(Clone)]
@@ -351,35 +352,6 @@ impl<C: Future> Future for Watched<C> {
     }
 }
 
-/// A tokio sleep kept by a connection between its request heads, and the waker its last
-/// pending poll registered.
-struct Kept {
-    sleep: Pin<Box<tokio::time::Sleep>>,
-    waker: Option<Waker>,
-}
-
-impl Kept {
-    /// Polls the sleep until `deadline`, which may be later than the sleep's own.
-    fn poll_until(&mut self, deadline: tokio::time::Instant, cx: &mut Context<'_>) -> Poll<()> {
-        // Registered with this waker and not fired: polling again would change nothing.
-        if let Some(waker) = &self.waker {
-            if waker.will_wake(cx.waker()) && !self.sleep.is_elapsed() {
-                return Poll::Pending;
-            }
-        }
-        let polled = crate::timer::poll_until(&mut self.sleep, deadline, cx);
-        self.waker = polled.is_pending().then(|| cx.waker().clone());
-        polled
-    }
-
-    /// Makes sure the sleep fires no later than `deadline`.
-    fn no_later_than(&mut self, deadline: tokio::time::Instant) {
-        if crate::timer::no_later_than(&mut self.sleep, deadline) {
-            self.waker = None;
-        }
-    }
-}
-
 type IdleSleep = Arc<Mutex<Option<Kept>>>;
 
 /// hyper's timer for one connection's request heads (`timeouts.header_read`).
@@ -415,10 +387,7 @@ impl hyper::rt::Timer for HeadTimer {
                 kept.no_later_than(deadline);
                 kept
             }
-            None => Kept {
-                sleep: Box::pin(tokio::time::sleep_until(deadline)),
-                waker: None,
-            },
+            None => Kept::new(deadline),
         };
         Box::pin(HeadSleep {
             kept: Some(kept),

@@ -7,19 +7,19 @@
 //! only when the sleep fires there (a connection idle, or an upstream slow, for that long)
 //! is it armed again at the real one. A deadline earlier than the sleep's (a reload that
 //! shortens a timeout) moves it at once.
+//!
+//! [`Kept`] also remembers the waker its last pending poll registered: while the sleep has not
+//! fired, polling it again for the same task would change nothing, so it is not polled (a
+//! poll re-registers the waker with the timer entry, about 100 instructions).
 
 use std::future::Future;
 use std::pin::Pin;
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, Waker};
 
 use tokio::time::{Instant, Sleep};
 
 /// Waits on `sleep` for `deadline`, which may be later than the sleep's own.
-pub fn poll_until(
-    sleep: &mut Pin<Box<Sleep>>,
-    deadline: Instant,
-    cx: &mut Context<'_>,
-) -> Poll<()> {
+fn poll_until(sleep: &mut Pin<Box<Sleep>>, deadline: Instant, cx: &mut Context<'_>) -> Poll<()> {
     loop {
         if sleep.as_mut().poll(cx).is_pending() {
             return Poll::Pending;
@@ -32,12 +32,46 @@ pub fn poll_until(
 }
 
 /// Makes `sleep` fire no later than `deadline`; whether it had to be moved.
-pub fn no_later_than(sleep: &mut Pin<Box<Sleep>>, deadline: Instant) -> bool {
+fn no_later_than(sleep: &mut Pin<Box<Sleep>>, deadline: Instant) -> bool {
     let later = sleep.deadline() > deadline;
     if later {
         sleep.as_mut().reset(deadline);
     }
     later
+}
+
+/// A sleep kept between requests, and the waker its last pending poll registered.
+pub struct Kept {
+    sleep: Pin<Box<Sleep>>,
+    waker: Option<Waker>,
+}
+
+impl Kept {
+    pub fn new(deadline: Instant) -> Self {
+        Kept {
+            sleep: Box::pin(tokio::time::sleep_until(deadline)),
+            waker: None,
+        }
+    }
+
+    /// [`poll_until`], skipped while the sleep is registered with this task and not fired.
+    pub fn poll_until(&mut self, deadline: Instant, cx: &mut Context<'_>) -> Poll<()> {
+        if let Some(waker) = &self.waker {
+            if waker.will_wake(cx.waker()) && !self.sleep.is_elapsed() {
+                return Poll::Pending;
+            }
+        }
+        let polled = poll_until(&mut self.sleep, deadline, cx);
+        self.waker = polled.is_pending().then(|| cx.waker().clone());
+        polled
+    }
+
+    /// [`no_later_than`]; a moved sleep is polled again at its next wait.
+    pub fn no_later_than(&mut self, deadline: Instant) {
+        if no_later_than(&mut self.sleep, deadline) {
+            self.waker = None;
+        }
+    }
 }
 
 #[cfg(test)]

@@ -20,7 +20,9 @@ use http::{HeaderValue, Request, Response};
 use hyper::body::Incoming;
 use hyper::client::conn::http1::SendRequest;
 use hyper_util::rt::TokioIo;
-use tokio::time::{Instant, Sleep};
+use tokio::time::Instant;
+
+use crate::timer::Kept;
 
 use super::idempotent::UpstreamBody;
 use super::UpstreamClient;
@@ -54,8 +56,9 @@ struct Idle {
     held: Option<Held>,
     /// The upstream timeout's timer, kept armed between requests: a new timer per request
     /// would be registered with the timer wheel and removed again. It is not moved to each
-    /// request's later deadline (see [`crate::timer`]).
-    timer: Option<Pin<Box<Sleep>>>,
+    /// request's later deadline, nor polled again for the connection's next request while it
+    /// has not fired (see [`crate::timer`]).
+    timer: Option<Kept>,
 }
 
 /// The state kept per client connection: its upstream connection and its formatted address.
@@ -96,10 +99,7 @@ impl SharedSlot {
         }
     }
 
-    fn take(
-        &self,
-        authority: &Authority,
-    ) -> (Option<SendRequest<UpstreamBody>>, Option<Pin<Box<Sleep>>>) {
+    fn take(&self, authority: &Authority) -> (Option<SendRequest<UpstreamBody>>, Option<Kept>) {
         let mut idle = self.0.upstream.lock().expect("upstream slot poisoned");
         let sender = match idle.held.take() {
             // Byte equality, not `Authority`'s case-insensitive one: both come from the same
@@ -112,7 +112,7 @@ impl SharedSlot {
         (sender, idle.timer.take())
     }
 
-    fn put(&self, held: Option<Held>, timer: Pin<Box<Sleep>>) {
+    fn put(&self, held: Option<Held>, timer: Kept) {
         let mut idle = self.0.upstream.lock().expect("upstream slot poisoned");
         idle.held = held;
         idle.timer = Some(timer);
@@ -150,10 +150,10 @@ pub fn send(
     let (sender, timer) = slot.take(&authority);
     let timer = match timer {
         Some(mut timer) => {
-            crate::timer::no_later_than(&mut timer, deadline);
+            timer.no_later_than(deadline);
             timer
         }
-        None => Box::pin(tokio::time::sleep_until(deadline)),
+        None => Kept::new(deadline),
     };
     match sender {
         Some(mut sender) if sender.is_ready() => Exchange::Ready {
@@ -181,7 +181,7 @@ struct Holding {
     authority: Authority,
     sender: SendRequest<UpstreamBody>,
     /// Fires at `deadline` or earlier (see [`crate::timer`]).
-    timer: Pin<Box<Sleep>>,
+    timer: Kept,
     deadline: Instant,
 }
 
@@ -235,7 +235,7 @@ where
                     return Poll::Ready(held.settle(answer.map_err(Into::into)));
                 }
                 let holding = held.as_mut().expect("polled after completion");
-                if crate::timer::poll_until(&mut holding.timer, holding.deadline, cx).is_pending() {
+                if holding.timer.poll_until(holding.deadline, cx).is_pending() {
                     return Poll::Pending;
                 }
                 let held = held.take().expect("polled after completion");
@@ -252,7 +252,7 @@ async fn connect_and_send(
     slot: SharedSlot,
     authority: Authority,
     sender: Option<SendRequest<UpstreamBody>>,
-    mut timer: Pin<Box<Sleep>>,
+    mut timer: Kept,
     deadline: Instant,
     req: Request<UpstreamBody>,
 ) -> Sent {
@@ -281,7 +281,7 @@ async fn connect_and_send(
                 Err(Failed::Upstream(e))
             }
         },
-        () = std::future::poll_fn(|cx| crate::timer::poll_until(&mut timer, deadline, cx)) => {
+        () = std::future::poll_fn(|cx| timer.poll_until(deadline, cx)) => {
             slot.put(None, timer);
             Err(Failed::Timeout)
         }
