@@ -138,6 +138,15 @@ impl FenceStore for MemoryStore {
         Box::pin(std::future::ready(Ok(verdict)))
     }
 
+    fn raise_at_once(
+        &self,
+        resource: &str,
+        token: u64,
+        equal: EqualTokens,
+    ) -> Option<Result<Verdict, StoreError>> {
+        Some(Ok(self.raise(resource, token, equal)))
+    }
+
     fn current<'a>(&'a self, resource: &'a str) -> BoxFuture<'a, Result<Option<u64>, StoreError>> {
         let current = self.maxima.get(resource).map(|v| *v);
         Box::pin(std::future::ready(Ok(current)))

@@ -67,6 +67,17 @@ pub trait FenceStore: Send + Sync + 'static {
         equal: EqualTokens,
     ) -> BoxFuture<'a, Result<Verdict, StoreError>>;
 
+    /// [`FenceStore::compare_and_raise`] answered at once, by a store that needs no waiting
+    /// for it (the memory store): no future to box and poll. `None`: ask `compare_and_raise`.
+    fn raise_at_once(
+        &self,
+        _resource: &str,
+        _token: u64,
+        _equal: EqualTokens,
+    ) -> Option<Result<Verdict, StoreError>> {
+        None
+    }
+
     /// The recorded maximum, if any.
     fn current<'a>(&'a self, resource: &'a str) -> BoxFuture<'a, Result<Option<u64>, StoreError>>;
 
