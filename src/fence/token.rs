@@ -94,13 +94,22 @@ pub fn token_from_headers(
 }
 
 /// `fencing_token` for `fencing-token`: same name once `_` is read as `-`, but not equal.
+/// One pass: the token header itself, the usual candidate of its length, is told apart in the
+/// same walk that compares it.
 pub(crate) fn is_alias(candidate: &HeaderName, name: &HeaderName) -> bool {
     let (c, n) = (candidate.as_str().as_bytes(), name.as_str().as_bytes());
-    c.len() == n.len()
-        && c.contains(&b'_')
-        && c.iter()
-            .zip(n)
-            .all(|(&a, &b)| a == b || (a == b'_' && b == b'-'))
+    if c.len() != n.len() {
+        return false;
+    }
+    let mut underscore = false;
+    for (&a, &b) in c.iter().zip(n) {
+        if a == b'_' && b == b'-' {
+            underscore = true;
+        } else if a != b {
+            return false;
+        }
+    }
+    underscore
 }
 
 #[cfg(test)]
@@ -191,6 +200,14 @@ mod tests {
             token_from_headers(&alias, &name()),
             Err(TokenError::Alias("fencing_token".into()))
         );
+
+        // Same length, one letter off, no `_`: another header, not an alias.
+        let mut other = h.clone();
+        other.insert("fencing-tokem", HeaderValue::from_static("99"));
+        assert_eq!(token_from_headers(&other, &name()), Ok(Some(12)));
+        let mut mixed = h.clone();
+        mixed.insert("fencing_tokem", HeaderValue::from_static("99"));
+        assert_eq!(token_from_headers(&mixed, &name()), Ok(Some(12)));
 
         let mut conn = h.clone();
         conn.insert(
