@@ -5,8 +5,9 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
+use arc_swap::cache::Cache;
 use arc_swap::ArcSwap;
 
 use tokio::net::TcpListener;
@@ -19,10 +20,48 @@ use crate::config::LeasesConfig;
 use crate::lease::agent::Agent;
 use crate::lease::api::LeaseApi;
 use crate::metrics::Metrics;
+use crate::proxy::upstream::ConnUpstream;
 use crate::proxy::Proxy;
 use crate::reload::Reloader;
 use crate::server::{serve, ServerSettings};
 use crate::store::{self, FenceStore};
+
+/// The fence proxy as one client connection's requests find it: the configuration, cached
+/// and checked against the current one with one atomic load per request (`ArcSwap::load_full`
+/// takes a debt slot and an extra reference count on every call), and the connection's own
+/// upstream slot. The server clones its handler once per accepted connection, and a clone
+/// is a new connection's: its own cache and a new, empty slot.
+struct ConnProxy {
+    cache: Mutex<Cache<Arc<ArcSwap<Proxy>>, Arc<Proxy>>>,
+    own: ConnUpstream,
+}
+
+impl ConnProxy {
+    fn new(proxy: Arc<ArcSwap<Proxy>>) -> Self {
+        ConnProxy {
+            cache: Mutex::new(Cache::new(proxy)),
+            own: ConnUpstream::default(),
+        }
+    }
+
+    /// The current configuration's proxy (a reload is seen by the next request).
+    fn current(&self) -> Arc<Proxy> {
+        // One connection's requests come one at a time: never contended. Nothing panics
+        // while it is held, so poisoning cannot happen; a poisoned cache would still be whole.
+        let mut cache = self.cache.lock().unwrap_or_else(PoisonError::into_inner);
+        Arc::clone(cache.load())
+    }
+}
+
+impl Clone for ConnProxy {
+    fn clone(&self) -> Self {
+        let cache = self.cache.lock().unwrap_or_else(PoisonError::into_inner);
+        ConnProxy {
+            cache: Mutex::new(cache.clone()),
+            own: ConnUpstream::default(),
+        }
+    }
+}
 
 /// A running fencegate.
 pub struct Server {
@@ -146,11 +185,11 @@ impl Server {
             serve(
                 proxy_listener,
                 settings,
-                // One atomic load per request: a reload never tears a request's config. The
-                // slot is per client connection (its clone is a new, empty slot).
+                // Each request takes the configuration current when it starts: a reload never
+                // tears a request's config. Per client connection (see `ConnProxy`).
                 {
-                    let own = crate::proxy::upstream::ConnUpstream::default();
-                    move |req, peer| proxy.load_full().handle_on(req, peer, Some(own.share()))
+                    let conn = ConnProxy::new(proxy);
+                    move |req, peer| conn.current().handle_on(req, peer, Some(conn.own.share()))
                 },
                 wait_for(stopped),
             )
@@ -267,7 +306,7 @@ impl LeaseSide {
             Some((listener, proxy)) => {
                 // As on the fence listener: each client connection keeps its own upstream
                 // connection and formatted address.
-                let own = crate::proxy::upstream::ConnUpstream::default();
+                let own = ConnUpstream::default();
                 serve(
                     listener,
                     settings,
