@@ -59,33 +59,31 @@ pub fn token_from_headers(
     headers: &HeaderMap,
     name: &HeaderName,
 ) -> Result<Option<u64>, TokenError> {
-    let mut values = headers.get_all(name).iter();
-    let first = values.next();
-    if values.next().is_some() {
-        return Err(TokenError::Duplicate);
-    }
-    // One walk over the names finds an alias and tells whether there is a `Connection`
-    // header at all (most requests have none: its values are then not looked up).
-    let mut connection = false;
+    // One walk over the header lines finds the token (and any second one), an alias, and a
+    // `Connection` line naming the token: cheaper than a lookup by name, which hashes it.
+    let mut first = None;
+    let mut duplicate = false;
+    let mut nominated = false;
     let mut alias = None;
-    for key in headers.keys() {
-        if *key == CONNECTION {
-            connection = true;
-        } else if alias.is_none() && is_alias(key, name) {
-            alias = Some(key);
-        }
-    }
-    if connection {
-        for value in headers.get_all(CONNECTION) {
-            let nominated = value
+    for (key, value) in headers {
+        if key == name {
+            duplicate |= first.is_some();
+            first = first.or(Some(value));
+        } else if key == CONNECTION {
+            nominated |= value
                 .as_bytes()
                 .split(|&b| b == b',')
                 .map(<[u8]>::trim_ascii)
                 .any(|option| option.eq_ignore_ascii_case(name.as_str().as_bytes()));
-            if nominated {
-                return Err(TokenError::ConnectionNominated);
-            }
+        } else if alias.is_none() && is_alias(key, name) {
+            alias = Some(key);
         }
+    }
+    if duplicate {
+        return Err(TokenError::Duplicate);
+    }
+    if nominated {
+        return Err(TokenError::ConnectionNominated);
     }
     if let Some(alias) = alias {
         return Err(TokenError::Alias(alias.as_str().to_owned()));
@@ -217,6 +215,21 @@ mod tests {
         assert_eq!(
             token_from_headers(&conn, &name()),
             Err(TokenError::ConnectionNominated)
+        );
+
+        // Every line of a repeated header counts: a second Connection line, a third token.
+        let mut second_line = h.clone();
+        second_line.append("connection", HeaderValue::from_static("keep-alive"));
+        second_line.append("connection", HeaderValue::from_static("fencing-token"));
+        assert_eq!(
+            token_from_headers(&second_line, &name()),
+            Err(TokenError::ConnectionNominated)
+        );
+        let mut third = dup.clone();
+        third.append("fencing-token", HeaderValue::from_static("12"));
+        assert_eq!(
+            token_from_headers(&third, &name()),
+            Err(TokenError::Duplicate)
         );
 
         let mut harmless = h.clone();
