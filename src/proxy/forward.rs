@@ -187,6 +187,39 @@ mod tests {
         assert_eq!(untouched.len(), 1);
     }
 
+    /// A forwarding header the client sent is replaced (or joined, for X-Forwarded-For), also
+    /// when its `Connection` header named it and it went with the hop-by-hop ones.
+    #[test]
+    fn forwarded_headers_the_client_sent_or_nominated() {
+        let mut h = HeaderMap::new();
+        h.insert("host", HeaderValue::from_static("ledger.example"));
+        h.insert(
+            "connection",
+            HeaderValue::from_static("x-forwarded-for, X-Forwarded-Host"),
+        );
+        h.insert("x-forwarded-for", HeaderValue::from_static("10.6.6.6"));
+        h.insert(
+            "x-forwarded-host",
+            HeaderValue::from_static("spoofed.example"),
+        );
+        h.append("x-forwarded-proto", HeaderValue::from_static("https"));
+        h.append("x-forwarded-proto", HeaderValue::from_static("ftp"));
+        request_headers(
+            &mut h,
+            peer_value("127.0.0.9".parse().unwrap()),
+            false,
+            None,
+            None,
+        );
+        assert_eq!(h["x-forwarded-for"], "127.0.0.9");
+        assert_eq!(h.get_all("x-forwarded-for").iter().count(), 1);
+        assert_eq!(h["x-forwarded-host"], "ledger.example");
+        assert_eq!(h.get_all("x-forwarded-host").iter().count(), 1);
+        assert_eq!(h["x-forwarded-proto"], "http");
+        assert_eq!(h.get_all("x-forwarded-proto").iter().count(), 1);
+        assert!(h.get("connection").is_none());
+    }
+
     #[test]
     fn forwarded_headers() {
         let mut h = HeaderMap::new();
@@ -231,6 +264,7 @@ mod tests {
             Some(HeaderValue::from_static("127.0.0.1:8080")),
         );
         assert_eq!(h3["host"], "127.0.0.1:8080");
+        assert_eq!(h3.get_all("x-forwarded-proto").iter().count(), 1);
         assert_eq!(h3.get_all("host").iter().count(), 1);
         assert_eq!(h3.get_all("x-forwarded-for").iter().count(), 1);
         assert_eq!(h3["x-forwarded-for"], "10.0.0.1, 127.0.0.9");
