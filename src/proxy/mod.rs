@@ -412,21 +412,23 @@ impl Proxy {
             token: Some(token),
             ..subject
         };
-        let mut key = None;
-        if let (Some(settings), true) = (&self.idempotency, self.idempotent[index]) {
-            match idempotent::key_from_headers(req.headers(), &settings.header.0) {
-                Err(e) => {
-                    return done(self.refuse(
-                        Refusal::InvalidIdempotencyKey(e),
-                        Some(route),
-                        subject,
-                        req.method(),
-                        req.uri().path(),
-                    ))
+        let key = match (&self.idempotency, self.idempotent[index]) {
+            (Some(settings), true) => {
+                match idempotent::key_from_headers(req.headers(), &settings.header.0) {
+                    Ok(key) => key,
+                    Err(e) => {
+                        return done(self.refuse(
+                            Refusal::InvalidIdempotencyKey(e),
+                            Some(route),
+                            subject,
+                            req.method(),
+                            req.uri().path(),
+                        ))
+                    }
                 }
-                Ok(found) => key = found,
             }
-        }
+            _ => None,
+        };
         // The common case decides here: no key, no authority, no barrier, and a store that
         // answers at once.
         let at_once = match (&key, &self.authority, route.ordering) {
@@ -478,42 +480,28 @@ impl Proxy {
                 .idempotent_write(req, &normalised, route, &resource, key, subject, peer, own)
                 .await;
         }
-        let refusal = match self.authority {
-            Some(_) => self.check_authority(&resource, token).await,
-            None => None,
-        };
-        if let Some(refusal) = refusal {
-            return self.refuse(
-                refusal,
-                Some(route),
-                subject,
-                req.method(),
-                req.uri().path(),
-            );
-        }
-        let ticket =
-            (route.ordering == Ordering::Serialize).then(|| self.barriers.enter(&resource, token));
-        let answer = self.check(&resource, token).await;
-        if let Err(refusal) = self.on_verdict(route, token, answer) {
-            return self.refuse(
-                refusal,
-                Some(route),
-                subject,
-                req.method(),
-                req.uri().path(),
-            );
-        }
-        if let Some(ticket) = &ticket {
-            if ticket.wait_turn(route.barrier_timeout).await.is_err() {
-                return self.refuse(
-                    Refusal::BarrierTimeout,
-                    Some(route),
-                    subject,
-                    req.method(),
-                    req.uri().path(),
-                );
+        // Authority, then the barrier's turn for this token taken, the raise, and the wait for
+        // that turn: any of them may refuse the write.
+        let admitted = async {
+            if let Some(refusal) = self.check_authority(&resource, token).await {
+                return Err(refusal);
             }
-        }
+            let ticket = (route.ordering == Ordering::Serialize)
+                .then(|| self.barriers.enter(&resource, token));
+            self.on_verdict(route, token, self.check(&resource, token).await)?;
+            if let Some(ticket) = &ticket {
+                let turn = ticket.wait_turn(route.barrier_timeout).await;
+                turn.map_err(|_| Refusal::BarrierTimeout)?;
+            }
+            Ok(ticket)
+        };
+        let ticket = match admitted.await {
+            Ok(ticket) => ticket,
+            Err(refusal) => {
+                let (method, path) = (req.method(), req.uri().path());
+                return self.refuse(refusal, Some(route), subject, method, path);
+            }
+        };
         match ticket {
             None => {
                 let answering = Answering::fenced(index, resource, Some(token), Outcome::Admitted);
