@@ -304,27 +304,22 @@ impl Proxy {
         peer: SocketAddr,
         own: Option<upstream::SharedSlot>,
     ) -> Handling<impl Future<Output = Response<ProxyBody>> + Send + 'static> {
-        let done = Handling::done;
+        // Every refusal is answered, counted and logged the same way, with the request's method
+        // and path as it came.
+        let refused = |refusal: Refusal, route: Option<&Route>, subject: Subject<'_>| {
+            let (method, path) = (req.method(), req.uri().path());
+            Handling::done(self.refuse(refusal, route, subject, method, path))
+        };
         if let Some(problem) = host_problem(&req) {
-            return done(self.refuse(
+            return refused(
                 Refusal::InvalidRequest(problem.into()),
                 None,
                 Subject::default(),
-                req.method(),
-                req.uri().path(),
-            ));
+            );
         }
         let normalised = match path::normalise(req.uri().path()) {
             Ok(p) => p.into_owned(),
-            Err(e) => {
-                return done(self.refuse(
-                    Refusal::InvalidPath(e),
-                    None,
-                    Subject::default(),
-                    req.method(),
-                    req.uri().path(),
-                ))
-            }
+            Err(e) => return refused(Refusal::InvalidPath(e), None, Subject::default()),
         };
         let matched =
             self.table
@@ -335,22 +330,10 @@ impl Proxy {
                     route: route.map(|r| r.name.as_str()),
                     ..Subject::default()
                 };
-                return done(self.refuse(
-                    Refusal::InvalidResource(e),
-                    route,
-                    subject,
-                    req.method(),
-                    req.uri().path(),
-                ));
+                return refused(Refusal::InvalidResource(e), route, subject);
             }
             Ok(Matched::None) if self.table.unmatched == Unmatched::Reject => {
-                return done(self.refuse(
-                    Refusal::NoRoute,
-                    None,
-                    Subject::default(),
-                    req.method(),
-                    req.uri().path(),
-                ))
+                return refused(Refusal::NoRoute, None, Subject::default())
             }
             Ok(Matched::None) => {
                 let answering = Answering::unfenced(None, Outcome::Forwarded);
@@ -370,13 +353,7 @@ impl Proxy {
         };
         if let Some(agent) = &self.attach {
             let Some(token) = agent.token_for(&resource) else {
-                return done(self.refuse(
-                    Refusal::LeaseNotHeld,
-                    Some(route),
-                    subject,
-                    req.method(),
-                    req.uri().path(),
-                ));
+                return refused(Refusal::LeaseNotHeld, Some(route), subject);
             };
             let mut req = req;
             set_token(req.headers_mut(), &self.token_header, token);
@@ -384,28 +361,12 @@ impl Proxy {
             return self.forwarding(req, normalised, answering, peer, own);
         }
         let token = match token_from_headers(req.headers(), &self.token_header) {
-            Err(e) => {
-                return done(self.refuse(
-                    Refusal::InvalidToken(e),
-                    Some(route),
-                    subject,
-                    req.method(),
-                    req.uri().path(),
-                ))
-            }
+            Err(e) => return refused(Refusal::InvalidToken(e), Some(route), subject),
             Ok(None) if route.missing_token == MissingToken::Allow => {
                 let answering = Answering::fenced(index, resource, None, Outcome::Forwarded);
                 return self.forwarding(req, normalised, answering, peer, own);
             }
-            Ok(None) => {
-                return done(self.refuse(
-                    Refusal::TokenRequired,
-                    Some(route),
-                    subject,
-                    req.method(),
-                    req.uri().path(),
-                ))
-            }
+            Ok(None) => return refused(Refusal::TokenRequired, Some(route), subject),
             Ok(Some(token)) => token,
         };
         let subject = Subject {
@@ -417,13 +378,7 @@ impl Proxy {
                 match idempotent::key_from_headers(req.headers(), &settings.header.0) {
                     Ok(key) => key,
                     Err(e) => {
-                        return done(self.refuse(
-                            Refusal::InvalidIdempotencyKey(e),
-                            Some(route),
-                            subject,
-                            req.method(),
-                            req.uri().path(),
-                        ))
+                        return refused(Refusal::InvalidIdempotencyKey(e), Some(route), subject)
                     }
                 }
             }
@@ -443,13 +398,7 @@ impl Proxy {
             };
         };
         if let Err(refusal) = self.on_verdict(route, token, answer) {
-            return done(self.refuse(
-                refusal,
-                Some(route),
-                subject,
-                req.method(),
-                req.uri().path(),
-            ));
+            return refused(refusal, Some(route), subject);
         }
         let answering = Answering::fenced(index, resource, Some(token), Outcome::Admitted);
         self.forwarding(req, normalised, answering, peer, own)
