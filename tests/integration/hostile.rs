@@ -571,14 +571,20 @@ async fn read_until_closed(stream: &mut TcpStream, within: Duration) -> (Vec<u8>
     }
 }
 
-#[tokio::test]
-async fn slow_headers_are_cut_off_after_header_read() {
+/// An upstream and a fencegate in front of it that gives a request head 300 ms.
+async fn with_header_read_300ms() -> (Upstream, fencegate::app::Server) {
     let up = Upstream::start().await;
     let fg = fencegate(
         &up.url(),
         &format!("timeouts: {{ header_read: 300ms }}\n{ACCOUNTS}"),
     )
     .await;
+    (up, fg)
+}
+
+#[tokio::test]
+async fn slow_headers_are_cut_off_after_header_read() {
+    let (up, fg) = with_header_read_300ms().await;
     // Slowloris: a request head that never ends.
     let mut stream = TcpStream::connect(fg.listen).await.unwrap();
     stream
@@ -631,12 +637,7 @@ async fn slow_headers_are_cut_off_after_header_read() {
 /// A connection that never sends a byte holds a connection slot only for `header_read`.
 #[tokio::test]
 async fn a_connection_that_sends_nothing_is_closed_after_header_read() {
-    let up = Upstream::start().await;
-    let fg = fencegate(
-        &up.url(),
-        &format!("timeouts: {{ header_read: 300ms }}\n{ACCOUNTS}"),
-    )
-    .await;
+    let (_up, fg) = with_header_read_300ms().await;
     let mut stream = TcpStream::connect(fg.listen).await.unwrap();
     let (answer, after) = read_until_closed(&mut stream, Duration::from_secs(5)).await;
     assert!(answer.is_empty(), "{}", String::from_utf8_lossy(&answer));
@@ -653,12 +654,7 @@ async fn a_connection_that_sends_nothing_is_closed_after_header_read() {
 /// start.
 #[tokio::test]
 async fn a_slow_second_head_on_a_kept_alive_connection_is_cut_off() {
-    let up = Upstream::start().await;
-    let fg = fencegate(
-        &up.url(),
-        &format!("timeouts: {{ header_read: 300ms }}\n{ACCOUNTS}"),
-    )
-    .await;
+    let (up, fg) = with_header_read_300ms().await;
     let mut stream = TcpStream::connect(fg.listen).await.unwrap();
     // The first head takes 200 ms (within its 300 ms), so its deadline falls 100 ms after it
     // is answered: a timer left at that deadline would cut the second head short.
