@@ -187,9 +187,10 @@ pub fn main() -> ExitCode {
                     return ExitCode::from(1);
                 }
             };
-            runtime().block_on(run(config, path))
+            let embedded = config.store.kind == crate::config::StoreKind::Embedded;
+            runtime(embedded).block_on(run(config, path))
         }
-        Command::Demo => runtime().block_on(crate::demo::run()),
+        Command::Demo => runtime(false).block_on(crate::demo::run()),
         Command::Inject {
             file,
             classic,
@@ -248,7 +249,7 @@ pub fn main() -> ExitCode {
                     return ExitCode::from(1);
                 }
             };
-            runtime().block_on(async move {
+            runtime(false).block_on(async move {
                 let listener = match tokio::net::TcpListener::bind(listen).await {
                     Ok(l) => l,
                     Err(e) => {
@@ -273,8 +274,9 @@ pub fn main() -> ExitCode {
 /// The async runtime. `FENCEGATE_WORKERS` sets the number of worker threads (default: one per
 /// core the process may use, from its CPU affinity and cgroup quota); one runs everything on
 /// one thread without the work-stealing scheduler, which is cheapest for a sidecar given a
-/// single core.
-fn runtime() -> tokio::runtime::Runtime {
+/// single core. `embedded_store`: the fence store is the embedded one, whose writer the
+/// runtime wakes when it parks (a hook every park would otherwise run for nothing).
+fn runtime(embedded_store: bool) -> tokio::runtime::Runtime {
     let workers = std::env::var("FENCEGATE_WORKERS")
         .ok()
         .and_then(|v| v.parse::<usize>().ok())
@@ -294,7 +296,9 @@ fn runtime() -> tokio::runtime::Runtime {
         }
         None => tokio::runtime::Builder::new_multi_thread(),
     };
-    crate::store::defer_wakes_to_park(&mut builder);
+    if embedded_store {
+        crate::store::defer_wakes_to_park(&mut builder);
+    }
     builder
         .enable_all()
         .build()
