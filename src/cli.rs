@@ -345,3 +345,40 @@ fn init_logging() {
         .with_writer(std::io::stderr)
         .init();
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Whether a task on `rt` finds the embedded store's park hook on the thread it runs on.
+    /// Each sleep parks the threads of an idle runtime; a multi-thread runtime may resume the
+    /// task on a worker that has not parked yet, so it looks after each of several sleeps.
+    fn hooked(rt: tokio::runtime::Runtime) -> bool {
+        rt.block_on(async {
+            tokio::spawn(async {
+                for _ in 0..50 {
+                    tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+                    if crate::store::parks_here() {
+                        return true;
+                    }
+                }
+                false
+            })
+            .await
+            .expect("the task ran")
+        })
+    }
+
+    #[test]
+    fn the_park_hook_comes_with_the_embedded_store_only() {
+        // Each on a fresh thread: with one core the runtime runs on the thread that builds it,
+        // and the hook's mark is per thread.
+        let on_own_thread = |embedded| {
+            std::thread::spawn(move || hooked(runtime(embedded)))
+                .join()
+                .expect("the check ran")
+        };
+        assert!(on_own_thread(true));
+        assert!(!on_own_thread(false));
+    }
+}

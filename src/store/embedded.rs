@@ -70,6 +70,12 @@ pub fn defer_wakes_to_park(builder: &mut tokio::runtime::Builder) {
     });
 }
 
+/// Whether this thread's runtime was set up with [`defer_wakes_to_park`] and has parked since.
+#[cfg(test)]
+pub(crate) fn parks_here() -> bool {
+    PARKS_HERE.get()
+}
+
 /// Record key to `(expires_ms, encoded record)`.
 type Records<'a> = TableDefinition<'a, &'static str, (u64, &'static [u8])>;
 /// `(expires_ms, record key)` for every record, in expiry order.

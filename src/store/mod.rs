@@ -12,6 +12,8 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 
+#[cfg(test)]
+pub(crate) use embedded::parks_here;
 pub use embedded::{defer_wakes_to_park, EmbeddedStore};
 pub(crate) use etcd::endpoints as etcd_endpoints;
 pub use memory::MemoryStore;
