@@ -187,6 +187,17 @@ mod tests {
         assert_eq!(untouched.len(), 1);
     }
 
+    /// `request_headers` for a plain-HTTP request from 127.0.0.9 in origin form.
+    fn forward_plain(h: &mut HeaderMap, upstream_host: Option<HeaderValue>) {
+        request_headers(
+            h,
+            peer_value("127.0.0.9".parse().unwrap()),
+            false,
+            None,
+            upstream_host,
+        );
+    }
+
     /// A forwarding header the client sent is replaced (or joined, for X-Forwarded-For), also
     /// when its `Connection` header named it and it went with the hop-by-hop ones.
     #[test]
@@ -204,13 +215,7 @@ mod tests {
         );
         h.append("x-forwarded-proto", HeaderValue::from_static("https"));
         h.append("x-forwarded-proto", HeaderValue::from_static("ftp"));
-        request_headers(
-            &mut h,
-            peer_value("127.0.0.9".parse().unwrap()),
-            false,
-            None,
-            None,
-        );
+        forward_plain(&mut h, None);
         assert_eq!(h["x-forwarded-for"], "127.0.0.9");
         assert_eq!(h.get_all("x-forwarded-for").iter().count(), 1);
         assert_eq!(h["x-forwarded-host"], "ledger.example");
@@ -226,13 +231,7 @@ mod tests {
         h.insert("host", HeaderValue::from_static("ledger.example"));
         h.insert("x-forwarded-for", HeaderValue::from_static("10.0.0.1"));
         h.insert("x-forwarded-proto", HeaderValue::from_static("https"));
-        request_headers(
-            &mut h,
-            peer_value("127.0.0.9".parse().unwrap()),
-            false,
-            None,
-            None,
-        );
+        forward_plain(&mut h, None);
         assert!(h.get("host").is_none());
         assert_eq!(h["x-forwarded-for"], "10.0.0.1, 127.0.0.9");
         assert_eq!(h["x-forwarded-proto"], "http");
@@ -256,13 +255,7 @@ mod tests {
         h3.insert("host", HeaderValue::from_static("ledger.example"));
         h3.append("x-forwarded-for", HeaderValue::from_static("10.0.0.1"));
         h3.append("x-forwarded-for", HeaderValue::from_static("10.0.0.2"));
-        request_headers(
-            &mut h3,
-            peer_value("127.0.0.9".parse().unwrap()),
-            false,
-            None,
-            Some(HeaderValue::from_static("127.0.0.1:8080")),
-        );
+        forward_plain(&mut h3, Some(HeaderValue::from_static("127.0.0.1:8080")));
         assert_eq!(h3["host"], "127.0.0.1:8080");
         assert_eq!(h3.get_all("x-forwarded-proto").iter().count(), 1);
         assert_eq!(h3.get_all("host").iter().count(), 1);
