@@ -322,8 +322,11 @@ impl FenceStore for EmbeddedStore {
         Box::pin(std::future::ready(Ok(current)))
     }
 
+    /// False after a failed commit until the disk takes writes again, and for good once the
+    /// writer thread has stopped (a panic in it, say): every write would then be refused.
     fn healthy(&self) -> bool {
         self.shared.healthy.load(Ordering::Relaxed)
+            && self.writer.as_ref().is_some_and(|w| !w.is_finished())
     }
 
     fn begin_idempotent<'a>(
@@ -925,6 +928,20 @@ mod tests {
             assert_eq!(verdicts[63], Verdict::Admitted { previous: Some(61) });
         });
         assert_eq!(store.shared.maxima.get("d").map(|v| *v), Some(65));
+    }
+
+    #[test]
+    fn a_store_whose_writer_has_stopped_is_not_healthy() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut store = EmbeddedStore::open(&dir.path().join("f.db"), "t").unwrap();
+        assert!(store.healthy());
+        // The writer returns once its queue is closed: the same end as a panic in it, seen
+        // from the store.
+        drop(store.queue.take());
+        let writer = store.writer.as_ref().unwrap();
+        writer.thread().unpark();
+        until("the writer to stop", || writer.is_finished());
+        assert!(!store.healthy());
     }
 
     #[tokio::test]
