@@ -223,9 +223,19 @@ if fixed:
         "coordinated-omission free (timed from the due time when the connection was still busy, "
         "else from the write). `added` = target minus direct. `proxy CPU us/req` is measured over "
         "the whole fixed-rate run (warm-up included): the cost per request of a proxy that is "
-        "mostly idle, as a sidecar usually is. On this shared machine the p99 and p99.9 of a 5 s "
-        "run are set by scheduling noise (other jobs, timer wake-ups) and swing by milliseconds "
-        "from round to round, even for direct; the p50 is the stable figure."
+        "mostly idle, as a sidecar usually is. "
+        + (
+            "Each core ran an idle-priority busy loop (SCHED_IDLE) during these runs, so no "
+            "virtual CPU halted between requests: the hypervisor's wake-ups, which otherwise move "
+            "a target's p50 by tens of us from one round to the next, are not in these figures. "
+            if meta.get("idle_spin") == "1"
+            else "The cores were left to halt between requests (--no-idle-spin): every figure "
+            "includes the hypervisor's wake-ups of idle virtual CPUs, which move a target's p50 by "
+            "tens of us from one round to the next. "
+        )
+        + "On this shared machine the p99 and p99.9 of a short run are set by scheduling noise "
+        "(other jobs, timer wake-ups) and swing from round to round, even for direct; the p50 is "
+        "the stable figure."
     )
     p("")
     for workload, title in WORKLOADS.items():
@@ -235,6 +245,8 @@ if fixed:
                 continue
             fsum[(workload, target)] = {
                 "p50": med([float(r["p50_us"]) for r in rs]),
+                "p50_lo": min(float(r["p50_us"]) for r in rs),
+                "p50_hi": max(float(r["p50_us"]) for r in rs),
                 "p90": med([float(r["p90_us"]) for r in rs]),
                 "p99": med([float(r["p99_us"]) for r in rs]),
                 "p999": med([float(r["p999_us"]) for r in rs]),
@@ -256,8 +268,8 @@ if fixed:
             continue
         p(f"### {title}")
         p("")
-        p("| target | achieved req/s | p50 | p90 | p99 | p99.9 | added p50 | added p99 | proxy CPU us/req | late | non-2xx+errors |")
-        p("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        p("| target | achieved req/s | p50 | p50 min-max | p90 | p99 | p99.9 | added p50 | added p99 | proxy CPU us/req | late | non-2xx+errors |")
+        p("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         d = fsum.get((workload, "direct"))
         for target in TARGETS:
             s = fsum.get((workload, target))
@@ -266,7 +278,7 @@ if fixed:
             a50 = fmt(s["p50"] - d["p50"], 0, " us") if d else "-"
             a99 = fmt(s["p99"] - d["p99"], 0, " us") if d else "-"
             p(
-                f"| {NAMES[target]} | {fmt(s['rate'])} | {fmt(s['p50'])} us | {fmt(s['p90'])} us | "
+                f"| {NAMES[target]} | {fmt(s['rate'])} | {fmt(s['p50'])} us | {fmt(s['p50_lo'])}-{fmt(s['p50_hi'])} us | {fmt(s['p90'])} us | "
                 f"{fmt(s['p99'])} us | {fmt(s['p999'])} us | {a50} | {a99} | {fmt(s['cpu'], 1)} | {s['late']}/{s['sent']} | {s['bad']} |"
             )
         p("")
