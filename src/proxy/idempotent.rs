@@ -1,7 +1,8 @@
 //! Writes carrying an `Idempotency-Key` on a route where keys apply.
 //!
 //! `key check → read the body (bounded) → fingerprint → authority → begin (one atomic step
-//! in the store: record lookup + fence) → replay | refuse | forward and record`. The
+//! in the store: record lookup + fence) → authority again → replay | refuse | forward and
+//! record`. The
 //! response of an executed attempt streams to the client while a copy (up to
 //! `max_response_bytes`) is kept; when the upstream's body ends, the record is written
 //! before the client sees the end, so a retry sent after the response never finds the key
@@ -449,15 +450,6 @@ impl Proxy {
         let method = req.method().clone();
         let refuse = |refusal| self.refuse(refusal, Some(route), subject, &method, normalised);
 
-        // Authoritative mode: a superseded token may still have its outcome replayed.
-        let mut superseded = None;
-        if let Some(refusal) = self.check_authority(resource, token).await {
-            match refusal {
-                Refusal::Superseded { .. } => superseded = Some(refusal),
-                other => return refuse(other),
-            }
-        }
-
         let (parts, body) = req.into_parts();
         let limit = settings.max_request_bytes;
         let read =
@@ -481,6 +473,15 @@ impl Proxy {
         };
         let fingerprint =
             Fingerprint::of(parts.method.as_str(), normalised, parts.uri.query(), &body);
+        // Authoritative mode, asked once the body is in (a slow body gives the lease all the
+        // time it needs to pass on): a superseded token may still have its outcome replayed.
+        let mut superseded = None;
+        if let Some(refusal) = self.check_authority(resource, token).await {
+            match refusal {
+                Refusal::Superseded { .. } => superseded = Some(refusal),
+                other => return refuse(other),
+            }
+        }
         // The in-flight record must outlive the attempt, or a retry could execute alongside it:
         // it lives at least as long as the upstream may take, plus the store's two answers.
         // The outcome then lives `window`.
@@ -594,6 +595,13 @@ impl Proxy {
                         attempt.unknown().await;
                         return refuse(Refusal::BarrierTimeout);
                     }
+                }
+                // The lease may have passed on while the claim (or the turn) was awaited.
+                if let Some(refusal) = self.check_authority(resource, token).await {
+                    // Claimed but never sent: a retry may execute it, with a token at least
+                    // this one's, that the authority has to admit first.
+                    attempt.unknown().await;
+                    return refuse(refusal);
                 }
                 let req = Request::from_parts(parts, Either::Right(Full::new(body)));
                 self.forward_held(

@@ -429,8 +429,8 @@ impl Proxy {
                 .idempotent_write(req, &normalised, route, &resource, key, subject, peer, own)
                 .await;
         }
-        // Authority, then the barrier's turn for this token taken, the raise, and the wait for
-        // that turn: any of them may refuse the write.
+        // Authority, then the barrier's turn for this token taken, the raise, the wait for
+        // that turn, and the authority again: any of them may refuse the write.
         let admitted = async {
             if let Some(refusal) = self.check_authority(&resource, token).await {
                 return Err(refusal);
@@ -441,6 +441,11 @@ impl Proxy {
             if let Some(ticket) = &ticket {
                 let turn = ticket.wait_turn(route.barrier_timeout).await;
                 turn.map_err(|_| Refusal::BarrierTimeout)?;
+            }
+            // The lease may have passed on while the raise (or the turn) was awaited: the
+            // authority is asked again, the last thing before the send.
+            if let Some(refusal) = self.check_authority(&resource, token).await {
+                return Err(refusal);
             }
             Ok(ticket)
         };

@@ -4,6 +4,7 @@
 mod common;
 
 mod admin;
+mod authority;
 mod concurrency;
 mod fence;
 mod grants;
