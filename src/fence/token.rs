@@ -91,6 +91,17 @@ pub fn token_from_headers(
     first.map(|v| parse_token(v.as_bytes())).transpose()
 }
 
+/// Whether a `Connection` header names `name`: a proxy strips such a header in transit.
+pub fn connection_nominates(headers: &HeaderMap, name: &HeaderName) -> bool {
+    headers.get_all(CONNECTION).iter().any(|value| {
+        value
+            .as_bytes()
+            .split(|&b| b == b',')
+            .map(<[u8]>::trim_ascii)
+            .any(|option| option.eq_ignore_ascii_case(name.as_str().as_bytes()))
+    })
+}
+
 /// `fencing_token` for `fencing-token`: same name once `_` is read as `-`, but not equal.
 /// One pass: the token header itself, the usual candidate of its length, is told apart in the
 /// same walk that compares it.

@@ -33,7 +33,7 @@ use crate::config::{
 use crate::fence::barrier::{Barriers, Ticket};
 use crate::fence::path;
 use crate::fence::routes::{Matched, Route, RouteTable};
-use crate::fence::token::token_from_headers;
+use crate::fence::token::{connection_nominates, token_from_headers, TokenError};
 use crate::lease::agent::Agent;
 use crate::lease::LeaseBackend;
 use crate::metrics::{Metrics, Outcome, RouteMetrics, UNMATCHED};
@@ -352,6 +352,12 @@ impl Proxy {
             token: None,
         };
         if let Some(agent) = &self.attach {
+            // Hop-by-hop headers go before the send: a token header the app nominated in
+            // `Connection` would go with them, and the write would leave without a token.
+            if connection_nominates(req.headers(), &self.token_header) {
+                let refusal = Refusal::InvalidToken(TokenError::ConnectionNominated);
+                return refused(refusal, Some(route), subject);
+            }
             let Some(token) = agent.token_for(&resource) else {
                 return refused(Refusal::LeaseNotHeld, Some(route), subject);
             };

@@ -1052,3 +1052,44 @@ fn a_route_with_27_captures_is_refused_not_a_panic() {
         .expect_err("27 captures accepted");
     assert!(error.contains("routes[0].path"), "{error}");
 }
+
+/// Egress: an app that names the token header in `Connection` would have the token stripped
+/// with the hop-by-hop headers after the sidecar set it, and the write would leave without a
+/// token. It is refused as the fence listener refuses it (400), and nothing is sent.
+#[tokio::test]
+async fn egress_refuses_a_write_whose_connection_header_names_the_token() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let fg = fencegate(
+        "http://127.0.0.1:9",
+        &format!(
+            "leases:\n  listen: 127.0.0.1:0\n  backend: {{ kind: embedded, path: {} }}\n  ttl: 5s\negress:\n  listen: 127.0.0.1:0\n  upstream: {}\n  routes:\n    - {{ path: '/accounts/{{id}}', lease: 'account:{{id}}' }}\n",
+            dir.path().join("leases.db").display(),
+            up.url()
+        ),
+    )
+    .await;
+    let api = format!("http://{}/v1/leases/account:42", fg.leases.unwrap());
+    let granted = send("POST", &api, &[], r#"{"holder":"w1"}"#).await;
+    assert_eq!(granted.status, 200, "{}", granted.text());
+    let token = granted.json()["fencing_token"].as_u64().unwrap();
+    let url = format!("http://{}/accounts/42", fg.egress.unwrap());
+    for connection in ["fencing-token", "keep-alive, Fencing-Token"] {
+        let reply = send("PUT", &url, &[("connection", connection)], "debit").await;
+        let body = reply.assert_problem(400, "urn:fencegate:invalid-token");
+        assert!(
+            body["detail"]
+                .as_str()
+                .unwrap()
+                .contains("Connection header names the token"),
+            "{body}"
+        );
+    }
+    assert_eq!(up.count(), 0);
+    // The same write without the trick leaves with the lease's token.
+    let reply = send("PUT", &url, &[("connection", "keep-alive")], "debit").await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    let seen = up.seen();
+    assert_eq!(seen.len(), 1);
+    assert_eq!(seen[0].token(), Some(token));
+}
