@@ -1,6 +1,7 @@
 //! The fence's decisions, as pure functions over values (no sockets, no clocks).
 
 pub mod barrier;
+pub mod method;
 pub mod path;
 pub mod routes;
 pub mod token;

@@ -31,6 +31,7 @@ use crate::config::{
     Timeouts, Unmatched, UpstreamUrl,
 };
 use crate::fence::barrier::{Barriers, Ticket};
+use crate::fence::method::method_override;
 use crate::fence::path;
 use crate::fence::routes::{Matched, Route, RouteTable};
 use crate::fence::token::{connection_nominates, token_from_headers, TokenError};
@@ -324,6 +325,32 @@ impl Proxy {
         let matched =
             self.table
                 .lookup(req.method(), &normalised, req.uri().query(), req.headers());
+        // A method override header makes many frameworks treat the request as the method it
+        // names: on a route, the request is fenced as that method when that method is fenced
+        // (and as its own otherwise), and a malformed or repeated override is refused.
+        let matched = match matched {
+            Ok(found @ (Matched::Pass(route) | Matched::Fence { route, .. })) => {
+                match method_override(req.headers()) {
+                    Ok(None) => Ok(found),
+                    Ok(Some(named)) => {
+                        let query = req.uri().query();
+                        match self.table.lookup(&named, &normalised, query, req.headers()) {
+                            fenced @ (Ok(Matched::Fence { .. }) | Err(_)) => fenced,
+                            Ok(_) => Ok(found),
+                        }
+                    }
+                    Err(e) => {
+                        let subject = Subject {
+                            route: Some(&route.name),
+                            ..Subject::default()
+                        };
+                        let refusal = Refusal::InvalidRequest(e.to_string());
+                        return refused(refusal, Some(route), subject);
+                    }
+                }
+            }
+            other => other,
+        };
         let (route, resource) = match matched {
             Err((route, e)) => {
                 let subject = Subject {

@@ -1053,6 +1053,125 @@ fn a_route_with_27_captures_is_refused_not_a_panic() {
     assert!(error.contains("routes[0].path"), "{error}");
 }
 
+/// A method override header (`X-HTTP-Method-Override`, `X-HTTP-Method`, `X-Method-Override`)
+/// makes many frameworks run a `GET` as the method it names: on a route, such a request is
+/// fenced as that method. Without a token it is refused, with a stale one too, and with a
+/// current one it is admitted and forwarded as sent (the override header and the token go
+/// along, so the service does what was fenced).
+#[tokio::test]
+async fn a_method_override_is_fenced_as_the_method_it_names() {
+    let up = Upstream::start().await;
+    let fg = fencegate(&up.url(), ACCOUNTS).await;
+    let url = format!("http://{}/accounts/1", fg.listen);
+    for name in [
+        "x-http-method-override",
+        "X-HTTP-Method",
+        "x-method-override",
+    ] {
+        let reply = send("GET", &url, &[(name, "DELETE")], "").await;
+        reply.assert_problem(428, "urn:fencegate:token-required");
+        // Frameworks compare the named method without regard to case; so does the fence.
+        let reply = send("GET", &url, &[(name, "delete")], "").await;
+        reply.assert_problem(428, "urn:fencegate:token-required");
+    }
+    assert_eq!(up.count(), 0);
+    assert_eq!(recorded(&fg, "account:1").await, None);
+
+    let reply = send(
+        "GET",
+        &url,
+        &[("x-http-method-override", "DELETE"), ("fencing-token", "5")],
+        "",
+    )
+    .await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(recorded(&fg, "account:1").await, Some(5));
+    let seen = up.seen();
+    assert_eq!(seen.len(), 1);
+    assert_eq!(seen[0].method, "GET");
+    assert_eq!(seen[0].headers["x-http-method-override"], "DELETE");
+    assert_eq!(seen[0].token(), Some(5));
+
+    let reply = send(
+        "POST",
+        &url,
+        &[("x-method-override", "PATCH"), ("fencing-token", "4")],
+        "",
+    )
+    .await;
+    let body = reply.assert_problem(409, "urn:fencegate:stale-token");
+    assert_eq!(body["current_token"], 5);
+    assert_eq!(up.count(), 1);
+
+    // An override naming a method that is not fenced leaves a fenced method fenced.
+    let reply = send("PUT", &url, &[("x-http-method-override", "GET")], "").await;
+    reply.assert_problem(428, "urn:fencegate:token-required");
+    // A read that names a read stays a read.
+    let reply = send("GET", &url, &[("x-http-method", "HEAD")], "").await;
+    assert_eq!(reply.status, 200);
+    assert_eq!(up.count(), 2);
+    assert_eq!(recorded(&fg, "account:1").await, Some(5));
+}
+
+/// A method override that is repeated (two of the headers, or one twice) or does not name a
+/// method is refused on a route: which one the service would honour cannot be known.
+#[tokio::test]
+async fn a_repeated_or_malformed_method_override_is_refused_on_a_route() {
+    let up = Upstream::start().await;
+    let fg = fencegate(&up.url(), ACCOUNTS).await;
+    let get = |extra: &str| {
+        format!("GET /accounts/1 HTTP/1.1\r\nHost: x\r\n{extra}fencing-token: 9\r\nConnection: close\r\n\r\n")
+    };
+    let invalid = Some("urn:fencegate:invalid-request");
+    let cases = [
+        (
+            "two override headers",
+            get("X-HTTP-Method-Override: DELETE\r\nX-HTTP-Method: DELETE\r\n"),
+            400,
+            invalid,
+        ),
+        (
+            "one override header twice",
+            get("X-Method-Override: GET\r\nX-Method-Override: DELETE\r\n"),
+            400,
+            invalid,
+        ),
+        (
+            "a list of methods",
+            get("X-HTTP-Method-Override: GET, DELETE\r\n"),
+            400,
+            invalid,
+        ),
+        ("an empty override", get("X-HTTP-Method:\r\n"), 400, invalid),
+        (
+            "a method with a separator",
+            get("X-HTTP-Method-Override: DELETE;\r\n"),
+            400,
+            invalid,
+        ),
+    ];
+    refused_raw(&fg, &up, &cases).await;
+    let resp = raw(
+        fg.listen,
+        get("X-HTTP-Method: GET\r\nX-HTTP-Method: PUT\r\n").as_bytes(),
+    )
+    .await;
+    assert!(
+        resp.contains("more than one method override header"),
+        "{resp}"
+    );
+    // Off every route, an override is the service's business: forwarded as is.
+    let reply = send(
+        "GET",
+        &format!("http://{}/elsewhere", fg.listen),
+        &[("x-http-method-override", "DELETE, PUT")],
+        "",
+    )
+    .await;
+    assert_eq!(reply.status, 200);
+    assert_eq!(up.count(), 1);
+}
+
 /// Egress: an app that names the token header in `Connection` would have the token stripped
 /// with the hop-by-hop headers after the sidecar set it, and the write would leave without a
 /// token. It is refused as the fence listener refuses it (400), and nothing is sent.

@@ -1,0 +1,122 @@
+//! Method override headers: `X-HTTP-Method-Override`, `X-HTTP-Method` and
+//! `X-Method-Override` make many frameworks (Express's method-override, Rails and Symfony
+//! behind some proxies, ASP.NET, Google's APIs) treat a `GET` or `POST` as the method they
+//! name. The fence must then treat it so too, or a `DELETE` sent as
+//! `GET` + `X-HTTP-Method-Override: DELETE` passes unfenced.
+
+use http::header::{HeaderMap, HeaderName};
+use http::Method;
+
+/// The headers read as a method override, in lower case as header names are kept.
+pub static OVERRIDE_HEADERS: [HeaderName; 3] = [
+    HeaderName::from_static("x-http-method-override"),
+    HeaderName::from_static("x-http-method"),
+    HeaderName::from_static("x-method-override"),
+];
+
+/// Why a method override was refused (400 `invalid-request`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum OverrideError {
+    #[error(
+        "more than one method override header (X-HTTP-Method-Override, X-HTTP-Method, \
+         X-Method-Override); send at most one"
+    )]
+    Repeated,
+    #[error("the method override header `{0}` does not name an HTTP method")]
+    Malformed(&'static str),
+}
+
+/// The method a request's override header names (upper-cased: frameworks compare it without
+/// regard to case), `None` when it has none. One header line, naming one method token, or
+/// an error.
+pub fn method_override(headers: &HeaderMap) -> Result<Option<Method>, OverrideError> {
+    let mut found = None;
+    for name in &OVERRIDE_HEADERS {
+        for value in headers.get_all(name) {
+            if found.is_some() {
+                return Err(OverrideError::Repeated);
+            }
+            found = Some((name, value));
+        }
+    }
+    let Some((name, value)) = found else {
+        return Ok(None);
+    };
+    let malformed = || OverrideError::Malformed(name.as_str());
+    let raw = value.as_bytes().trim_ascii();
+    if raw.is_empty() || raw.len() > 32 {
+        return Err(malformed());
+    }
+    // RFC 9110 §9.1: a method is a token; a comma or space would be a list or a trick.
+    let tchar = |b: &u8| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(b);
+    if !raw.iter().all(tchar) {
+        return Err(malformed());
+    }
+    Method::from_bytes(&raw.to_ascii_uppercase())
+        .map(Some)
+        .map_err(|_| malformed())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::HeaderValue;
+
+    fn headers(lines: &[(&'static str, &'static str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (n, v) in lines {
+            h.append(*n, HeaderValue::from_static(v));
+        }
+        h
+    }
+
+    #[test]
+    fn names_the_method_in_any_case() {
+        assert_eq!(method_override(&headers(&[])), Ok(None));
+        for name in [
+            "x-http-method-override",
+            "x-http-method",
+            "x-method-override",
+        ] {
+            assert_eq!(
+                method_override(&headers(&[(name, "delete")])),
+                Ok(Some(Method::DELETE))
+            );
+        }
+        assert_eq!(
+            method_override(&headers(&[("x-http-method-override", " PATCH ")])),
+            Ok(Some(Method::PATCH))
+        );
+        assert_eq!(
+            method_override(&headers(&[("x-http-method", "PURGE")])),
+            Ok(Some(Method::from_bytes(b"PURGE").unwrap()))
+        );
+    }
+
+    #[test]
+    fn repeated_or_malformed_is_refused() {
+        let repeated = [
+            headers(&[
+                ("x-http-method-override", "DELETE"),
+                ("x-http-method", "DELETE"),
+            ]),
+            headers(&[
+                ("x-http-method-override", "DELETE"),
+                ("x-http-method-override", "DELETE"),
+            ]),
+            headers(&[("x-method-override", "PUT"), ("x-http-method", "GET")]),
+        ];
+        for h in repeated {
+            assert_eq!(method_override(&h), Err(OverrideError::Repeated));
+        }
+        for bad in ["", "DELETE, PUT", "DE LETE", "DELETE;", &*"A".repeat(33)] {
+            let mut h = HeaderMap::new();
+            h.insert("x-http-method", HeaderValue::from_str(bad).unwrap());
+            assert_eq!(
+                method_override(&h),
+                Err(OverrideError::Malformed("x-http-method")),
+                "{bad:?}"
+            );
+        }
+    }
+}
