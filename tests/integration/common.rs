@@ -157,7 +157,9 @@ pub const ACCOUNTS: &str =
 /// An in-process fencegate in front of `upstream`, with the memory store unless `extra` says
 /// otherwise. `extra` is appended YAML (routes, store, token, ...).
 pub async fn fencegate(upstream: &str, extra: &str) -> Server {
-    let store = if extra.contains("store:") {
+    // A top-level `store:` line, not `timeouts: { store: … }`: without one, the default store
+    // would be the embedded file under /var/lib, shared by every test and every run.
+    let store = if extra.lines().any(|l| l.starts_with("store:")) {
         ""
     } else {
         "store: { kind: memory }\n"
