@@ -29,7 +29,7 @@ use super::Proxy;
 use crate::config::Ordering;
 use crate::fence::barrier::Ticket;
 use crate::fence::routes::Route;
-use crate::idempotency::{outcome_unknown, Begin, Claim, Fingerprint, Phase, Record};
+use crate::idempotency::{outcome_unknown, AttemptId, Begin, Claim, Fingerprint, Phase, Record};
 use crate::idempotency::{StoredResponse, MAX_KEY_BYTES};
 use crate::metrics::{IdempotencyMetrics, Outcome};
 use crate::store::{BoxFuture, FenceStore, StoreError};
@@ -222,6 +222,7 @@ impl Attempt {
             fingerprint,
             status: Some(status.as_u16()),
             response,
+            attempt: None,
         }
     }
 }
@@ -497,6 +498,7 @@ impl Proxy {
             equal: self.equal,
             window: in_flight,
             may_execute: superseded.is_none(),
+            attempt: AttemptId::next(),
         };
         let ticket =
             (route.ordering == Ordering::Serialize).then(|| self.barriers.enter(resource, token));
@@ -518,9 +520,10 @@ impl Proxy {
         match begin {
             Err(StoreError::Unavailable(e)) => {
                 self.metrics.store_errors.inc();
-                // The claim may have landed before the answer was lost: mark it unknown (it
-                // only ever overwrites this attempt's own in-flight record) so retries are
-                // not refused as in flight for nothing.
+                // The claim may have landed before the answer was lost: mark it unknown so
+                // retries are not refused as in flight for nothing. Only a record carrying
+                // this attempt's id is replaced: another attempt's live record, with the same
+                // token and body, stays in flight.
                 let store = Arc::clone(&self.store);
                 let (resource, key) = (resource.to_owned(), key);
                 let outcome = Record::unknown(claim.token, claim.fingerprint);

@@ -38,7 +38,7 @@ use tokio::sync::oneshot;
 
 use super::{decide, record_key, BoxFuture, FenceStore, StoreError, Verdict};
 use crate::config::EqualTokens;
-use crate::idempotency::{self, Begin, Claim, Phase, Record};
+use crate::idempotency::{self, Begin, Claim, Record};
 
 /// Upper bound on operations per transaction, so one batch cannot hold the queue for long.
 const MAX_BATCH: usize = 4096;
@@ -622,7 +622,7 @@ fn commit_batch(
                             fences.insert(&**resource, claim.token)?;
                             raised.insert(resource.clone(), claim.token);
                         }
-                        let record = Record::in_flight(claim.token, claim.fingerprint);
+                        let record = claim.in_flight();
                         let old = existing.map(|(at, _)| at);
                         let at = expiry_ms(now, claim.window);
                         write_record(records, expiries, &k, old, at, &record)?;
@@ -647,12 +647,7 @@ fn commit_batch(
                         }
                     };
                     let ours = match existing {
-                        Some((at, record))
-                            if at > now
-                                && record.phase == Phase::InFlight
-                                && record.token == claim.token
-                                && record.fingerprint == claim.fingerprint =>
-                        {
+                        Some((at, record)) if at > now && record.owned_by(claim) => {
                             let next = expiry_ms(now, claim.window);
                             write_record(records, expiries, &k, Some(at), next, outcome)?;
                             true
@@ -744,6 +739,7 @@ fn purge(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::idempotency::Phase;
 
     #[tokio::test]
     async fn survives_reopen() {
@@ -778,6 +774,7 @@ mod tests {
             equal: EqualTokens::Allow,
             window,
             may_execute: true,
+            attempt: crate::idempotency::AttemptId::next(),
         }
     }
 

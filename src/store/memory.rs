@@ -10,7 +10,7 @@ use tokio::time::Instant;
 
 use super::{decide, record_key, BoxFuture, FenceStore, StoreError, Verdict};
 use crate::config::EqualTokens;
-use crate::idempotency::{self, Begin, Claim, Phase, Record};
+use crate::idempotency::{self, Begin, Claim, Record};
 
 #[derive(Default)]
 pub struct MemoryStore {
@@ -94,13 +94,14 @@ impl MemoryStore {
         let begin = idempotency::decide(live, current, claim);
         if let Begin::Execute { .. } = begin {
             self.raise(resource, claim.token, EqualTokens::Allow);
-            entry.insert((Record::in_flight(claim.token, claim.fingerprint), expires));
+            entry.insert((claim.in_flight(), expires));
             self.schedule(k, expires);
         }
         begin
     }
 
-    /// [`FenceStore::finish_idempotent`], synchronous.
+    /// [`FenceStore::finish_idempotent`], synchronous: writes only over the `in_flight`
+    /// record this attempt claimed.
     pub fn finish(&self, resource: &str, key: &str, claim: &Claim, outcome: &Record) -> bool {
         let now = Instant::now();
         let k = record_key(resource, key);
@@ -109,10 +110,7 @@ impl MemoryStore {
             return false;
         };
         let (record, at) = &mut *slot;
-        let ours = *at > now
-            && record.phase == Phase::InFlight
-            && record.token == claim.token
-            && record.fingerprint == claim.fingerprint;
+        let ours = *at > now && record.owned_by(claim);
         if ours {
             *record = outcome.clone();
             *at = expires;
