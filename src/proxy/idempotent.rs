@@ -29,7 +29,7 @@ use super::Proxy;
 use crate::config::Ordering;
 use crate::fence::barrier::Ticket;
 use crate::fence::routes::Route;
-use crate::idempotency::{outcome_unknown, AttemptId, Begin, Claim, Fingerprint, Phase, Record};
+use crate::idempotency::{outcome_unknown, Begin, Claim, Fingerprint, Phase, Record};
 use crate::idempotency::{StoredResponse, MAX_KEY_BYTES};
 use crate::metrics::{IdempotencyMetrics, Outcome};
 use crate::store::{BoxFuture, FenceStore, StoreError};
@@ -498,7 +498,7 @@ impl Proxy {
             equal: self.equal,
             window: in_flight,
             may_execute: superseded.is_none(),
-            attempt: AttemptId::next(),
+            attempt: crate::idempotency::AttemptId::next(),
         };
         let ticket =
             (route.ordering == Ordering::Serialize).then(|| self.barriers.enter(resource, token));
