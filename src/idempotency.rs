@@ -21,6 +21,8 @@
 //! [`decide`] is the whole decision, pure; every store runs it (or, for Redis, its Lua
 //! transcription) in the same atomic step as the raise of the resource's maximum.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use base64::engine::general_purpose::STANDARD as B64;
@@ -78,6 +80,48 @@ impl std::fmt::Debug for Fingerprint {
     }
 }
 
+/// Names one executed attempt, so that only the attempt that wrote an `in_flight` record
+/// writes its outcome: a retry with the same token and body is another attempt.
+///
+/// The high 64 bits are drawn at random once per process, the low 64 count attempts within
+/// it: unique within a process by construction, and across the processes sharing one store
+/// unless two of them draw the same 64 random bits.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct AttemptId(pub u128);
+
+impl AttemptId {
+    /// A new id, never returned before by this process.
+    pub fn next() -> Self {
+        static PREFIX: OnceLock<u64> = OnceLock::new();
+        static COUNTER: AtomicU64 = AtomicU64::new(0);
+        let prefix = *PREFIX.get_or_init(|| {
+            let mut bytes = [0u8; 8];
+            ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut bytes)
+                .expect("the system's random source is readable");
+            u64::from_le_bytes(bytes)
+        });
+        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+        AttemptId((u128::from(prefix) << 64) | u128::from(n))
+    }
+
+    pub fn hex(&self) -> String {
+        format!("{:032x}", self.0)
+    }
+
+    pub fn from_hex(s: &str) -> Option<Self> {
+        if s.len() != 32 || !s.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return None;
+        }
+        u128::from_str_radix(s, 16).ok().map(AttemptId)
+    }
+}
+
+impl std::fmt::Debug for AttemptId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "AttemptId({})", self.hex())
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Phase {
@@ -125,6 +169,10 @@ pub struct Record {
     pub status: Option<u16>,
     /// `completed` only: the response, `None` when it was larger than `max_response`.
     pub response: Option<StoredResponse>,
+    /// `in_flight` only: the attempt that claimed the key, the only one whose outcome may
+    /// replace the record. `None` in records written before attempts had ids: nobody owns
+    /// those, so they stay in flight until their window ends.
+    pub attempt: Option<AttemptId>,
 }
 
 impl Record {
@@ -135,6 +183,7 @@ impl Record {
             fingerprint,
             status: None,
             response: None,
+            attempt: None,
         }
     }
 
@@ -143,6 +192,15 @@ impl Record {
             phase: Phase::Unknown,
             ..Record::in_flight(token, fingerprint)
         }
+    }
+
+    /// Whether this is the `in_flight` record `claim`'s attempt wrote: the only record its
+    /// outcome may replace.
+    pub fn owned_by(&self, claim: &Claim) -> bool {
+        self.phase == Phase::InFlight
+            && self.attempt == Some(claim.attempt)
+            && self.token == claim.token
+            && self.fingerprint == claim.fingerprint
     }
 
     /// Serialised as JSON (bytes in base64), readable by an operator who looks in the store.
@@ -161,6 +219,7 @@ impl Record {
                     .collect(),
                 body: B64.encode(&r.body),
             }),
+            attempt: self.attempt.map(|a| a.hex()),
         };
         serde_json::to_vec(&wire).expect("a record always serialises")
     }
@@ -189,12 +248,20 @@ impl Record {
                 })
             }
         };
+        let attempt = match wire.attempt {
+            None => None,
+            Some(a) => Some(
+                AttemptId::from_hex(&a)
+                    .ok_or_else(|| "bad record: attempt is not 32 hex digits".to_string())?,
+            ),
+        };
         Ok(Record {
             phase: wire.phase,
             token: wire.token,
             fingerprint,
             status: wire.status,
             response,
+            attempt,
         })
     }
 }
@@ -208,6 +275,9 @@ struct Wire {
     status: Option<u16>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     response: Option<WireResponse>,
+    /// Absent in records written before attempts had ids.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    attempt: Option<String>,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -228,6 +298,18 @@ pub struct Claim {
     /// False when the caller already knows the write may not execute (authoritative mode
     /// found the token superseded): a completed record is still replayed, nothing is claimed.
     pub may_execute: bool,
+    /// This attempt, written into the `in_flight` record it claims.
+    pub attempt: AttemptId,
+}
+
+impl Claim {
+    /// The `in_flight` record this attempt writes when it executes.
+    pub fn in_flight(&self) -> Record {
+        Record {
+            attempt: Some(self.attempt),
+            ..Record::in_flight(self.token, self.fingerprint)
+        }
+    }
 }
 
 /// The answer to an attempt.
@@ -250,7 +332,7 @@ pub enum Begin {
 
 /// The decision, given the live record (expired ones are absent) and the resource's maximum.
 /// When it is [`Begin::Execute`], the store must, in the same atomic step, raise the maximum
-/// to `claim.token` (if higher) and write `Record::in_flight(claim.token, claim.fingerprint)`.
+/// to `claim.token` (if higher) and write [`Claim::in_flight`].
 pub fn decide(existing: Option<&Record>, current: Option<u64>, claim: &Claim) -> Begin {
     let equal = match existing {
         Some(r) if r.fingerprint != claim.fingerprint => return Begin::Reused,
@@ -297,6 +379,7 @@ mod tests {
             equal: EqualTokens::Allow,
             window: Duration::from_secs(5),
             may_execute: true,
+            attempt: AttemptId(u128::from(token)),
         }
     }
 
@@ -412,8 +495,50 @@ mod tests {
         ] {
             assert_eq!(Record::decode(&r.encode()).unwrap(), r);
         }
+        let owned = claim(5, 1).in_flight();
+        assert_eq!(owned.attempt, Some(AttemptId(5)));
+        assert_eq!(Record::decode(&owned.encode()).unwrap(), owned);
         assert!(Record::decode(b"{}").is_err());
         assert!(Record::decode(b"not json").is_err());
+    }
+
+    #[test]
+    fn records_without_an_attempt_decode_as_owned_by_nobody() {
+        let old = format!(
+            r#"{{"phase":"in_flight","token":3,"fingerprint":"{}"}}"#,
+            fp(1).hex()
+        );
+        let record = Record::decode(old.as_bytes()).unwrap();
+        assert_eq!(record, Record::in_flight(3, fp(1)));
+        assert!(!record.owned_by(&claim(3, 1)));
+        let bad = format!(
+            r#"{{"phase":"in_flight","token":3,"fingerprint":"{}","attempt":"xyz"}}"#,
+            fp(1).hex()
+        );
+        assert!(Record::decode(bad.as_bytes()).is_err());
+    }
+
+    #[test]
+    fn only_the_claiming_attempt_owns_its_record() {
+        let a = claim(3, 1);
+        let record = a.in_flight();
+        assert!(record.owned_by(&a));
+        let b = Claim {
+            attempt: AttemptId(99),
+            ..a
+        };
+        assert!(!record.owned_by(&b));
+        assert!(!Record::unknown(3, fp(1)).owned_by(&a));
+    }
+
+    #[test]
+    fn attempt_ids_are_distinct_and_round_trip() {
+        let (a, b) = (AttemptId::next(), AttemptId::next());
+        assert_ne!(a, b);
+        assert_eq!(a.0 >> 64, b.0 >> 64);
+        assert_eq!(AttemptId::from_hex(&a.hex()), Some(a));
+        assert_eq!(AttemptId::from_hex(&"0".repeat(31)), None);
+        assert_eq!(AttemptId::from_hex(&format!("+{}", "0".repeat(31))), None);
     }
 
     #[test]

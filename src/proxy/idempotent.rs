@@ -223,6 +223,7 @@ impl Attempt {
             fingerprint,
             status: Some(status.as_u16()),
             response,
+            attempt: None,
         }
     }
 }
@@ -498,6 +499,7 @@ impl Proxy {
             equal: self.equal,
             window: in_flight,
             may_execute: superseded.is_none(),
+            attempt: crate::idempotency::AttemptId::next(),
         };
         let ticket =
             (route.ordering == Ordering::Serialize).then(|| self.barriers.enter(resource, token));
@@ -519,9 +521,10 @@ impl Proxy {
         match begin {
             Err(StoreError::Unavailable(e)) => {
                 self.metrics.store_errors.inc();
-                // The claim may have landed before the answer was lost: mark it unknown (it
-                // only ever overwrites this attempt's own in-flight record) so retries are
-                // not refused as in flight for nothing.
+                // The claim may have landed before the answer was lost: mark it unknown so
+                // retries are not refused as in flight for nothing. Only a record carrying
+                // this attempt's id is replaced: another attempt's live record, with the same
+                // token and body, stays in flight.
                 let store = Arc::clone(&self.store);
                 let (resource, key) = (resource.to_owned(), key);
                 let outcome = Record::unknown(claim.token, claim.fingerprint);

@@ -20,7 +20,10 @@
 //! the maximum and writes the `in_flight` record in the batch's write transaction, so it is
 //! durable before the write it admits is forwarded. Records live in `{prefix}.idempotency`
 //! under [`record_key`], with the wall-clock instant (ms since the Unix epoch) they expire at,
-//! since the file outlives the process; an expired record counts as absent. A second table,
+//! since the file outlives the process; an expired record counts as absent. Except an
+//! `in_flight` record whose attempt this process started: the writer also keeps its deadline
+//! on the monotonic clock, and until that passes the record is live whatever the wall clock
+//! says, so a forward step of the clock cannot let a retry execute beside a running attempt. A second table,
 //! `{prefix}.idempotency.expiry`, holds `(expires_ms, record key)` for every record, so
 //! purging the expired ones (inside write transactions) visits only those.
 
@@ -38,7 +41,7 @@ use tokio::sync::oneshot;
 
 use super::{decide, record_key, BoxFuture, FenceStore, StoreError, Verdict};
 use crate::config::EqualTokens;
-use crate::idempotency::{self, Begin, Claim, Phase, Record};
+use crate::idempotency::{self, AttemptId, Begin, Claim, Phase, Record};
 
 /// Upper bound on operations per transaction, so one batch cannot hold the queue for long.
 const MAX_BATCH: usize = 4096;
@@ -142,6 +145,20 @@ impl Op {
     }
 }
 
+/// The attempts of this process whose `in_flight` records are live, by record key: the owner
+/// and its deadline on the monotonic clock (`None`: the window does not fit in an `Instant`).
+type Running = HashMap<String, (AttemptId, Option<Instant>)>;
+
+/// Whether `record`, stored under `key`, is the `in_flight` record of an attempt of this
+/// process whose monotonic deadline has not passed.
+fn running(live: &Running, key: &str, record: &Record, now: Instant) -> bool {
+    live.get(key).is_some_and(|(attempt, deadline)| {
+        record.phase == Phase::InFlight
+            && record.attempt == Some(*attempt)
+            && deadline.is_none_or(|d| d > now)
+    })
+}
+
 /// Milliseconds since the Unix epoch, the clock record expiries are kept in.
 fn now_ms() -> u64 {
     SystemTime::now()
@@ -161,6 +178,20 @@ struct Shared {
     commits: AtomicU64,
     /// The writer waits without a deadline: a new operation wakes it at once.
     idle: AtomicBool,
+    /// Added to the wall clock the writer reads (tests: a clock step).
+    #[cfg(test)]
+    clock_step_ms: AtomicU64,
+}
+
+impl Shared {
+    /// The wall clock record expiries are compared with.
+    fn now_ms(&self) -> u64 {
+        #[cfg(test)]
+        let step = self.clock_step_ms.load(Ordering::Relaxed);
+        #[cfg(not(test))]
+        let step = 0;
+        now_ms().saturating_add(step)
+    }
 }
 
 pub struct EmbeddedStore {
@@ -222,6 +253,8 @@ impl EmbeddedStore {
             healthy: AtomicBool::new(true),
             commits: AtomicU64::new(0),
             idle: AtomicBool::new(false),
+            #[cfg(test)]
+            clock_step_ms: AtomicU64::new(0),
         });
         let (queue, rx) = mpsc::channel();
         let writer_shared = Arc::clone(&shared);
@@ -418,6 +451,7 @@ fn writer(
     let mut db = Some(db);
     let mut batch = Vec::with_capacity(64);
     let mut next_purge = 0;
+    let mut live = Running::new();
     // Until when, after a commit, the next raises may wait for the runtime to park.
     let mut active_until: Option<Instant> = None;
     let mut next_recovery = Instant::now() + RETRY;
@@ -471,8 +505,10 @@ fn writer(
             db = Database::create(&path).ok();
         }
         let result = match &db {
-            Some(handle) => commit_batch(handle, tables, &batch, &shared, &mut next_purge)
-                .map_err(|e| e.to_string()),
+            Some(handle) => {
+                commit_batch(handle, tables, &batch, &shared, &mut next_purge, &mut live)
+                    .map_err(|e| e.to_string())
+            }
             None => Err(format!("cannot reopen {}", path.display())),
         };
         match result {
@@ -555,9 +591,11 @@ fn commit_batch(
     batch: &[Op],
     shared: &Shared,
     next_purge: &mut u64,
+    live: &mut Running,
 ) -> Result<BatchResult, redb::Error> {
     let txn = db.begin_write()?;
-    let now = now_ms();
+    let now = shared.now_ms();
+    let monotonic = Instant::now();
     let mut answers = Vec::with_capacity(batch.len());
     // Raises within this batch, applied in arrival order.
     let mut raised: HashMap<Box<str>, u64> = HashMap::new();
@@ -611,21 +649,24 @@ fn commit_batch(
                             continue;
                         }
                     };
-                    let live = existing
+                    let record = existing
                         .as_ref()
-                        .filter(|(at, _)| *at > now)
+                        .filter(|(at, r)| *at > now || running(live, &k, r, monotonic))
                         .map(|(_, r)| r);
                     let maximum = current(&raised, resource);
-                    let begin = idempotency::decide(live, maximum, claim);
+                    let begin = idempotency::decide(record, maximum, claim);
                     if let Begin::Execute { .. } = begin {
                         if maximum.is_none_or(|c| claim.token > c) {
                             fences.insert(&**resource, claim.token)?;
                             raised.insert(resource.clone(), claim.token);
                         }
-                        let record = Record::in_flight(claim.token, claim.fingerprint);
+                        let record = claim.in_flight();
                         let old = existing.map(|(at, _)| at);
                         let at = expiry_ms(now, claim.window);
                         write_record(records, expiries, &k, old, at, &record)?;
+                        // Kept even if this batch fails to commit: it names an attempt whose
+                        // record then does not exist, and it goes at its deadline.
+                        live.insert(k, (claim.attempt, monotonic.checked_add(claim.window)));
                         wrote = true;
                     }
                     Answer::Begin(begin)
@@ -648,13 +689,12 @@ fn commit_batch(
                     };
                     let ours = match existing {
                         Some((at, record))
-                            if at > now
-                                && record.phase == Phase::InFlight
-                                && record.token == claim.token
-                                && record.fingerprint == claim.fingerprint =>
+                            if (at > now || running(live, &k, &record, monotonic))
+                                && record.owned_by(claim) =>
                         {
                             let next = expiry_ms(now, claim.window);
                             write_record(records, expiries, &k, Some(at), next, outcome)?;
+                            live.remove(&k);
                             true
                         }
                         _ => false,
@@ -666,7 +706,8 @@ fn commit_batch(
             answers.push(answer);
         }
         if let (true, Some((records, expiries))) = (wrote, idempotency.as_mut()) {
-            purge(records, expiries, now)?;
+            live.retain(|_, (_, deadline)| deadline.is_none_or(|d| d > monotonic));
+            purge(records, expiries, now, live, monotonic)?;
             *next_purge = now.saturating_add(PURGE_EVERY_MS);
         }
     }
@@ -718,6 +759,8 @@ fn purge(
     records: &mut Table<&'static str, (u64, &'static [u8])>,
     expiries: &mut Table<(u64, &'static str), ()>,
     now: u64,
+    live: &Running,
+    monotonic: Instant,
 ) -> Result<(), redb::Error> {
     let mut expired = Vec::new();
     for entry in expiries
@@ -729,6 +772,17 @@ fn purge(
         expired.push((at, key.to_owned()));
     }
     for (at, key) in expired {
+        // A running attempt's record stays, index entry and all, until its outcome or its
+        // monotonic deadline.
+        if live.contains_key(&key) {
+            let guard = records.get(key.as_str())?;
+            let bytes = guard.as_ref().map(|g| g.value().1.to_vec());
+            drop(guard);
+            let record = bytes.and_then(|b| Record::decode(&b).ok());
+            if record.is_some_and(|r| running(live, &key, &r, monotonic)) {
+                continue;
+            }
+        }
         expiries.remove((at, key.as_str()))?;
         // The index is exact, but never remove a record that does not expire here.
         let due = records
@@ -778,6 +832,7 @@ mod tests {
             equal: EqualTokens::Allow,
             window,
             may_execute: true,
+            attempt: crate::idempotency::AttemptId::next(),
         }
     }
 
@@ -844,6 +899,62 @@ mod tests {
         assert_eq!(keys, [record_key("r", "d")]);
         let expiries = read.open_table(Expiries::new(&names.expiries)).unwrap();
         assert_eq!(redb::ReadableTableMetadata::len(&expiries).unwrap(), 1);
+    }
+
+    /// The wall clock steps an hour forward while an attempt runs: its in-flight record is
+    /// past its stored expiry, but a retry is still refused as in flight (and no purge removes
+    /// it), and the attempt's outcome lands. Records of attempts that ended do expire.
+    #[tokio::test]
+    async fn a_wall_clock_step_does_not_expire_a_running_attempt() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = EmbeddedStore::open(&dir.path().join("f.db"), "t").unwrap();
+        let a = claim(4, Duration::from_secs(60));
+        assert_eq!(
+            store.begin_idempotent("r", "k", &a).await.unwrap(),
+            Begin::Execute { previous: None }
+        );
+        store
+            .shared
+            .clock_step_ms
+            .store(3_600_000, Ordering::Relaxed);
+        let retry = claim(4, Duration::from_secs(60));
+        assert_eq!(
+            store.begin_idempotent("r", "k", &retry).await.unwrap(),
+            Begin::InFlight
+        );
+        // Another key's write purges what expired by the stepped clock.
+        assert!(matches!(
+            store.begin_idempotent("r", "other", &retry).await.unwrap(),
+            Begin::Execute { .. }
+        ));
+        assert_eq!(
+            store.begin_idempotent("r", "k", &retry).await.unwrap(),
+            Begin::InFlight
+        );
+        let done = Record {
+            phase: Phase::Completed,
+            status: Some(204),
+            ..Record::in_flight(4, a.fingerprint)
+        };
+        assert!(store.finish_idempotent("r", "k", &a, &done).await.unwrap());
+        assert_eq!(
+            store.begin_idempotent("r", "k", &retry).await.unwrap(),
+            Begin::Completed(done)
+        );
+        // A further day: "other" is still `retry`'s running attempt here, so it stays.
+        store
+            .shared
+            .clock_step_ms
+            .store(3_600_000 + 86_400_000, Ordering::Relaxed);
+        assert_eq!(
+            store.begin_idempotent("r", "other", &a).await.unwrap(),
+            Begin::InFlight
+        );
+        // "k" completed: its record is no attempt's any more, and the wall clock expires it.
+        assert_eq!(
+            store.begin_idempotent("r", "k", &a).await.unwrap(),
+            Begin::Execute { previous: Some(4) }
+        );
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -22,7 +22,7 @@ use etcd_client::{
 use super::shared::Remote;
 use super::{decide, record_key, BoxFuture, StoreError, Verdict};
 use crate::config::EqualTokens;
-use crate::idempotency::{self, Begin, Claim, Phase, Record};
+use crate::idempotency::{self, Begin, Claim, Record};
 
 /// How many times a claim or an outcome write starts over after losing a race.
 const ATTEMPTS: usize = 32;
@@ -137,7 +137,7 @@ impl EtcdRemote {
                 Some(id) => id,
                 None => *lease.insert(self.grant(claim.window).await?),
             };
-            let record = Record::in_flight(claim.token, claim.fingerprint).encode();
+            let record = claim.in_flight().encode();
             let mut puts = vec![TxnOp::put(
                 record_key.clone(),
                 record,
@@ -192,11 +192,9 @@ impl EtcdRemote {
                 self.release(lease);
                 return Ok(false);
             };
-            let record = decode(kv.value())?;
-            let ours = record.phase == Phase::InFlight
-                && record.token == claim.token
-                && record.fingerprint == claim.fingerprint;
-            if !ours {
+            // Only the attempt that claimed the record: the transaction below is guarded by
+            // the revision this was read at.
+            if !decode(kv.value())?.owned_by(claim) {
                 self.release(lease);
                 return Ok(false);
             }

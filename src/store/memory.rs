@@ -10,16 +10,25 @@ use tokio::time::Instant;
 
 use super::{decide, record_key, BoxFuture, FenceStore, StoreError, Verdict};
 use crate::config::EqualTokens;
-use crate::idempotency::{self, Begin, Claim, Phase, Record};
+use crate::idempotency::{self, Begin, Claim, Record};
+
+/// A test's look at the maxima from inside a claim.
+#[cfg(test)]
+type Between = dyn Fn(&DashMap<Box<str>, u64>) + Send + Sync;
 
 #[derive(Default)]
 pub struct MemoryStore {
     maxima: DashMap<Box<str>, u64>,
-    /// Idempotency records by [`record_key`], with their expiry instants.
-    records: DashMap<String, (Record, Instant)>,
+    /// Idempotency records by [`record_key`], with their expiry instants (monotonic, so a
+    /// wall-clock step expires nothing; `None`: the window does not fit in an `Instant`, the
+    /// record never expires).
+    records: DashMap<String, (Record, Option<Instant>)>,
     /// Expiry instants in order, so expiring touches only what expired (an entry whose record
     /// was rewritten later is skipped).
     expiries: Mutex<BinaryHeap<Reverse<(Instant, String)>>>,
+    /// Runs inside a claim, between reading the maximum and raising it (tests).
+    #[cfg(test)]
+    between: Option<Box<Between>>,
 }
 
 impl MemoryStore {
@@ -69,7 +78,7 @@ impl MemoryStore {
             }
             let Reverse((at, key)) = heap.pop().expect("peeked");
             self.records
-                .remove_if(&key, |_, (_, expires)| *expires <= at);
+                .remove_if(&key, |_, (_, expires)| expires.is_some_and(|e| e <= at));
         }
     }
 
@@ -78,46 +87,66 @@ impl MemoryStore {
         heap.push(Reverse((at, key)));
     }
 
-    /// [`FenceStore::begin_idempotent`], synchronous: the record's shard lock is held across
-    /// the maximum's compare-and-raise.
+    /// [`FenceStore::begin_idempotent`], synchronous and one atomic step: the record's shard
+    /// lock and the maximum's entry are both held from the reads through the decision to the
+    /// writes, so no raise lands between the decision and the claim it makes.
     pub fn begin(&self, resource: &str, key: &str, claim: &Claim) -> Begin {
         let now = Instant::now();
         self.expire(now);
         let k = record_key(resource, key);
-        let expires = now + claim.window;
+        let expires = now.checked_add(claim.window);
         let entry = self.records.entry(k.clone());
         let live = match &entry {
-            Entry::Occupied(e) if e.get().1 > now => Some(&e.get().0),
+            Entry::Occupied(e) if e.get().1.is_none_or(|at| at > now) => Some(&e.get().0),
             _ => None,
         };
-        let current = self.maxima.get(resource).map(|v| *v);
+        // Always records, then maxima (`raise` takes only maxima): no lock-order inversion.
+        let maximum = self.maxima.entry(resource.into());
+        let current = match &maximum {
+            Entry::Occupied(e) => Some(*e.get()),
+            Entry::Vacant(_) => None,
+        };
+        #[cfg(test)]
+        if let Some(between) = &self.between {
+            between(&self.maxima);
+        }
         let begin = idempotency::decide(live, current, claim);
         if let Begin::Execute { .. } = begin {
-            self.raise(resource, claim.token, EqualTokens::Allow);
-            entry.insert((Record::in_flight(claim.token, claim.fingerprint), expires));
-            self.schedule(k, expires);
+            match maximum {
+                Entry::Occupied(mut e) if claim.token > *e.get() => {
+                    e.insert(claim.token);
+                }
+                Entry::Occupied(_) => {}
+                Entry::Vacant(e) => {
+                    e.insert(claim.token);
+                }
+            }
+            entry.insert((claim.in_flight(), expires));
+            if let Some(at) = expires {
+                self.schedule(k, at);
+            }
         }
         begin
     }
 
-    /// [`FenceStore::finish_idempotent`], synchronous.
+    /// [`FenceStore::finish_idempotent`], synchronous: writes only over the `in_flight`
+    /// record this attempt claimed.
     pub fn finish(&self, resource: &str, key: &str, claim: &Claim, outcome: &Record) -> bool {
         let now = Instant::now();
         let k = record_key(resource, key);
-        let expires = now + claim.window;
+        let expires = now.checked_add(claim.window);
         let Some(mut slot) = self.records.get_mut(&k) else {
             return false;
         };
         let (record, at) = &mut *slot;
-        let ours = *at > now
-            && record.phase == Phase::InFlight
-            && record.token == claim.token
-            && record.fingerprint == claim.fingerprint;
+        let ours = at.is_none_or(|at| at > now) && record.owned_by(claim);
         if ours {
             *record = outcome.clone();
             *at = expires;
             drop(slot);
-            self.schedule(k, expires);
+            if let Some(at) = expires {
+                self.schedule(k, at);
+            }
         }
         ours
     }
@@ -179,5 +208,64 @@ impl FenceStore for MemoryStore {
 
     fn kind(&self) -> &'static str {
         "memory"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use dashmap::try_result::TryResult;
+
+    use super::*;
+    use crate::idempotency::{AttemptId, Fingerprint};
+
+    fn claim(token: u64) -> Claim {
+        Claim {
+            token,
+            fingerprint: Fingerprint([1; 32]),
+            equal: EqualTokens::Allow,
+            window: Duration::from_secs(60),
+            may_execute: true,
+            attempt: AttemptId::next(),
+        }
+    }
+
+    /// A raise that tries to land while a claim decides: it must either wait for the claim
+    /// (the maximum is locked) or be seen by it, never slip in between decision and write.
+    #[tokio::test]
+    async fn a_raise_cannot_slip_between_a_claims_decision_and_its_write() {
+        let seen = Arc::new(Mutex::new(None));
+        let saw = Arc::clone(&seen);
+        let store = MemoryStore {
+            between: Some(Box::new(move |maxima| {
+                let raced = match maxima.try_get_mut("r") {
+                    TryResult::Present(mut current) => {
+                        *current = 9;
+                        "raised to 9"
+                    }
+                    TryResult::Locked => "locked",
+                    TryResult::Absent => "absent",
+                };
+                *saw.lock().unwrap() = Some(raced);
+            })),
+            ..MemoryStore::default()
+        };
+        assert_eq!(
+            store.raise("r", 3, EqualTokens::Allow),
+            Verdict::Admitted { previous: None }
+        );
+        let begin = store.begin("r", "k", &claim(5));
+        let current = *store.maxima.get("r").unwrap();
+        // Executed means token 5 is now the maximum: nothing higher was admitted before it.
+        assert_eq!(
+            (begin, current, *seen.lock().unwrap()),
+            (Begin::Execute { previous: Some(3) }, 5, Some("locked"))
+        );
+        assert_eq!(
+            store.raise("r", 9, EqualTokens::Allow),
+            Verdict::Admitted { previous: Some(5) }
+        );
     }
 }

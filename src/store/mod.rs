@@ -90,9 +90,10 @@ pub trait FenceStore: Send + Sync + 'static {
 
     /// Idempotency, one atomic step: look up the live record of `(resource, key)`, run
     /// [`crate::idempotency::decide`] against it and the resource's maximum, and on
-    /// [`Begin::Execute`] raise the maximum and write the `in_flight` record (living
-    /// `claim.window`; the proxy passes at least the upstream timeout here, so an in-flight
-    /// record never expires under a running attempt).
+    /// [`Begin::Execute`] raise the maximum and write [`Claim::in_flight`] (living
+    /// `claim.window`; the proxy passes at least the upstream timeout plus the store's answers
+    /// here, so an in-flight record outlives its attempt; the memory and embedded stores keep
+    /// that deadline on the monotonic clock, so a wall-clock step cannot shorten it).
     fn begin_idempotent<'a>(
         &'a self,
         resource: &'a str,
@@ -101,8 +102,9 @@ pub trait FenceStore: Send + Sync + 'static {
     ) -> BoxFuture<'a, Result<Begin, StoreError>>;
 
     /// Replaces the record of `(resource, key)` with `outcome` (living `claim.window` from
-    /// now), only if it still is the `in_flight` record of this attempt (same token and
-    /// fingerprint). Returns whether it wrote.
+    /// now), in one atomic step, only if it still is the `in_flight` record this attempt
+    /// wrote ([`Record::owned_by`]: same attempt id, token and fingerprint). Another attempt
+    /// with the same token and body owns nothing here. Returns whether it wrote.
     fn finish_idempotent<'a>(
         &'a self,
         resource: &'a str,

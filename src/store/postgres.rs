@@ -7,7 +7,9 @@
 //! read because maxima only grow. The tables are created on first use if missing.
 //!
 //! Idempotency records live in `<prefix>_idempotency`, one row per `(resource, key)`: the phase
-//! code, token and fingerprint as columns (for the conditional outcome write) and the encoded
+//! code, token, fingerprint and (`in_flight` rows only) attempt id as columns (for the
+//! conditional outcome write; the attempt column is added to tables created without it, and a
+//! row without one belongs to no attempt) and the encoded
 //! record, with an `expires_at` in server time. Rows past it are absent to every statement and
 //! are deleted in bounded batches through the index on `expires_at`, at most once a minute.
 //! A claim is one transaction: an advisory lock on `(resource, key)`, then the record, the
@@ -78,19 +80,19 @@ impl IdempotencySql {
             ),
             write: format!(
                 "INSERT INTO {records} \
-                   (resource, idem_key, phase, token, fingerprint, record, expires_at) \
-                 VALUES ($1, $2, $3, $4, $5, $6, now() + make_interval(secs => $7)) \
+                   (resource, idem_key, phase, token, fingerprint, record, expires_at, attempt) \
+                 VALUES ($1, $2, $3, $4, $5, $6, now() + make_interval(secs => $7), $8) \
                  ON CONFLICT (resource, idem_key) DO UPDATE \
                  SET phase = EXCLUDED.phase, token = EXCLUDED.token, \
                      fingerprint = EXCLUDED.fingerprint, record = EXCLUDED.record, \
-                     expires_at = EXCLUDED.expires_at"
+                     expires_at = EXCLUDED.expires_at, attempt = EXCLUDED.attempt"
             ),
             finish: format!(
                 "UPDATE {records} \
                  SET phase = $3, token = $4, fingerprint = $5, record = $6, \
-                     expires_at = now() + make_interval(secs => $7) \
+                     expires_at = now() + make_interval(secs => $7), attempt = NULL \
                  WHERE resource = $1 AND idem_key = $2 AND expires_at > now() \
-                   AND phase = 'i' AND token = $8 AND fingerprint = $9"
+                   AND phase = 'i' AND token = $8 AND fingerprint = $9 AND attempt = $10"
             ),
             purge: format!(
                 "DELETE FROM {records} \
@@ -145,7 +147,9 @@ impl PostgresRemote {
                            fingerprint TEXT NOT NULL, \
                            record TEXT NOT NULL, \
                            expires_at TIMESTAMPTZ NOT NULL, \
+                           attempt TEXT, \
                            PRIMARY KEY (resource, idem_key)); \
+                         ALTER TABLE {records} ADD COLUMN IF NOT EXISTS attempt TEXT; \
                          CREATE INDEX IF NOT EXISTS {records}_expiry ON {records} (expires_at)"
                     ))
                     .await
@@ -199,8 +203,9 @@ impl PostgresRemote {
                 }
                 Some(_) => {}
             }
-            let record = Record::in_flight(claim.token, claim.fingerprint);
-            let params: [&(dyn ToSql + Sync); 7] = [
+            let record = claim.in_flight();
+            let attempt = claim.attempt.hex();
+            let params: [&(dyn ToSql + Sync); 8] = [
                 &resource,
                 &key,
                 &record.phase.code(),
@@ -208,6 +213,7 @@ impl PostgresRemote {
                 &record.fingerprint.hex(),
                 &encoded(&record),
                 &claim.window.as_secs_f64(),
+                &attempt,
             ];
             tx.execute(&sql.write, &params).await?;
         }
@@ -424,6 +430,7 @@ impl Remote for PostgresRemote {
                         &claim.window.as_secs_f64(),
                         &signed(claim.token)?,
                         &claim.fingerprint.hex(),
+                        &claim.attempt.hex(),
                     ],
                 )
                 .await

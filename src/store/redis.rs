@@ -8,7 +8,8 @@
 //! Idempotency records are hashes at `{prefix}:{<resource>}:idem\x1f<key>` (same hash tag as
 //! the maximum, so one script may touch both; neither part can contain `\x1f`, so no two
 //! `(resource, key)` pairs share a key). Fields: `p` the phase code, `t` the token (canonical
-//! decimal), `f` the fingerprint (hex) and `r` the encoded record. Redis expires them (`PEXPIRE`
+//! decimal), `f` the fingerprint (hex), `a` the attempt id (hex, `in_flight` records only) and
+//! `r` the encoded record. Redis expires them (`PEXPIRE`
 //! with the window); one script per operation decides and writes.
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
@@ -37,7 +38,8 @@ return {current or '', 1}
 /// `idempotency::decide`, transcribed. KEYS[1] = maximum key, KEYS[2] = record key;
 /// ARGV[1] = token (canonical decimal), ARGV[2] = fingerprint (hex), ARGV[3] = '1' when equal
 /// tokens are allowed, ARGV[4] = '1' when the attempt may execute, ARGV[5] = window in
-/// milliseconds, ARGV[6] = the encoded in_flight record to write on execute.
+/// milliseconds, ARGV[6] = the encoded in_flight record to write on execute, ARGV[7] = the
+/// attempt id (hex).
 /// Returns {'execute', previous or ''}, {'stale', current}, {'inflight'}, {'reused'},
 /// {'completed', encoded record} or {'refused'}.
 const BEGIN: &str = r"
@@ -81,19 +83,22 @@ if current then
 else
   redis.call('SET', KEYS[1], token)
 end
-redis.call('HSET', KEYS[2], 'p', 'i', 't', token, 'f', ARGV[2], 'r', ARGV[6])
+redis.call('HSET', KEYS[2], 'p', 'i', 't', token, 'f', ARGV[2], 'a', ARGV[7], 'r', ARGV[6])
 redis.call('PEXPIRE', KEYS[2], ARGV[5])
 return {'execute', current or ''}
 ";
 
 /// KEYS[1] = record key; ARGV[1] = the attempt's token, ARGV[2] = its fingerprint; ARGV[3..6]
 /// = the outcome's phase code, token, fingerprint and encoding; ARGV[7] = window in
-/// milliseconds. Writes only over the attempt's own in_flight record; returns 1 if it wrote.
+/// milliseconds; ARGV[8] = the attempt id (hex). Writes only over the in_flight record this
+/// attempt claimed (a record without `a`, written before attempts had ids, is nobody's);
+/// returns 1 if it wrote.
 const FINISH: &str = r"
-local record = redis.call('HMGET', KEYS[1], 'p', 't', 'f')
-if record[1] ~= 'i' or record[2] ~= ARGV[1] or record[3] ~= ARGV[2] then
+local record = redis.call('HMGET', KEYS[1], 'p', 't', 'f', 'a')
+if record[1] ~= 'i' or record[2] ~= ARGV[1] or record[3] ~= ARGV[2] or record[4] ~= ARGV[8] then
   return 0
 end
+redis.call('HDEL', KEYS[1], 'a')
 redis.call('HSET', KEYS[1], 'p', ARGV[3], 't', ARGV[4], 'f', ARGV[5], 'r', ARGV[6])
 redis.call('PEXPIRE', KEYS[1], ARGV[7])
 return 1
@@ -270,7 +275,7 @@ impl Remote for RedisRemote {
     ) -> BoxFuture<'a, Result<Begin, StoreError>> {
         Box::pin(async move {
             let mut conn = self.conn().await?;
-            let in_flight = Record::in_flight(claim.token, claim.fingerprint).encode();
+            let in_flight = claim.in_flight().encode();
             let reply: Vec<Vec<u8>> = self
                 .begin
                 .key(self.key(resource))
@@ -281,6 +286,7 @@ impl Remote for RedisRemote {
                 .arg(flag(claim.may_execute))
                 .arg(window_ms(claim))
                 .arg(in_flight)
+                .arg(claim.attempt.hex())
                 .invoke_async(&mut conn)
                 .await
                 .map_err(unavailable)?;
@@ -307,6 +313,7 @@ impl Remote for RedisRemote {
                 .arg(outcome.fingerprint.hex())
                 .arg(outcome.encode())
                 .arg(window_ms(claim))
+                .arg(claim.attempt.hex())
                 .invoke_async(&mut conn)
                 .await
                 .map_err(unavailable)?;

@@ -8,8 +8,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use fencegate::config::{Config, EqualTokens};
+use fencegate::idempotency::{AttemptId, Begin, Claim, Fingerprint, Record};
+use fencegate::metrics::Metrics;
 use fencegate::proxy::body::ProxyBody;
+use fencegate::proxy::Proxy;
 use fencegate::server::serve;
+use fencegate::store::{BoxFuture, FenceStore, StoreError, Verdict};
 use http::{Request, Response, StatusCode};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
@@ -729,4 +734,190 @@ async fn an_empty_response_is_recorded_before_the_client_sees_it() {
         assert_eq!(head_without_marker(&retry), head_without_marker(&first));
     }
     assert_eq!(up.executions(), 3);
+}
+
+/// A real store whose next claim stalls until the test lets it go (the claim's caller gives up
+/// first), and which reports every outcome write's answer: the shape of a store that stops
+/// answering for a while.
+struct Stalling {
+    inner: Arc<dyn FenceStore>,
+    /// Set: the next `begin_idempotent` waits on `release` before it reaches the store.
+    stall: std::sync::atomic::AtomicBool,
+    release: Arc<Semaphore>,
+    /// Tells the test a claim is stalled.
+    stalled: mpsc::UnboundedSender<()>,
+    /// Each outcome write's attempt and answer, once the store answered.
+    finished: mpsc::UnboundedSender<(AttemptId, Result<bool, StoreError>)>,
+}
+
+impl FenceStore for Stalling {
+    fn compare_and_raise<'a>(
+        &'a self,
+        resource: &'a str,
+        token: u64,
+        equal: EqualTokens,
+    ) -> BoxFuture<'a, Result<Verdict, StoreError>> {
+        self.inner.compare_and_raise(resource, token, equal)
+    }
+
+    fn current<'a>(&'a self, resource: &'a str) -> BoxFuture<'a, Result<Option<u64>, StoreError>> {
+        self.inner.current(resource)
+    }
+
+    fn healthy(&self) -> bool {
+        self.inner.healthy()
+    }
+
+    fn kind(&self) -> &'static str {
+        self.inner.kind()
+    }
+
+    fn begin_idempotent<'a>(
+        &'a self,
+        resource: &'a str,
+        key: &'a str,
+        claim: &'a Claim,
+    ) -> BoxFuture<'a, Result<Begin, StoreError>> {
+        let stall = self.stall.swap(false, Ordering::SeqCst);
+        Box::pin(async move {
+            if stall {
+                let _ = self.stalled.send(());
+                self.release.acquire().await.unwrap().forget();
+            }
+            self.inner.begin_idempotent(resource, key, claim).await
+        })
+    }
+
+    fn finish_idempotent<'a>(
+        &'a self,
+        resource: &'a str,
+        key: &'a str,
+        claim: &'a Claim,
+        outcome: &'a Record,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(async move {
+            let wrote = self
+                .inner
+                .finish_idempotent(resource, key, claim, outcome)
+                .await;
+            let _ = self.finished.send((claim.attempt, wrote.clone()));
+            wrote
+        })
+    }
+}
+
+/// Receives from `rx` within 10 s, or fails naming `what`.
+async fn next<T>(rx: &mut mpsc::UnboundedReceiver<T>, what: &str) -> T {
+    tokio::time::timeout(Duration::from_secs(10), rx.recv())
+        .await
+        .unwrap_or_else(|_| panic!("timed out waiting for {what}"))
+        .unwrap()
+}
+
+/// A retry whose claim times out while the first attempt is with the upstream must not free
+/// the key: its clean-up only marks unknown a record its own claim wrote. A third attempt is
+/// then refused as in flight, the upstream executes once, and the first attempt's answer is
+/// what retries get.
+async fn a_timed_out_retry_does_not_free_a_running_attempts_key(kind: &str) {
+    let up = Ledger::start(true).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (yaml, _service) = store_yaml(kind, &dir).await;
+    let config = Config::parse(&format!(
+        "listen: 127.0.0.1:0\nadmin: 127.0.0.1:0\nupstream: {}\n{yaml}\
+         timeouts: {{ store: 300ms, upstream: 30s }}\n{}",
+        up.url(),
+        section("1m")
+    ))
+    .unwrap();
+    let (stalled, mut stalls) = mpsc::unbounded_channel();
+    let (finished, mut outcomes) = mpsc::unbounded_channel();
+    let store = Arc::new(Stalling {
+        inner: fencegate::store::open(&config.store).await.unwrap(),
+        stall: false.into(),
+        release: Arc::new(Semaphore::new(0)),
+        stalled,
+        finished,
+    });
+    let metrics = Arc::new(Metrics::new(prometheus::Registry::new()).unwrap());
+    let proxy = Arc::new(Proxy::new(&config, store.clone(), metrics).unwrap());
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(serve(
+        listener,
+        settings(),
+        move |req, peer| Arc::clone(&proxy).handle(req, peer),
+        std::future::pending(),
+    ));
+    let pay = || post(addr, "/accounts/1", "5", Some("pay-1"), "debit 10");
+
+    // A is with the upstream.
+    let a = tokio::spawn(pay());
+    up.arrival().await;
+    // B's claim stalls past the store timeout: 503, and its clean-up runs.
+    store.stall.store(true, Ordering::SeqCst);
+    let b = tokio::spawn(pay());
+    next(&mut stalls, "B's claim to stall").await;
+    let b = b.await.unwrap();
+    let body = b.assert_problem(503, "urn:fencegate:store-unavailable");
+    assert_eq!(
+        body["detail"],
+        "the write was not forwarded because it could not be checked: no answer within 300ms"
+    );
+    let (_, cleaned) = next(&mut outcomes, "B's clean-up").await;
+    // C finds A's record still in flight and is not executed.
+    let c = tokio::spawn(pay());
+    tokio::select! {
+        reply = c => {
+            reply.unwrap().assert_problem(409, "urn:fencegate:idempotency-in-flight");
+        }
+        () = up.arrival() => panic!("C was executed while A was still with the upstream"),
+    }
+    assert!(!cleaned.unwrap(), "B's clean-up replaced A's live record");
+    assert_eq!(up.executions(), 1);
+    // A ends; its outcome lands, and a retry replays it.
+    up.release(1);
+    let a = a.await.unwrap();
+    assert_eq!(a.status, 201);
+    assert_eq!(a.text(), "{\"execution\":1,\"applied\":\"debit 10\"}");
+    let (_, recorded) = next(&mut outcomes, "A's outcome").await;
+    assert!(recorded.unwrap());
+    let retry = pay().await;
+    assert_eq!(retry.status, 201);
+    assert_eq!(retry.headers["idempotent-replayed"], "true");
+    assert_eq!(retry.body, a.body);
+    assert_eq!(up.executions(), 1);
+    assert_eq!(store.current("account:1").await.unwrap(), Some(5));
+    let look = Claim {
+        token: 5,
+        fingerprint: Fingerprint::of("POST", "/accounts/1", None, b"debit 10"),
+        equal: EqualTokens::Allow,
+        window: Duration::from_secs(60),
+        may_execute: false,
+        attempt: AttemptId::next(),
+    };
+    match store.begin_idempotent("account:1", "pay-1", &look).await {
+        Ok(Begin::Completed(record)) => {
+            assert_eq!(
+                (record.token, record.status, record.attempt),
+                (5, Some(201), None)
+            );
+            assert_eq!(record.response.unwrap().body, a.body);
+        }
+        other => panic!("expected A's completed record, got {other:?}"),
+    }
+    store.release.add_permits(1);
+}
+
+macro_rules! on_every_stalling_store {
+    ($($kind:ident),*) => {$(
+        mod $kind {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_timed_out_retry_does_not_free_a_running_attempts_key() { super::a_timed_out_retry_does_not_free_a_running_attempts_key(stringify!($kind)).await }
+        }
+    )*};
+}
+
+mod stalled_store {
+    use super::*;
+    on_every_stalling_store!(memory, embedded, redis, postgres, etcd);
 }

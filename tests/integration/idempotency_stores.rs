@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use fencegate::config::EqualTokens;
-use fencegate::idempotency::{Begin, Claim, Fingerprint, Phase, Record, StoredResponse};
+use fencegate::idempotency::{AttemptId, Begin, Claim, Fingerprint, Phase, Record, StoredResponse};
 use fencegate::store::{FenceStore, Verdict};
 
 use crate::stores::open;
@@ -22,6 +22,7 @@ fn claim(token: u64, f: u8) -> Claim {
         equal: EqualTokens::Allow,
         window: Duration::from_secs(60),
         may_execute: true,
+        attempt: AttemptId::next(),
     }
 }
 
@@ -39,6 +40,7 @@ fn completed(token: u64, f: u8, body: &'static [u8]) -> Record {
             ],
             body: Bytes::from_static(body),
         }),
+        attempt: None,
     }
 }
 
@@ -105,6 +107,41 @@ async fn claim_complete_replay(store: Arc<dyn FenceStore>) {
             .await
             .unwrap(),
         Begin::Execute { previous: None }
+    );
+}
+
+/// Only the attempt that claimed a key writes its outcome. Another attempt with the same token
+/// and body (a retry whose claim timed out, cleaning up after itself) must not replace it: the
+/// key would stop being in flight while the first attempt still runs.
+async fn only_the_claiming_attempt_finishes(store: Arc<dyn FenceStore>) {
+    let (r, k) = ("account:a", "k");
+    let a = claim(5, 1);
+    assert_eq!(
+        store.begin_idempotent(r, k, &a).await.unwrap(),
+        Begin::Execute { previous: None }
+    );
+    let b = Claim {
+        attempt: AttemptId::next(),
+        ..a
+    };
+    assert!(!store
+        .finish_idempotent(r, k, &b, &Record::unknown(5, fp(1)))
+        .await
+        .unwrap());
+    // Still the first attempt's: in flight to everyone else, and its outcome lands.
+    let c = Claim {
+        attempt: AttemptId::next(),
+        ..a
+    };
+    assert_eq!(
+        store.begin_idempotent(r, k, &c).await.unwrap(),
+        Begin::InFlight
+    );
+    let done = completed(5, 1, b"paid once");
+    assert!(store.finish_idempotent(r, k, &a, &done).await.unwrap());
+    assert_eq!(
+        store.begin_idempotent(r, k, &c).await.unwrap(),
+        Begin::Completed(done)
     );
 }
 
@@ -245,6 +282,8 @@ macro_rules! conformance {
             use super::*;
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn claim_complete_replay() { let (s, _g, _d) = open(stringify!($kind)).await; super::claim_complete_replay(s).await }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn only_the_claiming_attempt_finishes() { let (s, _g, _d) = open(stringify!($kind)).await; super::only_the_claiming_attempt_finishes(s).await }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn stale_claims_nothing() { let (s, _g, _d) = open(stringify!($kind)).await; super::stale_claims_nothing(s).await }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
