@@ -228,6 +228,12 @@ impl Redis {
         }
     }
 
+    /// Sends a signal to the server (`-STOP`/`-CONT`: the stalled-store fault).
+    pub fn signal(&self, name: &str) {
+        let pid = self.child.as_ref().and_then(Child::id).expect("running");
+        signal(pid, name);
+    }
+
     pub async fn kill9(&mut self) {
         let mut child = self.child.take().expect("running");
         child.start_kill().unwrap();
@@ -238,6 +244,42 @@ impl Redis {
         assert!(self.child.is_none(), "kill first");
         self.spawn().await;
     }
+}
+
+/// The leases a Redis lease backend holds for `holder` under `prefix`, read from Redis
+/// directly: every `<prefix>:{<resource>}:lease` key whose value
+/// (`<lease_id>|<token>|<holder>`) names the holder, as (resource, token).
+pub async fn leases_held_by(url: &str, prefix: &str, holder: &str) -> Vec<(String, u64)> {
+    let client = redis::Client::open(url).expect("a valid Redis URL");
+    let mut conn = client
+        .get_multiplexed_async_connection()
+        .await
+        .expect("the lease Redis answers");
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{prefix}:*:lease"))
+        .query_async(&mut conn)
+        .await
+        .expect("KEYS");
+    let mut held = Vec::new();
+    for key in keys {
+        let value: Option<String> = redis::cmd("GET")
+            .arg(&key)
+            .query_async(&mut conn)
+            .await
+            .expect("GET");
+        let Some(value) = value else { continue };
+        let mut parts = value.splitn(3, '|');
+        let (_, token, who) = (parts.next(), parts.next(), parts.next());
+        if who == Some(holder) {
+            let resource = key
+                .strip_prefix(&format!("{prefix}:{{"))
+                .and_then(|k| k.strip_suffix("}:lease"))
+                .unwrap_or(&key)
+                .to_owned();
+            held.push((resource, token.and_then(|t| t.parse().ok()).unwrap_or(0)));
+        }
+    }
+    held
 }
 
 /// Writes a config file into `dir`.
