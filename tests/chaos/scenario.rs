@@ -27,7 +27,7 @@ use crate::clock::Clock;
 use crate::ledger::Ledger;
 use crate::netns::Lab;
 use crate::procs::{
-    free_port, fresh_prefix, leases_held_by, wait_log, write_config, Fencegate, Redis,
+    free_port, fresh_prefix, leases_held_by, wait_log, write_config, Fencegate, Postgres, Redis,
 };
 use crate::record::{Acquired, LeaseEvent, Op, Recorder};
 
@@ -52,12 +52,13 @@ const ATTEMPT_TIMEOUT: Duration = Duration::from_millis(700);
 const MAX_ATTEMPTS: usize = 6;
 /// The pause before a retry after `409 idempotency-in-flight`.
 const IN_FLIGHT_PAUSE: Duration = Duration::from_millis(100);
-/// The group whose fence checks tokens against the lease backend (`fence.authority: leases`)
-/// and has a Redis store of its own, the one the stalled-store fault stops.
+/// The group whose fence checks tokens against the lease backend (`fence.authority: leases`);
+/// its store is a PostgreSQL cluster of the run (a Redis if this machine has none).
 const AUTH_GROUP: usize = 2;
-/// Its `timeouts.upstream`: longer than a stalled store's commit, so that a keyed write is
-/// still legitimately in flight while the store stalls.
-const AUTH_UPSTREAM_TIMEOUT: Duration = Duration::from_secs(3);
+/// `timeouts.upstream` of the fences whose stores the stalled-store fault stops (groups 1 and
+/// 2): longer than the stall's slow commit, so that a keyed write is still legitimately in
+/// flight while the store stalls.
+const LONG_UPSTREAM_TIMEOUT: Duration = Duration::from_secs(3);
 /// Every fence's `timeouts.store`.
 const STORE_TIMEOUT: Duration = Duration::from_millis(500);
 /// The stalled-store fault: SIGSTOP of the store's Redis, shorter and longer than
@@ -120,7 +121,7 @@ impl Fault {
                 "sidecar cut off from the lease Redis past the TTL (netns + nftables drop), still running"
             }
             Fault::StoreStall => {
-                "authoritative fence's store Redis stopped (SIGSTOP) shorter / longer than timeouts.store while a keyed write is at a slow ledger"
+                "fence store stopped (SIGSTOP/SIGCONT: PostgreSQL of group 2, Redis of group 1) past / within timeouts.store while a keyed write is at a slow ledger"
             }
             Fault::SlowBody => {
                 "authoritative fence: a keyed write's body stalls while its lease passes to another holder, then ends"
@@ -148,8 +149,10 @@ pub struct Injected {
 struct Fence {
     config: PathBuf,
     process: Fencegate,
-    /// The fence store's own Redis (groups 1 and 2).
+    /// The fence store's own Redis (group 1, and group 2 without PostgreSQL).
     redis: Option<Redis>,
+    /// The fence store's own PostgreSQL (group 2).
+    postgres: Option<Postgres>,
 }
 
 struct Worker {
@@ -204,26 +207,24 @@ fn resources(mode: Mode, group: usize) -> Vec<String> {
     (0..2).map(|i| format!("{tag}{group}x{i}")).collect()
 }
 
-/// A fence: `store`, and `authority` (a lease backend's URL and prefix) for
-/// `fence.authority: leases`. Idempotency keys apply on its route.
+/// A fence: `store`, `timeouts.upstream`, and `authority` (a lease backend's URL and prefix)
+/// for `fence.authority: leases`. Idempotency keys apply on its route.
 fn fence_yaml(
     ip: Ipv4Addr,
     port: u16,
     ledger: &str,
     store: &str,
+    upstream: Duration,
     authority: Option<(&str, &str)>,
 ) -> String {
-    let (upstream, authority) = match authority {
-        Some((redis, prefix)) => (
-            AUTH_UPSTREAM_TIMEOUT,
-            format!(
+    let authority = match authority {
+        Some((redis, prefix)) => format!(
                 "fence: {{ authority: leases }}\nleases:\n  listen: 127.0.0.1:0\n  \
                  backend: {{ kind: redis, url: '{redis}', prefix: {prefix} }}\n  \
                  ttl: {{ p99_work: 1000ms, p99_rtt: 50ms, safety_margin: 200ms, drift_buffer: {}ms }}\n",
-                DRIFT.as_millis()
-            ),
+            DRIFT.as_millis()
         ),
-        None => (FENCE_UPSTREAM_TIMEOUT, String::new()),
+        None => String::new(),
     };
     format!(
         "listen: {ip}:{port}\nadmin: 127.0.0.1:0\nupstream: {ledger}\n{store}\
@@ -261,35 +262,53 @@ async fn start_fence(
     authority: Option<(&str, &str)>,
 ) -> Fence {
     let port = free_port();
-    let (store, redis) = if group == 0 {
-        (
-            format!(
-                "store: {{ kind: embedded, path: {} }}\n",
-                dir.join("fences.db").display()
-            ),
-            None,
+    let (mut redis, mut postgres) = (None, None);
+    let store = if group == 0 {
+        format!(
+            "store: {{ kind: embedded, path: {} }}\n",
+            dir.join("fences.db").display()
         )
     } else {
-        let redis = Redis::start().await;
-        (
-            format!(
-                "store: {{ kind: redis, url: '{}', prefix: {} }}\n",
-                redis.url(),
-                fresh_prefix()
-            ),
-            Some(redis),
+        let pg = match group {
+            AUTH_GROUP => Some(Postgres::start().await),
+            _ => None,
+        };
+        let (kind, url) = match pg {
+            Some(Ok(pg)) => {
+                let url = pg.url();
+                postgres = Some(pg);
+                ("postgres", url)
+            }
+            other => {
+                if let Some(Err(reason)) = other {
+                    println!("  SKIPPED postgres store (group {group} uses a Redis): {reason}");
+                }
+                let r = Redis::start().await;
+                let url = r.url();
+                redis = Some(r);
+                ("redis", url)
+            }
+        };
+        format!(
+            "store: {{ kind: {kind}, url: '{url}', prefix: {} }}\n",
+            fresh_prefix()
         )
+    };
+    let upstream = match group {
+        0 => FENCE_UPSTREAM_TIMEOUT,
+        _ => LONG_UPSTREAM_TIMEOUT,
     };
     let config = write_config(
         dir,
         &format!("fence{group}.yaml"),
-        &fence_yaml(ip, port, ledger, &store, authority),
+        &fence_yaml(ip, port, ledger, &store, upstream, authority),
     );
     let process = Fencegate::start(&config).await;
     Fence {
         config,
         process,
         redis,
+        postgres,
     }
 }
 
@@ -459,7 +478,9 @@ pub async fn run(mode: Mode, secs: u64) -> Outcome {
                 let group = match fault {
                     Fault::FenceKill9 => 0,
                     Fault::RedisKill9 => 1,
-                    Fault::StoreStall | Fault::SlowBody => AUTH_GROUP,
+                    Fault::SlowBody => AUTH_GROUP,
+                    // Long on group 2's store, long on group 1's, short, short.
+                    Fault::StoreStall => [AUTH_GROUP, 1][rounds_done % 2],
                     _ => rounds_done % groups,
                 };
                 let injected = inject(&ctx, fault, group, round, &mut rig, &mut evidence).await;
@@ -1149,8 +1170,8 @@ async fn inject(
             (end, first)
         }
         Fault::StoreStall => {
-            // Alternately longer and shorter than `timeouts.store`.
-            let long = (round / Fault::ALL.len()) % 2 == 0;
+            // Longer than `timeouts.store` twice (both stores), then shorter twice.
+            let long = (round / Fault::ALL.len() / 2) % 2 == 0;
             let stall = if long { STALL_LONG } else { STALL_SHORT };
             // A keyed write of the group first reaches the ledger and stays there (a slow
             // commit, within the fence's upstream timeout but past its writer's patience, so
@@ -1161,14 +1182,21 @@ async fn inject(
                 .ledger
                 .slow_arrivals_reach(arrived + 1, Duration::from_secs(10))
                 .await;
-            let redis = fences[group]
-                .redis
-                .as_ref()
-                .expect("the authoritative group's store is a Redis");
-            redis.signal("-STOP");
+            let f = &fences[group];
+            let stop = |signal: &str| match (&f.postgres, &f.redis) {
+                (Some(pg), _) => pg.signal(signal),
+                (None, Some(redis)) => redis.signal(signal),
+                (None, None) => unreachable!("groups 1 and 2 have a store server"),
+            };
+            let store = if f.postgres.is_some() {
+                "PostgreSQL (postmaster and backends)"
+            } else {
+                "Redis"
+            };
+            stop("-STOP");
             // Stopped for the fault's length (not a synchronisation).
             tokio::time::sleep(stall).await;
-            redis.signal("-CONT");
+            stop("-CONT");
             let end = ctx.clock.now();
             let committed = ctx
                 .ledger
@@ -1181,7 +1209,7 @@ async fn inject(
                 at_ledger,
             );
             note_text = format!(
-                "store Redis stopped {}ms ({} than timeouts.store {}ms) while a keyed write \
+                "store {store} stopped {}ms ({} than timeouts.store {}ms) while a keyed write \
                  committed in {}ms: at the ledger {at_ledger}, committed {committed}",
                 stall.as_millis(),
                 if long { "longer" } else { "shorter" },
