@@ -550,6 +550,12 @@ pub async fn run(mode: Mode, secs: u64) -> Outcome {
     for t in tasks {
         let _ = tokio::time::timeout(Duration::from_secs(30), t).await;
     }
+    // Attempts a worker stopped waiting for still run (each bounded by the client's own
+    // bound): their answers belong to the history.
+    for g in 0..groups {
+        let mut in_flight = ctx.rec.in_flight(g);
+        let _ = tokio::time::timeout(CLIENT_BOUND, in_flight.wait_for(|&n| n == 0)).await;
+    }
     let unended = ctx.rec.wait_terminal_events(Duration::from_secs(5)).await;
     if !unended.is_empty() {
         println!("  note: no end event (released/lost) received for grants {unended:?}");
