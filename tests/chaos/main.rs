@@ -196,6 +196,16 @@ fn report(o: &Outcome) {
     for (k, n) in &statuses {
         println!("    {k:<40} {n}");
     }
+    let h = &o.history;
+    println!(
+        "  history: {} records ({} commits, {} admissions, {} holds, {} responses, {} exits)",
+        h.commits.len() + h.admissions.len() + h.holds.len() + h.responses.len() + h.exits.len(),
+        h.commits.len(),
+        h.admissions.len(),
+        h.holds.len(),
+        h.responses.len(),
+        h.exits.len()
+    );
     let late_commits = o
         .ops
         .iter()
