@@ -61,7 +61,7 @@ const AUTH_GROUP: usize = 2;
 const LONG_UPSTREAM_TIMEOUT: Duration = Duration::from_secs(3);
 /// Every fence's `timeouts.store`.
 const STORE_TIMEOUT: Duration = Duration::from_millis(500);
-/// The stalled-store fault: SIGSTOP of the store's Redis, shorter and longer than
+/// The stalled-store fault: SIGSTOP of the store's server processes, shorter and longer than
 /// `timeouts.store`, while a keyed write takes this long at the ledger.
 const STALL_SHORT: Duration = Duration::from_millis(250);
 const STALL_LONG: Duration = Duration::from_millis(1500);
