@@ -1,12 +1,15 @@
 //! The history checker: pure functions over a recorded history, no I/O, no clocks.
 //!
-//! A history has four kinds of records, all timed on one clock (microseconds since the start
+//! A history has five kinds of records, all timed on one clock (microseconds since the start
 //! of the run, [`Micros`]):
-//! - [`Commit`]: what the ledger (the protected downstream) applied, in its commit order;
+//! - [`Commit`]: what the ledger (the protected downstream) applied, in its commit order, with
+//!   the idempotency key the write carried;
 //! - [`Admission`]: a write that reached the fence, admitted (forwarded) or refused;
 //! - [`Hold`]: a lease grant as its holder lived it: from the moment it learnt of the grant to
 //!   its local validity deadline (and, for a holder that ignores the deadline, its last use);
-//! - [`Response`]: what a writer's client got back for one write.
+//! - [`Response`]: what a writer's client got back for one write;
+//! - [`Exit`]: what the lease backend still held for a sidecar's holder id once that sidecar
+//!   had been asked to shut down (SIGTERM, drain) and had exited.
 //!
 //! Invariants, each with a hand-made history that must make it fire ([`self_tests`]):
 //! - (a) [`Invariant::CommittedTokensMonotonic`]: per resource, the ledger's committed tokens
@@ -18,7 +21,13 @@
 //! - (c) [`Invariant::DisjointHolds`]: for one resource, the intervals in which two different
 //!   holders believed they held the lease never overlap;
 //! - (d) [`Invariant::NoSuccessAfterDeadline`]: no 2xx answer for a write that was sent after
-//!   its holder's local deadline (or for a write under no lease at all).
+//!   its holder's local deadline (or for a write under no lease at all); a write is sent when
+//!   its last byte is (a slow body is sent when it ends);
+//! - (e) [`Invariant::KeyAppliedOnce`]: the ledger applies an idempotency key's write at most
+//!   once, unless one of its attempts ended with an outcome fencegate documents as unknown
+//!   (`502`, `504`, or no answer at all), after which a retry may execute it again;
+//! - (f) [`Invariant::NoLeaseAfterDrain`]: once a sidecar that was asked to shut down has
+//!   exited, the lease backend holds no lease for its holder id.
 //!
 //! Cost: each check is one pass after ordering by time. Histories are recorded in time order
 //! (one lock, appended as events happen) and Rust's sort detects already-sorted runs in one
@@ -39,6 +48,8 @@ pub struct Commit {
     pub token: u64,
     pub writer: String,
     pub op: String,
+    /// The `Idempotency-Key` the write carried.
+    pub key: Option<String>,
 }
 
 /// One write as the fence treated it.
@@ -66,7 +77,7 @@ pub struct Hold {
     pub start: Micros,
     /// Its local validity deadline (an upper bound), or its release if earlier.
     pub end: Micros,
-    /// The last instant the holder acted as holder (sent a write that succeeded); a holder
+    /// The last instant the holder acted as holder (finished sending a write that succeeded); a holder
     /// that ignores its deadline believes it holds the lease until then.
     pub last_use: Micros,
 }
@@ -86,9 +97,25 @@ pub struct Response {
     pub resource: String,
     /// The lease token the writer wrote under.
     pub token: u64,
+    /// The write's idempotency key, if it had one.
+    pub key: Option<String>,
+    /// The HTTP status, or 0 when no answer came.
     pub status: u16,
+    /// When the writer finished sending it (its last body byte).
     pub sent: Micros,
     pub answered: Micros,
+}
+
+/// A sidecar that was asked to shut down, after it exited: what the lease backend still held
+/// for its holder id, read from the backend directly.
+#[derive(Debug, Clone)]
+pub struct Exit {
+    pub holder: String,
+    /// How it was stopped (for reports): `SIGTERM` (drain), or the naive control's `kill -9`.
+    pub how: String,
+    pub exited: Micros,
+    /// (resource, token) of each lease the backend held for `holder` after the exit.
+    pub held: Vec<(String, u64)>,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -97,6 +124,7 @@ pub struct History {
     pub admissions: Vec<Admission>,
     pub holds: Vec<Hold>,
     pub responses: Vec<Response>,
+    pub exits: Vec<Exit>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -109,14 +137,20 @@ pub enum Invariant {
     DisjointHolds,
     /// (d)
     NoSuccessAfterDeadline,
+    /// (e)
+    KeyAppliedOnce,
+    /// (f)
+    NoLeaseAfterDrain,
 }
 
 impl Invariant {
-    pub const ALL: [Invariant; 4] = [
+    pub const ALL: [Invariant; 6] = [
         Invariant::CommittedTokensMonotonic,
         Invariant::NoLateLowerAdmission,
         Invariant::DisjointHolds,
         Invariant::NoSuccessAfterDeadline,
+        Invariant::KeyAppliedOnce,
+        Invariant::NoLeaseAfterDrain,
     ];
 
     pub fn label(self) -> &'static str {
@@ -125,6 +159,8 @@ impl Invariant {
             Invariant::NoLateLowerAdmission => "(b) no lower token admitted after a higher one",
             Invariant::DisjointHolds => "(c) holders' belief intervals never overlap",
             Invariant::NoSuccessAfterDeadline => "(d) no 2xx for a write sent past the deadline",
+            Invariant::KeyAppliedOnce => "(e) an idempotency key's write applied at most once",
+            Invariant::NoLeaseAfterDrain => "(f) no lease left held by a drained sidecar",
         }
     }
 }
@@ -148,7 +184,7 @@ impl fmt::Display for Violation {
     }
 }
 
-/// Runs every check; an empty result means the history satisfies all four invariants.
+/// Runs every check; an empty result means the history satisfies all six invariants.
 pub fn check(history: &History) -> Vec<Violation> {
     let mut out = Vec::new();
     out.extend(committed_tokens_monotonic(&history.commits));
@@ -158,11 +194,13 @@ pub fn check(history: &History) -> Vec<Violation> {
         &history.holds,
         &history.responses,
     ));
+    out.extend(key_applied_once(&history.commits, &history.responses));
+    out.extend(no_lease_after_drain(&history.exits));
     out
 }
 
 /// How many violations of each invariant.
-pub fn tally(violations: &[Violation]) -> [(Invariant, usize); 4] {
+pub fn tally(violations: &[Violation]) -> [(Invariant, usize); 6] {
     Invariant::ALL.map(|i| (i, violations.iter().filter(|v| v.invariant == i).count()))
 }
 
@@ -345,6 +383,76 @@ pub fn no_success_after_deadline(holds: &[Hold], responses: &[Response]) -> Vec<
     out
 }
 
+/// Statuses after which fencegate records a keyed attempt's outcome as unknown, so that a
+/// retry may execute it again (README, "Unknown outcomes"): the upstream failed or was not
+/// reached (`502`), sent no headers in time (`504`); and no answer at all (the harness cannot
+/// tell what happened).
+fn outcome_unknown(status: u16) -> bool {
+    matches!(status, 0 | 502 | 504)
+}
+
+/// (e) Per (resource, key), at most one commit, unless an attempt of that key ended with an
+/// unknown outcome. One pass over the responses, one over the commits.
+pub fn key_applied_once(commits: &[Commit], responses: &[Response]) -> Vec<Violation> {
+    let mut unknown: std::collections::HashSet<(&str, &str)> = std::collections::HashSet::new();
+    for r in responses.iter().filter(|r| outcome_unknown(r.status)) {
+        if let Some(key) = &r.key {
+            unknown.insert((r.resource.as_str(), key.as_str()));
+        }
+    }
+    let mut ordered: Vec<&Commit> = commits.iter().collect();
+    ordered.sort_by_key(|c| c.seq);
+    let mut first: HashMap<(&str, &str), &Commit> = HashMap::new();
+    let mut out = Vec::new();
+    for c in ordered {
+        let Some(key) = &c.key else { continue };
+        let slot = (c.resource.as_str(), key.as_str());
+        match first.get(&slot) {
+            None => {
+                first.insert(slot, c);
+            }
+            Some(_) if unknown.contains(&slot) => {}
+            Some(f) => {
+                let attempts: Vec<String> = responses
+                    .iter()
+                    .filter(|r| r.resource == c.resource && r.key.as_deref() == Some(key))
+                    .map(|r| format!("{} {} at {}us", r.op, r.status, r.sent))
+                    .collect();
+                out.push(Violation {
+                    invariant: Invariant::KeyAppliedOnce,
+                    resource: c.resource.clone(),
+                    detail: format!(
+                        "key {key} applied again: commit #{} (op {}) after commit #{} (op {}), no attempt with an unknown outcome; attempts: {}",
+                        c.seq,
+                        c.op,
+                        f.seq,
+                        f.op,
+                        attempts.join(", ")
+                    ),
+                });
+            }
+        }
+    }
+    out
+}
+
+/// (f) A sidecar that was asked to shut down leaves no lease held in the backend.
+pub fn no_lease_after_drain(exits: &[Exit]) -> Vec<Violation> {
+    exits
+        .iter()
+        .flat_map(|e| {
+            e.held.iter().map(move |(resource, token)| Violation {
+                invariant: Invariant::NoLeaseAfterDrain,
+                resource: resource.clone(),
+                detail: format!(
+                    "{} exited after {} (at {}us) and the backend still holds its lease with token {}",
+                    e.holder, e.how, e.exited, token
+                ),
+            })
+        })
+        .collect()
+}
+
 // ---------------------------------------------------------------------------------------------
 // Negative controls: hand-made histories that must make each invariant fire, and close
 // variants that must not (so the checker is neither blind nor trigger-happy).
@@ -356,6 +464,14 @@ fn commit(seq: u64, resource: &str, token: u64) -> Commit {
         token,
         writer: format!("w{token}"),
         op: format!("op{seq}"),
+        key: None,
+    }
+}
+
+fn keyed(seq: u64, key: &str) -> Commit {
+    Commit {
+        key: Some(key.into()),
+        ..commit(seq, "r", 1)
     }
 }
 
@@ -387,9 +503,26 @@ fn response(writer: &str, token: u64, status: u16, sent: Micros) -> Response {
         op: format!("{writer}-{sent}"),
         resource: "r".into(),
         token,
+        key: None,
         status,
         sent,
         answered: sent + 5,
+    }
+}
+
+fn attempt(key: &str, status: u16, sent: Micros) -> Response {
+    Response {
+        key: Some(key.into()),
+        ..response("w1", 1, status, sent)
+    }
+}
+
+fn exit(holder: &str, held: &[(&str, u64)]) -> Exit {
+    Exit {
+        holder: holder.into(),
+        how: "SIGTERM".into(),
+        exited: 1000,
+        held: held.iter().map(|&(r, t)| (r.to_owned(), t)).collect(),
     }
 }
 
@@ -497,15 +630,77 @@ fn d_fires_on_success_after_the_deadline() -> Result<(), String> {
     expect("in time", &no_success_after_deadline(&holds, &fine), 0)
 }
 
-fn check_runs_all_four() -> Result<(), String> {
+fn e_fires_on_a_key_applied_twice() -> Result<(), String> {
+    // The stalled-store case: attempt A in flight (answered 200 later), retry B refused 503
+    // (store), retry C executed: the ledger applied the key twice.
+    let commits = [keyed(0, "k1"), keyed(1, "k2"), keyed(2, "k1")];
+    let responses = [
+        attempt("k1", 200, 0),
+        attempt("k1", 503, 10),
+        attempt("k1", 200, 20),
+        attempt("k2", 200, 5),
+    ];
+    let got = key_applied_once(&commits, &responses);
+    expect("applied twice", &got, 1)?;
+    if !got[0].detail.contains("key k1 applied again: commit #2") {
+        return Err(format!("wrong culprit: {}", got[0]));
+    }
+    // After a 504 (or a 502, or no answer) the outcome is unknown: a retry may execute again.
+    // Writes without a key, and one key on two resources, are other writes.
+    let fine_commits = [
+        keyed(0, "k1"),
+        keyed(1, "k1"),
+        commit(2, "r", 1),
+        commit(3, "r", 1),
+        keyed(4, "k3"),
+        Commit {
+            resource: "s".into(),
+            ..keyed(5, "k3")
+        },
+    ];
+    let fine_responses = [attempt("k1", 504, 0), attempt("k1", 200, 10)];
+    expect(
+        "unknown outcome",
+        &key_applied_once(&fine_commits, &fine_responses),
+        0,
+    )
+}
+
+fn f_fires_on_a_lease_left_after_a_drain() -> Result<(), String> {
+    let bad = [
+        exit("d1", &[]),
+        exit("d2", &[("account:x", 7)]),
+        exit("d3", &[("account:y", 3), ("account:z", 4)]),
+    ];
+    let got = no_lease_after_drain(&bad);
+    expect("left held", &got, 3)?;
+    if !got[0].detail.contains("d2 exited after SIGTERM") {
+        return Err(format!("wrong culprit: {}", got[0]));
+    }
+    expect("released", &no_lease_after_drain(&[exit("d1", &[])]), 0)
+}
+
+fn check_runs_all_six() -> Result<(), String> {
     let history = History {
-        commits: vec![commit(0, "r", 5), commit(1, "r", 4)],
+        commits: vec![
+            commit(0, "r", 5),
+            commit(1, "r", 4),
+            Commit {
+                resource: "q".into(),
+                ..keyed(2, "k")
+            },
+            Commit {
+                resource: "q".into(),
+                ..keyed(3, "k")
+            },
+        ],
         admissions: vec![
             admission("hi", 5, 0, Some(10)),
             admission("lo", 4, 20, Some(30)),
         ],
         holds: vec![hold("w1", 4, 0, 100, 400), hold("w2", 5, 150, 300, 250)],
         responses: vec![response("w1", 4, 200, 400)],
+        exits: vec![exit("d", &[("r", 1)])],
     };
     let got = check(&history);
     let counts = tally(&got);
@@ -517,12 +712,15 @@ fn check_runs_all_four() -> Result<(), String> {
 }
 
 fn linear_on_a_large_recorded_history() -> Result<(), String> {
-    // 200k records of a healthy history: checked in well under a second.
+    // 200k records of a healthy history (every write keyed): checked in well under a second.
     let n = 50_000u64;
     let mut h = History::default();
     for i in 0..n {
         let t = i * 100;
-        h.commits.push(commit(i, "r", i / 4));
+        h.commits.push(Commit {
+            key: Some(format!("k{i}")),
+            ..commit(i, "r", i / 4)
+        });
         h.admissions
             .push(admission(&i.to_string(), i / 4, t, Some(t + 50)));
         if i % 4 == 0 {
@@ -563,7 +761,15 @@ pub fn self_tests() -> Vec<(&'static str, Result<(), String>)> {
             "checker::d_fires_on_success_after_the_deadline",
             d_fires_on_success_after_the_deadline(),
         ),
-        ("checker::check_runs_all_four", check_runs_all_four()),
+        (
+            "checker::e_fires_on_a_key_applied_twice",
+            e_fires_on_a_key_applied_twice(),
+        ),
+        (
+            "checker::f_fires_on_a_lease_left_after_a_drain",
+            f_fires_on_a_lease_left_after_a_drain(),
+        ),
+        ("checker::check_runs_all_six", check_runs_all_six()),
         (
             "checker::linear_on_a_large_recorded_history",
             linear_on_a_large_recorded_history(),

@@ -3,11 +3,12 @@
 //! resource (like a row lock: a slow commit delays the later writes of its resource), in
 //! arrival order. A write is committed once its body has fully arrived, even if the client
 //! has gone away meanwhile: a commit slower than the proxy's upstream timeout still lands.
+//! Each commit records the `Idempotency-Key` the write carried, so that a key applied twice
+//! shows in the log.
 
 use std::collections::HashMap;
 use std::io::Write;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -28,8 +29,19 @@ struct Job {
     token: u64,
     writer: String,
     op: String,
-    slow: bool,
+    key: Option<String>,
+    /// Committed only after this delay (the slow-upstream fault).
+    slow: Option<Duration>,
     done: oneshot::Sender<u64>,
+}
+
+/// The next `remaining` arrivals (on resources starting with `only`, if set) commit after
+/// `delay`.
+#[derive(Default)]
+struct SlowPlan {
+    remaining: usize,
+    delay: Duration,
+    only: Option<String>,
 }
 
 pub struct Ledger {
@@ -46,8 +58,9 @@ struct State {
     arrivals: Mutex<HashMap<String, Micros>>,
     /// Bumped on every commit, for waiters.
     committed: watch::Sender<u64>,
-    /// The next this-many arrivals are committed slowly.
-    slow_armed: AtomicUsize,
+    slow: Mutex<SlowPlan>,
+    /// Slow writes arrived (their commit is under way) and committed, so far.
+    slow_arrived: watch::Sender<usize>,
     slow_done: watch::Sender<usize>,
     slow_delay: Duration,
     file: Mutex<std::fs::File>,
@@ -63,7 +76,8 @@ impl Ledger {
             log: Mutex::default(),
             arrivals: Mutex::default(),
             committed: watch::channel(0).0,
-            slow_armed: AtomicUsize::new(0),
+            slow: Mutex::default(),
+            slow_arrived: watch::channel(0).0,
             slow_done: watch::channel(0).0,
             slow_delay,
             file: Mutex::new(std::fs::File::create(log_path).unwrap()),
@@ -103,8 +117,31 @@ impl Ledger {
 
     /// Commits the next `n` arriving writes only after the slow delay.
     pub fn arm_slow(&self, n: usize) -> usize {
-        self.state.slow_armed.store(n, Ordering::SeqCst);
-        *self.state.slow_done.borrow()
+        self.arm_slow_on(n, self.state.slow_delay, None).1
+    }
+
+    /// Commits the next `n` writes arriving on resources that start with `only` (any, if
+    /// `None`) after `delay`. Returns the slow writes arrived and committed so far.
+    pub fn arm_slow_on(&self, n: usize, delay: Duration, only: Option<&str>) -> (usize, usize) {
+        *self.state.slow.lock().unwrap() = SlowPlan {
+            remaining: n,
+            delay,
+            only: only.map(str::to_owned),
+        };
+        (
+            *self.state.slow_arrived.borrow(),
+            *self.state.slow_done.borrow(),
+        )
+    }
+
+    /// Waits until `target` slow writes have arrived in total (their commit is under way),
+    /// bounded.
+    pub async fn slow_arrivals_reach(&self, target: usize, within: Duration) -> bool {
+        let mut rx = self.state.slow_arrived.subscribe();
+        let reached = tokio::time::timeout(within, rx.wait_for(|&n| n >= target))
+            .await
+            .is_ok();
+        reached
     }
 
     /// Waits until `target` slow commits have been made in total, bounded.
@@ -153,6 +190,7 @@ impl State {
         };
         let token = header("fencing-token").and_then(|t| t.parse::<u64>().ok());
         let (writer, op) = (header("x-writer"), header("x-op"));
+        let key = header("idempotency-key");
         let (Some(token), Some(writer), Some(op)) = (token, writer, op) else {
             return reply(
                 StatusCode::BAD_REQUEST,
@@ -164,10 +202,18 @@ impl State {
             return reply(StatusCode::BAD_REQUEST, "incomplete body\n".into());
         }
         let (done, committed) = oneshot::channel();
-        let slow = self
-            .slow_armed
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
-            .is_ok();
+        let slow = {
+            let mut plan = self.slow.lock().unwrap();
+            let applies =
+                plan.remaining > 0 && plan.only.as_deref().is_none_or(|p| resource.starts_with(p));
+            applies.then(|| {
+                plan.remaining -= 1;
+                plan.delay
+            })
+        };
+        if slow.is_some() {
+            self.slow_arrived.send_modify(|n| *n += 1);
+        }
         {
             // Arrival and enqueue under one lock: the queue order is the arrival order.
             let mut queues = self.queues.lock().unwrap();
@@ -185,6 +231,7 @@ impl State {
                 token,
                 writer,
                 op,
+                key,
                 slow,
                 done,
             });
@@ -198,9 +245,10 @@ impl State {
     /// Applies one resource's writes, one at a time, in arrival order.
     async fn committer(self: Arc<Self>, mut jobs: mpsc::UnboundedReceiver<Job>) {
         while let Some(job) = jobs.recv().await {
-            if job.slow {
-                // The fault itself: an upstream slower than the proxy's timeout.
-                tokio::time::sleep(self.slow_delay).await;
+            if let Some(delay) = job.slow {
+                // The fault itself: an upstream slower than the proxy's timeout (or, for the
+                // stalled store, than the writer's patience).
+                tokio::time::sleep(delay).await;
             }
             let seq = {
                 let mut log = self.log.lock().unwrap();
@@ -211,20 +259,22 @@ impl State {
                     token: job.token,
                     writer: job.writer,
                     op: job.op,
+                    key: job.key,
                 };
                 let _ = writeln!(
                     self.file.lock().unwrap(),
-                    "{}\t{}\t{}\t{}\t{}",
+                    "{}\t{}\t{}\t{}\t{}\t{}",
                     commit.seq,
                     commit.resource,
                     commit.token,
                     commit.writer,
-                    commit.op
+                    commit.op,
+                    commit.key.as_deref().unwrap_or("-")
                 );
                 log.push((commit, self.clock.now()));
                 seq
             };
-            if job.slow {
+            if job.slow.is_some() {
                 self.slow_done.send_modify(|n| *n += 1);
             }
             self.committed.send_modify(|n| *n += 1);

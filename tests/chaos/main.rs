@@ -8,7 +8,9 @@
 //!    partition fault needs root, `ip` and `nft`; without them it is reported as
 //!    `SKIPPED partition fault: <reason>` and the other faults run;
 //! 3. the negative control: workers bypass the fence and write straight to the ledger, one
-//!    of them frozen past its TTL; the checker must report violations of all four invariants.
+//!    of them frozen past its TTL, one write slower than its writer's patience (retried with
+//!    its key), and a sidecar killed without its drain; the checker must report violations of
+//!    all six invariants.
 //!
 //! `FENCEGATE_CHAOS_NAIVE=1` runs only the checker tests and the negative control.
 //! There is no libtest harness (`harness = false`): a name filter that matches none of this
@@ -194,6 +196,16 @@ fn report(o: &Outcome) {
     for (k, n) in &statuses {
         println!("    {k:<40} {n}");
     }
+    let h = &o.history;
+    println!(
+        "  history: {} records ({} commits, {} admissions, {} holds, {} responses, {} exits)",
+        h.commits.len() + h.admissions.len() + h.holds.len() + h.responses.len() + h.exits.len(),
+        h.commits.len(),
+        h.admissions.len(),
+        h.holds.len(),
+        h.responses.len(),
+        h.exits.len()
+    );
     let late_commits = o
         .ops
         .iter()
@@ -230,6 +242,25 @@ fn report(o: &Outcome) {
                 f.describe()
             );
         }
+    }
+    let keys: std::collections::HashSet<(&str, &str)> = o
+        .history
+        .commits
+        .iter()
+        .filter_map(|c| c.key.as_deref().map(|k| (c.resource.as_str(), k)))
+        .collect();
+    let keyed = o.history.commits.iter().filter(|c| c.key.is_some()).count();
+    println!(
+        "  idempotency keys: {} applied, {} applications ({} beyond the first; see (e))",
+        keys.len(),
+        keyed,
+        keyed - keys.len()
+    );
+    for e in &o.history.exits {
+        println!(
+            "  stopped sidecar {} ({}): backend held {:?} after its exit",
+            e.holder, e.how, e.held
+        );
     }
     for (what, ok, all) in &o.evidence {
         println!("  check: {what}: {ok}/{all}");

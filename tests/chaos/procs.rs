@@ -228,6 +228,12 @@ impl Redis {
         }
     }
 
+    /// Sends a signal to the server (`-STOP`/`-CONT`: the stalled-store fault).
+    pub fn signal(&self, name: &str) {
+        let pid = self.child.as_ref().and_then(Child::id).expect("running");
+        signal(pid, name);
+    }
+
     pub async fn kill9(&mut self) {
         let mut child = self.child.take().expect("running");
         child.start_kill().unwrap();
@@ -238,6 +244,197 @@ impl Redis {
         assert!(self.child.is_none(), "kill first");
         self.spawn().await;
     }
+}
+
+/// A throwaway PostgreSQL cluster owned by the run (a fence store the stalled-store fault
+/// stops): `initdb` into a temporary directory, the server on a free port, TCP only, trust
+/// authentication. As root it runs as the `postgres` user (`setpriv`, which execs, so the
+/// child is the postmaster itself).
+pub struct Postgres {
+    pub port: u16,
+    child: Child,
+    _dir: tempfile::TempDir,
+}
+
+impl Postgres {
+    /// Starts one, or says why it cannot.
+    pub async fn start() -> Result<Postgres, String> {
+        let bin = std::fs::read_dir("/usr/lib/postgresql")
+            .map_err(|e| format!("no PostgreSQL under /usr/lib/postgresql: {e}"))?
+            .filter_map(|e| e.ok().map(|e| e.path().join("bin")))
+            .filter(|b| b.join("initdb").is_file())
+            .max()
+            .ok_or("no /usr/lib/postgresql/*/bin/initdb")?;
+        let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+        let data = dir.path().join("data");
+        let root = std::fs::read_to_string("/proc/self/status")
+            .is_ok_and(|s| s.lines().any(|l| l.starts_with("Uid:\t0\t")));
+        // As root: the server refuses to run as root; as the `postgres` user instead.
+        let mut run_as: Vec<String> = Vec::new();
+        if root {
+            let chown = std::process::Command::new("chown")
+                .args(["-R", "postgres:postgres"])
+                .arg(dir.path())
+                .status()
+                .map_err(|e| format!("chown: {e}"))?;
+            if !chown.success() {
+                return Err("chown to the postgres user failed (no such user?)".into());
+            }
+            run_as = [
+                "setpriv",
+                "--reuid=postgres",
+                "--regid=postgres",
+                "--init-groups",
+                "--",
+            ]
+            .map(str::to_owned)
+            .to_vec();
+        }
+        let command = |program: PathBuf| {
+            let mut c = match run_as.split_first() {
+                Some((first, rest)) => {
+                    let mut c = Command::new(first);
+                    c.args(rest).arg(&program);
+                    c
+                }
+                None => Command::new(&program),
+            };
+            c.stdin(Stdio::null()).stdout(Stdio::null());
+            c
+        };
+        let initdb = command(bin.join("initdb"))
+            .args(["-A", "trust", "-U", "postgres", "--no-sync", "-D"])
+            .arg(&data)
+            .stderr(Stdio::null())
+            .status()
+            .await
+            .map_err(|e| format!("initdb: {e}"))?;
+        if !initdb.success() {
+            return Err(format!("initdb failed ({initdb})"));
+        }
+        let port = free_port();
+        let log =
+            std::fs::File::create(dir.path().join("server.log")).map_err(|e| e.to_string())?;
+        let child = command(bin.join("postgres"))
+            .arg("-D")
+            .arg(&data)
+            .args(["-p", &port.to_string(), "-c", "listen_addresses=127.0.0.1"])
+            .args(["-c", "unix_socket_directories="])
+            .stderr(log)
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| format!("cannot start postgres: {e}"))?;
+        let pg = Postgres {
+            port,
+            child,
+            _dir: dir,
+        };
+        pg.wait_ready(&bin).await?;
+        Ok(pg)
+    }
+
+    pub fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+
+    /// Bounded polling of the server's own readiness answer (`pg_isready`).
+    async fn wait_ready(&self, bin: &Path) -> Result<(), String> {
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            let ready = Command::new(bin.join("pg_isready"))
+                .args(["-q", "-h", "127.0.0.1", "-p", &self.port.to_string()])
+                .status()
+                .await
+                .is_ok_and(|s| s.success());
+            if ready {
+                return Ok(());
+            }
+            if std::time::Instant::now() > deadline {
+                return Err(format!("postgres on port {} never became ready", self.port));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// The postmaster and its children (one backend per client connection, the background
+    /// processes), from /proc.
+    fn pids(&self) -> Vec<u32> {
+        let Some(master) = self.child.id() else {
+            return Vec::new();
+        };
+        let mut pids = vec![master];
+        for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+            let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+                continue;
+            };
+            // `pid (comm) state ppid ...`; comm may hold spaces, so after the last `)`.
+            let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+                continue;
+            };
+            let ppid = stat
+                .rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+                .and_then(|p| p.parse::<u32>().ok());
+            if ppid == Some(master) {
+                pids.push(pid);
+            }
+        }
+        pids
+    }
+
+    /// Sends a signal to every server process (`-STOP`/`-CONT`: the stalled-store fault).
+    pub fn signal(&self, name: &str) {
+        for pid in self.pids() {
+            // A backend may have exited meanwhile.
+            let _ = std::process::Command::new("kill")
+                .args([name, &pid.to_string()])
+                .status();
+        }
+    }
+}
+
+impl Drop for Postgres {
+    /// Every server process goes, also a stopped one (the postmaster's own kill on drop would
+    /// leave stopped children behind).
+    fn drop(&mut self) {
+        self.signal("-KILL");
+    }
+}
+
+/// The leases a Redis lease backend holds for `holder` under `prefix`, read from Redis
+/// directly: every `<prefix>:{<resource>}:lease` key whose value
+/// (`<lease_id>|<token>|<holder>`) names the holder, as (resource, token).
+pub async fn leases_held_by(url: &str, prefix: &str, holder: &str) -> Vec<(String, u64)> {
+    let client = redis::Client::open(url).expect("a valid Redis URL");
+    let mut conn = client
+        .get_multiplexed_async_connection()
+        .await
+        .expect("the lease Redis answers");
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{prefix}:*:lease"))
+        .query_async(&mut conn)
+        .await
+        .expect("KEYS");
+    let mut held = Vec::new();
+    for key in keys {
+        let value: Option<String> = redis::cmd("GET")
+            .arg(&key)
+            .query_async(&mut conn)
+            .await
+            .expect("GET");
+        let Some(value) = value else { continue };
+        let mut parts = value.splitn(3, '|');
+        let (_, token, who) = (parts.next(), parts.next(), parts.next());
+        if who == Some(holder) {
+            let resource = key
+                .strip_prefix(&format!("{prefix}:{{"))
+                .and_then(|k| k.strip_suffix("}:lease"))
+                .unwrap_or(&key)
+                .to_owned();
+            held.push((resource, token.and_then(|t| t.parse().ok()).unwrap_or(0)));
+        }
+    }
+    held
 }
 
 /// Writes a config file into `dir`.

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
-use crate::checker::{Admission, Commit, History, Hold, Micros, Response};
+use crate::checker::{Admission, Commit, Exit, History, Hold, Micros, Response};
 
 /// One write, as its writer saw it.
 #[derive(Debug, Clone)]
@@ -17,11 +17,16 @@ pub struct Op {
     pub op: String,
     pub resource: String,
     pub token: u64,
+    /// Its `Idempotency-Key` (retries of one write share it, with the same token and body).
+    pub key: Option<String>,
     /// HTTP status, or 0 when the client gave up (no answer within its own bound).
     pub status: u16,
     /// The problem `type` of a refusal, when there was one.
     pub problem: Option<String>,
+    /// When its head was sent.
     pub sent: Micros,
+    /// When its last body byte was sent (`sent`, but for a slow body).
+    pub done: Micros,
     pub answered: Micros,
 }
 
@@ -50,6 +55,8 @@ pub struct Recorder {
     pub ops: Mutex<Vec<Op>>,
     pub acquired: Mutex<Vec<Acquired>>,
     pub events: Mutex<Vec<LeaseEvent>>,
+    /// Sidecars stopped during the run, and what the backend held for them afterwards.
+    pub exits: Mutex<Vec<Exit>>,
     /// Bumped on every answered write, for waiters.
     answered: watch::Sender<u64>,
     /// Per group, writes sent so far.
@@ -219,7 +226,8 @@ impl Recorder {
 /// - Holds: from the grant's answer to its local deadline, bounded from above by the last
 ///   `held`/`renewed` event received + TTL − drift buffer (a renewal is received after it was
 ///   sent, and the deadline counts from the send), cut at a `released`/`lost` event or the
-///   writer's release; `last_use` is the send instant of the last write that succeeded.
+///   writer's release; `last_use` is the instant the last write that succeeded was fully sent.
+/// - Responses: a write counts as sent when its last body byte was (a slow body's end).
 pub fn history(
     rec: &Recorder,
     commits: Vec<Commit>,
@@ -253,8 +261,8 @@ pub fn history(
     for op in ops.iter().filter(|o| (200..300).contains(&o.status)) {
         let slot = last_use
             .entry(key(&op.writer, &op.resource, op.token))
-            .or_insert(op.sent);
-        *slot = (*slot).max(op.sent);
+            .or_insert(op.done);
+        *slot = (*slot).max(op.done);
     }
     let holds = acquired
         .iter()
@@ -304,8 +312,9 @@ pub fn history(
             op: o.op.clone(),
             resource: o.resource.clone(),
             token: o.token,
+            key: o.key.clone(),
             status: o.status,
-            sent: o.sent,
+            sent: o.done,
             answered: o.answered,
         })
         .collect();
@@ -314,5 +323,6 @@ pub fn history(
         admissions,
         holds,
         responses,
+        exits: rec.exits.lock().unwrap().clone(),
     }
 }

@@ -1,6 +1,8 @@
 //! The chaos run: a ledger, fence sidecars in front of it, workers that acquire leases
-//! through their own sidecars (Redis lease backend) and write through egress, and a fault
-//! loop. Also the negative control: the same workers writing straight to the ledger.
+//! through their own sidecars (Redis lease backend) and write through egress with an
+//! idempotency key (retrying a write with the same key), and a fault loop. Group 2's fence is
+//! authoritative (`fence.authority: leases`). Also the negative control: the same workers
+//! writing straight to the ledger.
 
 use std::collections::HashMap;
 use std::net::{Ipv4Addr, SocketAddr};
@@ -15,14 +17,18 @@ use http_body_util::{BodyExt, Empty, Full};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::checker::{self, History, Violation};
+use crate::checker::{self, Exit, History, Violation};
 use crate::clock::Clock;
 use crate::ledger::Ledger;
 use crate::netns::Lab;
-use crate::procs::{free_port, fresh_prefix, write_config, Fencegate, Redis};
+use crate::procs::{
+    free_port, fresh_prefix, leases_held_by, wait_log, write_config, Fencegate, Postgres, Redis,
+};
 use crate::record::{Acquired, LeaseEvent, Op, Recorder};
 
 /// Where everything listens unless it must be reachable from a namespace.
@@ -40,6 +46,28 @@ const WRITES_PER_HOLD: usize = 4;
 const WORKERS_PER_GROUP: usize = 3;
 /// Every client request is bounded (a frozen process must not hang a worker forever).
 const CLIENT_BOUND: Duration = Duration::from_secs(10);
+/// How long a worker waits for an attempt before it retries the write (same key, token and
+/// body); the attempt itself runs on and its answer is recorded.
+const ATTEMPT_TIMEOUT: Duration = Duration::from_millis(700);
+const MAX_ATTEMPTS: usize = 6;
+/// The pause before a retry after `409 idempotency-in-flight`.
+const IN_FLIGHT_PAUSE: Duration = Duration::from_millis(100);
+/// The group whose fence checks tokens against the lease backend (`fence.authority: leases`);
+/// its store is a PostgreSQL cluster of the run (a Redis if this machine has none).
+const AUTH_GROUP: usize = 2;
+/// `timeouts.upstream` of the fences whose stores the stalled-store fault stops (groups 1 and
+/// 2): longer than the stall's slow commit, so that a keyed write is still legitimately in
+/// flight while the store stalls.
+const LONG_UPSTREAM_TIMEOUT: Duration = Duration::from_secs(3);
+/// Every fence's `timeouts.store`.
+const STORE_TIMEOUT: Duration = Duration::from_millis(500);
+/// The stalled-store fault: SIGSTOP of the store's server processes, shorter and longer than
+/// `timeouts.store`, while a keyed write takes this long at the ledger.
+const STALL_SHORT: Duration = Duration::from_millis(250);
+const STALL_LONG: Duration = Duration::from_millis(1500);
+const STALL_COMMIT: Duration = Duration::from_secs(2);
+/// The resource id the slow-body fault hands over mid-body (in the authoritative group).
+const SLOW_BODY_ID: &str = "f2s";
 
 type HttpClient<B> = Client<HttpConnector, B>;
 
@@ -60,10 +88,13 @@ pub enum Fault {
     FenceSigterm,
     SlowUpstream,
     Partition,
+    StoreStall,
+    SlowBody,
+    SigtermWaiting,
 }
 
 impl Fault {
-    pub const ALL: [Fault; 7] = [
+    pub const ALL: [Fault; 10] = [
         Fault::WorkerFreeze,
         Fault::FenceKill9,
         Fault::RedisKill9,
@@ -71,6 +102,9 @@ impl Fault {
         Fault::FenceSigterm,
         Fault::SlowUpstream,
         Fault::Partition,
+        Fault::StoreStall,
+        Fault::SlowBody,
+        Fault::SigtermWaiting,
     ];
 
     pub fn describe(self) -> &'static str {
@@ -85,6 +119,15 @@ impl Fault {
             Fault::SlowUpstream => "ledger commits slower than the fence's upstream timeout",
             Fault::Partition => {
                 "sidecar cut off from the lease Redis past the TTL (netns + nftables drop), still running"
+            }
+            Fault::StoreStall => {
+                "fence store stopped (SIGSTOP/SIGCONT: PostgreSQL of group 2, Redis of group 1) past / within timeouts.store while a keyed write is at a slow ledger"
+            }
+            Fault::SlowBody => {
+                "authoritative fence: a keyed write's body stalls while its lease passes to another holder, then ends"
+            }
+            Fault::SigtermWaiting => {
+                "sidecar SIGTERM while an acquisition waits on its lease API; backend read after the exit"
             }
         }
     }
@@ -106,8 +149,10 @@ pub struct Injected {
 struct Fence {
     config: PathBuf,
     process: Fencegate,
-    /// The fence store's own Redis (group 1 only).
+    /// The fence store's own Redis (group 1, and group 2 without PostgreSQL).
     redis: Option<Redis>,
+    /// The fence store's own PostgreSQL (group 2).
+    postgres: Option<Postgres>,
 }
 
 struct Worker {
@@ -162,12 +207,32 @@ fn resources(mode: Mode, group: usize) -> Vec<String> {
     (0..2).map(|i| format!("{tag}{group}x{i}")).collect()
 }
 
-fn fence_yaml(ip: Ipv4Addr, port: u16, ledger: &str, store: &str) -> String {
+/// A fence: `store`, `timeouts.upstream`, and `authority` (a lease backend's URL and prefix)
+/// for `fence.authority: leases`. Idempotency keys apply on its route.
+fn fence_yaml(
+    ip: Ipv4Addr,
+    port: u16,
+    ledger: &str,
+    store: &str,
+    upstream: Duration,
+    authority: Option<(&str, &str)>,
+) -> String {
+    let authority = match authority {
+        Some((redis, prefix)) => format!(
+                "fence: {{ authority: leases }}\nleases:\n  listen: 127.0.0.1:0\n  \
+                 backend: {{ kind: redis, url: '{redis}', prefix: {prefix} }}\n  \
+                 ttl: {{ p99_work: 1000ms, p99_rtt: 50ms, safety_margin: 200ms, drift_buffer: {}ms }}\n",
+            DRIFT.as_millis()
+        ),
+        None => String::new(),
+    };
     format!(
         "listen: {ip}:{port}\nadmin: 127.0.0.1:0\nupstream: {ledger}\n{store}\
-         timeouts: {{ upstream: {}ms, shutdown: 2s, store: 500ms }}\n\
+         timeouts: {{ upstream: {}ms, shutdown: 2s, store: {}ms }}\n{authority}\
+         idempotency: {{ window: 3s }}\n\
          routes:\n  - {{ name: accounts, path: '/accounts/{{id}}', resource: 'account:{{id}}', ordering: serialize, barrier_timeout: 2s }}\n",
-        FENCE_UPSTREAM_TIMEOUT.as_millis()
+        upstream.as_millis(),
+        STORE_TIMEOUT.as_millis()
     )
 }
 
@@ -189,37 +254,61 @@ fn sidecar_yaml(prefix: &str, redis: &str, ip: Ipv4Addr, egress_to: Option<Socke
     )
 }
 
-async fn start_fence(dir: &Path, group: usize, ledger: &str, ip: Ipv4Addr) -> Fence {
+async fn start_fence(
+    dir: &Path,
+    group: usize,
+    ledger: &str,
+    ip: Ipv4Addr,
+    authority: Option<(&str, &str)>,
+) -> Fence {
     let port = free_port();
-    let (store, redis) = if group == 0 {
-        (
-            format!(
-                "store: {{ kind: embedded, path: {} }}\n",
-                dir.join("fences.db").display()
-            ),
-            None,
+    let (mut redis, mut postgres) = (None, None);
+    let store = if group == 0 {
+        format!(
+            "store: {{ kind: embedded, path: {} }}\n",
+            dir.join("fences.db").display()
         )
     } else {
-        let redis = Redis::start().await;
-        (
-            format!(
-                "store: {{ kind: redis, url: '{}', prefix: {} }}\n",
-                redis.url(),
-                fresh_prefix()
-            ),
-            Some(redis),
+        let pg = match group {
+            AUTH_GROUP => Some(Postgres::start().await),
+            _ => None,
+        };
+        let (kind, url) = match pg {
+            Some(Ok(pg)) => {
+                let url = pg.url();
+                postgres = Some(pg);
+                ("postgres", url)
+            }
+            other => {
+                if let Some(Err(reason)) = other {
+                    println!("  SKIPPED postgres store (group {group} uses a Redis): {reason}");
+                }
+                let r = Redis::start().await;
+                let url = r.url();
+                redis = Some(r);
+                ("redis", url)
+            }
+        };
+        format!(
+            "store: {{ kind: {kind}, url: '{url}', prefix: {} }}\n",
+            fresh_prefix()
         )
+    };
+    let upstream = match group {
+        0 => FENCE_UPSTREAM_TIMEOUT,
+        _ => LONG_UPSTREAM_TIMEOUT,
     };
     let config = write_config(
         dir,
         &format!("fence{group}.yaml"),
-        &fence_yaml(ip, port, ledger, &store),
+        &fence_yaml(ip, port, ledger, &store, upstream, authority),
     );
     let process = Fencegate::start(&config).await;
     Fence {
         config,
         process,
         redis,
+        postgres,
     }
 }
 
@@ -237,7 +326,7 @@ pub async fn run(mode: Mode, secs: u64) -> Outcome {
         lease_prefix: fresh_prefix(),
     });
     let groups = match mode {
-        Mode::Fenced => 2,
+        Mode::Fenced => 3,
         Mode::Naive => 1,
     };
     // The partition fault's namespaces (one per group), when this machine allows them.
@@ -275,8 +364,17 @@ pub async fn run(mode: Mode, secs: u64) -> Outcome {
     // Reachable from the host and from the group's namespace: the host end of its veth.
     let host_ip = |rig: &Rig, g: usize| rig.lab.as_ref().map_or(LOCAL, |l| l.links[g].host_addr);
     if mode == Mode::Fenced {
+        let lease_url = rig.lease_redis.url();
         for g in 0..groups {
-            let fence = start_fence(ctx.dir.path(), g, &ctx.ledger.url(), host_ip(&rig, g)).await;
+            let authority = (g == AUTH_GROUP).then_some((lease_url.as_str(), &*ctx.lease_prefix));
+            let fence = start_fence(
+                ctx.dir.path(),
+                g,
+                &ctx.ledger.url(),
+                host_ip(&rig, g),
+                authority,
+            )
+            .await;
             rig.fences.push(fence);
         }
     }
@@ -308,7 +406,12 @@ pub async fn run(mode: Mode, secs: u64) -> Outcome {
             };
             let (gate, gate_rx) = watch::channel(true);
             let (holding_tx, holding) = watch::channel(None);
-            for id in resources(mode, g) {
+            let mut followed = resources(mode, g);
+            if mode == Mode::Fenced && g == AUTH_GROUP && i < 2 {
+                // The two holders of the slow-body fault's hand-over.
+                followed.push(SLOW_BODY_ID.to_owned());
+            }
+            for id in followed {
                 streams.push(tokio::spawn(follow_events(
                     Arc::clone(&ctx),
                     name.clone(),
@@ -375,6 +478,9 @@ pub async fn run(mode: Mode, secs: u64) -> Outcome {
                 let group = match fault {
                     Fault::FenceKill9 => 0,
                     Fault::RedisKill9 => 1,
+                    Fault::SlowBody => AUTH_GROUP,
+                    // Long on group 2's store, long on group 1's, short, short.
+                    Fault::StoreStall => [AUTH_GROUP, 1][rounds_done % 2],
                     _ => rounds_done % groups,
                 };
                 let injected = inject(&ctx, fault, group, round, &mut rig, &mut evidence).await;
@@ -416,6 +522,20 @@ pub async fn run(mode: Mode, secs: u64) -> Outcome {
                 injected.note
             );
             faults.push(injected);
+            // Without the fence, a write slower than its writer's patience is applied once per
+            // attempt of its key: one commit of the group delayed past the attempt timeout.
+            let (arrived, done) = ctx.ledger.arm_slow_on(1, STALL_COMMIT, Some("account:n0x"));
+            ctx.ledger
+                .slow_arrivals_reach(arrived + 1, Duration::from_secs(10))
+                .await;
+            ctx.ledger
+                .slow_commits_reach(done + 1, Duration::from_secs(10))
+                .await;
+            ctx.ledger.arm_slow_on(0, STALL_COMMIT, None);
+            // Without the drain: a sidecar holding a lease is killed (kill -9), and its lease
+            // stays in the backend.
+            let killed = leave_a_lease_behind(&ctx, &rig).await;
+            println!("  naive sidecar exit: {killed}");
             let now = ctx.clock.now();
             ctx.rec
                 .wait_ok(now, 10, Duration::from_secs(10), |_| true)
@@ -429,6 +549,12 @@ pub async fn run(mode: Mode, secs: u64) -> Outcome {
     }
     for t in tasks {
         let _ = tokio::time::timeout(Duration::from_secs(30), t).await;
+    }
+    // Attempts a worker stopped waiting for still run (each bounded by the client's own
+    // bound): their answers belong to the history.
+    for g in 0..groups {
+        let mut in_flight = ctx.rec.in_flight(g);
+        let _ = tokio::time::timeout(CLIENT_BOUND, in_flight.wait_for(|&n| n == 0)).await;
     }
     let unended = ctx.rec.wait_terminal_events(Duration::from_secs(5)).await;
     if !unended.is_empty() {
@@ -555,16 +681,207 @@ async fn replay(
         op,
         resource: resource.to_owned(),
         token,
+        key: None,
         status,
-        problem: answer.and_then(|(_, body)| {
-            serde_json::from_slice::<serde_json::Value>(&body)
-                .ok()
-                .and_then(|v| v["type"].as_str().map(str::to_owned))
-        }),
+        problem: answer.and_then(|(_, body)| problem_type(&body)),
         sent,
+        done: sent,
         answered: ctx.clock.now(),
     });
     status
+}
+
+/// A fresh sidecar of the run's lease backend (no egress), named for its holder id.
+async fn lone_sidecar(ctx: &Ctx, lease_url: &str, holder: &str) -> Fencegate {
+    let config = write_config(
+        ctx.dir.path(),
+        &format!("{holder}.yaml"),
+        &sidecar_yaml(&ctx.lease_prefix, lease_url, LOCAL, None),
+    );
+    Fencegate::start(&config).await
+}
+
+/// `POST /v1/leases/{resource}` on a lease API; the token granted, if any.
+async fn acquire(
+    client: &HttpClient<Full<Bytes>>,
+    api: SocketAddr,
+    resource: &str,
+    holder: &str,
+    wait: &str,
+) -> Option<u64> {
+    let (status, body) = request(
+        client,
+        Method::POST,
+        &format!("http://{api}/v1/leases/{resource}"),
+        &[("content-type", "application/json".into())],
+        Bytes::from(format!(r#"{{"holder":"{holder}","wait":"{wait}"}}"#)),
+    )
+    .await?;
+    (status == 200)
+        .then(|| serde_json::from_slice::<serde_json::Value>(&body).ok())
+        .flatten()
+        .and_then(|v| v["fencing_token"].as_u64())
+}
+
+/// `DELETE /v1/leases/{resource}` on a lease API; its status.
+async fn release(client: &HttpClient<Full<Bytes>>, api: SocketAddr, resource: &str) -> u16 {
+    let url = format!("http://{api}/v1/leases/{resource}");
+    request(client, Method::DELETE, &url, &[], Bytes::new())
+        .await
+        .map_or(0, |(s, _)| s)
+}
+
+/// The naive control of (f): a sidecar holding a lease is killed without its drain, and the
+/// backend is read after its exit.
+async fn leave_a_lease_behind(ctx: &Ctx, rig: &Rig) -> String {
+    let client: HttpClient<Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+    let holder = "dnaive";
+    let mut s = lone_sidecar(ctx, &rig.lease_redis.url(), holder).await;
+    let resource = format!("account:{holder}a");
+    let token = acquire(&client, s.leases.unwrap(), &resource, holder, "1s").await;
+    s.signal("-KILL");
+    s.exited(Duration::from_secs(10)).await;
+    let exited = ctx.clock.now();
+    let held = leases_held_by(&rig.lease_redis.url(), &ctx.lease_prefix, holder).await;
+    let text =
+        format!("{holder} held {resource} with token {token:?}, killed; backend holds {held:?}");
+    ctx.rec.exits.lock().unwrap().push(Exit {
+        holder: holder.to_owned(),
+        how: "kill -9 (no drain)".into(),
+        exited,
+        held,
+    });
+    text
+}
+
+/// An HTTP/1.1 head read from a raw connection: its status and everything read after it.
+async fn read_head(s: &mut TcpStream, buf: &mut Vec<u8>) -> Option<u16> {
+    loop {
+        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&buf[..end]).into_owned();
+            buf.drain(..end + 4);
+            return head.split_whitespace().nth(1)?.parse().ok();
+        }
+        let mut chunk = [0u8; 4096];
+        let n = s.read(&mut chunk).await.ok()?;
+        if n == 0 {
+            return None;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    }
+}
+
+/// Sends a keyed write straight to the authoritative fence with its body in two halves: the
+/// head (with `Expect: 100-continue`), then, once the fence asks for the body (it has checked
+/// the token against the lease backend: hyper answers `100 Continue` when the body is first
+/// read), the first half; then `hand_over` runs; then the second half. Recorded as an op of
+/// `writer` whose `done` is the instant the last byte went out.
+#[allow(clippy::too_many_arguments)]
+async fn slow_body_write<F: std::future::Future<Output = ()>>(
+    ctx: &Ctx,
+    writer: &str,
+    group: usize,
+    fence: SocketAddr,
+    resource: &str,
+    token: u64,
+    hand_over: F,
+) -> Op {
+    let id = resource.trim_start_matches("account:");
+    let op = format!(
+        "{writer}-slowbody-{}",
+        OP_SEQ.fetch_add(1, Ordering::Relaxed)
+    );
+    let key = format!("{writer}-kslow{}", OP_SEQ.fetch_add(1, Ordering::Relaxed));
+    let body = format!(
+        "{key} by {writer} under {token}, sent slowly: {:>32}",
+        "end"
+    );
+    let (first, second) = body.as_bytes().split_at(body.len() / 2);
+    let head = format!(
+        "PUT /accounts/{id} HTTP/1.1\r\nhost: {fence}\r\nfencing-token: {token}\r\n\
+         idempotency-key: {key}\r\nx-writer: {writer}\r\nx-op: {op}\r\n\
+         content-length: {}\r\nexpect: 100-continue\r\nconnection: close\r\n\r\n",
+        body.len()
+    );
+    ctx.rec.note_sent(group);
+    let sent = ctx.clock.now();
+    let mut done = sent;
+    let answer = tokio::time::timeout(CLIENT_BOUND, async {
+        let mut s = TcpStream::connect(fence).await.ok()?;
+        s.write_all(head.as_bytes()).await.ok()?;
+        let mut buf = Vec::new();
+        let status = read_head(&mut s, &mut buf).await?;
+        if status == 100 {
+            s.write_all(first).await.ok()?;
+            hand_over.await;
+            s.write_all(second).await.ok()?;
+            done = ctx.clock.now();
+            let status = read_head(&mut s, &mut buf).await?;
+            let _ = s.read_to_end(&mut buf).await;
+            return Some((status, buf));
+        }
+        // Refused at once, before the body was asked for.
+        let _ = s.read_to_end(&mut buf).await;
+        Some((status, buf))
+    })
+    .await
+    .ok()
+    .flatten();
+    let (status, problem) = match &answer {
+        Some((status, body)) => {
+            let text = String::from_utf8_lossy(body);
+            let problem = text
+                .find("urn:fencegate:")
+                .map(|at| text[at..].split('"').next().unwrap_or_default().to_owned());
+            (*status, problem)
+        }
+        None => (0, None),
+    };
+    let o = Op {
+        writer: writer.to_owned(),
+        group,
+        op,
+        resource: resource.to_owned(),
+        token,
+        key: Some(key),
+        status,
+        problem,
+        sent,
+        done,
+        answered: ctx.clock.now(),
+    };
+    ctx.rec.push_op(o.clone());
+    o
+}
+
+/// Waits (bounded) until the fence refuses `token` on `resource` as stale: it knows a newer
+/// grant. The probe carries no op id, so if the fence still lets it through, the ledger
+/// refuses it (400) and commits nothing.
+async fn fence_knows_newer_grant(fence: SocketAddr, resource: &str, token: u64) -> bool {
+    let client: HttpClient<Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+    let id = resource.trim_start_matches("account:");
+    let url = format!("http://{fence}/accounts/{id}");
+    let probe = async {
+        loop {
+            let answer = request(
+                &client,
+                Method::PUT,
+                &url,
+                &[("fencing-token", token.to_string())],
+                Bytes::from_static(b"probe"),
+            )
+            .await;
+            if let Some((409, body)) = &answer {
+                if problem_type(body).as_deref() == Some("urn:fencegate:stale-token") {
+                    return;
+                }
+            }
+            pace().await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(3), probe)
+        .await
+        .is_ok()
 }
 
 /// Waits (bounded) until the worker holds a lease with at least two writes still to come, so
@@ -858,6 +1175,258 @@ async fn inject(
             );
             (end, first)
         }
+        Fault::StoreStall => {
+            // Longer than `timeouts.store` twice (both stores), then shorter twice.
+            let long = (round / Fault::ALL.len() / 2) % 2 == 0;
+            let stall = if long { STALL_LONG } else { STALL_SHORT };
+            // A keyed write of the group first reaches the ledger and stays there (a slow
+            // commit, within the fence's upstream timeout but past its writer's patience, so
+            // the writer retries it with its key while the store is stopped).
+            let prefix = format!("account:f{group}x");
+            let (arrived, done) = ctx.ledger.arm_slow_on(1, STALL_COMMIT, Some(&prefix));
+            let at_ledger = ctx
+                .ledger
+                .slow_arrivals_reach(arrived + 1, Duration::from_secs(10))
+                .await;
+            let f = &fences[group];
+            let stop = |signal: &str| match (&f.postgres, &f.redis) {
+                (Some(pg), _) => pg.signal(signal),
+                (None, Some(redis)) => redis.signal(signal),
+                (None, None) => unreachable!("groups 1 and 2 have a store server"),
+            };
+            let store = if f.postgres.is_some() {
+                "PostgreSQL (postmaster and backends)"
+            } else {
+                "Redis"
+            };
+            stop("-STOP");
+            // Stopped for the fault's length (not a synchronisation).
+            tokio::time::sleep(stall).await;
+            stop("-CONT");
+            let end = ctx.clock.now();
+            let committed = ctx
+                .ledger
+                .slow_commits_reach(done + 1, Duration::from_secs(10))
+                .await;
+            ctx.ledger.arm_slow_on(0, STALL_COMMIT, None);
+            note(
+                evidence,
+                "stalled store: a keyed write was at the slow ledger when the store stopped",
+                at_ledger,
+            );
+            note_text = format!(
+                "store {store} stopped {}ms ({} than timeouts.store {}ms) while a keyed write \
+                 committed in {}ms: at the ledger {at_ledger}, committed {committed}",
+                stall.as_millis(),
+                if long { "longer" } else { "shorter" },
+                STORE_TIMEOUT.as_millis(),
+                STALL_COMMIT.as_millis()
+            );
+            let first = rec
+                .wait_ok(end, 1, Duration::from_secs(20), |o| o.group == group)
+                .await;
+            (end, first)
+        }
+        Fault::SlowBody => {
+            let client: HttpClient<Full<Bytes>> =
+                Client::builder(TokioExecutor::new()).build_http();
+            let fence = fences[group].process.proxy;
+            let in_group: Vec<usize> = (0..workers.len())
+                .filter(|&i| workers[i].group == group)
+                .collect();
+            let (a, b) = (&workers[in_group[0]], &workers[in_group[1]]);
+            let (a_api, b_api) = (a.sidecar.leases.unwrap(), b.sidecar.leases.unwrap());
+            let resource = format!("account:{SLOW_BODY_ID}");
+            let Some(t1) = acquire(&client, a_api, &resource, &a.name, "2s").await else {
+                return Injected {
+                    fault,
+                    group,
+                    duration: Duration::ZERO,
+                    recovery: None,
+                    note: format!("skipped: {} got no lease on {resource}", a.name),
+                };
+            };
+            let at = ctx.clock.now();
+            let a_index = {
+                let mut acquired = rec.acquired.lock().unwrap();
+                acquired.push(Acquired {
+                    writer: a.name.clone(),
+                    resource: resource.clone(),
+                    token: t1,
+                    at,
+                    released: None,
+                });
+                acquired.len() - 1
+            };
+            // Mid-body: the holder lets go, the other worker is granted the lease, and the
+            // fence is seen to know the newer grant (it refuses the old token, 409).
+            let mut t2 = None;
+            let mut known = false;
+            let hand_over = async {
+                rec.acquired.lock().unwrap()[a_index].released = Some(ctx.clock.now());
+                release(&client, a_api, &resource).await;
+                t2 = acquire(&client, b_api, &resource, &b.name, "2s").await;
+                if let Some(t2) = t2 {
+                    rec.acquired.lock().unwrap().push(Acquired {
+                        writer: b.name.clone(),
+                        resource: resource.clone(),
+                        token: t2,
+                        at: ctx.clock.now(),
+                        released: None,
+                    });
+                    known = fence_knows_newer_grant(fence, &resource, t1).await;
+                }
+            };
+            let op = slow_body_write(ctx, &a.name, group, fence, &resource, t1, hand_over).await;
+            let end = ctx.clock.now();
+            let kept = rec.acquired.lock().unwrap()[a_index].released.is_none();
+            if kept {
+                // Refused before the body was asked for: no hand-over happened.
+                rec.acquired.lock().unwrap()[a_index].released = Some(end);
+                release(&client, a_api, &resource).await;
+            }
+            note(
+                evidence,
+                "slow body: the fence asked for the body (100 Continue), the lease passed on mid-body and the fence refused the old token before the body ended",
+                t2.is_some() && known,
+            );
+            note(
+                evidence,
+                "slow body: the write with the superseded token, ended after the hand-over, refused (409)",
+                op.status == 409,
+            );
+            // The new holder writes under its token through its egress, then lets go.
+            let mut first = None;
+            if let Some(t2) = t2 {
+                let key = format!("{}-k{}", b.name, OP_SEQ.fetch_add(1, Ordering::Relaxed));
+                let o = format!("{}-{}", b.name, OP_SEQ.fetch_add(1, Ordering::Relaxed));
+                rec.note_sent(group);
+                let sent = ctx.clock.now();
+                let answer = request(
+                    &client,
+                    Method::PUT,
+                    &format!(
+                        "http://{}/accounts/{SLOW_BODY_ID}",
+                        b.sidecar.egress.unwrap()
+                    ),
+                    &[
+                        ("x-writer", b.name.clone()),
+                        ("x-op", o.clone()),
+                        ("idempotency-key", key.clone()),
+                    ],
+                    Bytes::from(format!("{key} by {} under {t2}", b.name)),
+                )
+                .await;
+                let answered = ctx.clock.now();
+                let status = answer.as_ref().map_or(0, |(s, _)| *s);
+                rec.push_op(Op {
+                    writer: b.name.clone(),
+                    group,
+                    op: o,
+                    resource: resource.clone(),
+                    token: t2,
+                    key: Some(key),
+                    status,
+                    problem: answer.and_then(|(_, body)| problem_type(&body)),
+                    sent,
+                    done: sent,
+                    answered,
+                });
+                if (200..300).contains(&status) {
+                    first = Some(answered);
+                }
+                if let Some(mine) = rec
+                    .acquired
+                    .lock()
+                    .unwrap()
+                    .iter_mut()
+                    .rev()
+                    .find(|x| x.writer == b.name && x.resource == resource && x.token == t2)
+                {
+                    mine.released = Some(ctx.clock.now());
+                }
+                release(&client, b_api, &resource).await;
+            }
+            note_text = format!(
+                "{} (token {t1}) sent half a body, lease passed to {} (token {}), fence knew: {known}; \
+                 the body ended {}ms after its head: {} {}",
+                a.name,
+                b.name,
+                t2.map_or("-".into(), |t| t.to_string()),
+                (op.done - op.sent) / 1000,
+                op.status,
+                op.problem.unwrap_or_default()
+            );
+            (end, first)
+        }
+        Fault::SigtermWaiting => {
+            let client: HttpClient<Full<Bytes>> =
+                Client::builder(TokioExecutor::new()).build_http();
+            let lease_url = rig.lease_redis.url();
+            let holder = format!("d{round}");
+            let mut s = lone_sidecar(ctx, &lease_url, &holder).await;
+            let api = s.leases.unwrap();
+            // It holds one lease (the drain must give it back) and waits for another, held by
+            // a worker's sidecar.
+            let (own, wanted) = (format!("account:{holder}a"), format!("account:{holder}b"));
+            let mine = acquire(&client, api, &own, &holder, "1s").await;
+            let rival = workers.iter().find(|w| w.group == group).expect("a worker");
+            let (rival_api, rival_name) = (rival.sidecar.leases.unwrap(), rival.name.clone());
+            let theirs = acquire(&client, rival_api, &wanted, &rival_name, "1s").await;
+            let waiting = {
+                let client = client.clone();
+                let holder = holder.clone();
+                let wanted = wanted.clone();
+                tokio::spawn(async move { acquire(&client, api, &wanted, &holder, "3s").await })
+            };
+            // Readiness: the sidecar lists the acquisition as under way.
+            let url = format!("http://{api}/v1/leases/{wanted}");
+            let under_way = tokio::time::timeout(Duration::from_secs(3), async {
+                loop {
+                    if let Some((200, body)) =
+                        request(&client, Method::GET, &url, &[], Bytes::new()).await
+                    {
+                        if serde_json::from_slice::<serde_json::Value>(&body)
+                            .is_ok_and(|v| v["state"] == "acquiring")
+                        {
+                            return;
+                        }
+                    }
+                    pace().await;
+                }
+            })
+            .await
+            .is_ok();
+            s.signal("-TERM");
+            let drained = wait_log(&mut s.logs, "leases released", Duration::from_secs(10))
+                .await
+                .is_ok();
+            // The drain has given back what it held; now the awaited lease comes free.
+            release(&client, rival_api, &wanted).await;
+            let status = s.exited(Duration::from_secs(20)).await;
+            let end = ctx.clock.now();
+            let granted = waiting.await.ok().flatten();
+            let held = leases_held_by(&lease_url, &ctx.lease_prefix, &holder).await;
+            note(
+                evidence,
+                "SIGTERM with an acquisition waiting: it was under way, the drain logged `leases released`, the sidecar exited 0",
+                mine.is_some() && theirs.is_some() && under_way && drained && status.success(),
+            );
+            note_text = format!(
+                "{holder} held {own} ({mine:?}), waited for {wanted} held by {rival_name} ({theirs:?}); \
+                 waiting acquisition answered {granted:?}; exit {status}; backend holds for {holder}: {held:?}"
+            );
+            rec.exits.lock().unwrap().push(Exit {
+                holder,
+                how: "SIGTERM (drain)".into(),
+                exited: end,
+                held,
+            });
+            let first = rec
+                .wait_ok(end, 1, Duration::from_secs(20), |o| o.group == group)
+                .await;
+            (end, first)
+        }
         Fault::SlowUpstream => {
             let n = 3;
             let before = ctx.ledger.arm_slow(n);
@@ -927,6 +1496,13 @@ where
         .flatten()
 }
 
+/// The problem `type` of a refusal's body.
+fn problem_type(body: &[u8]) -> Option<String> {
+    serde_json::from_slice::<serde_json::Value>(body)
+        .ok()
+        .and_then(|v| v["type"].as_str().map(str::to_owned))
+}
+
 /// Client retry pacing after a failed call (a real client backs off too).
 async fn pace() {
     tokio::time::sleep(Duration::from_millis(20)).await;
@@ -976,7 +1552,7 @@ async fn worker_loop(mut w: WorkerSpec) {
             });
             acquired.len() - 1
         };
-        for k in 0..WRITES_PER_HOLD {
+        'hold: for k in 0..WRITES_PER_HOLD {
             let _ = w
                 .holding
                 .send(Some((resource.clone(), token, WRITES_PER_HOLD - k)));
@@ -985,54 +1561,77 @@ async fn worker_loop(mut w: WorkerSpec) {
             if w.stop.load(Ordering::SeqCst) {
                 break;
             }
-            let op = format!(
-                "{}-{}",
-                w.name,
-                OP_SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-            );
-            let url = format!("http://{}/accounts/{id}", w.target);
-            let mut headers = vec![("x-writer", w.name.clone()), ("x-op", op.clone())];
-            if w.mode == Mode::Naive {
-                // No fence: the token goes along, and nobody checks it.
-                headers.push(("fencing-token", token.to_string()));
-            }
-            rec.note_sent(w.group);
-            let sent = clock.now();
-            let answer = request(
-                &client,
-                Method::PUT,
-                &url,
-                &headers,
-                Bytes::from(format!("{op} by {} under {token}", w.name)),
-            )
-            .await;
-            let answered = clock.now();
-            let (status, problem) = match &answer {
-                Some((status, body)) => (
-                    *status,
-                    serde_json::from_slice::<serde_json::Value>(body)
-                        .ok()
-                        .and_then(|v| v["type"].as_str().map(str::to_owned)),
-                ),
-                None => (0, None),
-            };
-            let lost = problem.as_deref() == Some("urn:fencegate:lease-not-held");
-            rec.push_op(Op {
-                writer: w.name.clone(),
-                group: w.group,
-                op,
-                resource: resource.clone(),
-                token,
-                status,
-                problem,
-                sent,
-                answered,
-            });
-            if lost {
-                break;
-            }
-            if !(200..300).contains(&status) {
-                pace().await;
+            // One write: a key, a body and the token, the same on every attempt. After a
+            // timeout (the attempt keeps running: its answer is still recorded), a 503 or a
+            // 409 in-flight, the worker retries it, as a client with an idempotency key does.
+            let key = format!("{}-k{}", w.name, OP_SEQ.fetch_add(1, Ordering::Relaxed));
+            let body = Bytes::from(format!("{key} by {} under {token}", w.name));
+            for _attempt in 0..MAX_ATTEMPTS {
+                let op = format!("{}-{}", w.name, OP_SEQ.fetch_add(1, Ordering::Relaxed));
+                let url = format!("http://{}/accounts/{id}", w.target);
+                let mut headers = vec![
+                    ("x-writer", w.name.clone()),
+                    ("x-op", op.clone()),
+                    ("idempotency-key", key.clone()),
+                ];
+                if w.mode == Mode::Naive {
+                    // No fence: the token goes along, and nobody checks it.
+                    headers.push(("fencing-token", token.to_string()));
+                }
+                rec.note_sent(w.group);
+                let sent = clock.now();
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                let (client, rec, resource, key, body) = (
+                    client.clone(),
+                    Arc::clone(&rec),
+                    resource.clone(),
+                    key.clone(),
+                    body.clone(),
+                );
+                let (writer, group) = (w.name.clone(), w.group);
+                tokio::spawn(async move {
+                    let answer = request(&client, Method::PUT, &url, &headers, body).await;
+                    let answered = clock.now();
+                    let (status, problem) = match &answer {
+                        Some((status, body)) => (*status, problem_type(body)),
+                        None => (0, None),
+                    };
+                    rec.push_op(Op {
+                        writer,
+                        group,
+                        op,
+                        resource,
+                        token,
+                        key: Some(key),
+                        status,
+                        problem: problem.clone(),
+                        sent,
+                        done: sent,
+                        answered,
+                    });
+                    let _ = tx.send((status, problem));
+                });
+                let (status, problem) = match tokio::time::timeout(ATTEMPT_TIMEOUT, rx).await {
+                    Ok(Ok(answer)) => answer,
+                    // Out of patience: retry while the first attempt runs on.
+                    _ => (0, None),
+                };
+                match (status, problem.as_deref()) {
+                    (200..=299, _) => break,
+                    (503, Some("urn:fencegate:lease-not-held")) => break 'hold,
+                    (0 | 503, _) => pace().await,
+                    (409, Some("urn:fencegate:idempotency-in-flight")) => {
+                        tokio::time::sleep(IN_FLIGHT_PAUSE).await
+                    }
+                    _ => {
+                        // Refused for good (stale token, ...) or failed upstream: next write.
+                        pace().await;
+                        break;
+                    }
+                }
+                if w.stop.load(Ordering::SeqCst) {
+                    break 'hold;
+                }
             }
         }
         let _ = w.holding.send(None);
