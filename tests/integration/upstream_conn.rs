@@ -154,12 +154,14 @@ async fn a_timed_out_exchange_does_not_hold_up_the_next_request() {
     };
     let mut statuses = Vec::new();
     up.release(1);
+    client.ready().await.unwrap();
     let first = client.send_request(write("1")).await.unwrap();
     statuses.push(first.status().as_u16());
     assert_eq!(first.into_body().collect().await.unwrap().to_bytes(), "ok");
     assert_eq!(up.arrival().await.token(), Some(1));
 
     let started = tokio::time::Instant::now();
+    client.ready().await.unwrap();
     let held = client.send_request(write("2")).await.unwrap();
     let waited = started.elapsed();
     statuses.push(held.status().as_u16());
@@ -174,6 +176,9 @@ async fn a_timed_out_exchange_does_not_hold_up_the_next_request() {
 
     // The held exchange's permit and the next one's.
     up.release(2);
+    // Waits until the connection is idle again: sending before that is the client's own
+    // "connection was not ready" error, not the server's.
+    client.ready().await.unwrap();
     let third = client.send_request(write("3")).await.unwrap();
     statuses.push(third.status().as_u16());
     assert_eq!(third.into_body().collect().await.unwrap().to_bytes(), "ok");
