@@ -414,6 +414,7 @@ impl Agent {
                 renewer: Mutex::new(None),
             });
             leases.insert(lease.grant.resource.clone(), Arc::clone(&lease));
+            // Under the lock: the gauge follows the lease listed for the resource.
             self.metrics
                 .lease
                 .held
@@ -489,7 +490,7 @@ impl Agent {
     }
 
     /// The lease is gone locally: stop attaching its token, tell the app, never re-acquire.
-    fn lose(&self, lease: &Lease, why: &str) {
+    fn lose(&self, lease: &Arc<Lease>, why: &str) {
         let now = Instant::now();
         let lost = lease.transition(|s| {
             live(s.state) && {
@@ -503,11 +504,21 @@ impl Agent {
             return;
         }
         self.metrics.lease.expiry_forced.inc();
-        self.metrics
-            .lease
-            .held
-            .with_label_values(&[&lease.grant.resource])
-            .set(0);
+        {
+            // A newer lease on the resource (granted after the backend dropped this one) has
+            // the gauge: only the lease listed for the resource writes it.
+            let leases = self.leases.lock().expect("leases lock");
+            let current = leases
+                .get(&lease.grant.resource)
+                .is_none_or(|l| Arc::ptr_eq(l, lease));
+            if current {
+                self.metrics
+                    .lease
+                    .held
+                    .with_label_values(&[&lease.grant.resource])
+                    .set(0);
+            }
+        }
         tracing::warn!(
             resource = lease.grant.resource,
             holder_id = lease.grant.holder,
@@ -644,6 +655,17 @@ mod tests {
         }
     }
 
+    fn gauge(agent: &Agent, resource: &str) -> String {
+        let text = prometheus::TextEncoder::new()
+            .encode_to_string(&agent.metrics.registry.gather())
+            .unwrap();
+        let prefix = format!("fencegate_lease_held{{resource=\"{resource}\"}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(prefix.as_str()))
+            .unwrap_or_else(|| panic!("no {prefix}in\n{text}"))
+            .to_owned()
+    }
+
     /// Lets spawned tasks run until `f` holds (no timers involved).
     async fn until(what: &str, f: impl Fn() -> bool) {
         for _ in 0..10_000 {
@@ -713,6 +735,41 @@ mod tests {
             .await
             .unwrap();
         assert!(matches!(next, Acquired::Granted(_)), "{next:?}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_held_gauge_follows_the_newest_lease_on_a_resource() {
+        let dir = tempfile::tempdir().unwrap();
+        let agent = agent(&dir).await;
+        let old = agent
+            .acquire("r", "w1", None, Duration::ZERO)
+            .await
+            .unwrap();
+        assert_eq!(gauge(&agent, "r"), "1");
+        let mut events = agent.subscribe();
+        // The backend drops w1's lease (an operator, a failover): w2 gets the resource while
+        // w1's renewer still runs.
+        assert!(agent.backend().release(&old.grant).await.unwrap());
+        let new = agent
+            .acquire("r", "w2", None, Duration::from_secs(10))
+            .await
+            .unwrap();
+        assert_eq!(gauge(&agent, "r"), "1");
+        // w1's next renewal finds it gone and declares it lost.
+        loop {
+            let e = events.recv().await.unwrap();
+            if e.event == "lost" {
+                assert_eq!(e.lease_id, old.grant.lease_id);
+                break;
+            }
+        }
+        assert_eq!(old.state(), State::Expired);
+        assert_eq!(new.state(), State::Held);
+        assert_eq!(agent.token_for("r"), Some(new.grant.token));
+        assert_eq!(gauge(&agent, "r"), "1");
+        // And the new lease's own release sets it to 0.
+        agent.release("r").await.unwrap().unwrap();
+        assert_eq!(gauge(&agent, "r"), "0");
     }
 
     async fn agent(dir: &tempfile::TempDir) -> Arc<Agent> {
