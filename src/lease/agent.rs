@@ -23,7 +23,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use super::backend::{Acquired, Grant, LeaseBackend, LeaseError};
-use super::schedule::{backoff, renew_delay, unit, valid_until};
+use super::schedule::{backoff, renew_delay, unit, valid_until, MAX_LEASE_DURATION};
 use crate::config::{AcquireConfig, LeaseTtl};
 use crate::metrics::Metrics;
 
@@ -147,6 +147,14 @@ pub enum AcquireError {
     Unavailable(LeaseError),
     TtlTooShort {
         minimum: Duration,
+    },
+    /// A TTL above [`MAX_LEASE_DURATION`].
+    TtlTooLong {
+        maximum: Duration,
+    },
+    /// A `wait` above [`MAX_LEASE_DURATION`].
+    WaitTooLong {
+        maximum: Duration,
     },
     /// Shutdown has begun: nothing is granted any more.
     Draining,
@@ -308,6 +316,16 @@ impl Agent {
                 minimum: self.ttl.minimum,
             });
         }
+        if ttl > MAX_LEASE_DURATION {
+            return Err(AcquireError::TtlTooLong {
+                maximum: MAX_LEASE_DURATION,
+            });
+        }
+        if wait > MAX_LEASE_DURATION {
+            return Err(AcquireError::WaitTooLong {
+                maximum: MAX_LEASE_DURATION,
+            });
+        }
         if let Some(existing) = self.get(resource) {
             match existing.state() {
                 State::Held if existing.grant.holder == holder => return Ok(existing),
@@ -323,7 +341,8 @@ impl Agent {
         let _acquiring = self.start_acquiring(resource, holder, ttl);
         let mut draining = self.draining.subscribe();
         let started = Instant::now();
-        let deadline = started + wait;
+        // Both bounded above (MAX_LEASE_DURATION), so this cannot overflow; fail closed if not.
+        let deadline = started.checked_add(wait).unwrap_or(started);
         let mut attempt = 0;
         loop {
             if *draining.borrow_and_update() {
@@ -432,12 +451,11 @@ impl Agent {
     async fn renew_loop(self: Arc<Self>, lease: Arc<Lease>) {
         loop {
             let deadline = lease.snapshot.borrow().valid_until;
-            let next = Instant::now() + renew_delay(lease.ttl, unit());
             tokio::select! {
                 () = tokio::time::sleep_until(deadline) => {
                     return self.lose(&lease, "the local validity deadline passed without a renewal");
                 }
-                () = tokio::time::sleep_until(next) => {}
+                () = tokio::time::sleep(renew_delay(lease.ttl, unit())) => {}
             }
             let sent = Instant::now();
             let renewed =

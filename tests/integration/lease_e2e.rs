@@ -275,6 +275,72 @@ async fn lease_api_contract() {
     );
 }
 
+/// A duration from a request is bounded: one too long to add to the clock is a 400, and the
+/// connection it came on goes on serving.
+#[tokio::test]
+async fn absurd_durations_are_refused_and_the_connection_goes_on() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let fg = fencegate(
+        &up.url(),
+        &format!(
+            "leases:\n  listen: 127.0.0.1:0\n  backend: {{ kind: embedded, path: {} }}\n  ttl: 1500ms\n",
+            dir.path().join("leases.db").display()
+        ),
+    )
+    .await;
+    let mut conn = tokio::net::TcpStream::connect(fg.leases.unwrap())
+        .await
+        .unwrap();
+    let post = |body: &str| {
+        format!(
+            "POST /v1/leases/job:1 HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+             content-length: {}\r\n\r\n{body}",
+            body.len()
+        )
+    };
+    let mut exchange = async |body: &str| {
+        use tokio::io::AsyncWriteExt;
+        conn.write_all(post(body).as_bytes()).await.unwrap();
+        let answer = read_response(&mut conn).await;
+        let (head, body) = answer.split_once("\r\n\r\n").unwrap();
+        let status = head.split(' ').nth(1).unwrap().to_owned();
+        (
+            status,
+            head.to_ascii_lowercase(),
+            serde_json::from_str::<serde_json::Value>(body).unwrap(),
+        )
+    };
+    for (field, body) in [
+        ("wait", r#"{"holder":"w1","wait":"300000000000years"}"#),
+        ("ttl", r#"{"holder":"w1","ttl":"300000000000years"}"#),
+        ("wait", r#"{"holder":"w1","wait":"1h 1ms"}"#),
+    ] {
+        let (status, head, problem) = exchange(body).await;
+        assert_eq!(status, "400", "{body}: {problem}");
+        assert!(
+            head.contains("content-type: application/problem+json"),
+            "{head}"
+        );
+        assert_eq!(
+            problem,
+            serde_json::json!({
+                "type": "urn:fencegate:invalid-request",
+                "title": "Bad Request",
+                "status": 400,
+                "detail": format!("{field} is above the maximum of 1h"),
+                "resource": "job:1",
+            })
+        );
+    }
+    // The same connection, then the longest wait allowed: granted at once.
+    let (status, _, lease) = exchange(r#"{"holder":"w1","wait":"1h"}"#).await;
+    assert_eq!(status, "200", "{lease}");
+    assert_eq!(lease["state"], "held");
+    assert_eq!(lease["holder"], "w1");
+    assert_eq!(lease["ttl_ms"], 1500);
+}
+
 #[tokio::test]
 async fn lease_events_stream() {
     use http_body_util::BodyExt;
