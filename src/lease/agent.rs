@@ -609,8 +609,10 @@ impl Agent {
         }
     }
 
-    /// Releases every lease (the last step of the drain).
+    /// Releases every lease (the last step of the drain). Drains first, if that has not
+    /// begun yet: a lease granted after this snapshot would outlive the process.
     pub async fn release_all(&self) {
+        self.start_draining();
         let resources: Vec<String> = self
             .all()
             .iter()
@@ -753,6 +755,35 @@ mod tests {
             .await
             .unwrap();
         assert!(matches!(next, Acquired::Granted(_)), "{next:?}");
+    }
+
+    /// The drain's last step cannot run ahead of its first: releasing everything drains too.
+    #[tokio::test(start_paused = true)]
+    async fn releasing_everything_grants_nothing_more() {
+        let dir = tempfile::tempdir().unwrap();
+        let agent = agent(&dir).await;
+        agent
+            .acquire("r", "w9", None, Duration::ZERO)
+            .await
+            .unwrap();
+        let waiter = tokio::spawn({
+            let agent = Arc::clone(&agent);
+            async move {
+                agent
+                    .acquire("r", "w8", None, Duration::from_secs(10))
+                    .await
+            }
+        });
+        until("w8 waits", || agent.attempt("r").is_some()).await;
+        agent.release_all().await;
+        let refused = waiter.await.unwrap();
+        assert!(
+            matches!(refused, Err(AcquireError::Draining)),
+            "{:?}",
+            refused.map(|l| l.grant.clone())
+        );
+        assert!(agent.is_draining());
+        assert!(agent.all().is_empty());
     }
 
     #[tokio::test(start_paused = true)]
