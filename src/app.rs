@@ -2,6 +2,8 @@
 //!
 //! Shutdown: readiness turns false, the proxy listener closes, in-flight requests finish
 //! (bounded by `timeouts.shutdown`), then the admin listener closes and the store is closed.
+//! With leases, the agent drains first (nothing granted, no token attached), and the leases
+//! are released once in-flight egress writes are done (bounded by `leases.drain_timeout`).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -73,6 +75,9 @@ pub struct Server {
     pub egress: Option<SocketAddr>,
     pub store: Arc<dyn FenceStore>,
     pub readiness: Arc<Readiness>,
+    /// The lease agent, told to drain at the very start of shutdown, before any listener
+    /// stops: from then on nothing is granted and no token is attached.
+    agent: Option<Arc<Agent>>,
     stop: watch::Sender<bool>,
     done: JoinHandle<()>,
 }
@@ -170,6 +175,7 @@ impl Server {
             readiness: Arc::clone(&readiness),
         });
         let lease_addrs = agent.as_ref().map(|a| (a.api, a.egress));
+        let lease_agent = agent.as_ref().map(|a| Arc::clone(&a.agent));
         let done = tokio::spawn(async move {
             let (admin_stop, admin_stopped) = watch::channel(false);
             let admin_task = tokio::spawn(serve(
@@ -216,6 +222,7 @@ impl Server {
             egress: lease_addrs.and_then(|(_, e)| e),
             store,
             readiness,
+            agent: lease_agent,
             stop,
             done,
         })
@@ -224,6 +231,9 @@ impl Server {
     /// Begins the shutdown sequence; returns at once.
     pub fn shutdown(&self) {
         self.readiness.start_draining();
+        if let Some(agent) = &self.agent {
+            agent.start_draining();
+        }
         let _ = self.stop.send(true);
     }
 

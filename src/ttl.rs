@@ -26,7 +26,11 @@ pub fn derive(i: &TtlInputs) -> Result<Derived, String> {
     if i.round_to.is_zero() {
         return Err("round_to must be greater than zero".into());
     }
-    let base = i.p99_work + i.p99_rtt + i.safety_margin + i.drift_buffer;
+    let too_large = || "the inputs add up to more than a duration can hold".to_owned();
+    let base = [i.p99_rtt, i.safety_margin, i.drift_buffer]
+        .into_iter()
+        .try_fold(i.p99_work, Duration::checked_add)
+        .ok_or_else(too_large)?;
     if base.is_zero() {
         return Err("the inputs add up to zero; a lease needs a positive TTL".into());
     }
@@ -37,7 +41,7 @@ pub fn derive(i: &TtlInputs) -> Result<Derived, String> {
         base,
         ttl,
         renew_every: ttl / 3,
-        dedup_window: ttl + i.p99_work,
+        dedup_window: ttl.checked_add(i.p99_work).ok_or_else(too_large)?,
     })
 }
 
@@ -144,5 +148,15 @@ mod tests {
     fn refuses_degenerate_inputs() {
         assert!(derive(&inputs(800, 40, 200, 0, 0)).is_err());
         assert!(derive(&inputs(0, 0, 0, 0, 500)).is_err());
+    }
+
+    #[test]
+    fn refuses_inputs_too_large_to_add_up() {
+        let mut i = inputs(800, 40, 200, 0, 500);
+        i.p99_work = Duration::MAX;
+        assert_eq!(
+            derive(&i),
+            Err("the inputs add up to more than a duration can hold".into())
+        );
     }
 }

@@ -9,7 +9,24 @@ use serde::{Deserialize, Deserializer, Serialize};
 
 use super::checked;
 use super::{PathTemplate, ResourceTemplate, SecretUrl, UpstreamUrl};
+use crate::lease::schedule::MAX_LEASE_DURATION;
 use crate::ttl::{derive, TtlInputs};
+
+/// The longest `drain_timeout`: room for the default (2 × the longest TTL), so that the
+/// effective config `check` prints loads again.
+pub const MAX_DRAIN_TIMEOUT: Duration = MAX_LEASE_DURATION.saturating_mul(2);
+
+/// Refuses a TTL above [`MAX_LEASE_DURATION`].
+fn at_most_max(ttl: Duration) -> Result<Duration, String> {
+    if ttl > MAX_LEASE_DURATION {
+        return Err(format!(
+            "a lease ttl above {} is not supported (got {})",
+            humantime::format_duration(MAX_LEASE_DURATION),
+            humantime::format_duration(ttl)
+        ));
+    }
+    Ok(ttl)
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -163,6 +180,7 @@ impl TryFrom<RawTtl> for LeaseTtl {
                 if ttl < Duration::from_millis(30) {
                     return Err("a lease ttl below 30ms cannot be renewed reliably".into());
                 }
+                let ttl = at_most_max(ttl)?;
                 // Without a derivation, keep a tenth of the TTL (at most 100 ms) for drift.
                 let drift_buffer = (ttl / 10).min(Duration::from_millis(100));
                 Ok(LeaseTtl {
@@ -191,6 +209,7 @@ impl TryFrom<RawTtl> for LeaseTtl {
                     Some(ttl) => ttl,
                     None => derived.ttl,
                 };
+                let ttl = at_most_max(ttl)?;
                 Ok(LeaseTtl {
                     ttl,
                     drift_buffer: d.drift_buffer,
@@ -287,7 +306,8 @@ pub struct LeasesConfig {
     /// SIGTERM: in-flight work gets this long before leases are released. Default 2 × ttl.
     #[serde(
         default,
-        with = "humantime_serde",
+        deserialize_with = "drain_timeout",
+        serialize_with = "humantime_serde::serialize",
         skip_serializing_if = "Option::is_none"
     )]
     pub drain_timeout: Option<Duration>,
@@ -295,8 +315,31 @@ pub struct LeasesConfig {
 
 impl LeasesConfig {
     pub fn drain_timeout(&self) -> Duration {
-        self.drain_timeout.unwrap_or(self.ttl.ttl * 2)
+        self.drain_timeout.unwrap_or(self.ttl.ttl.saturating_mul(2))
     }
+}
+
+/// A duration of at most [`MAX_DRAIN_TIMEOUT`], checked inside the deserializer so that the
+/// error keeps its location.
+fn drain_timeout<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+    struct V;
+    impl serde::de::Visitor<'_> for V {
+        type Value = Option<Duration>;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a duration such as 30s")
+        }
+        fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
+            let d = humantime::parse_duration(v).map_err(|e| E::custom(format!("`{v}`: {e}")))?;
+            if d > MAX_DRAIN_TIMEOUT {
+                return Err(E::custom(format!(
+                    "a drain_timeout above {} is not supported (got {v})",
+                    humantime::format_duration(MAX_DRAIN_TIMEOUT)
+                )));
+            }
+            Ok(Some(d))
+        }
+    }
+    d.deserialize_str(V)
 }
 
 fn default_lease_listen() -> SocketAddr {
@@ -326,4 +369,65 @@ pub struct EgressConfig {
 
 fn default_egress_listen() -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], 7443))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::Config;
+
+    fn refused(leases: &str) -> String {
+        Config::parse(&format!(
+            "upstream: http://a:1\nleases:\n  backend: {{ kind: embedded }}\n{leases}"
+        ))
+        .expect_err("config should be refused")
+    }
+
+    #[test]
+    fn absurd_durations_are_refused_with_their_location() {
+        let e = refused("  ttl: 300000000000years\n");
+        assert!(
+            e.contains("leases.ttl")
+                && e.contains("line 4")
+                && e.contains("a lease ttl above 1h is not supported (got 300000000000years)"),
+            "{e}"
+        );
+        let e = refused(
+            "  ttl: { p99_work: 300000000000years, p99_rtt: 1ms, safety_margin: 300000000000years }\n",
+        );
+        assert!(
+            e.contains("leases.ttl")
+                && e.contains("the inputs add up to more than a duration can hold"),
+            "{e}"
+        );
+        let e = refused("  ttl: { p99_work: 2h, p99_rtt: 1ms, safety_margin: 1ms }\n");
+        assert!(
+            e.contains("leases.ttl") && e.contains("a lease ttl above 1h is not supported"),
+            "{e}"
+        );
+        let e = refused("  ttl: 1s\n  drain_timeout: 300000000000years\n");
+        assert!(
+            e.contains("leases.drain_timeout")
+                && e.contains("line 5")
+                && e.contains("a drain_timeout above 2h is not supported (got 300000000000years)"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn the_longest_durations_load_and_print_back() {
+        let c = Config::parse(
+            "upstream: http://a:1\nleases:\n  backend: { kind: embedded }\n  ttl: 1h\n",
+        )
+        .unwrap();
+        let leases = c.leases.as_ref().unwrap();
+        assert_eq!(leases.drain_timeout(), super::MAX_DRAIN_TIMEOUT);
+        let c = Config::parse(
+            "upstream: http://a:1\nleases:\n  backend: { kind: embedded }\n  ttl: 1h\n  drain_timeout: 2h\n",
+        )
+        .unwrap();
+        assert_eq!(
+            c.leases.unwrap().drain_timeout,
+            Some(super::MAX_DRAIN_TIMEOUT)
+        );
+    }
 }

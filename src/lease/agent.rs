@@ -6,6 +6,12 @@
 //!
 //! While an acquisition is under way (its first attempt, and the wait for a holder to let go),
 //! it is listed as an [`Attempt`], which the lease API reports as `acquiring`.
+//!
+//! Draining (SIGTERM) is one-way and fails closed: from [`Agent::start_draining`] on nothing
+//! is granted (waiting acquisitions end with [`AcquireError::Draining`], and a grant the
+//! backend committed meanwhile is given back), and held leases turn `draining`, whose tokens
+//! are no longer attached. Every change of a lease's state is one compare-and-set on its
+//! snapshot, so no step (a renewal, say) writes back a state that another one replaced.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -17,7 +23,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use super::backend::{Acquired, Grant, LeaseBackend, LeaseError};
-use super::schedule::{backoff, renew_delay, unit, valid_until};
+use super::schedule::{backoff, renew_delay, unit, valid_until, MAX_LEASE_DURATION};
 use crate::config::{AcquireConfig, LeaseTtl};
 use crate::metrics::Metrics;
 
@@ -72,8 +78,7 @@ pub struct Lease {
 impl Lease {
     pub fn state(&self) -> State {
         let snap = *self.snapshot.borrow();
-        let live = matches!(snap.state, State::Held | State::Draining);
-        if live && Instant::now() >= snap.valid_until {
+        if live(snap.state) && Instant::now() >= snap.valid_until {
             // The renewer declares it lost at the deadline; the view must not lag behind.
             State::Expired
         } else {
@@ -89,9 +94,18 @@ impl Lease {
             .saturating_duration_since(Instant::now())
     }
 
-    fn set(&self, state: State, valid_until: Instant) {
-        self.snapshot.send_replace(Snapshot { state, valid_until });
+    /// One transition, atomic with respect to every other: `step` sees the current snapshot
+    /// and changes it (returning true) or leaves it (false). The watch channel's write lock
+    /// is held across the read and the write, so a renewal cannot write back a state that
+    /// draining, a release or a loss replaced meanwhile.
+    fn transition(&self, step: impl FnOnce(&mut Snapshot) -> bool) -> bool {
+        self.snapshot.send_if_modified(step)
     }
+}
+
+/// Held or draining: the states in which the lease is still ours, until its deadline.
+fn live(state: State) -> bool {
+    matches!(state, State::Held | State::Draining)
 }
 
 /// An acquisition under way: tried at once, then retried until its `wait` has passed.
@@ -134,6 +148,15 @@ pub enum AcquireError {
     TtlTooShort {
         minimum: Duration,
     },
+    /// A TTL above [`MAX_LEASE_DURATION`].
+    TtlTooLong {
+        maximum: Duration,
+    },
+    /// A `wait` above [`MAX_LEASE_DURATION`].
+    WaitTooLong {
+        maximum: Duration,
+    },
+    /// Shutdown has begun: nothing is granted any more.
     Draining,
 }
 
@@ -146,11 +169,18 @@ pub struct Agent {
     acquiring: Mutex<HashMap<String, Vec<(u64, Attempt)>>>,
     next_attempt: std::sync::atomic::AtomicU64,
     events: broadcast::Sender<Event>,
-    draining: std::sync::atomic::AtomicBool,
+    /// True from SIGTERM on. Set under the `leases` lock, which a grant also takes to be
+    /// listed: a grant is either listed before draining began (and released by the drain)
+    /// or sees the flag (and is given back at once). Waiters watch it to stop waiting.
+    draining: watch::Sender<bool>,
     /// Flips to true once every lease has been released at shutdown, so event streams end
     /// (after sending `released`) and do not hold the drain.
     closed: watch::Sender<bool>,
     metrics: Arc<Metrics>,
+    /// Holds a renewal between the backend's answer and its write, so that tests can start
+    /// draining in between.
+    #[cfg(test)]
+    pause: tests::Pause,
 }
 
 impl Agent {
@@ -168,9 +198,11 @@ impl Agent {
             acquiring: Mutex::default(),
             next_attempt: std::sync::atomic::AtomicU64::new(0),
             events: broadcast::channel(1024).0,
-            draining: std::sync::atomic::AtomicBool::new(false),
+            draining: watch::channel(false).0,
             closed: watch::channel(false).0,
             metrics,
+            #[cfg(test)]
+            pause: tests::Pause::default(),
         })
     }
 
@@ -275,13 +307,23 @@ impl Agent {
         ttl: Option<Duration>,
         wait: Duration,
     ) -> Result<Arc<Lease>, AcquireError> {
-        if self.draining.load(std::sync::atomic::Ordering::SeqCst) {
+        if self.is_draining() {
             return Err(AcquireError::Draining);
         }
         let ttl = ttl.unwrap_or(self.ttl.ttl);
         if ttl < self.ttl.minimum {
             return Err(AcquireError::TtlTooShort {
                 minimum: self.ttl.minimum,
+            });
+        }
+        if ttl > MAX_LEASE_DURATION {
+            return Err(AcquireError::TtlTooLong {
+                maximum: MAX_LEASE_DURATION,
+            });
+        }
+        if wait > MAX_LEASE_DURATION {
+            return Err(AcquireError::WaitTooLong {
+                maximum: MAX_LEASE_DURATION,
             });
         }
         if let Some(existing) = self.get(resource) {
@@ -297,10 +339,15 @@ impl Agent {
             }
         }
         let _acquiring = self.start_acquiring(resource, holder, ttl);
+        let mut draining = self.draining.subscribe();
         let started = Instant::now();
-        let deadline = started + wait;
+        // Both bounded above (MAX_LEASE_DURATION), so this cannot overflow; fail closed if not.
+        let deadline = started.checked_add(wait).unwrap_or(started);
         let mut attempt = 0;
         loop {
+            if *draining.borrow_and_update() {
+                return Err(AcquireError::Draining);
+            }
             let sent = Instant::now();
             let outcome = match self.backend.try_acquire(resource, holder, ttl).await {
                 Ok(Acquired::Granted(grant)) => {
@@ -308,7 +355,13 @@ impl Agent {
                         .lease
                         .acquisition
                         .observe(started.elapsed().as_secs_f64());
-                    return Ok(self.hold(grant, ttl, sent));
+                    return match self.hold(grant, ttl, sent) {
+                        Ok(lease) => Ok(lease),
+                        Err(grant) => {
+                            self.give_back(&grant).await;
+                            Err(AcquireError::Draining)
+                        }
+                    };
                 }
                 Ok(Acquired::Held { holder }) => AcquireError::Held { holder },
                 Err(e) => AcquireError::Unavailable(e),
@@ -317,51 +370,92 @@ impl Agent {
             if now >= deadline {
                 return Err(outcome);
             }
+            if attempt == 0 {
+                tracing::debug!(
+                    resource,
+                    holder_id = holder,
+                    ttl_ms = ttl.as_millis() as u64,
+                    wait_ms = wait.as_millis() as u64,
+                    "lease acquisition waiting"
+                );
+            }
             let delay = backoff(attempt, &self.acquire, unit()).min(deadline - now);
             attempt += 1;
             tokio::select! {
                 () = tokio::time::sleep(delay) => {}
                 () = self.backend.changed(resource) => {}
+                // Checked at the top of the loop.
+                _ = draining.changed() => {}
             }
         }
     }
 
-    fn hold(self: &Arc<Self>, grant: Grant, ttl: Duration, sent: Instant) -> Arc<Lease> {
-        let lease = Arc::new(Lease {
-            grant,
-            ttl,
-            snapshot: watch::channel(Snapshot {
-                state: State::Held,
-                valid_until: valid_until(sent, ttl, self.ttl.drift_buffer),
-            })
-            .0,
-            renewer: Mutex::new(None),
-        });
-        self.leases
-            .lock()
-            .expect("leases lock")
-            .insert(lease.grant.resource.clone(), Arc::clone(&lease));
-        self.metrics
-            .lease
-            .held
-            .with_label_values(&[&lease.grant.resource])
-            .set(1);
+    /// Whether shutdown has begun.
+    pub fn is_draining(&self) -> bool {
+        *self.draining.borrow()
+    }
+
+    /// Returns a grant that arrived after draining began to the backend.
+    async fn give_back(&self, grant: &Grant) {
+        let released = self.backend.release(grant).await;
+        let error = released.err().map(|e| e.to_string());
+        tracing::info!(
+            resource = grant.resource,
+            holder_id = grant.holder,
+            lease_id = grant.lease_id,
+            fencing_token = grant.token,
+            error,
+            "lease granted while draining; given back"
+        );
+    }
+
+    /// Lists a new grant as held here and starts renewing it, unless draining has begun, in
+    /// which case the grant is handed back to the caller to give back.
+    fn hold(
+        self: &Arc<Self>,
+        grant: Grant,
+        ttl: Duration,
+        sent: Instant,
+    ) -> Result<Arc<Lease>, Grant> {
+        let lease = {
+            let mut leases = self.leases.lock().expect("leases lock");
+            if self.is_draining() {
+                return Err(grant);
+            }
+            let lease = Arc::new(Lease {
+                grant,
+                ttl,
+                snapshot: watch::channel(Snapshot {
+                    state: State::Held,
+                    valid_until: valid_until(sent, ttl, self.ttl.drift_buffer),
+                })
+                .0,
+                renewer: Mutex::new(None),
+            });
+            leases.insert(lease.grant.resource.clone(), Arc::clone(&lease));
+            // Under the lock: the gauge follows the lease listed for the resource.
+            self.metrics
+                .lease
+                .held
+                .with_label_values(&[&lease.grant.resource])
+                .set(1);
+            lease
+        };
         self.emit("held", &lease);
         let renewer = tokio::spawn(Arc::clone(self).renew_loop(Arc::clone(&lease)));
         *lease.renewer.lock().expect("renewer lock") = Some(renewer);
-        lease
+        Ok(lease)
     }
 
     /// Renews every TTL/3 ± 15 % until the lease is released or lost.
     async fn renew_loop(self: Arc<Self>, lease: Arc<Lease>) {
         loop {
             let deadline = lease.snapshot.borrow().valid_until;
-            let next = Instant::now() + renew_delay(lease.ttl, unit());
             tokio::select! {
                 () = tokio::time::sleep_until(deadline) => {
                     return self.lose(&lease, "the local validity deadline passed without a renewal");
                 }
-                () = tokio::time::sleep_until(next) => {}
+                () = tokio::time::sleep(renew_delay(lease.ttl, unit())) => {}
             }
             let sent = Instant::now();
             let renewed =
@@ -376,10 +470,20 @@ impl Agent {
                 }
                 Ok(Ok(true)) => {
                     self.metrics.lease.renewals_ok.inc();
-                    // Held stays held, draining stays draining.
-                    let state = lease.snapshot.borrow().state;
-                    lease.set(state, valid_until(sent, lease.ttl, self.ttl.drift_buffer));
-                    self.emit("renewed", &lease);
+                    #[cfg(test)]
+                    self.pause.renewed().await;
+                    // Only the deadline moves: held stays held, draining stays draining, and
+                    // a lease released or lost meanwhile stays so.
+                    let until = valid_until(sent, lease.ttl, self.ttl.drift_buffer);
+                    let extended = lease.transition(|s| {
+                        live(s.state) && {
+                            s.valid_until = s.valid_until.max(until);
+                            true
+                        }
+                    });
+                    if extended {
+                        self.emit("renewed", &lease);
+                    }
                 }
                 Ok(Ok(false)) => {
                     self.metrics.lease.renewals_lost.inc();
@@ -404,14 +508,35 @@ impl Agent {
     }
 
     /// The lease is gone locally: stop attaching its token, tell the app, never re-acquire.
-    fn lose(&self, lease: &Lease, why: &str) {
-        lease.set(State::Expired, Instant::now());
+    fn lose(&self, lease: &Arc<Lease>, why: &str) {
+        let now = Instant::now();
+        let lost = lease.transition(|s| {
+            live(s.state) && {
+                s.state = State::Expired;
+                s.valid_until = now;
+                true
+            }
+        });
+        if !lost {
+            // Released meanwhile: nothing to declare.
+            return;
+        }
         self.metrics.lease.expiry_forced.inc();
-        self.metrics
-            .lease
-            .held
-            .with_label_values(&[&lease.grant.resource])
-            .set(0);
+        {
+            // A newer lease on the resource (granted after the backend dropped this one) has
+            // the gauge: only the lease listed for the resource writes it.
+            let leases = self.leases.lock().expect("leases lock");
+            let current = leases
+                .get(&lease.grant.resource)
+                .is_none_or(|l| Arc::ptr_eq(l, lease));
+            if current {
+                self.metrics
+                    .lease
+                    .held
+                    .with_label_values(&[&lease.grant.resource])
+                    .set(0);
+            }
+        }
         tracing::warn!(
             resource = lease.grant.resource,
             holder_id = lease.grant.holder,
@@ -428,17 +553,27 @@ impl Agent {
     /// (never acquired, already released, or lost: a lost lease is forgotten here and given
     /// back to the backend in case it still has it, but it was not held).
     pub async fn release(&self, resource: &str) -> Option<Result<Arc<Lease>, LeaseError>> {
-        let lease = self.leases.lock().expect("leases lock").remove(resource)?;
+        let lease = {
+            let mut leases = self.leases.lock().expect("leases lock");
+            let lease = leases.remove(resource)?;
+            self.metrics
+                .lease
+                .held
+                .with_label_values(&[&lease.grant.resource])
+                .set(0);
+            lease
+        };
         if let Some(renewer) = lease.renewer.lock().expect("renewer lock").take() {
             renewer.abort();
         }
-        let was_held = matches!(lease.state(), State::Held | State::Draining);
-        lease.set(State::Released, Instant::now());
-        self.metrics
-            .lease
-            .held
-            .with_label_values(&[&lease.grant.resource])
-            .set(0);
+        let now = Instant::now();
+        let mut was_held = false;
+        lease.transition(|s| {
+            was_held = live(s.state) && now < s.valid_until;
+            s.state = State::Released;
+            s.valid_until = now;
+            true
+        });
         // A lost lease is released too: harmless if someone else holds it (compare-and-delete).
         let released = self.backend.release(&lease.grant).await;
         if !was_held {
@@ -459,20 +594,25 @@ impl Agent {
         Some(released.map(|_| lease))
     }
 
-    /// SIGTERM: refuse new acquisitions from now on.
+    /// SIGTERM: grant nothing from now on (waiting acquisitions end with
+    /// [`AcquireError::Draining`]), and stop attaching the tokens of held leases.
     pub fn start_draining(&self) {
-        self.draining
-            .store(true, std::sync::atomic::Ordering::SeqCst);
-        for lease in self.all() {
-            let snap = *lease.snapshot.borrow();
-            if snap.state == State::Held {
-                lease.set(State::Draining, snap.valid_until);
-            }
+        let leases = self.leases.lock().expect("leases lock");
+        self.draining.send_replace(true);
+        for lease in leases.values() {
+            lease.transition(|s| {
+                s.state == State::Held && {
+                    s.state = State::Draining;
+                    true
+                }
+            });
         }
     }
 
-    /// Releases every lease (the last step of the drain).
+    /// Releases every lease (the last step of the drain). Drains first, if that has not
+    /// begun yet: a lease granted after this snapshot would outlive the process.
     pub async fn release_all(&self) {
+        self.start_draining();
         let resources: Vec<String> = self
             .all()
             .iter()
@@ -513,6 +653,173 @@ impl Agent {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use tokio::sync::Notify;
+
+    /// A pause point in the renewal loop, armed by a test for one renewal.
+    #[derive(Default)]
+    pub(super) struct Pause {
+        armed: AtomicBool,
+        /// Told when an armed renewal has the backend's answer.
+        reached: Notify,
+        /// Lets it go on.
+        resume: Notify,
+    }
+
+    impl Pause {
+        pub(super) async fn renewed(&self) {
+            if self.armed.swap(false, Ordering::SeqCst) {
+                self.reached.notify_one();
+                self.resume.notified().await;
+            }
+        }
+    }
+
+    fn gauge(agent: &Agent, resource: &str) -> String {
+        let text = prometheus::TextEncoder::new()
+            .encode_to_string(&agent.metrics.registry.gather())
+            .unwrap();
+        let prefix = format!("fencegate_lease_held{{resource=\"{resource}\"}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(prefix.as_str()))
+            .unwrap_or_else(|| panic!("no {prefix}in\n{text}"))
+            .to_owned()
+    }
+
+    /// Lets spawned tasks run until `f` holds (no timers involved).
+    async fn until(what: &str, f: impl Fn() -> bool) {
+        for _ in 0..10_000 {
+            if f() {
+                return;
+            }
+            tokio::task::yield_now().await;
+        }
+        panic!("never: {what}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_renewal_answered_before_draining_does_not_bring_the_token_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let agent = agent(&dir).await;
+        let mut events = agent.subscribe();
+        let lease = agent
+            .acquire("r", "w1", None, Duration::ZERO)
+            .await
+            .unwrap();
+        assert_eq!(events.recv().await.unwrap().event, "held");
+        // The next renewal stops right after the backend said yes; draining starts there.
+        agent.pause.armed.store(true, Ordering::SeqCst);
+        agent.pause.reached.notified().await;
+        agent.start_draining();
+        assert_eq!(lease.state(), State::Draining);
+        assert_eq!(agent.token_for("r"), None);
+        agent.pause.resume.notify_one();
+        let renewed = events.recv().await.unwrap();
+        assert_eq!((renewed.event, renewed.state), ("renewed", State::Draining));
+        assert_eq!(lease.state(), State::Draining);
+        assert_eq!(agent.token_for("r"), None);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_waiter_at_drain_is_refused_and_nothing_is_left_held() {
+        let dir = tempfile::tempdir().unwrap();
+        let agent = agent(&dir).await;
+        agent
+            .acquire("account:42", "w9", None, Duration::ZERO)
+            .await
+            .unwrap();
+        let waiter = tokio::spawn({
+            let agent = Arc::clone(&agent);
+            async move {
+                agent
+                    .acquire("account:42", "w8", None, Duration::from_secs(10))
+                    .await
+            }
+        });
+        until("w8 waits", || agent.attempt("account:42").is_some()).await;
+        // SIGTERM, then the end of the drain: w9's release frees the lease w8 waits for.
+        agent.start_draining();
+        agent.release_all().await;
+        let refused = waiter.await.unwrap();
+        assert!(
+            matches!(refused, Err(AcquireError::Draining)),
+            "{:?}",
+            refused.map(|l| l.grant.clone())
+        );
+        assert!(agent.get("account:42").is_none());
+        assert_eq!(agent.token_for("account:42"), None);
+        // Nothing is left held on the backend: the next holder gets it at once.
+        let next = agent
+            .backend()
+            .try_acquire("account:42", "next", Duration::from_secs(30))
+            .await
+            .unwrap();
+        assert!(matches!(next, Acquired::Granted(_)), "{next:?}");
+    }
+
+    /// The drain's last step cannot run ahead of its first: releasing everything drains too.
+    #[tokio::test(start_paused = true)]
+    async fn releasing_everything_grants_nothing_more() {
+        let dir = tempfile::tempdir().unwrap();
+        let agent = agent(&dir).await;
+        agent
+            .acquire("r", "w9", None, Duration::ZERO)
+            .await
+            .unwrap();
+        let waiter = tokio::spawn({
+            let agent = Arc::clone(&agent);
+            async move {
+                agent
+                    .acquire("r", "w8", None, Duration::from_secs(10))
+                    .await
+            }
+        });
+        until("w8 waits", || agent.attempt("r").is_some()).await;
+        agent.release_all().await;
+        let refused = waiter.await.unwrap();
+        assert!(
+            matches!(refused, Err(AcquireError::Draining)),
+            "{:?}",
+            refused.map(|l| l.grant.clone())
+        );
+        assert!(agent.is_draining());
+        assert!(agent.all().is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_held_gauge_follows_the_newest_lease_on_a_resource() {
+        let dir = tempfile::tempdir().unwrap();
+        let agent = agent(&dir).await;
+        let old = agent
+            .acquire("r", "w1", None, Duration::ZERO)
+            .await
+            .unwrap();
+        assert_eq!(gauge(&agent, "r"), "1");
+        let mut events = agent.subscribe();
+        // The backend drops w1's lease (an operator, a failover): w2 gets the resource while
+        // w1's renewer still runs.
+        assert!(agent.backend().release(&old.grant).await.unwrap());
+        let new = agent
+            .acquire("r", "w2", None, Duration::from_secs(10))
+            .await
+            .unwrap();
+        assert_eq!(gauge(&agent, "r"), "1");
+        // w1's next renewal finds it gone and declares it lost.
+        loop {
+            let e = events.recv().await.unwrap();
+            if e.event == "lost" {
+                assert_eq!(e.lease_id, old.grant.lease_id);
+                break;
+            }
+        }
+        assert_eq!(old.state(), State::Expired);
+        assert_eq!(new.state(), State::Held);
+        assert_eq!(agent.token_for("r"), Some(new.grant.token));
+        assert_eq!(gauge(&agent, "r"), "1");
+        // And the new lease's own release sets it to 0.
+        agent.release("r").await.unwrap().unwrap();
+        assert_eq!(gauge(&agent, "r"), "0");
+    }
 
     async fn agent(dir: &tempfile::TempDir) -> Arc<Agent> {
         let config = crate::config::Config::parse(&format!(

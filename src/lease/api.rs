@@ -210,6 +210,24 @@ impl LeaseApi {
                 ),
                 Some(&resource),
             ),
+            Err(AcquireError::TtlTooLong { maximum }) => problem(
+                StatusCode::BAD_REQUEST,
+                "invalid-request",
+                &format!(
+                    "ttl is above the maximum of {}",
+                    humantime::format_duration(maximum)
+                ),
+                Some(&resource),
+            ),
+            Err(AcquireError::WaitTooLong { maximum }) => problem(
+                StatusCode::BAD_REQUEST,
+                "invalid-request",
+                &format!(
+                    "wait is above the maximum of {}",
+                    humantime::format_duration(maximum)
+                ),
+                Some(&resource),
+            ),
             Err(AcquireError::Draining) => problem(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "draining",

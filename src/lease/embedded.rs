@@ -149,6 +149,17 @@ impl Inner {
     }
 }
 
+/// `now + d`, or as late as the clock goes: a lease deadline past the clock's range is held
+/// "forever" (until released), never treated as already expired.
+fn later(now: Instant, d: Duration) -> Instant {
+    now.checked_add(d)
+        .or_else(|| now.checked_add(FOREVER))
+        .unwrap_or(now)
+}
+
+/// About a century: beyond any lease, within any monotonic clock's range.
+const FOREVER: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
 /// Reads a resource's row (inside a transaction) and judges it on the monotonic clock.
 fn current(
     table: &impl ReadableTable<&'static str, Row<'static>>,
@@ -164,7 +175,10 @@ fn current(
     } else {
         // First sight since open: convert the stored wall-clock deadline once.
         Some(*deadlines.entry(resource.to_owned()).or_insert_with(|| {
-            Instant::now() + Duration::from_millis(expires_ms.saturating_sub(unix_ms()))
+            later(
+                Instant::now(),
+                Duration::from_millis(expires_ms.saturating_sub(unix_ms())),
+            )
         }))
     };
     Ok(Some(Current {
@@ -203,7 +217,7 @@ impl Inner {
                         let lease_id = new_lease_id();
                         let expires = unix_ms().saturating_add(ms(ttl)).max(1);
                         t.insert(resource, (token, expires, lease_id.as_str(), holder))?;
-                        Ok((token, lease_id, now + ttl))
+                        Ok((token, lease_id, later(now, ttl)))
                     }
                 }
             };
@@ -238,7 +252,7 @@ impl Inner {
                             &*grant.resource,
                             (c.token, expires, c.lease_id.as_str(), c.holder.as_str()),
                         )?;
-                        Some(now + ttl)
+                        Some(later(now, ttl))
                     }
                     _ => None,
                 }

@@ -7,6 +7,12 @@ use tokio::time::Instant;
 
 use crate::config::AcquireConfig;
 
+/// The longest lease TTL, acquisition `wait` and drain timeout accepted, from the config or
+/// from an API request. Far above any sensible lease (a lease is renewed every TTL/3, so a
+/// long TTL only delays the takeover after a crash) and far below what would overflow the
+/// monotonic clock when added to it.
+pub const MAX_LEASE_DURATION: Duration = Duration::from_secs(3600);
+
 /// Renewal delay: TTL/3 with ±15 % jitter, so a fleet's heartbeats spread out. `unit` ∈ [0, 1).
 pub fn renew_delay(ttl: Duration, unit: f64) -> Duration {
     (ttl / 3).mul_f64(0.85 + 0.30 * unit.clamp(0.0, 1.0))
@@ -25,9 +31,11 @@ pub fn backoff(attempt: u32, config: &AcquireConfig, unit: f64) -> Duration {
 
 /// The local validity deadline: the *send* time of the request that the backend granted or
 /// renewed, plus the TTL, minus the drift buffer. Measuring from the send time (not the
-/// answer) makes the deadline conservative by the round trip.
+/// answer) makes the deadline conservative by the round trip. A deadline past the clock's
+/// range (TTLs are bounded far below it) fails closed: valid until `sent`, i.e. not at all.
 pub fn valid_until(sent: Instant, ttl: Duration, drift_buffer: Duration) -> Instant {
-    sent + ttl.saturating_sub(drift_buffer)
+    sent.checked_add(ttl.saturating_sub(drift_buffer))
+        .unwrap_or(sent)
 }
 
 /// A small, lock-free source of jitter (xorshift seeded from the clock): not for secrets.
@@ -85,6 +93,7 @@ mod tests {
         let sent = Instant::now();
         assert_eq!(valid_until(sent, ms(1500), ms(100)), sent + ms(1400));
         assert_eq!(valid_until(sent, ms(50), ms(100)), sent);
+        assert_eq!(valid_until(sent, Duration::MAX, ms(100)), sent);
     }
 
     #[test]

@@ -7,8 +7,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use fencegate::config::Config;
-use fencegate::lease::agent::{Agent, State};
+use fencegate::config::{Config, LeasesConfig};
+use fencegate::lease::agent::{AcquireError, Agent, State};
 use fencegate::lease::{Acquired, Grant, LeaseBackend, LeaseError};
 use fencegate::metrics::Metrics;
 use fencegate::store::BoxFuture;
@@ -56,7 +56,9 @@ impl LeaseBackend for Partitionable {
     }
 }
 
-async fn agent(dir: &tempfile::TempDir) -> (Arc<Agent>, Arc<Partitionable>, Arc<Metrics>) {
+/// The leases config every test here uses (embedded backend in `dir`, 1500 ms TTL) and its
+/// real backend.
+async fn embedded(dir: &tempfile::TempDir) -> (LeasesConfig, Arc<dyn LeaseBackend>) {
     let config = Config::parse(&format!(
         "upstream: http://127.0.0.1:1\nleases:\n  backend: {{ kind: embedded, path: {} }}\n  ttl: 1500ms\n",
         dir.path().join("leases.db").display()
@@ -64,13 +66,22 @@ async fn agent(dir: &tempfile::TempDir) -> (Arc<Agent>, Arc<Partitionable>, Arc<
     .unwrap();
     let leases = config.leases.unwrap();
     assert_eq!(leases.ttl.drift_buffer, Duration::from_millis(100));
-    let inner = fencegate::lease::open(&leases.backend).await.unwrap();
+    let backend = fencegate::lease::open(&leases.backend).await.unwrap();
+    (leases, backend)
+}
+
+fn metrics() -> Arc<Metrics> {
+    Arc::new(Metrics::new(prometheus::Registry::new()).unwrap())
+}
+
+async fn agent(dir: &tempfile::TempDir) -> (Arc<Agent>, Arc<Partitionable>, Arc<Metrics>) {
+    let (leases, inner) = embedded(dir).await;
     let backend = Arc::new(Partitionable {
         inner,
         cut: AtomicBool::new(false),
         renewals: Mutex::default(),
     });
-    let metrics = Arc::new(Metrics::new(prometheus::Registry::new()).unwrap());
+    let metrics = metrics();
     let agent = Agent::new(
         backend.clone(),
         leases.ttl,
@@ -153,4 +164,83 @@ async fn lost_exactly_at_the_local_deadline_before_the_backend_expires() {
     tokio::time::sleep(Duration::from_secs(5)).await;
     assert_eq!(lease.state(), State::Expired);
     assert_eq!(agent.token_for("job:2"), None);
+}
+
+/// The real embedded backend, with its grants held back (after they are committed) until the
+/// test lets them through: a grant that lands while draining begins.
+struct Slow {
+    inner: Arc<dyn LeaseBackend>,
+    granted: tokio::sync::Notify,
+    deliver: tokio::sync::Notify,
+}
+
+impl LeaseBackend for Slow {
+    fn try_acquire<'a>(
+        &'a self,
+        r: &'a str,
+        h: &'a str,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<Acquired, LeaseError>> {
+        Box::pin(async move {
+            let acquired = self.inner.try_acquire(r, h, ttl).await;
+            self.granted.notify_one();
+            self.deliver.notified().await;
+            acquired
+        })
+    }
+    fn renew<'a>(
+        &'a self,
+        grant: &'a Grant,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<bool, LeaseError>> {
+        self.inner.renew(grant, ttl)
+    }
+    fn release<'a>(&'a self, grant: &'a Grant) -> BoxFuture<'a, Result<bool, LeaseError>> {
+        self.inner.release(grant)
+    }
+    fn latest_token<'a>(&'a self, r: &'a str) -> BoxFuture<'a, Result<Option<u64>, LeaseError>> {
+        self.inner.latest_token(r)
+    }
+    fn changed<'a>(&'a self, r: &'a str) -> BoxFuture<'a, ()> {
+        self.inner.changed(r)
+    }
+    fn kind(&self) -> &'static str {
+        "slow"
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_grant_landing_as_draining_begins_is_given_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let (leases, inner) = embedded(&dir).await;
+    let backend = Arc::new(Slow {
+        inner,
+        granted: tokio::sync::Notify::new(),
+        deliver: tokio::sync::Notify::new(),
+    });
+    let agent = Agent::new(backend.clone(), leases.ttl, leases.acquire, metrics());
+    let acquiring = tokio::spawn({
+        let agent = Arc::clone(&agent);
+        async move { agent.acquire("job:3", "w1", None, Duration::ZERO).await }
+    });
+    // The backend has committed the grant; its answer is on the way when SIGTERM comes.
+    backend.granted.notified().await;
+    agent.start_draining();
+    agent.release_all().await;
+    backend.deliver.notify_one();
+    let refused = acquiring.await.unwrap();
+    assert!(
+        matches!(refused, Err(AcquireError::Draining)),
+        "{:?}",
+        refused.map(|l| (l.grant.clone(), l.state()))
+    );
+    assert!(agent.get("job:3").is_none());
+    assert_eq!(agent.token_for("job:3"), None);
+    // Given back: the next holder gets it at once.
+    let next = backend
+        .inner
+        .try_acquire("job:3", "w2", Duration::from_millis(1500))
+        .await
+        .unwrap();
+    assert!(matches!(next, Acquired::Granted(_)), "{next:?}");
 }

@@ -275,6 +275,72 @@ async fn lease_api_contract() {
     );
 }
 
+/// A duration from a request is bounded: one too long to add to the clock is a 400, and the
+/// connection it came on goes on serving.
+#[tokio::test]
+async fn absurd_durations_are_refused_and_the_connection_goes_on() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let fg = fencegate(
+        &up.url(),
+        &format!(
+            "leases:\n  listen: 127.0.0.1:0\n  backend: {{ kind: embedded, path: {} }}\n  ttl: 1500ms\n",
+            dir.path().join("leases.db").display()
+        ),
+    )
+    .await;
+    let mut conn = tokio::net::TcpStream::connect(fg.leases.unwrap())
+        .await
+        .unwrap();
+    let post = |body: &str| {
+        format!(
+            "POST /v1/leases/job:1 HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+             content-length: {}\r\n\r\n{body}",
+            body.len()
+        )
+    };
+    let mut exchange = async |body: &str| {
+        use tokio::io::AsyncWriteExt;
+        conn.write_all(post(body).as_bytes()).await.unwrap();
+        let answer = read_response(&mut conn).await;
+        let (head, body) = answer.split_once("\r\n\r\n").unwrap();
+        let status = head.split(' ').nth(1).unwrap().to_owned();
+        (
+            status,
+            head.to_ascii_lowercase(),
+            serde_json::from_str::<serde_json::Value>(body).unwrap(),
+        )
+    };
+    for (field, body) in [
+        ("wait", r#"{"holder":"w1","wait":"300000000000years"}"#),
+        ("ttl", r#"{"holder":"w1","ttl":"300000000000years"}"#),
+        ("wait", r#"{"holder":"w1","wait":"1h 1ms"}"#),
+    ] {
+        let (status, head, problem) = exchange(body).await;
+        assert_eq!(status, "400", "{body}: {problem}");
+        assert!(
+            head.contains("content-type: application/problem+json"),
+            "{head}"
+        );
+        assert_eq!(
+            problem,
+            serde_json::json!({
+                "type": "urn:fencegate:invalid-request",
+                "title": "Bad Request",
+                "status": 400,
+                "detail": format!("{field} is above the maximum of 1h"),
+                "resource": "job:1",
+            })
+        );
+    }
+    // The same connection, then the longest wait allowed: granted at once.
+    let (status, _, lease) = exchange(r#"{"holder":"w1","wait":"1h"}"#).await;
+    assert_eq!(status, "200", "{lease}");
+    assert_eq!(lease["state"], "held");
+    assert_eq!(lease["holder"], "w1");
+    assert_eq!(lease["ttl_ms"], 1500);
+}
+
 #[tokio::test]
 async fn lease_events_stream() {
     use http_body_util::BodyExt;
@@ -378,4 +444,81 @@ async fn sigterm_finishes_in_flight_writes_then_releases_leases() {
         .unwrap()
         .unwrap();
     assert_eq!(status.code(), Some(0));
+}
+
+/// SIGTERM while an acquisition waits for a lease held here: the drain's own release must not
+/// hand the lease to the waiter. It gets 503 `draining`, and the process leaves nothing held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_refuses_a_waiting_acquisition_and_leaves_nothing_held() {
+    let dir = tempfile::tempdir().unwrap();
+    let leases_db = dir.path().join("leases.db");
+    let path = config(
+        dir.path(),
+        "w.yaml",
+        &format!(
+            "listen: 127.0.0.1:0\nadmin: 127.0.0.1:0\nupstream: http://127.0.0.1:9\nstore: {{ kind: memory }}\n\
+             leases:\n  listen: 127.0.0.1:0\n  backend: {{ kind: embedded, path: {} }}\n  ttl: 30s\n  drain_timeout: 20s\n",
+            leases_db.display()
+        ),
+    );
+    // `lease acquisition waiting` (debug) says when the waiter is in the agent.
+    let mut p =
+        Process::start_with_env(&path, &[("FENCEGATE_LOG", "info,fencegate::lease=debug")]).await;
+    let held = acquire(&p, "w9", "0s").await;
+    assert_eq!(held.status, 200, "{}", held.text());
+    let waiter = tokio::spawn({
+        let url = format!("http://{}/v1/leases/account:42", p.leases.unwrap());
+        async move { send("POST", &url, &[], r#"{"holder":"w8","wait":"10s"}"#).await }
+    });
+    let waiting = wait_log(&mut p.logs, "lease acquisition waiting").await;
+    assert_eq!(waiting["holder_id"], "w8", "{waiting}");
+
+    p.signal("-TERM");
+    let refused = waiter.await.unwrap();
+    let body = refused.assert_problem(503, "urn:fencegate:draining");
+    assert_eq!(
+        body,
+        serde_json::json!({
+            "type": "urn:fencegate:draining",
+            "title": "Service Unavailable",
+            "status": 503,
+            "detail": "this sidecar is shutting down and grants no new leases",
+            "resource": "account:42",
+        })
+    );
+    let status = tokio::time::timeout(std::time::Duration::from_secs(20), p.child.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(status.code(), Some(0));
+    // w9's lease was released by the drain, and no lease was granted after it.
+    let mut released = false;
+    while let Some(line) = p.logs.recv().await {
+        match line["message"].as_str() {
+            Some("lease released") => {
+                assert_eq!(line["holder_id"], "w9", "{line}");
+                released = true;
+            }
+            Some("lease held") => panic!("granted while draining: {line}"),
+            _ => {}
+        }
+    }
+    assert!(released, "w9's lease was not released");
+    // The backend agrees: the next holder gets the lease at once.
+    let backend = fencegate::lease::open(&fencegate::config::BackendConfig {
+        kind: fencegate::config::BackendKind::Embedded,
+        url: None,
+        path: Some(leases_db),
+        prefix: "fencegate".into(),
+    })
+    .await
+    .unwrap();
+    let next = backend
+        .try_acquire("account:42", "next", std::time::Duration::from_secs(30))
+        .await
+        .unwrap();
+    assert!(
+        matches!(next, fencegate::lease::Acquired::Granted(_)),
+        "{next:?}"
+    );
 }

@@ -28,9 +28,15 @@ pub(crate) struct Process {
 
 impl Process {
     pub async fn start(config: &Path) -> Process {
+        Self::start_with_env(config, &[]).await
+    }
+
+    /// As [`Process::start`], with extra environment variables (`FENCEGATE_LOG`, say).
+    pub async fn start_with_env(config: &Path, env: &[(&str, &str)]) -> Process {
         let mut child = Command::new(BIN)
             .args(["run", "--config"])
             .arg(config)
+            .envs(env.iter().copied())
             .stderr(Stdio::piped())
             .kill_on_drop(true)
             .spawn()
