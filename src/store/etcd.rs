@@ -7,7 +7,11 @@
 //!
 //! Idempotency records live at `/{prefix}/idempotency/{resource}\x1f{key}` (the JSON of
 //! [`Record::encode`]), each attached to a lease whose TTL is the record's window rounded up
-//! to whole seconds, so etcd itself deletes it when the window ends. A claim reads the record
+//! to whole seconds, so etcd itself deletes it when the window ends. The leader times leases
+//! on its monotonic clock (Go's `time.Now` carries a monotonic reading, and a lease's expiry
+//! is compared through it), and a new leader restarts every lease's remaining time rather
+//! than shortening it: a step of any wall clock ends no in-flight record early, so, unlike
+//! Redis and PostgreSQL, in-flight records here keep their store-side expiry. A claim reads the record
 //! and the maximum at one revision, runs [`idempotency::decide`] here, and writes both keys in
 //! one transaction guarded by their `mod_revision`s as read (0: absent); when another writer
 //! got in between, it starts over from the read, a bounded number of times.
@@ -19,10 +23,10 @@ use etcd_client::{
     TxnOpResponse,
 };
 
-use super::shared::Remote;
+use super::shared::{Claimed, Remote};
 use super::{decide, record_key, BoxFuture, StoreError, Verdict};
 use crate::config::EqualTokens;
-use crate::idempotency::{self, Begin, Claim, Record};
+use crate::idempotency::{self, AttemptId, Begin, Claim, Record};
 
 /// How many times a claim or an outcome write starts over after losing a race.
 const ATTEMPTS: usize = 32;
@@ -367,8 +371,11 @@ impl Remote for EtcdRemote {
         resource: &'a str,
         key: &'a str,
         claim: &'a Claim,
-    ) -> BoxFuture<'a, Result<Begin, StoreError>> {
-        Box::pin(self.begin(resource, key, claim))
+        _takeover: Option<AttemptId>,
+    ) -> BoxFuture<'a, Result<Claimed, StoreError>> {
+        // etcd deletes an in-flight record itself when its lease ends: it names no owner, so
+        // nothing is ever taken over.
+        Box::pin(async move { self.begin(resource, key, claim).await.map(Claimed::from) })
     }
 
     fn finish_idempotent<'a>(

@@ -123,6 +123,15 @@ pub fn record_key(resource: &str, key: &str) -> String {
 /// Opens the store a config names. Networked stores connect lazily: an unreachable store
 /// makes fencegate not ready (and its writes 503), not fail to start.
 pub async fn open(config: &StoreConfig) -> Result<Arc<dyn FenceStore>, StoreError> {
+    open_with_clock(config, shared::monotonic()).await
+}
+
+/// [`open`], with the monotonic clock the networked stores time in-flight idempotency records
+/// by ([`shared`]); the memory and embedded stores keep their own. For tests.
+pub async fn open_with_clock(
+    config: &StoreConfig,
+    clock: shared::Clock,
+) -> Result<Arc<dyn FenceStore>, StoreError> {
     let url = || {
         config
             .url
@@ -142,15 +151,21 @@ pub async fn open(config: &StoreConfig) -> Result<Arc<dyn FenceStore>, StoreErro
         }
         StoreKind::Redis => {
             let remote = self::redis::RedisRemote::new(url(), &config.prefix)?;
-            Ok(Arc::new(shared::SharedStore::new(remote, cache)))
+            Ok(Arc::new(shared::SharedStore::with_clock(
+                remote, cache, clock,
+            )))
         }
         StoreKind::Postgres => {
             let remote = self::postgres::PostgresRemote::new(url(), &config.prefix)?;
-            Ok(Arc::new(shared::SharedStore::new(remote, cache)))
+            Ok(Arc::new(shared::SharedStore::with_clock(
+                remote, cache, clock,
+            )))
         }
         StoreKind::Etcd => {
             let remote = self::etcd::EtcdRemote::connect(url(), &config.prefix).await?;
-            Ok(Arc::new(shared::SharedStore::new(remote, cache)))
+            Ok(Arc::new(shared::SharedStore::with_clock(
+                remote, cache, clock,
+            )))
         }
     }
 }

@@ -7,14 +7,23 @@
 //! read because maxima only grow. The tables are created on first use if missing.
 //!
 //! Idempotency records live in `<prefix>_idempotency`, one row per `(resource, key)`: the phase
-//! code, token, fingerprint and (`in_flight` rows only) attempt id as columns (for the
-//! conditional outcome write; the attempt column is added to tables created without it, and a
-//! row without one belongs to no attempt) and the encoded
-//! record, with an `expires_at` in server time. Rows past it are absent to every statement and
-//! are deleted in bounded batches through the index on `expires_at`, at most once a minute.
-//! A claim is one transaction: an advisory lock on `(resource, key)`, then the record, the
-//! maximum's row locked `FOR UPDATE`, [`idempotency::decide`] here, and on execute the raise and
-//! the `in_flight` row. An outcome is one conditional `UPDATE`.
+//! code, token, fingerprint and (`in_flight` rows only) attempt id and in-flight lifetime as
+//! columns (for the conditional outcome write and the takeover; these columns are added to
+//! tables created without them, and a row without an attempt belongs to no attempt) and the
+//! encoded record, with an `expires_at` in server time. Rows past it are absent to every
+//! statement and are deleted in bounded batches through the index on `expires_at`, at most
+//! once a minute.
+//!
+//! An outcome's `expires_at` is `now()` plus the window, on the server's wall clock. An
+//! `in_flight` row's is `infinity`: compared with `now()`, a forward step of the server's clock
+//! would end a running attempt's claim. A claim instead takes over the row of an attempt seen
+//! in flight for a whole in-flight lifetime on fencegate's monotonic clock
+//! ([`super::shared`]), in its transaction, only while the row still names that attempt.
+//!
+//! A claim is one transaction: an advisory lock on `(resource, key)`, the takeover if any (a
+//! conditional `DELETE`), then the record, the maximum's row locked `FOR UPDATE`,
+//! [`idempotency::decide`] here, and on execute the raise and the `in_flight` row. An outcome
+//! is one conditional `UPDATE`.
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -24,10 +33,10 @@ use tokio::sync::OnceCell;
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{NoTls, Row};
 
-use super::shared::Remote;
+use super::shared::{Claimed, Owner, Remote};
 use super::{decide, record_key, BoxFuture, StoreError, Verdict};
 use crate::config::EqualTokens;
-use crate::idempotency::{self, Begin, Claim, Record};
+use crate::idempotency::{self, AttemptId, Begin, Claim, Record};
 
 /// How often a claim may start a purge of expired records.
 const PURGE_EVERY: Duration = Duration::from_secs(60);
@@ -52,6 +61,7 @@ pub struct PostgresRemote {
 /// The statements of idempotency records.
 struct IdempotencySql {
     lock: String,
+    takeover: String,
     read: String,
     lock_max: String,
     insert_max: String,
@@ -65,8 +75,12 @@ impl IdempotencySql {
     fn new(fences: &str, records: &str) -> Self {
         IdempotencySql {
             lock: "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))".to_owned(),
+            takeover: format!(
+                "DELETE FROM {records} \
+                 WHERE resource = $1 AND idem_key = $2 AND phase = 'i' AND attempt = $3"
+            ),
             read: format!(
-                "SELECT record FROM {records} \
+                "SELECT record, attempt, in_flight_ms FROM {records} \
                  WHERE resource = $1 AND idem_key = $2 AND expires_at > now()"
             ),
             lock_max: format!("SELECT max_token FROM {fences} WHERE resource = $1 FOR UPDATE"),
@@ -80,17 +94,20 @@ impl IdempotencySql {
             ),
             write: format!(
                 "INSERT INTO {records} \
-                   (resource, idem_key, phase, token, fingerprint, record, expires_at, attempt) \
-                 VALUES ($1, $2, $3, $4, $5, $6, now() + make_interval(secs => $7), $8) \
+                   (resource, idem_key, phase, token, fingerprint, record, expires_at, attempt, \
+                    in_flight_ms) \
+                 VALUES ($1, $2, 'i', $3, $4, $5, 'infinity', $6, $7) \
                  ON CONFLICT (resource, idem_key) DO UPDATE \
                  SET phase = EXCLUDED.phase, token = EXCLUDED.token, \
                      fingerprint = EXCLUDED.fingerprint, record = EXCLUDED.record, \
-                     expires_at = EXCLUDED.expires_at, attempt = EXCLUDED.attempt"
+                     expires_at = EXCLUDED.expires_at, attempt = EXCLUDED.attempt, \
+                     in_flight_ms = EXCLUDED.in_flight_ms"
             ),
             finish: format!(
                 "UPDATE {records} \
                  SET phase = $3, token = $4, fingerprint = $5, record = $6, \
-                     expires_at = now() + make_interval(secs => $7), attempt = NULL \
+                     expires_at = now() + make_interval(secs => $7), attempt = NULL, \
+                     in_flight_ms = NULL \
                  WHERE resource = $1 AND idem_key = $2 AND expires_at > now() \
                    AND phase = 'i' AND token = $8 AND fingerprint = $9 AND attempt = $10"
             ),
@@ -148,8 +165,10 @@ impl PostgresRemote {
                            record TEXT NOT NULL, \
                            expires_at TIMESTAMPTZ NOT NULL, \
                            attempt TEXT, \
+                           in_flight_ms BIGINT, \
                            PRIMARY KEY (resource, idem_key)); \
                          ALTER TABLE {records} ADD COLUMN IF NOT EXISTS attempt TEXT; \
+                         ALTER TABLE {records} ADD COLUMN IF NOT EXISTS in_flight_ms BIGINT; \
                          CREATE INDEX IF NOT EXISTS {records}_expiry ON {records} (expires_at)"
                     ))
                     .await
@@ -167,16 +186,27 @@ impl PostgresRemote {
         resource: &str,
         key: &str,
         claim: &Claim,
-    ) -> Result<Option<Begin>, StoreError> {
+        takeover: Option<AttemptId>,
+    ) -> Result<Option<Claimed>, StoreError> {
         let sql = &self.idem;
         let token = signed(claim.token)?;
         let tx = Tx(client.transaction().await.map_err(|e| unavailable(&e))?);
         // Serialises claims of one key, also while no row exists for it yet.
         let lock = format!("{}\u{1f}{}", self.records, record_key(resource, key));
         tx.execute(&sql.lock, &[&lock]).await?;
-        let existing = tx
-            .query_opt(&sql.read, &[&resource, &key])
-            .await?
+        // Only the row of the attempt named, still in flight; rolled back with the claim.
+        let took_over = match takeover {
+            Some(attempt) => {
+                let attempt = attempt.hex();
+                tx.execute(&sql.takeover, &[&resource, &key, &attempt])
+                    .await?
+                    == 1
+            }
+            None => false,
+        };
+        let found = tx.query_opt(&sql.read, &[&resource, &key]).await?;
+        let existing = found
+            .as_ref()
             .map(|row| {
                 Record::decode(row.get::<_, &str>(0).as_bytes())
                     .map_err(|e| StoreError::Unavailable(format!("postgres holds a {e}")))
@@ -189,6 +219,20 @@ impl PostgresRemote {
             .map(|row| token_of(row.get(0)))
             .transpose()?;
         let begin = idempotency::decide(existing.as_ref(), current, claim);
+        // A row without a readable attempt is nobody's: no takeover, it keeps its expiry.
+        let owner = match (&begin, &found) {
+            (Begin::InFlight, Some(row)) => row
+                .get::<_, Option<&str>>(1)
+                .and_then(AttemptId::from_hex)
+                .map(|attempt| Owner {
+                    attempt,
+                    lifetime: row
+                        .get::<_, Option<i64>>(2)
+                        .and_then(|ms| u64::try_from(ms).ok())
+                        .map(Duration::from_millis),
+                }),
+            _ => None,
+        };
         if let Begin::Execute { .. } = begin {
             match current {
                 None => {
@@ -205,20 +249,24 @@ impl PostgresRemote {
             }
             let record = claim.in_flight();
             let attempt = claim.attempt.hex();
-            let params: [&(dyn ToSql + Sync); 8] = [
+            let lifetime = i64::try_from(claim.window.as_millis()).unwrap_or(i64::MAX);
+            let params: [&(dyn ToSql + Sync); 7] = [
                 &resource,
                 &key,
-                &record.phase.code(),
                 &token,
                 &record.fingerprint.hex(),
                 &encoded(&record),
-                &claim.window.as_secs_f64(),
                 &attempt,
+                &lifetime,
             ];
             tx.execute(&sql.write, &params).await?;
         }
         tx.0.commit().await.map_err(|e| unavailable(&e))?;
-        Ok(Some(begin))
+        Ok(Some(Claimed {
+            begin,
+            owner,
+            took_over,
+        }))
     }
 
     /// Starts a purge of expired records in the background, at most once per [`PURGE_EVERY`].
@@ -389,13 +437,17 @@ impl Remote for PostgresRemote {
         resource: &'a str,
         key: &'a str,
         claim: &'a Claim,
-    ) -> BoxFuture<'a, Result<Begin, StoreError>> {
+        takeover: Option<AttemptId>,
+    ) -> BoxFuture<'a, Result<Claimed, StoreError>> {
         Box::pin(async move {
             let mut client = self.client().await?;
             for _ in 0..CLAIM_ATTEMPTS {
-                if let Some(begin) = self.try_begin(&mut client, resource, key, claim).await? {
+                let claimed = self
+                    .try_begin(&mut client, resource, key, claim, takeover)
+                    .await?;
+                if let Some(claimed) = claimed {
                     self.maybe_purge();
-                    return Ok(begin);
+                    return Ok(claimed);
                 }
             }
             Err(unavailable(

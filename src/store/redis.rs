@@ -8,18 +8,27 @@
 //! Idempotency records are hashes at `{prefix}:{<resource>}:idem\x1f<key>` (same hash tag as
 //! the maximum, so one script may touch both; neither part can contain `\x1f`, so no two
 //! `(resource, key)` pairs share a key). Fields: `p` the phase code, `t` the token (canonical
-//! decimal), `f` the fingerprint (hex), `a` the attempt id (hex, `in_flight` records only) and
-//! `r` the encoded record. Redis expires them (`PEXPIRE`
-//! with the window); one script per operation decides and writes.
+//! decimal), `f` the fingerprint (hex), `a` the attempt id and `w` its in-flight lifetime in
+//! milliseconds (both `in_flight` records only) and `r` the encoded record. One script per
+//! operation decides and writes.
+//!
+//! Outcomes (`completed`, `unknown`) expire by Redis (`PEXPIRE` with the window), on the
+//! server's wall clock. `in_flight` records have no TTL (`PERSIST`): Redis keeps expiries as
+//! absolute Unix times, so a forward step of the server's clock would end a running attempt's
+//! claim. A claim instead takes over the record of an attempt seen in flight for a whole
+//! in-flight lifetime on fencegate's monotonic clock ([`super::shared`]), in the script, only
+//! while the record still names that attempt.
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::Script;
 use tokio::sync::OnceCell;
 
-use super::shared::Remote;
+use std::time::Duration;
+
+use super::shared::{Claimed, Owner, Remote};
 use super::{decide, BoxFuture, StoreError, Verdict};
 use crate::config::EqualTokens;
-use crate::idempotency::{Begin, Claim, Record};
+use crate::idempotency::{AttemptId, Begin, Claim, Record};
 
 /// KEYS[1] = maximum key, ARGV[1] = token (canonical decimal).
 /// Returns the previous maximum ('' if none) and whether the token raised it.
@@ -37,45 +46,53 @@ return {current or '', 1}
 
 /// `idempotency::decide`, transcribed. KEYS[1] = maximum key, KEYS[2] = record key;
 /// ARGV[1] = token (canonical decimal), ARGV[2] = fingerprint (hex), ARGV[3] = '1' when equal
-/// tokens are allowed, ARGV[4] = '1' when the attempt may execute, ARGV[5] = window in
-/// milliseconds, ARGV[6] = the encoded in_flight record to write on execute, ARGV[7] = the
-/// attempt id (hex).
-/// Returns {'execute', previous or ''}, {'stale', current}, {'inflight'}, {'reused'},
-/// {'completed', encoded record} or {'refused'}.
+/// tokens are allowed, ARGV[4] = '1' when the attempt may execute, ARGV[5] = the in-flight
+/// lifetime in milliseconds, ARGV[6] = the encoded in_flight record to write on execute,
+/// ARGV[7] = the attempt id (hex), ARGV[8] = the attempt whose in_flight record to take over
+/// ('' for none): such a record counts as absent, and is deleted unless replaced.
+/// Returns {kind, '1' if it took over else '0', ...}: {'execute', _, previous or ''},
+/// {'stale', _, current}, {'inflight', _, attempt or '', lifetime or ''}, {'reused', _},
+/// {'completed', _, encoded record} or {'refused', _}.
 const BEGIN: &str = r"
 local function below(a, b)
   return #a < #b or (#a == #b and a < b)
 end
 local token = ARGV[1]
 local current = redis.call('GET', KEYS[1])
-local record = redis.call('HMGET', KEYS[2], 'p', 't', 'f', 'r')
+local record = redis.call('HMGET', KEYS[2], 'p', 't', 'f', 'r', 'a', 'w')
+local took = '0'
+if ARGV[8] ~= '' and record[1] == 'i' and record[5] == ARGV[8] then
+  redis.call('DEL', KEYS[2])
+  record = {false}
+  took = '1'
+end
 local allow_equal = ARGV[3] == '1'
 if record[1] then
   if record[3] ~= ARGV[2] then
-    return {'reused'}
+    return {'reused', took}
   end
   if record[1] == 'i' then
-    return {'inflight'}
+    return {'inflight', took, record[5] or '', record[6] or ''}
   end
   if record[1] == 'c' then
-    return {'completed', record[4]}
+    return {'completed', took, record[4]}
   end
   if below(token, record[2]) then
     if current and below(record[2], current) then
-      return {'stale', current}
+      return {'stale', took, current}
     end
-    return {'stale', record[2]}
+    return {'stale', took, record[2]}
   end
   if token == record[2] then
     allow_equal = true
   end
 end
 if ARGV[4] ~= '1' then
-  return {'refused'}
+  return {'refused', took}
 end
 if current then
   if below(token, current) or (token == current and not allow_equal) then
-    return {'stale', current}
+    return {'stale', took, current}
   end
   if below(current, token) then
     redis.call('SET', KEYS[1], token)
@@ -83,22 +100,22 @@ if current then
 else
   redis.call('SET', KEYS[1], token)
 end
-redis.call('HSET', KEYS[2], 'p', 'i', 't', token, 'f', ARGV[2], 'a', ARGV[7], 'r', ARGV[6])
-redis.call('PEXPIRE', KEYS[2], ARGV[5])
-return {'execute', current or ''}
+redis.call('HSET', KEYS[2], 'p', 'i', 't', token, 'f', ARGV[2], 'a', ARGV[7], 'w', ARGV[5], 'r', ARGV[6])
+redis.call('PERSIST', KEYS[2])
+return {'execute', took, current or ''}
 ";
 
 /// KEYS[1] = record key; ARGV[1] = the attempt's token, ARGV[2] = its fingerprint; ARGV[3..6]
 /// = the outcome's phase code, token, fingerprint and encoding; ARGV[7] = window in
 /// milliseconds; ARGV[8] = the attempt id (hex). Writes only over the in_flight record this
 /// attempt claimed (a record without `a`, written before attempts had ids, is nobody's);
-/// returns 1 if it wrote.
+/// returns 1 if it wrote. The outcome expires after the window.
 const FINISH: &str = r"
 local record = redis.call('HMGET', KEYS[1], 'p', 't', 'f', 'a')
 if record[1] ~= 'i' or record[2] ~= ARGV[1] or record[3] ~= ARGV[2] or record[4] ~= ARGV[8] then
   return 0
 end
-redis.call('HDEL', KEYS[1], 'a')
+redis.call('HDEL', KEYS[1], 'a', 'w')
 redis.call('HSET', KEYS[1], 'p', ARGV[3], 't', ARGV[4], 'f', ARGV[5], 'r', ARGV[6])
 redis.call('PEXPIRE', KEYS[1], ARGV[7])
 return 1
@@ -172,7 +189,8 @@ fn flag(on: bool) -> &'static str {
     }
 }
 
-/// The record's lifetime for `PEXPIRE`, at least a millisecond (0 would delete it at once).
+/// The record's lifetime for `PEXPIRE` (or, in flight, `w`), at least a millisecond (0 would
+/// delete it at once).
 fn window_ms(claim: &Claim) -> u64 {
     u64::try_from(claim.window.as_millis())
         .unwrap_or(u64::MAX)
@@ -183,36 +201,53 @@ fn bad_reply(what: &str) -> StoreError {
     StoreError::Unavailable(format!("redis: unexpected idempotency reply: {what}"))
 }
 
-/// The begin script's reply as a [`Begin`].
-fn begin_reply(reply: &[Vec<u8>]) -> Result<Begin, StoreError> {
+/// The begin script's reply as a [`Claimed`].
+fn begin_reply(reply: &[Vec<u8>]) -> Result<Claimed, StoreError> {
     let text = |i: usize| -> Result<&str, StoreError> {
         let raw = reply.get(i).ok_or_else(|| bad_reply("too short"))?;
         std::str::from_utf8(raw).map_err(|_| bad_reply("not text"))
     };
-    match text(0)? {
+    let took_over = match text(1)? {
+        "1" => true,
+        "0" => false,
+        other => return Err(bad_reply(other)),
+    };
+    let mut owner = None;
+    let begin = match text(0)? {
         "execute" => {
-            let previous = text(1)?;
+            let previous = text(2)?;
             let previous = if previous.is_empty() {
                 None
             } else {
                 Some(parse(previous)?)
             };
-            Ok(Begin::Execute { previous })
+            Begin::Execute { previous }
         }
-        "stale" => Ok(Begin::Stale {
-            current: parse(text(1)?)?,
-        }),
-        "inflight" => Ok(Begin::InFlight),
-        "reused" => Ok(Begin::Reused),
-        "refused" => Ok(Begin::Refused),
+        "stale" => Begin::Stale {
+            current: parse(text(2)?)?,
+        },
+        "inflight" => {
+            // A record without an attempt (or with one this cannot read) is nobody's: no
+            // takeover, it keeps the TTL it was written with.
+            let lifetime = text(3)?.parse().ok().map(Duration::from_millis);
+            owner = AttemptId::from_hex(text(2)?).map(|attempt| Owner { attempt, lifetime });
+            Begin::InFlight
+        }
+        "reused" => Begin::Reused,
+        "refused" => Begin::Refused,
         "completed" => {
-            let raw = reply.get(1).ok_or_else(|| bad_reply("no record"))?;
+            let raw = reply.get(2).ok_or_else(|| bad_reply("no record"))?;
             let record = Record::decode(raw)
                 .map_err(|e| StoreError::Unavailable(format!("redis holds a {e}")))?;
-            Ok(Begin::Completed(record))
+            Begin::Completed(record)
         }
-        other => Err(bad_reply(other)),
-    }
+        other => return Err(bad_reply(other)),
+    };
+    Ok(Claimed {
+        begin,
+        owner,
+        took_over,
+    })
 }
 
 impl Remote for RedisRemote {
@@ -272,7 +307,8 @@ impl Remote for RedisRemote {
         resource: &'a str,
         key: &'a str,
         claim: &'a Claim,
-    ) -> BoxFuture<'a, Result<Begin, StoreError>> {
+        takeover: Option<AttemptId>,
+    ) -> BoxFuture<'a, Result<Claimed, StoreError>> {
         Box::pin(async move {
             let mut conn = self.conn().await?;
             let in_flight = claim.in_flight().encode();
@@ -287,6 +323,7 @@ impl Remote for RedisRemote {
                 .arg(window_ms(claim))
                 .arg(in_flight)
                 .arg(claim.attempt.hex())
+                .arg(takeover.map(|a| a.hex()).unwrap_or_default())
                 .invoke_async(&mut conn)
                 .await
                 .map_err(unavailable)?;

@@ -5,16 +5,65 @@
 //! A maximum seen once is a lower bound forever (maxima never decrease), so a token below a
 //! cached value is stale no matter what other replicas did since. Admissions always go to the
 //! store: only the store knows whether another replica raised the maximum meanwhile.
+//!
+//! In-flight idempotency records in Redis and PostgreSQL carry no server-side expiry: the
+//! server's wall clock may step forward while the attempt runs, and a retry would then
+//! execute beside it. Their end is timed here instead, on this process's monotonic clock
+//! ([`InFlightSightings`]): a record whose owning attempt is still in flight a whole in-flight
+//! lifetime after this process first saw it so is taken over by the next claim, and the store
+//! checks, in the same atomic step as the claim, that the record still names that attempt.
+//! The first sighting is no earlier than the attempt's start, so the takeover is never early,
+//! whatever any wall clock does.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use dashmap::DashMap;
 
 use super::{decide, BoxFuture, FenceStore, StoreError, Verdict};
 use crate::config::EqualTokens;
-use crate::idempotency::{Begin, Claim, Record};
+use crate::idempotency::{AttemptId, Begin, Claim, Record};
+
+/// The monotonic clock in-flight records are timed by: `Instant::now` but in tests.
+pub type Clock = Arc<dyn Fn() -> Instant + Send + Sync>;
+
+/// The clock of a running fencegate.
+pub fn monotonic() -> Clock {
+    Arc::new(Instant::now)
+}
+
+/// Whose the `in_flight` record a claim found is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Owner {
+    pub attempt: AttemptId,
+    /// The in-flight lifetime the owner claimed with (its `claim.window`), when the record
+    /// says.
+    pub lifetime: Option<Duration>,
+}
+
+/// A remote's answer to a claim.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Claimed {
+    pub begin: Begin,
+    /// With [`Begin::InFlight`]: the attempt that owns the record, `None` when it names none
+    /// (written before attempts had ids: it keeps the server-side expiry it was written with)
+    /// or the store expires in-flight records itself (etcd).
+    pub owner: Option<Owner>,
+    /// Whether the claim took over (replaced or deleted) the record of the attempt named by
+    /// `takeover`.
+    pub took_over: bool,
+}
+
+impl From<Begin> for Claimed {
+    fn from(begin: Begin) -> Self {
+        Claimed {
+            begin,
+            owner: None,
+            took_over: false,
+        }
+    }
+}
 
 /// One networked store's compare-and-raise, answered by the store itself, atomically.
 pub trait Remote: Send + Sync + 'static {
@@ -30,13 +79,18 @@ pub trait Remote: Send + Sync + 'static {
     /// A cheap round trip that proves the store answers (and reconnects if needed).
     fn ping(&self) -> BoxFuture<'_, Result<(), StoreError>>;
 
-    /// [`FenceStore::begin_idempotent`], answered by the store itself, atomically.
+    /// [`FenceStore::begin_idempotent`], answered by the store itself, atomically. With
+    /// `takeover`, an `in_flight` record owned by that attempt counts as absent (its owner is
+    /// presumed dead) and is replaced or deleted in the same atomic step; a record owned by
+    /// any other attempt, or none, is left as it is. An `in_flight` record this writes has no
+    /// server-side expiry (but in etcd, whose leases the leader times on its monotonic clock).
     fn begin_idempotent<'a>(
         &'a self,
         resource: &'a str,
         key: &'a str,
         claim: &'a Claim,
-    ) -> BoxFuture<'a, Result<Begin, StoreError>>;
+        takeover: Option<AttemptId>,
+    ) -> BoxFuture<'a, Result<Claimed, StoreError>>;
 
     /// [`FenceStore::finish_idempotent`].
     fn finish_idempotent<'a>(
@@ -97,9 +151,115 @@ impl BoundedMaxima {
     }
 }
 
+/// Most in-flight records whose first sighting is remembered; more are forgotten (any one:
+/// forgetting only postpones a takeover).
+const SIGHTINGS: usize = 65_536;
+
+/// Per `(resource, key)`: the attempt last seen owning its `in_flight` record and when this
+/// process first saw it so, on the monotonic clock. At most `capacity` records.
+pub struct InFlightSightings {
+    map: Mutex<std::collections::HashMap<String, Sighting>>,
+    capacity: usize,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Sighting {
+    attempt: AttemptId,
+    /// When the record may be taken over: first sighting plus the longer of the owner's and
+    /// the observer's in-flight lifetimes; `None` when that does not fit in an `Instant`.
+    deadline: Option<Instant>,
+    /// The lifetime the deadline adds, to tell when an entry is stale.
+    lifetime: Duration,
+}
+
+impl InFlightSightings {
+    pub fn new(capacity: usize) -> Self {
+        InFlightSightings {
+            map: Mutex::new(std::collections::HashMap::new()),
+            capacity,
+        }
+    }
+
+    /// The attempt a claim of `record` at `now` may take over: the one seen owning it since
+    /// at least its deadline.
+    pub fn takeover(&self, record: &str, now: Instant) -> Option<AttemptId> {
+        let map = self.map.lock().expect("sightings poisoned");
+        let seen = map.get(record)?;
+        seen.deadline
+            .is_some_and(|deadline| now >= deadline)
+            .then_some(seen.attempt)
+    }
+
+    /// A claim at `now` found `record` in flight, owned by `owner`; `lifetime` is the
+    /// claimant's in-flight lifetime. A new owner starts a new sighting; the same owner keeps
+    /// the first one, its deadline only ever moving later.
+    pub fn in_flight(&self, record: &str, owner: Owner, lifetime: Duration, now: Instant) {
+        let lifetime = owner.lifetime.map_or(lifetime, |l| l.max(lifetime));
+        let mut map = self.map.lock().expect("sightings poisoned");
+        if let Some(seen) = map.get_mut(record) {
+            if seen.attempt == owner.attempt {
+                if lifetime > seen.lifetime {
+                    // First sighting = deadline - lifetime; move the deadline with the
+                    // longer lifetime (a missing deadline stays missing: never).
+                    seen.deadline = seen
+                        .deadline
+                        .and_then(|d| d.checked_add(lifetime - seen.lifetime));
+                    seen.lifetime = lifetime;
+                }
+                return;
+            }
+        }
+        if self.capacity == 0 {
+            return;
+        }
+        if map.len() >= self.capacity && !map.contains_key(record) {
+            map.retain(|_, seen| !seen.stale(now));
+            if map.len() >= self.capacity {
+                let victim = map.keys().next().cloned();
+                if let Some(victim) = victim {
+                    map.remove(&victim);
+                }
+            }
+        }
+        map.insert(
+            record.to_owned(),
+            Sighting {
+                attempt: owner.attempt,
+                deadline: now.checked_add(lifetime),
+                lifetime,
+            },
+        );
+    }
+
+    /// A claim found `record` not in flight (or in flight for nobody): forget it.
+    pub fn settled(&self, record: &str) {
+        self.map.lock().expect("sightings poisoned").remove(record);
+    }
+
+    pub fn len(&self) -> usize {
+        self.map.lock().expect("sightings poisoned").len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl Sighting {
+    /// Past its deadline by another lifetime without a claim taking it over: nobody asks for
+    /// the key, so the entry is only memory (forgetting it postpones a takeover, no more).
+    fn stale(&self, now: Instant) -> bool {
+        self.deadline
+            .and_then(|d| d.checked_add(self.lifetime))
+            .is_some_and(|stale| now >= stale)
+    }
+}
+
 pub struct SharedStore<R: Remote> {
     remote: Arc<R>,
     cache: BoundedMaxima,
+    sightings: InFlightSightings,
+    clock: Clock,
     healthy: Arc<AtomicBool>,
     /// The health probe; stopped when the store is dropped.
     probe: tokio::task::JoinHandle<()>,
@@ -115,6 +275,11 @@ const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 impl<R: Remote> SharedStore<R> {
     /// Wraps a remote; must be called inside a Tokio runtime (it starts the probe task).
     pub fn new(remote: R, cache_capacity: usize) -> Self {
+        Self::with_clock(remote, cache_capacity, monotonic())
+    }
+
+    /// [`SharedStore::new`], timing in-flight records by `clock`.
+    pub fn with_clock(remote: R, cache_capacity: usize, clock: Clock) -> Self {
         let remote = Arc::new(remote);
         // Unknown until the first answer; the first probe runs at once.
         let healthy = Arc::new(AtomicBool::new(false));
@@ -122,6 +287,8 @@ impl<R: Remote> SharedStore<R> {
         SharedStore {
             remote,
             cache: BoundedMaxima::new(cache_capacity),
+            sightings: InFlightSightings::new(SIGHTINGS),
+            clock,
             healthy,
             probe,
         }
@@ -213,14 +380,41 @@ impl<R: Remote> FenceStore for SharedStore<R> {
     ) -> BoxFuture<'a, Result<Begin, StoreError>> {
         // Never answered from the cache: a stale token may still have a record to replay.
         Box::pin(async move {
-            let result = self.remote.begin_idempotent(resource, key, claim).await;
+            let record = super::record_key(resource, key);
+            let takeover = self.sightings.takeover(&record, (self.clock)());
+            let result = self
+                .remote
+                .begin_idempotent(resource, key, claim, takeover)
+                .await;
             self.record(&result);
-            match &result {
-                Ok(Begin::Execute { .. }) => self.cache.observe(resource, claim.token),
-                Ok(Begin::Stale { current }) => self.cache.observe(resource, *current),
+            let Claimed {
+                begin,
+                owner,
+                took_over,
+            } = result?;
+            match (&begin, owner) {
+                (Begin::InFlight, Some(owner)) => {
+                    // Read after the answer: a sighting is never earlier than the store saw it.
+                    self.sightings
+                        .in_flight(&record, owner, claim.window, (self.clock)())
+                }
+                // The error case leaves the sighting: the record is as it was, or taken over.
+                _ => self.sightings.settled(&record),
+            }
+            if let Some(attempt) = takeover.filter(|_| took_over) {
+                tracing::warn!(
+                    resource,
+                    attempt = %attempt.hex(),
+                    "idempotency record taken over: its attempt was still in flight a whole \
+                     in-flight lifetime after it was first seen (did its fencegate die?)"
+                );
+            }
+            match &begin {
+                Begin::Execute { .. } => self.cache.observe(resource, claim.token),
+                Begin::Stale { current } => self.cache.observe(resource, *current),
                 _ => {}
             }
-            result
+            Ok(begin)
         })
     }
 
@@ -262,6 +456,65 @@ mod tests {
         assert_eq!(c.get("c"), Some(1));
         let none = BoundedMaxima::new(0);
         none.observe("a", 1);
+        assert!(none.is_empty());
+    }
+
+    fn owner(n: u128, lifetime: Option<u64>) -> Owner {
+        Owner {
+            attempt: AttemptId(n),
+            lifetime: lifetime.map(Duration::from_secs),
+        }
+    }
+
+    #[test]
+    fn a_takeover_waits_a_lifetime_from_the_first_sighting_of_the_same_attempt() {
+        let s = InFlightSightings::new(8);
+        let t0 = Instant::now();
+        let at = |secs| t0 + Duration::from_secs(secs);
+        let minute = Duration::from_secs(60);
+        assert_eq!(s.takeover("k", t0), None);
+        s.in_flight("k", owner(1, None), minute, t0);
+        // Seen again later: the first sighting stands.
+        s.in_flight("k", owner(1, None), minute, at(30));
+        assert_eq!(s.takeover("k", at(59)), None);
+        assert_eq!(s.takeover("k", at(60)), Some(AttemptId(1)));
+        // The owner's longer lifetime, learnt later, still counts from the first sighting.
+        s.in_flight("k", owner(1, Some(90)), minute, at(60));
+        assert_eq!(s.takeover("k", at(89)), None);
+        assert_eq!(s.takeover("k", at(90)), Some(AttemptId(1)));
+        // Another attempt starts over.
+        s.in_flight("k", owner(2, None), minute, at(90));
+        assert_eq!(s.takeover("k", at(149)), None);
+        assert_eq!(s.takeover("k", at(150)), Some(AttemptId(2)));
+        s.settled("k");
+        assert_eq!(s.takeover("k", at(1000)), None);
+        // A lifetime past what an Instant holds: never.
+        s.in_flight("f", owner(3, None), Duration::MAX, t0);
+        assert_eq!(s.takeover("f", at(1_000_000_000)), None);
+    }
+
+    #[test]
+    fn sightings_are_bounded_and_stale_ones_go_first() {
+        let s = InFlightSightings::new(2);
+        let t0 = Instant::now();
+        let minute = Duration::from_secs(60);
+        s.in_flight("old", owner(1, None), minute, t0);
+        s.in_flight("new", owner(2, None), minute, t0 + Duration::from_secs(100));
+        // "old" is past its deadline by a lifetime at 120s: it goes, "new" stays.
+        s.in_flight(
+            "third",
+            owner(3, None),
+            minute,
+            t0 + Duration::from_secs(120),
+        );
+        assert_eq!(s.len(), 2);
+        assert_eq!(
+            s.takeover("new", t0 + Duration::from_secs(160)),
+            Some(AttemptId(2))
+        );
+        assert_eq!(s.takeover("old", t0 + Duration::from_secs(160)), None);
+        let none = InFlightSightings::new(0);
+        none.in_flight("k", owner(1, None), minute, t0);
         assert!(none.is_empty());
     }
 }

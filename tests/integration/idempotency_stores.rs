@@ -1,14 +1,17 @@
 //! One conformance suite for the idempotency records every fence store keeps, against real
 //! servers: the decision, its coupling with the maximum, the outcome write and expiry.
 
+use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use fencegate::config::EqualTokens;
+use fencegate::config::{Config, EqualTokens};
 use fencegate::idempotency::{AttemptId, Begin, Claim, Fingerprint, Phase, Record, StoredResponse};
-use fencegate::store::{FenceStore, Verdict};
+use fencegate::store::shared::Clock;
+use fencegate::store::{self, FenceStore, Verdict};
 
+use crate::services::{fresh_prefix, POSTGRES_URL, REDIS_URL};
 use crate::stores::open;
 
 fn fp(n: u8) -> Fingerprint {
@@ -301,3 +304,333 @@ conformance!(embedded);
 conformance!(redis);
 conformance!(postgres);
 conformance!(etcd);
+
+/// A Redis or PostgreSQL store on a fresh prefix, and that prefix (to look at the server).
+async fn open_shared(kind: &str) -> (Arc<dyn FenceStore>, String) {
+    let prefix = fresh_prefix();
+    let url = match kind {
+        "redis" => REDIS_URL,
+        "postgres" => POSTGRES_URL,
+        other => panic!("not a shared store with a wall clock: {other}"),
+    };
+    let config = Config::parse(&format!(
+        "upstream: http://127.0.0.1:1\nstore: {{ kind: {kind}, url: '{url}', prefix: {prefix} }}\n"
+    ))
+    .unwrap();
+    (store::open(&config.store).await.unwrap(), prefix)
+}
+
+/// An hour: a forward step of the store server's wall clock, as NTP or an operator makes it.
+const STEP: Duration = Duration::from_secs(3600);
+
+/// What a forward step of `by` on the Redis server's clock does to the keys under `prefix`:
+/// Redis keeps each expiry as an absolute Unix time, so every key with a TTL loses `by` of it,
+/// and the keys with less left are gone. Keys without a TTL are untouched.
+async fn step_redis_clock(prefix: &str, by: Duration) {
+    let client = ::redis::Client::open(REDIS_URL).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let keys: Vec<String> = ::redis::cmd("KEYS")
+        .arg(format!("{prefix}:*"))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let by = i64::try_from(by.as_millis()).unwrap();
+    for key in keys {
+        let left: i64 = ::redis::cmd("PTTL")
+            .arg(&key)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        if left < 0 {
+            continue;
+        }
+        if left <= by {
+            let _: i64 = ::redis::cmd("DEL")
+                .arg(&key)
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+        } else {
+            let _: i64 = ::redis::cmd("PEXPIRE")
+                .arg(&key)
+                .arg(left - by)
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+        }
+    }
+}
+
+/// What a forward step of an hour on the PostgreSQL server's clock does to the records under
+/// `prefix`: `now()` moves an hour closer to every `expires_at`, which is the same as every
+/// `expires_at` moving an hour closer to `now()` (`infinity` stays where it is).
+async fn step_postgres_clock(prefix: &str) {
+    let (client, connection) = tokio_postgres::connect(POSTGRES_URL, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    client
+        .execute(
+            &format!(
+                "UPDATE {prefix}_idempotency SET expires_at = expires_at - interval '3600 seconds'"
+            ),
+            &[],
+        )
+        .await
+        .unwrap();
+}
+
+/// A forward step of the store server's wall clock while an attempt runs does not end its
+/// in-flight record: a retry is refused as in flight instead of executing beside it, and the
+/// attempt's outcome still lands and is replayed.
+async fn clock_step_keeps_a_running_attempt(kind: &str) {
+    let (store, prefix) = open_shared(kind).await;
+    let (r, k) = ("account:step", "pay");
+    let a = claim(5, 1);
+    assert_eq!(
+        store.begin_idempotent(r, k, &a).await.unwrap(),
+        Begin::Execute { previous: None }
+    );
+    match kind {
+        "redis" => step_redis_clock(&prefix, STEP).await,
+        _ => step_postgres_clock(&prefix).await,
+    }
+    let retry = claim(5, 1);
+    assert_eq!(
+        store.begin_idempotent(r, k, &retry).await.unwrap(),
+        Begin::InFlight,
+        "a clock step on the {kind} server ended a running attempt's claim"
+    );
+    let done = completed(5, 1, b"paid once");
+    assert!(store.finish_idempotent(r, k, &a, &done).await.unwrap());
+    assert_eq!(
+        store.begin_idempotent(r, k, &retry).await.unwrap(),
+        Begin::Completed(done)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_clock_step_keeps_a_running_attempt() {
+    clock_step_keeps_a_running_attempt("redis").await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_clock_step_keeps_a_running_attempt() {
+    clock_step_keeps_a_running_attempt("postgres").await
+}
+
+/// Two fencegates on one Redis or PostgreSQL prefix: one whose attempts die without an
+/// outcome, one that retries, on a monotonic clock the test moves (milliseconds added).
+async fn owner_and_observer(kind: &str) -> (Arc<dyn FenceStore>, Arc<dyn FenceStore>, Advance) {
+    let (owner, prefix) = open_shared(kind).await;
+    let url = if kind == "redis" {
+        REDIS_URL
+    } else {
+        POSTGRES_URL
+    };
+    let config = Config::parse(&format!(
+        "upstream: http://127.0.0.1:1\nstore: {{ kind: {kind}, url: '{url}', prefix: {prefix} }}\n"
+    ))
+    .unwrap();
+    let base = Instant::now();
+    let offset = Arc::new(AtomicU64::new(0));
+    let read = Arc::clone(&offset);
+    let clock: Clock =
+        Arc::new(move || base + Duration::from_millis(read.load(AtomicOrdering::SeqCst)));
+    let observer = store::open_with_clock(&config.store, clock).await.unwrap();
+    (owner, observer, Advance(offset))
+}
+
+struct Advance(Arc<AtomicU64>);
+
+impl Advance {
+    fn by(&self, d: Duration) {
+        self.0.fetch_add(
+            u64::try_from(d.as_millis()).unwrap(),
+            AtomicOrdering::SeqCst,
+        );
+    }
+}
+
+fn lasting(window: Duration, token: u64) -> Claim {
+    Claim {
+        window,
+        ..claim(token, 1)
+    }
+}
+
+/// An attempt that never records an outcome (its fencegate died) keeps its key in flight for
+/// a whole in-flight lifetime on the retrying fencegate's monotonic clock from when it first
+/// saw it in flight, not a millisecond less; then a retry takes the key over and executes, and
+/// the dead attempt's outcome, should it arrive, no longer lands.
+async fn dead_owner_is_taken_over_after_its_lifetime(kind: &str) {
+    let (owner, observer, advance) = owner_and_observer(kind).await;
+    let (r, k) = ("account:dead", "pay");
+    let minute = Duration::from_secs(60);
+    let a = lasting(minute, 5);
+    assert_eq!(
+        owner.begin_idempotent(r, k, &a).await.unwrap(),
+        Begin::Execute { previous: None }
+    );
+    assert_eq!(
+        observer
+            .begin_idempotent(r, k, &lasting(minute, 5))
+            .await
+            .unwrap(),
+        Begin::InFlight
+    );
+    advance.by(minute - Duration::from_millis(1));
+    assert_eq!(
+        observer
+            .begin_idempotent(r, k, &lasting(minute, 5))
+            .await
+            .unwrap(),
+        Begin::InFlight,
+        "taken over before the in-flight lifetime passed"
+    );
+    advance.by(Duration::from_millis(1));
+    let retry = lasting(minute, 5);
+    assert_eq!(
+        observer.begin_idempotent(r, k, &retry).await.unwrap(),
+        Begin::Execute { previous: Some(5) },
+        "never taken over"
+    );
+    // The key is the retry's now.
+    assert!(!owner
+        .finish_idempotent(r, k, &a, &completed(5, 1, b"late"))
+        .await
+        .unwrap());
+    assert_eq!(
+        owner
+            .begin_idempotent(r, k, &lasting(minute, 5))
+            .await
+            .unwrap(),
+        Begin::InFlight
+    );
+    let done = completed(5, 1, b"paid once");
+    assert!(observer
+        .finish_idempotent(r, k, &retry, &done)
+        .await
+        .unwrap());
+    assert_eq!(
+        owner.begin_idempotent(r, k, &claim(5, 1)).await.unwrap(),
+        Begin::Completed(done)
+    );
+}
+
+/// A retry that claims with a shorter in-flight lifetime than the running attempt's (another
+/// configuration) waits for the attempt's.
+async fn takeover_waits_for_the_owners_lifetime(kind: &str) {
+    let (owner, observer, advance) = owner_and_observer(kind).await;
+    let (r, k) = ("account:long", "pay");
+    let (minute, two) = (Duration::from_secs(60), Duration::from_secs(120));
+    assert_eq!(
+        owner
+            .begin_idempotent(r, k, &lasting(two, 5))
+            .await
+            .unwrap(),
+        Begin::Execute { previous: None }
+    );
+    for step in [Duration::ZERO, minute, minute - Duration::from_millis(1)] {
+        advance.by(step);
+        assert_eq!(
+            observer
+                .begin_idempotent(r, k, &lasting(minute, 5))
+                .await
+                .unwrap(),
+            Begin::InFlight
+        );
+    }
+    advance.by(Duration::from_millis(1));
+    assert_eq!(
+        observer
+            .begin_idempotent(r, k, &lasting(minute, 5))
+            .await
+            .unwrap(),
+        Begin::Execute { previous: Some(5) }
+    );
+}
+
+/// A takeover names the attempt seen in flight; when another attempt has claimed the key
+/// since, the takeover does nothing: that attempt keeps its key and records its outcome, and
+/// its own lifetime starts when it is first seen.
+async fn takeover_of_a_finished_attempt_does_nothing(kind: &str) {
+    let (owner, observer, advance) = owner_and_observer(kind).await;
+    let (r, k) = ("account:moved", "pay");
+    let minute = Duration::from_secs(60);
+    let a = lasting(minute, 5);
+    assert_eq!(
+        owner.begin_idempotent(r, k, &a).await.unwrap(),
+        Begin::Execute { previous: None }
+    );
+    assert_eq!(
+        observer
+            .begin_idempotent(r, k, &lasting(minute, 5))
+            .await
+            .unwrap(),
+        Begin::InFlight
+    );
+    // The first attempt ends unknown, a second one claims the key (the observer sees neither).
+    assert!(owner
+        .finish_idempotent(r, k, &a, &Record::unknown(5, fp(1)))
+        .await
+        .unwrap());
+    let b = lasting(minute, 5);
+    assert_eq!(
+        owner.begin_idempotent(r, k, &b).await.unwrap(),
+        Begin::Execute { previous: Some(5) }
+    );
+    // The observer's takeover names the first attempt: the second one's record stays.
+    advance.by(minute);
+    assert_eq!(
+        observer
+            .begin_idempotent(r, k, &lasting(minute, 5))
+            .await
+            .unwrap(),
+        Begin::InFlight
+    );
+    advance.by(minute - Duration::from_millis(1));
+    assert_eq!(
+        observer
+            .begin_idempotent(r, k, &lasting(minute, 5))
+            .await
+            .unwrap(),
+        Begin::InFlight
+    );
+    let done = completed(5, 1, b"second");
+    assert!(owner.finish_idempotent(r, k, &b, &done).await.unwrap());
+    assert_eq!(
+        observer.begin_idempotent(r, k, &claim(5, 1)).await.unwrap(),
+        Begin::Completed(done)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_dead_owner_is_taken_over_after_its_lifetime() {
+    dead_owner_is_taken_over_after_its_lifetime("redis").await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_dead_owner_is_taken_over_after_its_lifetime() {
+    dead_owner_is_taken_over_after_its_lifetime("postgres").await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_takeover_waits_for_the_owners_lifetime() {
+    takeover_waits_for_the_owners_lifetime("redis").await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_takeover_waits_for_the_owners_lifetime() {
+    takeover_waits_for_the_owners_lifetime("postgres").await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_takeover_of_a_finished_attempt_does_nothing() {
+    takeover_of_a_finished_attempt_does_nothing("redis").await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_takeover_of_a_finished_attempt_does_nothing() {
+    takeover_of_a_finished_attempt_does_nothing("postgres").await
+}
