@@ -89,8 +89,9 @@ struct Writer {
 
 impl Writer {
     /// Writes the outcome (bounded by the store timeout). A failure is logged: the record
-    /// then stays `in_flight` until its window ends, which refuses retries (409) rather than
-    /// risking a second execution.
+    /// then stays `in_flight` (until its window ends; on Redis and PostgreSQL until a retry
+    /// takes it over, an in-flight lifetime after it was first seen), which refuses retries
+    /// (409) rather than risking a second execution.
     async fn write(self, claim: Claim, record: Record) {
         let m: &IdempotencyMetrics = &self.metrics.idempotency;
         if record.phase == Phase::Unknown {
@@ -123,7 +124,7 @@ impl Writer {
                     resource = %self.resource,
                     fencing_token = claim.token,
                     error = %e,
-                    "idempotency outcome not recorded; the key stays in flight until its window ends"
+                    "idempotency outcome not recorded; the key stays in flight until it expires or is taken over"
                 )
             }
         }
@@ -177,7 +178,7 @@ fn background(work: BoxFuture<'static, ()>) {
     match tokio::runtime::Handle::try_current() {
         Ok(runtime) => drop(runtime.spawn(work)),
         Err(_) => tracing::error!(
-            "no runtime left to record an idempotency outcome on; the key stays in flight until its window ends"
+            "no runtime left to record an idempotency outcome on; the key stays in flight until it expires or is taken over"
         ),
     }
 }
