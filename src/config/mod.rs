@@ -445,6 +445,16 @@ impl TryFrom<RawTimeouts> for Timeouts {
                 return Err(format!("`{name}` must be greater than zero"));
             }
         }
+        for (name, value) in [
+            ("header_read", raw.header_read),
+            ("upstream", raw.upstream),
+            ("shutdown", raw.shutdown),
+            ("store", raw.store),
+        ] {
+            if value > MAX_TIMEOUT {
+                return Err(format!("`{name}` must be at most {MAX_TIMEOUT_TEXT}"));
+            }
+        }
         Ok(Timeouts {
             header_read: raw.header_read,
             upstream: raw.upstream,
@@ -619,6 +629,11 @@ impl Config {
                 (Some(w), _) if w.is_zero() => {
                     return Err("idempotency.window must be greater than zero".into())
                 }
+                (Some(w), _) if w > MAX_WINDOW => {
+                    return Err(format!(
+                        "idempotency.window must be at most {MAX_WINDOW_TEXT}"
+                    ))
+                }
                 (Some(w), _) => Some(w),
                 (None, Some(w)) => Some(w),
                 (None, None) => {
@@ -636,6 +651,11 @@ impl Config {
     /// Checks across sections (no single value is wrong, so there is no line to point at).
     fn check_sections(&self) -> Result<(), String> {
         for (i, route) in self.routes.iter().enumerate() {
+            if route.barrier_timeout > MAX_TIMEOUT {
+                return Err(format!(
+                    "routes[{i}].barrier_timeout must be at most {MAX_TIMEOUT_TEXT}"
+                ));
+            }
             if route.idempotency == Some(true) && (self.idempotency.is_none() || !route.fence) {
                 return Err(format!(
                     "routes[{i}].idempotency: true needs the top-level `idempotency` section \
@@ -770,6 +790,14 @@ fn default_token_header() -> HeaderNameCfg {
 fn default_prefix() -> String {
     "fencegate".to_owned()
 }
+
+/// The longest timeout (`timeouts.*`, `barrier_timeout`) a config may set. Every duration
+/// that reaches a clock is bounded, so no deadline computed from one can overflow.
+pub const MAX_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
+const MAX_TIMEOUT_TEXT: &str = "24h";
+/// The longest idempotency window.
+pub const MAX_WINDOW: Duration = Duration::from_secs(30 * 24 * 3600);
+const MAX_WINDOW_TEXT: &str = "30days";
 
 fn default_barrier_timeout() -> Duration {
     Duration::from_secs(5)

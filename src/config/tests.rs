@@ -280,3 +280,43 @@ fn environment_variables_expand_in_config_files() {
         "no variables: {id}"
     );
 }
+
+/// Every duration that reaches a clock is bounded: a deadline computed from one cannot
+/// overflow (`Instant + Duration` panics), and an absurd value is a located error at load.
+#[test]
+fn absurd_timeouts_and_windows_are_refused() {
+    let cases = [
+        (
+            "upstream: http://a:1\ntimeouts: { upstream: 300000000000years }\n",
+            "timeouts",
+            "`upstream` must be at most 24h",
+        ),
+        (
+            "upstream: http://a:1\ntimeouts: { shutdown: 25h }\n",
+            "timeouts",
+            "`shutdown` must be at most 24h",
+        ),
+        (
+            "upstream: http://a:1\ntimeouts: { store: 1000days, header_read: 5s }\n",
+            "timeouts",
+            "`store` must be at most 24h",
+        ),
+        (
+            "upstream: http://a:1\nroutes: [{ name: a, path: /a, barrier_timeout: 2days }]\n",
+            "routes[0].barrier_timeout",
+            "at most 24h",
+        ),
+        (
+            "upstream: http://a:1\nidempotency: { window: 31days }\nroutes: [{ name: a, path: /a }]\n",
+            "idempotency.window",
+            "at most 30days",
+        ),
+    ];
+    for (yaml, path, message) in cases {
+        let e = Config::parse(yaml).expect_err(yaml);
+        assert!(e.contains(path) && e.contains(message), "{yaml}: {e}");
+    }
+    let longest = "upstream: http://a:1\ntimeouts: { upstream: 24h, shutdown: 24h, store: 24h, header_read: 24h }\nidempotency: { window: 30days }\nroutes: [{ name: a, path: /a, barrier_timeout: 24h }]\n";
+    let config = Config::parse(longest).unwrap();
+    assert_eq!(config.timeouts.upstream, Duration::from_secs(86_400));
+}

@@ -491,9 +491,11 @@ impl Proxy {
             Ordering::Serialize => route.barrier_timeout,
             Ordering::None => Duration::ZERO,
         };
-        let in_flight = settings
-            .window()
-            .max(barrier + self.timeouts.upstream + 2 * self.timeouts.store);
+        let in_flight = settings.window().max(
+            barrier
+                .saturating_add(self.timeouts.upstream)
+                .saturating_add(self.timeouts.store.saturating_mul(2)),
+        );
         let claim = Claim {
             token,
             fingerprint,
