@@ -150,9 +150,14 @@ impl PostgresRemote {
         self.schema
             .get_or_try_init(|| async {
                 let (table, records) = (&self.table, &self.records);
+                // One transaction under an advisory lock: sidecars that start together on a
+                // new prefix would otherwise race `CREATE … IF NOT EXISTS` into a unique
+                // violation on the catalog.
                 client
                     .batch_execute(&format!(
-                        "CREATE TABLE IF NOT EXISTS {table} (\
+                        "BEGIN; \
+                         SELECT pg_advisory_xact_lock(hashtextextended('fencegate schema {table}', 0)); \
+                         CREATE TABLE IF NOT EXISTS {table} (\
                            resource TEXT PRIMARY KEY, \
                            max_token BIGINT NOT NULL CHECK (max_token >= 0), \
                            prev_token BIGINT); \
@@ -169,10 +174,21 @@ impl PostgresRemote {
                            PRIMARY KEY (resource, idem_key)); \
                          ALTER TABLE {records} ADD COLUMN IF NOT EXISTS attempt TEXT; \
                          ALTER TABLE {records} ADD COLUMN IF NOT EXISTS in_flight_ms BIGINT; \
-                         CREATE INDEX IF NOT EXISTS {records}_expiry ON {records} (expires_at)"
+                         CREATE INDEX IF NOT EXISTS {records}_expiry ON {records} (expires_at); \
+                         COMMIT"
                     ))
                     .await
-                    .map_err(|e| unavailable(&e))
+                    .map_err(|e| {
+                        // The server's message, not only tokio-postgres's "db error".
+                        match e.as_db_error() {
+                            Some(db) => unavailable(&format_args!(
+                                "creating the tables: {} ({})",
+                                db.message(),
+                                db.code().code()
+                            )),
+                            None => unavailable(&e),
+                        }
+                    })
             })
             .await?;
         Ok(client)

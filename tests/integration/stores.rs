@@ -354,3 +354,38 @@ async fn postgres_killed_and_back() {
 async fn etcd_killed_and_back() {
     store_killed_and_back(Kind::Etcd).await
 }
+
+/// Sidecars that start together on a new prefix all create the tables at their first write:
+/// none of them fails on the others' `CREATE … IF NOT EXISTS` (a unique violation on the
+/// catalog when they race), which would answer its first writes 503.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_stores_starting_together_all_create_their_tables() {
+    let yaml = format!(
+        "upstream: http://127.0.0.1:1\nstore: {{ kind: postgres, url: '{POSTGRES_URL}', prefix: {} }}\n",
+        fresh_prefix()
+    );
+    let config = Config::parse(&yaml).unwrap();
+    let mut stores = Vec::new();
+    for _ in 0..8 {
+        stores.push(store::open(&config.store).await.unwrap());
+    }
+    let barrier = Arc::new(tokio::sync::Barrier::new(stores.len()));
+    let firsts: Vec<_> = stores
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let (s, barrier) = (Arc::clone(s), Arc::clone(&barrier));
+            tokio::spawn(async move {
+                barrier.wait().await;
+                s.compare_and_raise(&format!("r{i}"), 1, Allow).await
+            })
+        })
+        .collect();
+    for (i, first) in firsts.into_iter().enumerate() {
+        assert_eq!(
+            first.await.unwrap().unwrap(),
+            Verdict::Admitted { previous: None },
+            "store {i}"
+        );
+    }
+}
