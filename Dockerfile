@@ -7,12 +7,6 @@
 #     ghcr.io/fencegate/fencegate:0.1.0
 
 FROM rust:1-bookworm AS build
-# protoc: the etcd client's gRPC code is generated at build time. Not version-pinned: the
-# Debian stable archive only ever ships one (security-patched) build of it.
-# hadolint ignore=DL3008
-RUN apt-get update \
-    && apt-get install -y --no-install-recommends protobuf-compiler \
-    && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . .
 # Cache mounts keep the registry and the build directory between builds; the binary is

@@ -11,6 +11,8 @@
 //!   [`fence::barrier`] the `ordering: serialize` in-flight barrier.
 //! - [`store`]: recorded maxima behind one trait: `memory`, `embedded` (redb, fsync'd,
 //!   group commit), Redis, PostgreSQL, etcd; each also keeps the idempotency records.
+//!   `etcd` is the small etcd v3 client the etcd store and lease backend share, over
+//!   committed generated gRPC code.
 //! - [`idempotency`]: records of writes carrying an `Idempotency-Key`, and the pure decision
 //!   of what a retry gets.
 //! - [`lease`]: the lease agent: backends (embedded, Redis, PostgreSQL, etcd), renewal,
@@ -31,6 +33,7 @@ pub mod app;
 pub mod cli;
 pub mod config;
 pub mod demo;
+mod etcd;
 pub mod fence;
 pub mod idempotency;
 pub mod inject;

@@ -35,7 +35,7 @@
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use etcd_client::{
+use crate::etcd::{
     Client, Compare, CompareOp, ConnectOptions, EventType, KvClient, LeaseClient,
     LeaseTimeToLiveOptions, PutOptions, Txn, TxnOp, TxnOpResponse, WatchClient, WatchFilterType,
     WatchOptions,
@@ -164,7 +164,7 @@ async fn watch_grants(watch: WatchClient, prefix: String, grants: Arc<GrantFeed>
     }
 }
 
-fn unavailable(e: etcd_client::Error) -> LeaseError {
+fn unavailable(e: crate::etcd::Error) -> LeaseError {
     LeaseError::Unavailable(format!("etcd: {e}"))
 }
 
@@ -192,7 +192,7 @@ impl LeaseBackend for EtcdLeases {
             let lease_id = self
                 .lease
                 .clone()
-                .grant(ttl_secs(ttl), None)
+                .grant(ttl_secs(ttl))
                 .await
                 .map_err(unavailable)?
                 .id();
@@ -249,7 +249,7 @@ impl LeaseBackend for EtcdLeases {
             // One request, one answer; the client reports a TTL of 0 (expired) as this error.
             match lease.keep_alive(id).await {
                 Ok(_) => {}
-                Err(etcd_client::Error::LeaseKeepAliveError(_)) => return Ok(false),
+                Err(crate::etcd::Error::LeaseKeepAlive(_)) => return Ok(false),
                 Err(e) => return Err(unavailable(e)),
             }
             let status = lease
@@ -278,7 +278,7 @@ impl LeaseBackend for EtcdLeases {
             let lock = self.lock_key(&grant.resource);
             let txn = Txn::new()
                 .when([Compare::lease(lock.clone(), CompareOp::Equal, id)])
-                .and_then([TxnOp::delete(lock, None)]);
+                .and_then([TxnOp::delete(lock)]);
             let response = self.kv.clone().txn(txn).await.map_err(unavailable)?;
             if response.succeeded() {
                 self.revoke(id).await;

@@ -18,7 +18,7 @@
 
 use std::time::Duration;
 
-use etcd_client::{
+use crate::etcd::{
     Client, Compare, CompareOp, ConnectOptions, KvClient, LeaseClient, PutOptions, Txn, TxnOp,
     TxnOpResponse,
 };
@@ -74,7 +74,7 @@ impl EtcdRemote {
         let response = self
             .lease
             .clone()
-            .grant(lease_ttl(window), None)
+            .grant(lease_ttl(window))
             .await
             .map_err(unavailable)?;
         Ok(response.id())
@@ -270,7 +270,7 @@ pub(crate) fn endpoints(url: &str) -> Result<Vec<String>, String> {
     Ok(endpoints)
 }
 
-fn unavailable(e: etcd_client::Error) -> StoreError {
+fn unavailable(e: crate::etcd::Error) -> StoreError {
     StoreError::Unavailable(format!("etcd: {e}"))
 }
 
@@ -359,7 +359,7 @@ impl Remote for EtcdRemote {
         Box::pin(async move {
             self.kv
                 .clone()
-                .get("/", Some(etcd_client::GetOptions::new().with_count_only()))
+                .get("/", Some(crate::etcd::GetOptions::new().with_count_only()))
                 .await
                 .map_err(unavailable)?;
             Ok(())
