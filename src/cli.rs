@@ -1,4 +1,4 @@
-//! The command line (SPEC §2). Exit codes: 0 ok, 1 invalid config or failure, 2 usage error.
+//! The command line (README.md, Commands). Exit codes: 0 ok, 1 invalid config or failure, 2 usage error.
 
 use std::path::PathBuf;
 use std::process::ExitCode;

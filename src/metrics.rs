@@ -1,4 +1,4 @@
-//! Prometheus metrics (SPEC §6), created once from an injected registry.
+//! Prometheus metrics (docs/operations.md), created once from an injected registry.
 //!
 //! Per-route children are resolved when the route table is built, so the hot path only calls
 //! `.inc()` / `.observe()` and never hashes label values.
@@ -117,7 +117,7 @@ pub struct Metrics {
     pub idempotency: IdempotencyMetrics,
 }
 
-/// Idempotency keys (SPEC §6 `fencegate_idempotent_replays_total`, and the conflicts).
+/// Idempotency keys (docs/operations.md `fencegate_idempotent_replays_total`, and the conflicts).
 pub struct IdempotencyMetrics {
     pub replays: IntCounter,
     pub in_flight: IntCounter,
@@ -129,7 +129,7 @@ pub struct IdempotencyMetrics {
     pub store_finish: Histogram,
 }
 
-/// The lease agent's metrics (SPEC §6).
+/// The lease agent's metrics (docs/operations.md).
 pub struct LeaseMetrics {
     pub acquisition: Histogram,
     pub renewals_ok: IntCounter,

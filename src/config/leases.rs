@@ -1,4 +1,4 @@
-//! The `leases:` and `egress:` sections (SPEC §3): the lease agent's backend, TTL (given or
+//! The `leases:` and `egress:` sections (docs/leases.md): the lease agent's backend, TTL (given or
 //! derived from latency budgets), acquisition backoff, drain timeout, and the egress proxy.
 
 use std::net::SocketAddr;

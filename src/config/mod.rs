@@ -1,4 +1,4 @@
-//! The YAML configuration (SPEC §3), parsed into validated types.
+//! The YAML configuration (docs/configuration.md), parsed into validated types.
 //!
 //! Parsing is the validation: unknown fields, bad values and inconsistent routes fail at load
 //! with line, column and field path, so an invalid config can never reach the request path.

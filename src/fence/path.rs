@@ -1,4 +1,4 @@
-//! Path normalisation (SPEC §4): the resource id and the forwarded path come from one form.
+//! Path normalisation (docs/requests.md): the resource id and the forwarded path come from one form.
 //!
 //! Dot segments are resolved (RFC 3986 §5.2.4), `//` is merged, percent-encoded unreserved
 //! characters are decoded, the remaining escapes are upper-cased and raw non-ASCII bytes are

@@ -1,4 +1,4 @@
-//! The fencing token on the wire: grammar and header hygiene (SPEC §4).
+//! The fencing token on the wire: grammar and header hygiene (docs/requests.md).
 
 use http::header::{HeaderMap, HeaderName, CONNECTION};
 

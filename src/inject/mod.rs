@@ -1,4 +1,4 @@
-//! The Kubernetes side (SPEC §7): the one definition of the sidecar container, and the pod
+//! The Kubernetes side (docs/kubernetes.md): the one definition of the sidecar container, and the pod
 //! surgery that adds it. `fencegate inject` applies it to manifests ([`manifest`]), the
 //! mutating admission webhook to pods at creation ([`webhook`]), so both produce the same pod.
 //!

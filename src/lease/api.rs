@@ -1,4 +1,4 @@
-//! The local lease API (SPEC §5), JSON over HTTP on `leases.listen` (loopback by default).
+//! The local lease API (docs/leases.md), JSON over HTTP on `leases.listen` (loopback by default).
 //!
 //! `POST /v1/leases/{resource}` acquires (or returns the lease this holder already has),
 //! `GET /v1/leases[/{resource}]` shows state (a resource without a lease here but with a `POST`

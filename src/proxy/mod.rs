@@ -59,7 +59,7 @@ pub struct Proxy {
     route_metrics: Vec<RouteMetrics>,
     client: UpstreamClient,
     /// Egress mode: instead of checking the token against the store, attach the token of the
-    /// lease this sidecar holds on the resource (SPEC §3 `egress`).
+    /// lease this sidecar holds on the resource (docs/leases.md, `egress`).
     attach: Option<Arc<Agent>>,
     /// Authoritative mode: the latest grant per resource, from the lease backend that issues
     /// tokens, cached from its grant events (and the highest grants seen, a lower bound that

@@ -1,5 +1,5 @@
 //! Refusals: every reason fencegate answers instead of the upstream, mapped to status, problem
-//! type and metric outcome in one exhaustive match (RFC 9457 problem+json bodies, SPEC §4).
+//! type and metric outcome in one exhaustive match (RFC 9457 problem+json bodies, docs/requests.md).
 
 use http::header::{HeaderValue, CONTENT_TYPE, RETRY_AFTER};
 use http::{Response, StatusCode};

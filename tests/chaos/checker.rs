@@ -384,7 +384,7 @@ pub fn no_success_after_deadline(holds: &[Hold], responses: &[Response]) -> Vec<
 }
 
 /// Statuses after which fencegate records a keyed attempt's outcome as unknown, so that a
-/// retry may execute it again (README, "Unknown outcomes"): the upstream failed or was not
+/// retry may execute it again (docs/idempotency.md, "Unknown outcomes"): the upstream failed or was not
 /// reached (`502`), sent no headers in time (`504`); and no answer at all (the harness cannot
 /// tell what happened).
 fn outcome_unknown(status: u16) -> bool {

@@ -1,4 +1,4 @@
-//! The admin listener: probes, metrics with SPEC names, the fence inspection API.
+//! The admin listener: probes, metrics with the names in docs/operations.md, the fence inspection API.
 
 use crate::common::*;
 

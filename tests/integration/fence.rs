@@ -1,4 +1,4 @@
-//! Every status of SPEC §4, every refused token form, path normalisation, and the rule that a
+//! Every status of docs/requests.md, every refused token form, path normalisation, and the rule that a
 //! refused request never reaches the upstream nor changes the store.
 
 use crate::common::*;

@@ -278,7 +278,7 @@ async fn case_variants_are_another_path() {
 /// A `;` path parameter makes a different resource id (`account:1;v=2`), forwarded as
 /// `/accounts/1;v=2`. Servlet containers strip path parameters before routing, so such a
 /// downstream applies the write to `/accounts/1` with a token that was checked against
-/// another resource: a stale write gets through. The README names `;` as a spelling fencegate
+/// another resource: a stale write gets through. docs/guarantees.md names `;` as a spelling fencegate
 /// does not unify, but its remedies do not help: the `{id}` capture absorbs `1;v=2`, so the
 /// route matches and `unmatched: reject` never applies. It should be refused like `%2F`.
 #[tokio::test]
@@ -433,7 +433,7 @@ async fn content_length_with_transfer_encoding_is_framed_by_te_and_closes() {
 }
 
 /// A malformed chunked body is the client's fault: 400 `invalid-request`, not a 502 that
-/// blames the upstream (the write was admitted on its head; the raise stays, as SPEC §1 says).
+/// blames the upstream (the write was admitted on its head; the raise stays, as docs/guarantees.md says).
 #[tokio::test]
 async fn malformed_chunked_body_is_400() {
     let up = Upstream::start().await;
@@ -660,7 +660,7 @@ async fn a_slow_second_head_on_a_kept_alive_connection_is_cut_off() {
 }
 
 /// A body that never completes: the write was admitted when its head arrived (the token is
-/// raised, SPEC §1: never undone), the upstream never gets a complete request, and the client
+/// raised, docs/guarantees.md: never undone), the upstream never gets a complete request, and the client
 /// gets 504 once `timeouts.upstream` passes.
 #[tokio::test]
 async fn slow_body_times_out_and_never_completes_upstream() {
@@ -900,7 +900,7 @@ async fn h2_continuation_flood_is_cut_off_with_bounded_memory() {
 
 /// A client that hangs up mid-write must not open the `ordering: serialize` barrier while its
 /// write is still in flight upstream: a higher token has to wait for the lower one to finish
-/// (SPEC §1), here until `barrier_timeout`, then 503.
+/// (docs/guarantees.md), here until `barrier_timeout`, then 503.
 #[tokio::test]
 async fn hanging_up_does_not_open_the_serialize_barrier() {
     let up = Upstream::gated().await;
