@@ -102,6 +102,15 @@ pub fn main() -> ExitCode {
                     }
                 })?;
             }
+            // So is the upstream's CA bundle: `run` reads it before it listens.
+            if let Some(ca) = &c.upstream_ca {
+                crate::tls::client_config(Some(ca)).map_err(|message| {
+                    crate::config::ConfigError::Invalid {
+                        path: config.clone(),
+                        message: format!("upstream_ca: {message}"),
+                    }
+                })?;
+            }
             Ok(c)
         }) {
             Ok(c) => {

@@ -227,6 +227,27 @@ fn check_prints_the_effective_config_or_the_error() {
     );
     assert!(err.contains("line 5 column 15"), "{err}");
 
+    // The upstream's CA bundle is read by `check` as `run` reads it: a missing file fails here.
+    let no_ca = dir.path().join("no-ca.yaml");
+    std::fs::write(
+        &no_ca,
+        format!(
+            "upstream: https://127.0.0.1:8443
+upstream_ca: /nonexistent/ca.pem
+{ACCOUNTS}"
+        ),
+    )
+    .unwrap();
+    let out = std::process::Command::new(BIN)
+        .args(["check", "--config"])
+        .arg(&no_ca)
+        .output()
+        .unwrap();
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("upstream_ca: "), "{err}");
+    assert!(err.contains("/nonexistent/ca.pem"), "{err}");
+
     let usage = std::process::Command::new(BIN)
         .args(["check"])
         .output()
