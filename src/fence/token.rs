@@ -1,6 +1,6 @@
 //! The fencing token on the wire: grammar and header hygiene (docs/requests.md).
 
-use http::header::{HeaderMap, HeaderName, CONNECTION};
+use http::header::{HeaderMap, HeaderName, HeaderValue, CONNECTION};
 
 /// Largest token: tokens are signed 64-bit in every store we talk to.
 pub const MAX_TOKEN: u64 = i64::MAX as u64;
@@ -70,11 +70,7 @@ pub fn token_from_headers(
             duplicate |= first.is_some();
             first = first.or(Some(value));
         } else if key == CONNECTION {
-            nominated |= value
-                .as_bytes()
-                .split(|&b| b == b',')
-                .map(<[u8]>::trim_ascii)
-                .any(|option| option.eq_ignore_ascii_case(name.as_str().as_bytes()));
+            nominated |= names(value, name);
         } else if alias.is_none() && is_alias(key, name) {
             alias = Some(key);
         }
@@ -93,13 +89,19 @@ pub fn token_from_headers(
 
 /// Whether a `Connection` header names `name`: a proxy strips such a header in transit.
 pub fn connection_nominates(headers: &HeaderMap, name: &HeaderName) -> bool {
-    headers.get_all(CONNECTION).iter().any(|value| {
-        value
-            .as_bytes()
-            .split(|&b| b == b',')
-            .map(<[u8]>::trim_ascii)
-            .any(|option| option.eq_ignore_ascii_case(name.as_str().as_bytes()))
-    })
+    headers
+        .get_all(CONNECTION)
+        .iter()
+        .any(|value| names(value, name))
+}
+
+/// Whether one `Connection` line lists `name` among its options.
+fn names(connection: &HeaderValue, name: &HeaderName) -> bool {
+    connection
+        .as_bytes()
+        .split(|&b| b == b',')
+        .map(<[u8]>::trim_ascii)
+        .any(|option| option.eq_ignore_ascii_case(name.as_str().as_bytes()))
 }
 
 /// `fencing_token` for `fencing-token`: same name once `_` is read as `-`, but not equal.
