@@ -4,14 +4,14 @@
 //! name. The fence must then treat it so too, or a `DELETE` sent as
 //! `GET` + `X-HTTP-Method-Override: DELETE` passes unfenced.
 
-use http::header::{HeaderMap, HeaderName};
+use http::header::{HeaderMap, HeaderValue};
 use http::Method;
 
 /// The headers read as a method override, in lower case as header names are kept.
-pub static OVERRIDE_HEADERS: [HeaderName; 3] = [
-    HeaderName::from_static("x-http-method-override"),
-    HeaderName::from_static("x-http-method"),
-    HeaderName::from_static("x-method-override"),
+pub const OVERRIDE_HEADERS: [&str; 3] = [
+    "x-http-method-override",
+    "x-http-method",
+    "x-method-override",
 ];
 
 /// Why a method override was refused (400 `invalid-request`).
@@ -30,19 +30,22 @@ pub enum OverrideError {
 /// regard to case), `None` when it has none. One header line, naming one method token, or
 /// an error.
 pub fn method_override(headers: &HeaderMap) -> Result<Option<Method>, OverrideError> {
-    let mut found = None;
-    for name in &OVERRIDE_HEADERS {
-        for value in headers.get_all(name) {
-            if found.is_some() {
-                return Err(OverrideError::Repeated);
-            }
-            found = Some((name, value));
+    // One walk over the header lines, names compared as strings (most differ in length at
+    // once): cheaper, on every request on a route, than three lookups that hash each name.
+    let mut found: Option<(&'static str, &HeaderValue)> = None;
+    for (name, value) in headers {
+        let Some(&known) = OVERRIDE_HEADERS.iter().find(|&&h| h == name.as_str()) else {
+            continue;
+        };
+        if found.is_some() {
+            return Err(OverrideError::Repeated);
         }
+        found = Some((known, value));
     }
     let Some((name, value)) = found else {
         return Ok(None);
     };
-    let malformed = || OverrideError::Malformed(name.as_str());
+    let malformed = || OverrideError::Malformed(name);
     let raw = value.as_bytes().trim_ascii();
     if raw.is_empty() || raw.len() > 32 {
         return Err(malformed());
