@@ -85,8 +85,7 @@ enum Command {
 }
 
 fn duration(s: &str) -> Result<Duration, String> {
-    humantime::parse_duration(s)
-        .map_err(|e| format!("`{s}` is not a duration like 1500ms, 2s or 1m: {e}"))
+    crate::duration::parse(s)
 }
 
 pub fn main() -> ExitCode {

@@ -22,6 +22,7 @@
 //!   [`timer`]: the timers a connection keeps from request to request.
 //! - [`admin`]: metrics, probes and the fence inspection API; [`metrics`]: their definitions.
 //! - [`reload`]: live configuration (file change or SIGHUP).
+//! - [`duration`]: the duration syntax of the config, the lease API and the CLI.
 //! - [`app`]: wiring and the shutdown order; [`cli`]: the command line; [`demo`]: the
 //!   slow-writer walk-through; [`ttl`]: TTL derivation.
 //! - [`inject`]: the Kubernetes sidecar, defined once, added to manifests
@@ -33,6 +34,7 @@ pub mod app;
 pub mod cli;
 pub mod config;
 pub mod demo;
+pub mod duration;
 mod etcd;
 pub mod fence;
 pub mod idempotency;

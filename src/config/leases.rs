@@ -21,8 +21,8 @@ fn at_most_max(ttl: Duration) -> Result<Duration, String> {
     if ttl > MAX_LEASE_DURATION {
         return Err(format!(
             "a lease ttl above {} is not supported (got {})",
-            humantime::format_duration(MAX_LEASE_DURATION),
-            humantime::format_duration(ttl)
+            crate::duration::display(MAX_LEASE_DURATION),
+            crate::duration::display(ttl)
         ));
     }
     Ok(ttl)
@@ -122,19 +122,19 @@ pub struct LeaseTtl {
 #[derive(Debug, Clone, Serialize)]
 #[serde(untagged)]
 enum TtlSource {
-    Plain(#[serde(with = "humantime_serde")] Duration),
+    Plain(#[serde(with = "crate::duration")] Duration),
     Derived {
-        #[serde(with = "humantime_serde")]
+        #[serde(with = "crate::duration")]
         p99_work: Duration,
-        #[serde(with = "humantime_serde")]
+        #[serde(with = "crate::duration")]
         p99_rtt: Duration,
-        #[serde(with = "humantime_serde")]
+        #[serde(with = "crate::duration")]
         safety_margin: Duration,
-        #[serde(with = "humantime_serde")]
+        #[serde(with = "crate::duration")]
         drift_buffer: Duration,
-        #[serde(with = "humantime_serde")]
+        #[serde(with = "crate::duration")]
         round_to: Duration,
-        #[serde(with = "humantime_serde")]
+        #[serde(with = "crate::duration")]
         ttl: Duration,
     },
 }
@@ -153,18 +153,18 @@ enum RawTtl {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawDerivation {
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "crate::duration")]
     p99_work: Duration,
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "crate::duration")]
     p99_rtt: Duration,
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "crate::duration")]
     safety_margin: Duration,
-    #[serde(default, with = "humantime_serde")]
+    #[serde(default, with = "crate::duration")]
     drift_buffer: Duration,
-    #[serde(default = "default_round_to", with = "humantime_serde")]
+    #[serde(default = "default_round_to", with = "crate::duration")]
     round_to: Duration,
     /// An explicit TTL, which must not be below the derived one.
-    #[serde(default, with = "humantime_serde")]
+    #[serde(default, with = "crate::duration::option")]
     ttl: Option<Duration>,
 }
 
@@ -242,9 +242,17 @@ impl<'de> Deserialize<'de> for LeaseTtl {
                 )
             }
             fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<LeaseTtl, E> {
-                let ttl =
-                    humantime::parse_duration(v).map_err(|e| E::custom(format!("`{v}`: {e}")))?;
+                let ttl = crate::duration::parse(v).map_err(E::custom)?;
                 LeaseTtl::try_from(RawTtl::Plain(ttl)).map_err(E::custom)
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Self::Value, E> {
+                Err(E::custom(crate::duration::refusal(v)))
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Self::Value, E> {
+                Err(E::custom(crate::duration::refusal(v)))
+            }
+            fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Self::Value, E> {
+                Err(E::custom(crate::duration::refusal(v)))
             }
             fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<LeaseTtl, A::Error> {
                 let raw =
@@ -265,11 +273,11 @@ impl LeaseTtl {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct AcquireConfig {
-    #[serde(default = "default_base", with = "humantime_serde")]
+    #[serde(default = "default_base", with = "crate::duration")]
     pub base_delay: Duration,
-    #[serde(default = "default_max", with = "humantime_serde")]
+    #[serde(default = "default_max", with = "crate::duration")]
     pub max_delay: Duration,
-    #[serde(default = "default_jitter", with = "humantime_serde")]
+    #[serde(default = "default_jitter", with = "crate::duration")]
     pub jitter: Duration,
 }
 
@@ -307,7 +315,7 @@ pub struct LeasesConfig {
     #[serde(
         default,
         deserialize_with = "drain_timeout",
-        serialize_with = "humantime_serde::serialize",
+        serialize_with = "crate::duration::option::serialize",
         skip_serializing_if = "Option::is_none"
     )]
     pub drain_timeout: Option<Duration>,
@@ -329,17 +337,26 @@ fn drain_timeout<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D:
             f.write_str("a duration such as 30s")
         }
         fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
-            let d = humantime::parse_duration(v).map_err(|e| E::custom(format!("`{v}`: {e}")))?;
+            let d = crate::duration::parse(v).map_err(E::custom)?;
             if d > MAX_DRAIN_TIMEOUT {
                 return Err(E::custom(format!(
                     "a drain_timeout above {} is not supported (got {v})",
-                    humantime::format_duration(MAX_DRAIN_TIMEOUT)
+                    crate::duration::display(MAX_DRAIN_TIMEOUT)
                 )));
             }
             Ok(Some(d))
         }
+        fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Self::Value, E> {
+            Err(E::custom(crate::duration::refusal(v)))
+        }
+        fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Self::Value, E> {
+            Err(E::custom(crate::duration::refusal(v)))
+        }
+        fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Self::Value, E> {
+            Err(E::custom(crate::duration::refusal(v)))
+        }
     }
-    d.deserialize_str(V)
+    d.deserialize_any(V)
 }
 
 fn default_lease_listen() -> SocketAddr {
@@ -388,7 +405,7 @@ mod tests {
         assert!(
             e.contains("leases.ttl")
                 && e.contains("line 4")
-                && e.contains("a lease ttl above 1h is not supported (got 300000000000years)"),
+                && e.contains("a lease ttl above 1h is not supported (got 2629800000000000h)"),
             "{e}"
         );
         let e = refused(

@@ -74,7 +74,7 @@ pub struct IdempotencyConfig {
     /// `p99_work` (2 × ttl when the TTL is given as a plain duration); required without leases.
     #[serde(
         default,
-        with = "humantime_serde",
+        with = "crate::duration::option",
         skip_serializing_if = "Option::is_none"
     )]
     pub window: Option<Duration>,
@@ -302,7 +302,7 @@ pub struct RouteConfig {
     pub missing_token: MissingToken,
     #[serde(default)]
     pub ordering: Ordering,
-    #[serde(default = "default_barrier_timeout", with = "humantime_serde")]
+    #[serde(default = "default_barrier_timeout", with = "crate::duration")]
     pub barrier_timeout: Duration,
     #[serde(default = "default_true")]
     pub fence: bool,
@@ -347,16 +347,16 @@ pub enum Unmatched {
 #[derive(Debug, Clone, Serialize)]
 pub struct Timeouts {
     /// A client must send its complete request head within this (slowloris guard).
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "crate::duration")]
     pub header_read: Duration,
     /// The upstream must answer with response headers within this, else 504.
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "crate::duration")]
     pub upstream: Duration,
     /// On SIGTERM, in-flight requests get this long to finish before the process exits.
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "crate::duration")]
     pub shutdown: Duration,
     /// A fenced write waits at most this long for the store's answer, else 503.
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "crate::duration")]
     pub store: Duration,
 }
 
@@ -399,13 +399,13 @@ impl Default for Limits {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields, default)]
 struct RawTimeouts {
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "crate::duration")]
     header_read: Duration,
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "crate::duration")]
     upstream: Duration,
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "crate::duration")]
     shutdown: Duration,
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "crate::duration")]
     store: Duration,
 }
 

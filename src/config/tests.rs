@@ -320,3 +320,44 @@ fn absurd_timeouts_and_windows_are_refused() {
     let config = Config::parse(longest).unwrap();
     assert_eq!(config.timeouts.upstream, Duration::from_secs(86_400));
 }
+
+#[test]
+fn a_duration_without_a_unit_says_what_to_write() {
+    for (yaml, field, line) in [
+        ("upstream: http://a:1\ntimeouts:\n  upstream: 30\n", "timeouts.upstream", 3),
+        ("upstream: http://a:1\ntimeouts:\n  store: '2'\n", "timeouts.store", 3),
+        (
+            "upstream: http://a:1\nleases:\n  backend: { kind: embedded }\n  ttl: 10\n",
+            "leases.ttl",
+            4,
+        ),
+        (
+            "upstream: http://a:1\nleases:\n  backend: { kind: embedded }\n  ttl: 10s\n  drain_timeout: 20\n",
+            "leases.drain_timeout",
+            5,
+        ),
+    ] {
+        let e = err(yaml);
+        let value = yaml.lines().nth(line - 1).unwrap().rsplit(": ").next().unwrap();
+        let value = value.trim_matches('\'');
+        assert!(
+            e.contains(field)
+                && e.contains(&format!("line {line}"))
+                && e.contains(&format!("`{value}` is not a duration: write 30s, 1500ms, 1m")),
+            "{yaml}: {e}"
+        );
+        assert!(!e.contains("invalid value") && !e.contains("expected"), "{e}");
+    }
+}
+
+#[test]
+fn durations_print_back_as_the_docs_write_them() {
+    let c = Config::parse(
+        "upstream: http://a:1\ntimeouts: { upstream: 1.5s, store: 2m30s, header_read: 30 s }\n",
+    )
+    .unwrap();
+    let yaml = c.to_yaml();
+    for want in ["upstream: 1500ms", "store: 150s", "header_read: 30s", "shutdown: 10s"] {
+        assert!(yaml.contains(want), "{want} in:\n{yaml}");
+    }
+}

@@ -27,9 +27,9 @@ const MAX_BODY: usize = 16 * 1024;
 #[serde(deny_unknown_fields)]
 struct AcquireRequest {
     holder: String,
-    #[serde(default, with = "humantime_serde")]
+    #[serde(default, with = "crate::duration::option")]
     ttl: Option<Duration>,
-    #[serde(default, with = "humantime_serde")]
+    #[serde(default, with = "crate::duration::option")]
     wait: Option<Duration>,
 }
 
@@ -215,7 +215,7 @@ impl LeaseApi {
                 "invalid-request",
                 &format!(
                     "ttl is above the maximum of {}",
-                    humantime::format_duration(maximum)
+                    crate::duration::display(maximum)
                 ),
                 Some(&resource),
             ),
@@ -224,7 +224,7 @@ impl LeaseApi {
                 "invalid-request",
                 &format!(
                     "wait is above the maximum of {}",
-                    humantime::format_duration(maximum)
+                    crate::duration::display(maximum)
                 ),
                 Some(&resource),
             ),

@@ -1,0 +1,195 @@
+//! Durations as the configuration, the lease API and the command line write them.
+//!
+//! Accepted: a number and a unit, or several in a row: `30s`, `30 s`, `1500ms`, `1.5s`,
+//! `2m30s`, `1h`; units `ns`, `us`, `ms`, `s`, `m`, `h`, `d` (and their long forms, as
+//! [`humantime`] reads them). A bare number has no unit and is refused with a message that
+//! says what to write. Printed back in one unit, the largest that holds the value exactly
+//! (`1500ms`, `30s`, `5m`, `1h`), so what `check` prints loads again and reads as the docs
+//! write it.
+
+use std::fmt;
+use std::time::Duration;
+
+use serde::de::{self, Visitor};
+use serde::{Deserializer, Serializer};
+
+/// What to write instead, appended to every refusal.
+const HINT: &str = "write 30s, 1500ms, 1m";
+
+/// Parses a duration; the error is a sentence for a person (`` `30` is not a duration: … ``).
+pub fn parse(s: &str) -> Result<Duration, String> {
+    let trimmed = s.trim();
+    if trimmed.is_empty() {
+        return Err(format!("an empty value is not a duration: {HINT}"));
+    }
+    humantime::parse_duration(trimmed).map_err(|_| format!("`{s}` is not a duration: {HINT}"))
+}
+
+/// The refusal of a value that is not a duration at all (a bare number, a boolean).
+pub fn refusal(value: impl fmt::Display) -> String {
+    format!("`{value}` is not a duration: {HINT}")
+}
+
+/// Displays a duration in the one unit that holds it exactly: `1500ms`, `30s`, `5m`, `2h`.
+pub fn display(d: Duration) -> Display {
+    Display(d)
+}
+
+/// See [`display`].
+#[derive(Clone, Copy)]
+pub struct Display(Duration);
+
+impl fmt::Display for Display {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let d = self.0;
+        if d.is_zero() {
+            return f.write_str("0s");
+        }
+        let nanos = d.as_nanos();
+        if nanos % 1_000_000 != 0 {
+            return if nanos % 1_000 == 0 {
+                write!(f, "{}us", nanos / 1_000)
+            } else {
+                write!(f, "{nanos}ns")
+            };
+        }
+        let millis = d.as_millis();
+        if millis % 1_000 != 0 {
+            return write!(f, "{millis}ms");
+        }
+        let secs = d.as_secs();
+        if secs % 3_600 == 0 {
+            write!(f, "{}h", secs / 3_600)
+        } else if secs % 60 == 0 {
+            write!(f, "{}m", secs / 60)
+        } else {
+            write!(f, "{secs}s")
+        }
+    }
+}
+
+impl fmt::Debug for Display {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
+}
+
+struct DurationVisitor;
+
+impl Visitor<'_> for DurationVisitor {
+    type Value = Duration;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "a duration ({HINT})")
+    }
+
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Duration, E> {
+        parse(v).map_err(E::custom)
+    }
+
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<Duration, E> {
+        Err(E::custom(refusal(v)))
+    }
+
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<Duration, E> {
+        Err(E::custom(refusal(v)))
+    }
+
+    fn visit_f64<E: de::Error>(self, v: f64) -> Result<Duration, E> {
+        Err(E::custom(refusal(v)))
+    }
+
+    fn visit_bool<E: de::Error>(self, v: bool) -> Result<Duration, E> {
+        Err(E::custom(refusal(v)))
+    }
+}
+
+/// `#[serde(with = "crate::duration")]` for a `Duration` field.
+pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_str(&display(*d))
+}
+
+/// `#[serde(with = "crate::duration")]` for a `Duration` field.
+pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+    d.deserialize_any(DurationVisitor)
+}
+
+/// `#[serde(with = "crate::duration::option")]` for an `Option<Duration>` field.
+pub mod option {
+    use super::*;
+
+    pub fn serialize<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
+        match d {
+            Some(d) => s.collect_str(&display(*d)),
+            None => s.serialize_none(),
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+        struct OptionVisitor;
+        impl<'de> Visitor<'de> for OptionVisitor {
+            type Value = Option<Duration>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, "a duration ({HINT})")
+            }
+            fn visit_none<E: de::Error>(self) -> Result<Self::Value, E> {
+                Ok(None)
+            }
+            fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+                Ok(None)
+            }
+            fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+                super::deserialize(d).map(Some)
+            }
+        }
+        d.deserialize_option(OptionVisitor)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_the_documented_forms() {
+        for (text, want) in [
+            ("30s", Duration::from_secs(30)),
+            ("30 s", Duration::from_secs(30)),
+            ("1500ms", Duration::from_millis(1500)),
+            ("1.5s", Duration::from_millis(1500)),
+            ("2m30s", Duration::from_secs(150)),
+            ("1h", Duration::from_secs(3600)),
+        ] {
+            assert_eq!(parse(text), Ok(want), "{text}");
+        }
+    }
+
+    #[test]
+    fn a_bare_number_says_what_to_write() {
+        assert_eq!(
+            parse("30").unwrap_err(),
+            "`30` is not a duration: write 30s, 1500ms, 1m"
+        );
+        assert_eq!(
+            parse("").unwrap_err(),
+            "an empty value is not a duration: write 30s, 1500ms, 1m"
+        );
+    }
+
+    #[test]
+    fn displays_in_the_largest_exact_unit() {
+        for (d, want) in [
+            (Duration::from_millis(1500), "1500ms"),
+            (Duration::from_secs(30), "30s"),
+            (Duration::from_secs(90), "90s"),
+            (Duration::from_secs(300), "5m"),
+            (Duration::from_secs(7200), "2h"),
+            (Duration::from_micros(1500), "1500us"),
+            (Duration::from_nanos(7), "7ns"),
+            (Duration::ZERO, "0s"),
+        ] {
+            assert_eq!(display(d).to_string(), want);
+            assert_eq!(parse(want), Ok(d), "{want} reads back");
+        }
+    }
+}
