@@ -1,19 +1,26 @@
 //! The admin listener: `/metrics`, `/healthz`, `/readyz`, `GET /v1/fences/{resource}`.
 //!
 //! It runs on its own port so probes and scrapes answer even when the proxy port is saturated.
+//! Every path takes `GET` and `HEAD`; errors are problem+json, like the proxy's refusals.
 
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use http::header::{HeaderValue, CONTENT_TYPE};
+use http::header::{HeaderValue, CONTENT_TYPE, RETRY_AFTER};
 use http::{Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
 use serde_json::json;
 
 use crate::metrics::Metrics;
 use crate::proxy::body::ProxyBody;
+use crate::proxy::problem::{method_not_allowed, Problem};
 use crate::store::FenceStore;
+
+/// The fence inspection API's path; the rest is a percent-encoded resource id.
+const FENCES: &str = "/v1/fences/";
+/// What every admin path accepts.
+const METHODS: &[Method] = &[Method::GET, Method::HEAD];
 
 /// Readiness is a one-way latch: once draining starts it never comes back.
 #[derive(Default)]
@@ -42,10 +49,20 @@ impl Admin {
         self: Arc<Self>,
         req: Request<Incoming>,
     ) -> Result<Response<ProxyBody>, Infallible> {
-        if req.method() != Method::GET && req.method() != Method::HEAD {
-            return Ok(text(StatusCode::METHOD_NOT_ALLOWED, "only GET\n"));
-        }
         let path = req.uri().path();
+        let (known, encoded) = match path {
+            "/metrics" | "/healthz" | "/readyz" => (path, None),
+            _ => match path.strip_prefix(FENCES) {
+                Some(encoded) => ("/v1/fences/{resource}", Some(encoded)),
+                None => return Ok(not_found(path)),
+            },
+        };
+        if !METHODS.contains(req.method()) {
+            return Ok(method_not_allowed(req.method(), known, METHODS));
+        }
+        if let Some(encoded) = encoded {
+            return Ok(self.fence(encoded).await);
+        }
         Ok(match path {
             "/metrics" => {
                 let mut r = text(StatusCode::OK, self.metrics.render());
@@ -56,7 +73,8 @@ impl Admin {
                 r
             }
             "/healthz" => text(StatusCode::OK, "ok\n"),
-            "/readyz" => {
+            // `/readyz`, the one path left.
+            _ => {
                 if self.readiness.is_draining() {
                     text(StatusCode::SERVICE_UNAVAILABLE, "draining\n")
                 } else if !self.store.healthy() {
@@ -65,19 +83,18 @@ impl Admin {
                     text(StatusCode::OK, "ready\n")
                 }
             }
-            _ => match path.strip_prefix("/v1/fences/") {
-                Some(encoded) => self.fence(encoded).await,
-                None => text(StatusCode::NOT_FOUND, "not found\n"),
-            },
         })
     }
 
     async fn fence(&self, encoded: &str) -> Response<ProxyBody> {
         let resource = match percent_encoding::percent_decode_str(encoded).decode_utf8() {
             Ok(r) if !r.is_empty() => r,
-            _ => {
-                return json_response(StatusCode::BAD_REQUEST, json!({"error": "bad resource id"}))
+            Ok(_) => {
+                return invalid_resource(
+                    "the resource id is empty: put it after /v1/fences/, percent-encoded",
+                )
             }
+            Err(_) => return invalid_resource("the resource id is not UTF-8 once percent-decoded"),
         };
         let started = std::time::Instant::now();
         let current = self.store.current(&resource).await;
@@ -93,12 +110,44 @@ impl Admin {
                 StatusCode::NOT_FOUND,
                 json!({ "resource": resource, "token": null, "store": self.store.kind() }),
             ),
-            Err(e) => json_response(
-                StatusCode::SERVICE_UNAVAILABLE,
-                json!({ "resource": resource, "error": e.to_string() }),
-            ),
+            Err(e) => {
+                let mut r = Problem::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "urn:fencegate:store-unavailable",
+                    "Fence store unavailable",
+                    format!("the recorded maximum could not be read: {e}"),
+                )
+                .with("resource", resource)
+                .response();
+                r.headers_mut()
+                    .insert(RETRY_AFTER, HeaderValue::from_static("1"));
+                r
+            }
         }
     }
+}
+
+fn invalid_resource(detail: &str) -> Response<ProxyBody> {
+    Problem::new(
+        StatusCode::BAD_REQUEST,
+        "urn:fencegate:invalid-resource",
+        "Invalid resource id",
+        detail,
+    )
+    .response()
+}
+
+fn not_found(path: &str) -> Response<ProxyBody> {
+    Problem::new(
+        StatusCode::NOT_FOUND,
+        "urn:fencegate:not-found",
+        "No such endpoint",
+        format!(
+            "{path} is not an admin path: the admin listener serves /metrics, /healthz, /readyz \
+             and /v1/fences/{{resource}}"
+        ),
+    )
+    .response()
 }
 
 fn text(status: StatusCode, body: impl Into<bytes::Bytes>) -> Response<ProxyBody> {

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use base64::Engine as _;
-use http::header::{HeaderValue, CONTENT_TYPE};
+use http::header::{HeaderValue, ALLOW, CONTENT_TYPE};
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
@@ -202,8 +202,17 @@ pub async fn handle(req: Request<Incoming>, options: Arc<Options>) -> Response<P
             log(&reply);
             json_response(&reply)
         }
-        (_, POD_PATH | NAMESPACE_PATH | "/healthz" | "/readyz") => {
-            error(StatusCode::METHOD_NOT_ALLOWED, "method not allowed")
+        (method, path @ (POD_PATH | NAMESPACE_PATH | "/healthz" | "/readyz")) => {
+            let (allow, listed) = if path.starts_with("/mutate") {
+                ("POST", "POST")
+            } else {
+                ("GET, HEAD", "GET and HEAD")
+            };
+            let message = format!("{path} accepts {listed}, not {method}");
+            let mut resp = error(StatusCode::METHOD_NOT_ALLOWED, &message);
+            resp.headers_mut()
+                .insert(ALLOW, HeaderValue::from_static(allow));
+            resp
         }
         _ => error(StatusCode::NOT_FOUND, "not found"),
     }

@@ -19,17 +19,33 @@ use serde_json::{json, Value};
 
 use super::agent::{AcquireError, Agent, Attempt, Lease};
 use crate::proxy::body::ProxyBody;
+use crate::proxy::problem::{method_not_allowed, Problem};
 
 /// Largest acquire request body: a holder id and two durations.
 const MAX_BODY: usize = 16 * 1024;
 
+/// The paths, as the docs and the `405` details write them, and the methods each accepts.
+const LIST: &str = "/v1/leases";
+const LIST_METHODS: &[Method] = &[Method::GET];
+const ONE: &str = "/v1/leases/{resource}";
+const ONE_METHODS: &[Method] = &[Method::GET, Method::POST, Method::DELETE];
+const EVENTS: &str = "/v1/leases/{resource}/events";
+const EVENTS_METHODS: &[Method] = &[Method::GET];
+
+/// What a request body says, each field checked on its own so that a refusal can name it.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
+struct AcquireBody {
+    holder: Value,
+    #[serde(default)]
+    ttl: Option<Value>,
+    #[serde(default)]
+    wait: Option<Value>,
+}
+
 struct AcquireRequest {
     holder: String,
-    #[serde(default, with = "crate::duration::option")]
     ttl: Option<Duration>,
-    #[serde(default, with = "crate::duration::option")]
     wait: Option<Duration>,
 }
 
@@ -43,82 +59,81 @@ impl LeaseApi {
         req: Request<Incoming>,
     ) -> Result<Response<ProxyBody>, Infallible> {
         let path = req.uri().path().to_owned();
-        let Some(rest) = path.strip_prefix("/v1/leases") else {
-            return Ok(problem(
-                StatusCode::NOT_FOUND,
-                "not-found",
-                "no such endpoint",
-                None,
-            ));
-        };
         let method = req.method().clone();
-        if rest.is_empty() || rest == "/" {
-            return Ok(match method {
-                Method::GET => json_response(StatusCode::OK, json!({ "leases": self.list() })),
-                _ => problem(
-                    StatusCode::METHOD_NOT_ALLOWED,
-                    "method-not-allowed",
-                    "GET only",
-                    None,
-                ),
+        let Some(rest) = path.strip_prefix(LIST) else {
+            return Ok(not_found(&path));
+        };
+        if rest.is_empty() {
+            return Ok(if method == Method::GET {
+                json_response(StatusCode::OK, json!({ "leases": self.list() }))
+            } else {
+                method_not_allowed(&method, LIST, LIST_METHODS)
             });
         }
-        let encoded = &rest[1..];
+        let Some(encoded) = rest.strip_prefix('/') else {
+            return Ok(not_found(&path));
+        };
         let (encoded, events) = match encoded.strip_suffix("/events") {
             Some(resource) => (resource, true),
             None => (encoded, false),
         };
-        let resource = match percent_encoding::percent_decode_str(encoded).decode_utf8() {
-            Ok(r) if !r.is_empty() && !r.chars().any(char::is_control) => r.into_owned(),
-            _ => {
-                return Ok(problem(
+        let (template, allowed) = if events {
+            (EVENTS, EVENTS_METHODS)
+        } else {
+            (ONE, ONE_METHODS)
+        };
+        if !allowed.contains(&method) {
+            return Ok(method_not_allowed(&method, template, allowed));
+        }
+        // `GET /v1/leases/` lists, as `/v1/leases` does; a POST or DELETE there names no lease.
+        if encoded.is_empty() && !events && method == Method::GET {
+            return Ok(json_response(
+                StatusCode::OK,
+                json!({ "leases": self.list() }),
+            ));
+        }
+        let resource = match resource_id(encoded) {
+            Ok(resource) => resource,
+            Err(detail) => {
+                return Ok(Problem::new(
                     StatusCode::BAD_REQUEST,
-                    "invalid-resource",
-                    "bad resource id",
-                    None,
-                ));
+                    "urn:fencegate:invalid-resource",
+                    "Invalid resource id",
+                    detail,
+                )
+                .response())
             }
         };
         Ok(match (method, events) {
             (Method::GET, true) => self.events(resource),
-            (Method::POST, false) => self.acquire(resource, req).await,
-            (Method::GET, false) => {
+            (Method::POST, _) => self.acquire(resource, req).await,
+            (Method::GET, _) => {
                 // The attempt first: a grant is listed as a lease before its attempt goes, so
                 // one of the two is seen.
                 let attempt = self.agent.attempt(&resource);
                 match (self.agent.get(&resource), attempt) {
                     (Some(lease), _) => json_response(StatusCode::OK, view(&lease)),
                     (None, Some(attempt)) => json_response(StatusCode::OK, view_attempt(&attempt)),
-                    (None, None) => problem(
-                        StatusCode::NOT_FOUND,
-                        "lease-not-held",
-                        "no lease on this resource here",
-                        Some(&resource),
-                    ),
+                    (None, None) => not_held(&resource),
                 }
             }
-            (Method::DELETE, false) => match self.agent.release(&resource).await {
-                None => problem(
-                    StatusCode::NOT_FOUND,
-                    "lease-not-held",
-                    "no lease on this resource here",
-                    Some(&resource),
-                ),
+            // DELETE, the one method left.
+            _ => match self.agent.release(&resource).await {
+                None => not_held(&resource),
                 Some(Ok(lease)) => json_response(StatusCode::OK, view(&lease)),
                 // Released locally (the token is no longer attached); the backend expires it.
-                Some(Err(e)) => problem(
+                Some(Err(e)) => Problem::new(
                     StatusCode::SERVICE_UNAVAILABLE,
-                    "lease-backend-unavailable",
-                    &e.to_string(),
-                    Some(&resource),
-                ),
+                    "urn:fencegate:lease-backend-unavailable",
+                    "Lease backend unavailable",
+                    format!(
+                        "the lease was dropped here and its token is no longer attached, but \
+                         {e}; the backend lets the lease expire at its TTL"
+                    ),
+                )
+                .with("resource", resource)
+                .response(),
             },
-            _ => problem(
-                StatusCode::METHOD_NOT_ALLOWED,
-                "method-not-allowed",
-                "see the lease API",
-                None,
-            ),
         })
     }
 
@@ -142,41 +157,30 @@ impl LeaseApi {
     }
 
     async fn acquire(&self, resource: String, req: Request<Incoming>) -> Response<ProxyBody> {
+        let invalid = |detail: String| {
+            Problem::new(
+                StatusCode::BAD_REQUEST,
+                "urn:fencegate:invalid-request",
+                "Invalid lease request",
+                detail,
+            )
+            .with("resource", resource.as_str())
+            .response()
+        };
         let body = match http_body_util::Limited::new(req.into_body(), MAX_BODY)
             .collect()
             .await
         {
             Ok(body) => body.to_bytes(),
-            Err(_) => {
-                return problem(
-                    StatusCode::BAD_REQUEST,
-                    "invalid-request",
-                    "unreadable or oversized body",
-                    None,
-                )
+            Err(e) if e.is::<http_body_util::LengthLimitError>() => {
+                return invalid(format!("the body is larger than {} KiB", MAX_BODY / 1024))
             }
+            Err(e) => return invalid(format!("the body could not be read: {e}")),
         };
-        let request: AcquireRequest = match serde_json::from_slice(&body) {
-            Ok(r) => r,
-            Err(e) => {
-                return problem(
-                    StatusCode::BAD_REQUEST,
-                    "invalid-request",
-                    &format!(
-                    "expected {{\"holder\": \"...\", \"ttl\": \"1500ms\", \"wait\": \"5s\"}}: {e}"
-                ),
-                    Some(&resource),
-                )
-            }
+        let request = match parse_request(&body) {
+            Ok(request) => request,
+            Err(detail) => return invalid(detail),
         };
-        if request.holder.is_empty() || request.holder.len() > 256 {
-            return problem(
-                StatusCode::BAD_REQUEST,
-                "invalid-request",
-                "holder must be 1-256 bytes",
-                Some(&resource),
-            );
-        }
         let wait = request.wait.unwrap_or_default();
         match self
             .agent
@@ -185,62 +189,57 @@ impl LeaseApi {
         {
             Ok(lease) => json_response(StatusCode::OK, view(&lease)),
             Err(AcquireError::Held { holder }) => {
-                let mut r = json_response(
+                let mut r = Problem::new(
                     StatusCode::CONFLICT,
-                    json!({
-                        "type": "urn:fencegate:lease-held",
-                        "title": "Lease held by another holder",
-                        "status": 409,
-                        "detail": format!("{resource} is held by another holder"),
-                        "resource": resource,
-                        "holder": holder,
-                    }),
-                );
+                    "urn:fencegate:lease-held",
+                    "Lease held by another holder",
+                    format!("{resource} is held by another holder"),
+                )
+                .with("resource", resource.as_str())
+                .with("holder", holder)
+                .response();
                 let retry = self.agent.default_ttl().as_secs().max(1);
                 r.headers_mut()
                     .insert(RETRY_AFTER, HeaderValue::from(retry));
                 r
             }
-            Err(AcquireError::TtlTooShort { minimum }) => problem(
+            Err(AcquireError::TtlTooShort { minimum }) => Problem::new(
                 StatusCode::BAD_REQUEST,
-                "ttl-too-short",
-                &format!(
-                    "ttl is below the configured minimum of {}ms",
-                    minimum.as_millis()
+                "urn:fencegate:ttl-too-short",
+                "Lease TTL too short",
+                format!(
+                    "ttl {} is below the configured minimum of {}",
+                    crate::duration::display(request.ttl.unwrap_or_default()),
+                    crate::duration::display(minimum)
                 ),
-                Some(&resource),
-            ),
-            Err(AcquireError::TtlTooLong { maximum }) => problem(
-                StatusCode::BAD_REQUEST,
-                "invalid-request",
-                &format!(
-                    "ttl is above the maximum of {}",
-                    crate::duration::display(maximum)
-                ),
-                Some(&resource),
-            ),
-            Err(AcquireError::WaitTooLong { maximum }) => problem(
-                StatusCode::BAD_REQUEST,
-                "invalid-request",
-                &format!(
-                    "wait is above the maximum of {}",
-                    crate::duration::display(maximum)
-                ),
-                Some(&resource),
-            ),
-            Err(AcquireError::Draining) => problem(
+            )
+            .with("resource", resource)
+            .response(),
+            Err(AcquireError::TtlTooLong { maximum }) => invalid(format!(
+                "ttl is above the maximum of {}",
+                crate::duration::display(maximum)
+            )),
+            Err(AcquireError::WaitTooLong { maximum }) => invalid(format!(
+                "wait is above the maximum of {}",
+                crate::duration::display(maximum)
+            )),
+            Err(AcquireError::Draining) => Problem::new(
                 StatusCode::SERVICE_UNAVAILABLE,
-                "draining",
+                "urn:fencegate:draining",
+                "Lease agent shutting down",
                 "this sidecar is shutting down and grants no new leases",
-                Some(&resource),
-            ),
+            )
+            .with("resource", resource)
+            .response(),
             Err(AcquireError::Unavailable(e)) => {
-                let mut r = problem(
+                let mut r = Problem::new(
                     StatusCode::SERVICE_UNAVAILABLE,
-                    "lease-backend-unavailable",
-                    &e.to_string(),
-                    Some(&resource),
-                );
+                    "urn:fencegate:lease-backend-unavailable",
+                    "Lease backend unavailable",
+                    format!("no lease was granted: {e}"),
+                )
+                .with("resource", resource)
+                .response();
                 r.headers_mut()
                     .insert(RETRY_AFTER, HeaderValue::from_static("1"));
                 r
@@ -330,25 +329,81 @@ fn json_response(status: StatusCode, body: Value) -> Response<ProxyBody> {
     r
 }
 
-fn problem(
-    status: StatusCode,
-    kind: &str,
-    detail: &str,
-    resource: Option<&str>,
-) -> Response<ProxyBody> {
-    let mut body = json!({
-        "type": format!("urn:fencegate:{kind}"),
-        "title": status.canonical_reason().unwrap_or("error"),
-        "status": status.as_u16(),
-        "detail": detail,
-    });
-    if let Some(resource) = resource {
-        body["resource"] = resource.into();
+/// The body of `POST /v1/leases/{resource}`, or the `detail` of its refusal.
+fn parse_request(body: &[u8]) -> Result<AcquireRequest, String> {
+    const SEND: &str = "a JSON object with `holder` (and optionally `ttl` and `wait`)";
+    match body.trim_ascii_start().first() {
+        None => return Err(format!("the body is empty: send {SEND}")),
+        // serde would also read an array as the fields in order.
+        Some(b'{') => {}
+        Some(_) => {
+            return Err(
+                match serde_json::from_slice::<serde::de::IgnoredAny>(body) {
+                    Ok(_) => format!("the body must be {SEND}"),
+                    Err(e) => format!("the body is not JSON: {e}"),
+                },
+            )
+        }
     }
-    let mut r = json_response(status, body);
-    r.headers_mut().insert(
-        CONTENT_TYPE,
-        HeaderValue::from_static("application/problem+json"),
-    );
-    r
+    let raw: AcquireBody = serde_json::from_slice(body).map_err(|e| match e.classify() {
+        // What is wrong with the fields: the body is small, its position tells nothing.
+        serde_json::error::Category::Data => {
+            let position = format!(" at line {} column {}", e.line(), e.column());
+            let text = e.to_string();
+            text.strip_suffix(&position).unwrap_or(&text).to_owned()
+        }
+        _ => format!("the body is not JSON: {e}"),
+    })?;
+    let holder = match raw.holder {
+        Value::String(h) if (1..=256).contains(&h.len()) => h,
+        _ => return Err("holder must be a string of 1 to 256 bytes".into()),
+    };
+    // A duration field's refusal says which field (serde's does not).
+    let duration = |name: &str, value: Option<Value>| {
+        value
+            .map(|v| crate::duration::deserialize(v).map_err(|e| format!("{name}: {e}")))
+            .transpose()
+    };
+    Ok(AcquireRequest {
+        holder,
+        ttl: duration("ttl", raw.ttl)?,
+        wait: duration("wait", raw.wait)?,
+    })
+}
+
+/// The resource id of a lease API path: its segment percent-decoded once.
+fn resource_id(encoded: &str) -> Result<String, String> {
+    if encoded.is_empty() {
+        return Err(
+            "the resource id is empty: put it after /v1/leases/, percent-encoded".to_owned(),
+        );
+    }
+    match percent_encoding::percent_decode_str(encoded).decode_utf8() {
+        Err(_) => Err("the resource id is not UTF-8 once percent-decoded".to_owned()),
+        Ok(r) if r.chars().any(char::is_control) => {
+            Err("the resource id contains a control character".to_owned())
+        }
+        Ok(r) => Ok(r.into_owned()),
+    }
+}
+
+fn not_held(resource: &str) -> Response<ProxyBody> {
+    Problem::new(
+        StatusCode::NOT_FOUND,
+        "urn:fencegate:lease-not-held",
+        "Lease not held",
+        format!("this sidecar holds no lease on {resource}"),
+    )
+    .with("resource", resource)
+    .response()
+}
+
+fn not_found(path: &str) -> Response<ProxyBody> {
+    Problem::new(
+        StatusCode::NOT_FOUND,
+        "urn:fencegate:not-found",
+        "No such endpoint",
+        format!("{path} is not a lease API path: the lease API serves {LIST}, {ONE} and {EVENTS}"),
+    )
+    .response()
 }

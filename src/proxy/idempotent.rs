@@ -45,19 +45,21 @@ pub fn key_from_headers(headers: &HeaderMap, name: &HeaderName) -> Result<Option
     let Some(value) = values.next() else {
         return Ok(None);
     };
+    let name = super::problem::spelled(name);
     if values.next().is_some() {
-        return Err(format!("more than one {name} header"));
+        return Err(format!("more than one `{name}` header: send the key once"));
     }
     let bytes = value.as_bytes();
     if bytes.is_empty() || bytes.len() > MAX_KEY_BYTES {
         return Err(format!(
-            "{name} must be 1 to {MAX_KEY_BYTES} characters, got {}",
+            "the `{name}` header must be 1 to {MAX_KEY_BYTES} characters, got {}",
             bytes.len()
         ));
     }
     if !bytes.iter().all(|b| (0x21..=0x7e).contains(b)) {
         return Err(format!(
-            "{name} may only contain visible ASCII characters (no spaces or control bytes)"
+            "the `{name}` header may only contain visible ASCII characters (no spaces or \
+             control bytes)"
         ));
     }
     Ok(Some(String::from_utf8_lossy(bytes).into_owned()))

@@ -858,7 +858,7 @@ impl Proxy {
             current_token,
             status = status.as_u16(),
             r#type = kind,
-            detail = refusal.detail(&subject),
+            detail = refusal.detail(&subject, &self.token_header),
             "{}",
             if outcome == Outcome::UpstreamError || outcome == Outcome::UpstreamTimeout {
                 "upstream failed"
@@ -866,7 +866,7 @@ impl Proxy {
                 "write refused"
             }
         );
-        refusal.response(&subject)
+        refusal.response(&subject, &self.token_header)
     }
 }
 

@@ -1,9 +1,12 @@
 //! Refusals: every reason fencegate answers instead of the upstream, mapped to status, problem
 //! type and metric outcome in one exhaustive match (RFC 9457 problem+json bodies, docs/requests.md).
+//!
+//! [`Problem`] and [`method_not_allowed`] give the lease API and the admin listener the same
+//! bodies: `type`, `title`, `status`, `detail`, then what the problem is about.
 
-use http::header::{HeaderValue, CONTENT_TYPE, RETRY_AFTER};
-use http::{Response, StatusCode};
-use serde_json::json;
+use http::header::{HeaderName, HeaderValue, ALLOW, CONTENT_TYPE, RETRY_AFTER};
+use http::{Method, Response, StatusCode};
+use serde_json::{json, Value};
 
 use super::body::ProxyBody;
 use crate::fence::path::PathError;
@@ -182,15 +185,33 @@ impl Refusal {
         }
     }
 
-    pub fn detail(&self, subject: &Subject<'_>) -> String {
+    /// The `detail` sentence. `token_header` is the configured token header, named wherever
+    /// the detail is about it.
+    pub fn detail(&self, subject: &Subject<'_>, token_header: &HeaderName) -> String {
         match self {
-            Refusal::InvalidToken(e) => e.to_string(),
+            Refusal::InvalidToken(e) => {
+                let header = spelled(token_header);
+                match e {
+                    TokenError::Grammar | TokenError::TooLarge => e.to_string(),
+                    TokenError::Duplicate => {
+                        format!("more than one `{header}` header: send the token once")
+                    }
+                    TokenError::Alias(alias) => format!(
+                        "a header spelled `{alias}` aliases the token header `{header}`; use \
+                         `-`, not `_`"
+                    ),
+                    TokenError::ConnectionNominated => format!(
+                        "the Connection header names the token header `{header}`, which would \
+                         strip it in transit"
+                    ),
+                }
+            }
             Refusal::InvalidPath(e) => e.to_string(),
             Refusal::InvalidResource(e) => e.to_string(),
-            Refusal::TokenRequired => {
-                "this route fences writes; send the lease's fencing token in the token header"
-                    .to_owned()
-            }
+            Refusal::TokenRequired => format!(
+                "this route requires a fencing token: send it in the `{}` header",
+                spelled(token_header)
+            ),
             Refusal::Stale { current } => {
                 let token = subject.token.unwrap_or_default();
                 let resource = subject.resource.unwrap_or("this resource");
@@ -273,39 +294,33 @@ impl Refusal {
     }
 
     /// The problem+json response.
-    pub fn response(&self, subject: &Subject<'_>) -> Response<ProxyBody> {
+    pub fn response(
+        &self,
+        subject: &Subject<'_>,
+        token_header: &HeaderName,
+    ) -> Response<ProxyBody> {
         let (status, kind, title, _) = self.kind();
-        let mut body = json!({
-            "type": kind,
-            "title": title,
-            "status": status.as_u16(),
-            "detail": self.detail(subject),
-        });
+        let mut problem = Problem::new(status, kind, title, self.detail(subject, token_header));
         if let Some(resource) = subject.resource {
-            body["resource"] = resource.into();
+            problem = problem.with("resource", resource);
         }
         if let Some(token) = subject.token {
-            body["token"] = token.into();
+            problem = problem.with("token", token);
         }
         match self {
             Refusal::Stale { current } | Refusal::Superseded { latest: current } => {
-                body["current_token"] = (*current).into()
+                problem = problem.with("current_token", *current)
             }
             Refusal::Unissued {
                 latest: Some(latest),
-            } => body["current_token"] = (*latest).into(),
+            } => problem = problem.with("current_token", *latest),
             Refusal::NotReplayable {
                 status: Some(status),
-            } => body["recorded_status"] = (*status).into(),
+            } => problem = problem.with("recorded_status", *status),
             _ => {}
         }
-        let mut response = Response::new(ProxyBody::local(body.to_string()));
-        *response.status_mut() = status;
+        let mut response = problem.response();
         let headers = response.headers_mut();
-        headers.insert(
-            CONTENT_TYPE,
-            HeaderValue::from_static("application/problem+json"),
-        );
         match self {
             Refusal::Stale { current } | Refusal::Superseded { latest: current } => {
                 headers.insert(TOKEN_CURRENT, HeaderValue::from(*current));
@@ -319,5 +334,113 @@ impl Refusal {
             _ => {}
         }
         response
+    }
+}
+
+/// A problem+json body (RFC 9457): `type`, `title`, `status`, `detail`, then the members added
+/// with [`Problem::with`], in that order.
+pub struct Problem {
+    status: StatusCode,
+    body: Value,
+}
+
+impl Problem {
+    /// `kind` is the whole type URI (`urn:fencegate:…`); `title` is the same for every
+    /// problem of that type; `detail` says what happened to this request.
+    pub fn new(status: StatusCode, kind: &str, title: &str, detail: impl Into<String>) -> Self {
+        Problem {
+            status,
+            body: json!({
+                "type": kind,
+                "title": title,
+                "status": status.as_u16(),
+                "detail": detail.into(),
+            }),
+        }
+    }
+
+    /// Adds a member after the standard ones (`resource`, `token`, …).
+    pub fn with(mut self, key: &str, value: impl Into<Value>) -> Self {
+        self.body[key] = value.into();
+        self
+    }
+
+    pub fn response(self) -> Response<ProxyBody> {
+        let mut response = Response::new(ProxyBody::local(self.body.to_string()));
+        *response.status_mut() = self.status;
+        response.headers_mut().insert(
+            CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        );
+        response
+    }
+}
+
+/// `405` for a method that `path` (as documented, e.g. `/v1/leases/{resource}`) does not
+/// accept: `Allow` lists the methods it does (RFC 9110 §15.5.6), and so does the detail.
+pub fn method_not_allowed(method: &Method, path: &str, allowed: &[Method]) -> Response<ProxyBody> {
+    let names: Vec<&str> = allowed.iter().map(Method::as_str).collect();
+    let listed = match names.as_slice() {
+        [] => String::new(),
+        [only] => (*only).to_owned(),
+        [init @ .., last] => format!("{} and {last}", init.join(", ")),
+    };
+    let mut response = Problem::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "urn:fencegate:method-not-allowed",
+        "Method not allowed",
+        format!("{path} accepts {listed}, not {method}"),
+    )
+    .response();
+    let allow = HeaderValue::from_str(&names.join(", ")).expect("method names are header-safe");
+    response.headers_mut().insert(ALLOW, allow);
+    response
+}
+
+/// A header name as people write it (`Fencing-Token`, `Idempotency-Key`, `X-Fence`): the
+/// configuration keeps names lowercase, as HTTP/2 sends them, and they are case-insensitive.
+pub fn spelled(name: &HeaderName) -> String {
+    let mut out = String::with_capacity(name.as_str().len());
+    let mut word_start = true;
+    for c in name.as_str().chars() {
+        out.push(if word_start {
+            c.to_ascii_uppercase()
+        } else {
+            c
+        });
+        word_start = c == '-';
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn header_names_are_spelled_as_people_write_them() {
+        for (name, want) in [
+            ("fencing-token", "Fencing-Token"),
+            ("idempotency-key", "Idempotency-Key"),
+            ("x-fence", "X-Fence"),
+            ("token", "Token"),
+            ("x--a", "X--A"),
+        ] {
+            assert_eq!(spelled(&HeaderName::from_static(name)), want);
+        }
+    }
+
+    #[test]
+    fn a_405_lists_the_allowed_methods_in_allow_and_detail() {
+        let r = method_not_allowed(
+            &Method::PUT,
+            "/v1/leases/{resource}",
+            &[Method::GET, Method::POST, Method::DELETE],
+        );
+        assert_eq!(r.status(), StatusCode::METHOD_NOT_ALLOWED);
+        assert_eq!(r.headers()[ALLOW], "GET, POST, DELETE");
+        assert_eq!(r.headers()[CONTENT_TYPE], "application/problem+json");
+        let one = method_not_allowed(&Method::POST, "/v1/leases", &[Method::GET]);
+        assert_eq!(one.headers()[ALLOW], "GET");
     }
 }

@@ -1,6 +1,7 @@
 //! The admin listener: probes, metrics with the names in docs/operations.md, the fence inspection API.
 
 use crate::common::*;
+use crate::fence::assert_exact;
 
 #[tokio::test]
 async fn probes_metrics_and_fence_lookup() {
@@ -81,5 +82,116 @@ async fn readiness_fails_while_draining() {
             .await
             .status,
         200
+    );
+}
+
+/// Errors on the admin listener are problem+json like the fence's; a `405` says in `Allow` and
+/// in its detail that every admin path takes `GET` and `HEAD`. Probe and metrics answers keep
+/// their plain bodies.
+#[tokio::test]
+async fn admin_errors_are_problems_and_405_names_get_and_head() {
+    let up = Upstream::start().await;
+    let fg = fencegate(&up.url(), ACCOUNTS).await;
+    let admin = format!("http://{}", fg.admin);
+    let problem = ("content-type", "application/problem+json");
+    for (method, path, detail) in [
+        (
+            "POST",
+            "/metrics",
+            "/metrics accepts GET and HEAD, not POST",
+        ),
+        ("PUT", "/readyz", "/readyz accepts GET and HEAD, not PUT"),
+        (
+            "DELETE",
+            "/v1/fences/account%3A1",
+            "/v1/fences/{resource} accepts GET and HEAD, not DELETE",
+        ),
+    ] {
+        assert_exact(
+            &send(method, &format!("{admin}{path}"), &[], "").await,
+            405,
+            &[problem, ("allow", "GET, HEAD")],
+            &format!(
+                r#"{{"type":"urn:fencegate:method-not-allowed","title":"Method not allowed","status":405,"detail":"{detail}"}}"#
+            ),
+        );
+    }
+    // An unknown path is unknown whatever the method.
+    for method in ["GET", "POST"] {
+        assert_exact(
+            &send(method, &format!("{admin}/nothing"), &[], "").await,
+            404,
+            &[problem],
+            r#"{"type":"urn:fencegate:not-found","title":"No such endpoint","status":404,"detail":"/nothing is not an admin path: the admin listener serves /metrics, /healthz, /readyz and /v1/fences/{resource}"}"#,
+        );
+    }
+    for (path, detail) in [
+        (
+            "/v1/fences/",
+            "the resource id is empty: put it after /v1/fences/, percent-encoded",
+        ),
+        (
+            "/v1/fences/%FF",
+            "the resource id is not UTF-8 once percent-decoded",
+        ),
+    ] {
+        assert_exact(
+            &send("GET", &format!("{admin}{path}"), &[], "").await,
+            400,
+            &[problem],
+            &format!(
+                r#"{{"type":"urn:fencegate:invalid-resource","title":"Invalid resource id","status":400,"detail":"{detail}"}}"#
+            ),
+        );
+    }
+    // Answers that are not errors keep their bodies.
+    let plain = ("content-type", "text/plain; charset=utf-8");
+    assert_exact(
+        &send("GET", &format!("{admin}/healthz"), &[], "").await,
+        200,
+        &[plain],
+        "ok\n",
+    );
+    assert_exact(
+        &send("GET", &format!("{admin}/readyz"), &[], "").await,
+        200,
+        &[plain],
+        "ready\n",
+    );
+    let head = send("HEAD", &format!("{admin}/healthz"), &[], "").await;
+    assert_eq!(head.status, 200);
+    assert!(head.body.is_empty());
+    assert_exact(
+        &send("GET", &format!("{admin}/v1/fences/nothing"), &[], "").await,
+        404,
+        &[("content-type", "application/json")],
+        r#"{"resource":"nothing","token":null,"store":"memory"}"#,
+    );
+}
+
+/// The store cannot answer a fence lookup: `503` store-unavailable, as on the fence.
+#[tokio::test]
+async fn fence_lookup_says_when_the_store_is_unavailable() {
+    let up = Upstream::start().await;
+    let fg = fencegate(
+        &up.url(),
+        &format!("store: {{ kind: redis, url: 'redis://127.0.0.1:9/' }}\n{ACCOUNTS}"),
+    )
+    .await;
+    let reply = send(
+        "GET",
+        &format!("http://{}/v1/fences/account%3A1", fg.admin),
+        &[],
+        "",
+    )
+    .await;
+    let body = reply.assert_problem(503, "urn:fencegate:store-unavailable");
+    assert_eq!(reply.headers["retry-after"], "1");
+    assert_eq!(body["title"], "Fence store unavailable");
+    assert_eq!(body["resource"], "account:1");
+    let detail = body["detail"].as_str().unwrap();
+    assert!(
+        detail.starts_with("the recorded maximum could not be read: "),
+        "{detail}"
     );
 }

@@ -566,3 +566,116 @@ async fn full_disk_is_503_never_forwarded_and_recovers() {
     assert_eq!(put(&fg, "new", "5").await.status, 200);
     assert_eq!(recorded(&fg, "account:new").await, Some(5));
 }
+
+/// Asserts a response exactly: its status, every header but `date` (`content-length` is the
+/// body's), and its body byte for byte.
+pub fn assert_exact(reply: &Reply, status: u16, headers: &[(&str, &str)], body: &str) {
+    assert_eq!(reply.status.as_u16(), status, "{}", reply.text());
+    assert_eq!(reply.text(), body);
+    let mut got: Vec<(String, String)> = reply
+        .headers
+        .iter()
+        .filter(|(name, _)| *name != "date")
+        .map(|(name, value)| (name.to_string(), value.to_str().unwrap().to_owned()))
+        .collect();
+    got.sort();
+    let mut want: Vec<(String, String)> = headers
+        .iter()
+        .map(|(name, value)| (name.to_ascii_lowercase(), (*value).to_owned()))
+        .chain([("content-length".to_owned(), body.len().to_string())])
+        .collect();
+    want.sort();
+    assert_eq!(got, want, "{body}");
+}
+
+const PROBLEM: (&str, &str) = ("content-type", "application/problem+json");
+
+/// The refusals about the token header name it, as configured (in the usual spelling: header
+/// names are case-insensitive and the configuration keeps them lowercase).
+#[tokio::test]
+async fn token_refusals_name_the_configured_token_header() {
+    let up = Upstream::start().await;
+    let fg = fencegate(&up.url(), ACCOUNTS).await;
+    let url = format!("http://{}/accounts/42", fg.listen);
+    assert_exact(
+        &send("POST", &url, &[], "x").await,
+        428,
+        &[PROBLEM],
+        r#"{"type":"urn:fencegate:token-required","title":"Fencing token required","status":428,"detail":"this route requires a fencing token: send it in the `Fencing-Token` header","resource":"account:42"}"#,
+    );
+
+    let custom = fencegate(
+        &up.url(),
+        &format!("token: {{ header: X-Fence }}\n{ACCOUNTS}"),
+    )
+    .await;
+    let url = format!("http://{}/accounts/42", custom.listen);
+    assert_exact(
+        &send("PUT", &url, &[("fencing-token", "5")], "x").await,
+        428,
+        &[PROBLEM],
+        r#"{"type":"urn:fencegate:token-required","title":"Fencing token required","status":428,"detail":"this route requires a fencing token: send it in the `X-Fence` header","resource":"account:42"}"#,
+    );
+    for (headers, detail) in [
+        (
+            &[("x-fence", "5"), ("x-fence", "6")][..],
+            "more than one `X-Fence` header: send the token once",
+        ),
+        (
+            &[("x_fence", "5")][..],
+            "a header spelled `x_fence` aliases the token header `X-Fence`; use `-`, not `_`",
+        ),
+        (
+            &[("x-fence", "5"), ("connection", "X-Fence")][..],
+            "the Connection header names the token header `X-Fence`, which would strip it in transit",
+        ),
+    ] {
+        assert_exact(
+            &send("PUT", &url, headers, "x").await,
+            400,
+            &[PROBLEM],
+            &format!(
+                r#"{{"type":"urn:fencegate:invalid-token","title":"Invalid fencing token","status":400,"detail":"{detail}","resource":"account:42"}}"#
+            ),
+        );
+    }
+    assert_eq!(up.count(), 0);
+}
+
+/// The idempotency key refusals name the configured key header.
+#[tokio::test]
+async fn idempotency_key_refusals_name_the_configured_header() {
+    let up = Upstream::start().await;
+    let fg = fencegate(
+        &up.url(),
+        &format!("idempotency: {{ header: request-id, window: 1m }}\n{ACCOUNTS}"),
+    )
+    .await;
+    let url = format!("http://{}/accounts/3", fg.listen);
+    let long = "k".repeat(256);
+    for (key, detail) in [
+        (
+            &[("request-id", "a"), ("request-id", "b")][..],
+            "more than one `Request-Id` header: send the key once".to_owned(),
+        ),
+        (
+            &[("request-id", long.as_str())][..],
+            "the `Request-Id` header must be 1 to 255 characters, got 256".to_owned(),
+        ),
+        (
+            &[("request-id", "a b")][..],
+            "the `Request-Id` header may only contain visible ASCII characters (no spaces or control bytes)".to_owned(),
+        ),
+    ] {
+        let headers: Vec<_> = [("fencing-token", "5")].iter().chain(key).copied().collect();
+        assert_exact(
+            &send("PUT", &url, &headers, "x").await,
+            400,
+            &[PROBLEM],
+            &format!(
+                r#"{{"type":"urn:fencegate:invalid-idempotency-key","title":"Invalid idempotency key","status":400,"detail":"{detail}","resource":"account:3","token":5}}"#
+            ),
+        );
+    }
+    assert_eq!(up.count(), 0);
+}

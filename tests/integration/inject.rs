@@ -517,9 +517,31 @@ async fn webhook_answers_400_to_a_body_that_is_not_an_admission_review() {
     assert_eq!(huge.status, StatusCode::PAYLOAD_TOO_LARGE);
     let health = webhook.send(Method::GET, "/healthz", "").await;
     assert_eq!(health.status, StatusCode::OK);
-    for path in ["/mutate", "/mutate-namespace"] {
-        let wrong = webhook.send(Method::GET, path, "").await;
+    for (method, path, allow, error) in [
+        (
+            Method::GET,
+            "/mutate",
+            "POST",
+            "/mutate accepts POST, not GET",
+        ),
+        (
+            Method::PUT,
+            "/mutate-namespace",
+            "POST",
+            "/mutate-namespace accepts POST, not PUT",
+        ),
+        (
+            Method::POST,
+            "/healthz",
+            "GET, HEAD",
+            "/healthz accepts GET and HEAD, not POST",
+        ),
+    ] {
+        let wrong = webhook.send(method, path, "").await;
         assert_eq!(wrong.status, StatusCode::METHOD_NOT_ALLOWED, "{path}");
+        assert_eq!(wrong.headers["allow"], allow, "{path}");
+        assert_eq!(wrong.headers["content-type"], "application/json");
+        assert_eq!(wrong.json(), json!({ "error": error }));
     }
     let garbage = webhook
         .send(Method::POST, "/mutate-namespace", "garbage")

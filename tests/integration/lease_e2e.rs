@@ -5,6 +5,7 @@
 use std::path::Path;
 
 use crate::common::*;
+use crate::fence::assert_exact;
 use crate::process::{wait_log, Process};
 use crate::services::{fresh_prefix, REDIS_URL};
 
@@ -275,6 +276,269 @@ async fn lease_api_contract() {
     );
 }
 
+/// Every refusal of the lease API is a problem+json with a title of its own; a `405` says
+/// in `Allow` and in its detail which methods the path takes.
+#[tokio::test]
+async fn lease_api_refusals_say_what_is_wrong() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let fg = fencegate(
+        &up.url(),
+        &format!(
+            "leases:\n  listen: 127.0.0.1:0\n  backend: {{ kind: embedded, path: {} }}\n  ttl: 1500ms\n",
+            dir.path().join("leases.db").display()
+        ),
+    )
+    .await;
+    let api = format!("http://{}", fg.leases.unwrap());
+    let problem = [("content-type", "application/problem+json")];
+
+    // No resource id: POST and DELETE are refused as such; GET lists, as on /v1/leases.
+    for method in ["POST", "DELETE"] {
+        assert_exact(
+            &send(
+                method,
+                &format!("{api}/v1/leases/"),
+                &[],
+                r#"{"holder":"w1"}"#,
+            )
+            .await,
+            400,
+            &problem,
+            r#"{"type":"urn:fencegate:invalid-resource","title":"Invalid resource id","status":400,"detail":"the resource id is empty: put it after /v1/leases/, percent-encoded"}"#,
+        );
+    }
+    let listed = send("GET", &format!("{api}/v1/leases/"), &[], "").await;
+    assert_exact(
+        &listed,
+        200,
+        &[("content-type", "application/json")],
+        r#"{"leases":[]}"#,
+    );
+    for (target, detail) in [
+        (
+            "/v1/leases/%FF",
+            "the resource id is not UTF-8 once percent-decoded",
+        ),
+        (
+            "/v1/leases/a%0Ab",
+            "the resource id contains a control character",
+        ),
+        (
+            "/v1/leases//events",
+            "the resource id is empty: put it after /v1/leases/, percent-encoded",
+        ),
+    ] {
+        let method = if target.ends_with("/events") {
+            "GET"
+        } else {
+            "POST"
+        };
+        assert_exact(
+            &send(method, &format!("{api}{target}"), &[], r#"{"holder":"w1"}"#).await,
+            400,
+            &problem,
+            &format!(
+                r#"{{"type":"urn:fencegate:invalid-resource","title":"Invalid resource id","status":400,"detail":"{detail}"}}"#
+            ),
+        );
+    }
+
+    // Methods a path does not take.
+    for (method, target, allow, detail) in [
+        (
+            "POST",
+            "/v1/leases",
+            "GET",
+            "/v1/leases accepts GET, not POST",
+        ),
+        (
+            "DELETE",
+            "/v1/leases",
+            "GET",
+            "/v1/leases accepts GET, not DELETE",
+        ),
+        (
+            "PUT",
+            "/v1/leases/job:1",
+            "GET, POST, DELETE",
+            "/v1/leases/{resource} accepts GET, POST and DELETE, not PUT",
+        ),
+        (
+            "PATCH",
+            "/v1/leases/",
+            "GET, POST, DELETE",
+            "/v1/leases/{resource} accepts GET, POST and DELETE, not PATCH",
+        ),
+        (
+            "POST",
+            "/v1/leases/job:1/events",
+            "GET",
+            "/v1/leases/{resource}/events accepts GET, not POST",
+        ),
+    ] {
+        assert_exact(
+            &send(method, &format!("{api}{target}"), &[], "").await,
+            405,
+            &[problem[0], ("allow", allow)],
+            &format!(
+                r#"{{"type":"urn:fencegate:method-not-allowed","title":"Method not allowed","status":405,"detail":"{detail}"}}"#
+            ),
+        );
+    }
+
+    // Other paths, including one that only starts like the API's.
+    for target in ["/v1/leasesjob:1", "/v2/leases"] {
+        assert_exact(
+            &send("POST", &format!("{api}{target}"), &[], r#"{"holder":"w1"}"#).await,
+            404,
+            &problem,
+            &format!(
+                r#"{{"type":"urn:fencegate:not-found","title":"No such endpoint","status":404,"detail":"{target} is not a lease API path: the lease API serves /v1/leases, /v1/leases/{{resource}} and /v1/leases/{{resource}}/events"}}"#
+            ),
+        );
+    }
+
+    // Bodies: the detail names the field and says what to write.
+    let oversized = format!(r#"{{"holder":"{}"}}"#, "w".repeat(16 * 1024));
+    for (body, detail) in [
+        (
+            r#"{"holder":"w1","ttl":"30"}"#,
+            "ttl: `30` is not a duration: write 30s, 1500ms, 1m",
+        ),
+        (
+            r#"{"holder":"w1","ttl":30}"#,
+            "ttl: `30` is not a duration: write 30s, 1500ms, 1m",
+        ),
+        (
+            r#"{"holder":"w1","wait":1.5}"#,
+            "wait: `1.5` is not a duration: write 30s, 1500ms, 1m",
+        ),
+        (
+            r#"{"holder":"w1","wait":"soon"}"#,
+            "wait: `soon` is not a duration: write 30s, 1500ms, 1m",
+        ),
+        (
+            r#"{"holder":"w1","wait":{}}"#,
+            "wait: invalid type: map, expected a duration (write 30s, 1500ms, 1m)",
+        ),
+        ("{}", "missing field `holder`"),
+        (
+            r#"{"holder":"w1","lease":"5s"}"#,
+            "unknown field `lease`, expected one of `holder`, `ttl`, `wait`",
+        ),
+        (
+            r#"["w1"]"#,
+            "the body must be a JSON object with `holder` (and optionally `ttl` and `wait`)",
+        ),
+        (
+            r#"{"holder":5}"#,
+            "holder must be a string of 1 to 256 bytes",
+        ),
+        (
+            r#"{"holder":""}"#,
+            "holder must be a string of 1 to 256 bytes",
+        ),
+        (
+            "",
+            "the body is empty: send a JSON object with `holder` (and optionally `ttl` and `wait`)",
+        ),
+        (
+            "holder=w1",
+            "the body is not JSON: expected value at line 1 column 1",
+        ),
+        (
+            r#"{"holder":"#,
+            "the body is not JSON: EOF while parsing a value at line 1 column 10",
+        ),
+        (oversized.as_str(), "the body is larger than 16 KiB"),
+    ] {
+        assert_exact(
+            &send(
+                "POST",
+                &format!("{api}/v1/leases/job:1"),
+                &[],
+                body.to_owned(),
+            )
+            .await,
+            400,
+            &problem,
+            &format!(
+                r#"{{"type":"urn:fencegate:invalid-request","title":"Invalid lease request","status":400,"detail":"{detail}","resource":"job:1"}}"#
+            ),
+        );
+    }
+    assert_exact(
+        &send(
+            "POST",
+            &format!("{api}/v1/leases/job:7"),
+            &[],
+            r#"{"holder":"w1","ttl":"1s"}"#,
+        )
+        .await,
+        400,
+        &problem,
+        r#"{"type":"urn:fencegate:ttl-too-short","title":"Lease TTL too short","status":400,"detail":"ttl 1s is below the configured minimum of 1500ms","resource":"job:7"}"#,
+    );
+
+    // Held elsewhere, and not held here.
+    let granted = send(
+        "POST",
+        &format!("{api}/v1/leases/account:42"),
+        &[],
+        r#"{"holder":"worker-1"}"#,
+    )
+    .await;
+    assert_eq!(granted.status, 200, "{}", granted.text());
+    assert_exact(
+        &send(
+            "POST",
+            &format!("{api}/v1/leases/account:42"),
+            &[],
+            r#"{"holder":"worker-2"}"#,
+        )
+        .await,
+        409,
+        &[problem[0], ("retry-after", "1")],
+        r#"{"type":"urn:fencegate:lease-held","title":"Lease held by another holder","status":409,"detail":"account:42 is held by another holder","resource":"account:42","holder":"worker-1"}"#,
+    );
+    for method in ["GET", "DELETE"] {
+        assert_exact(
+            &send(method, &format!("{api}/v1/leases/job:7"), &[], "").await,
+            404,
+            &problem,
+            r#"{"type":"urn:fencegate:lease-not-held","title":"Lease not held","status":404,"detail":"this sidecar holds no lease on job:7","resource":"job:7"}"#,
+        );
+    }
+}
+
+/// The lease backend cannot be reached: `503` with the cause, and `Retry-After`.
+#[tokio::test]
+async fn lease_api_says_when_the_backend_is_unavailable() {
+    let up = Upstream::start().await;
+    let fg = fencegate(
+        &up.url(),
+        "leases:\n  listen: 127.0.0.1:0\n  backend: { kind: redis, url: 'redis://127.0.0.1:9/' }\n  ttl: 1500ms\n",
+    )
+    .await;
+    let reply = send(
+        "POST",
+        &format!("http://{}/v1/leases/job:1", fg.leases.unwrap()),
+        &[],
+        r#"{"holder":"w1"}"#,
+    )
+    .await;
+    let body = reply.assert_problem(503, "urn:fencegate:lease-backend-unavailable");
+    assert_eq!(reply.headers["retry-after"], "1");
+    assert_eq!(body["title"], "Lease backend unavailable");
+    assert_eq!(body["resource"], "job:1");
+    let detail = body["detail"].as_str().unwrap();
+    assert!(
+        detail.starts_with("no lease was granted: the lease backend is unavailable: "),
+        "{detail}"
+    );
+}
+
 /// A duration from a request is bounded: one too long to add to the clock is a 400, and the
 /// connection it came on goes on serving.
 #[tokio::test]
@@ -326,7 +590,7 @@ async fn absurd_durations_are_refused_and_the_connection_goes_on() {
             problem,
             serde_json::json!({
                 "type": "urn:fencegate:invalid-request",
-                "title": "Bad Request",
+                "title": "Invalid lease request",
                 "status": 400,
                 "detail": format!("{field} is above the maximum of 1h"),
                 "resource": "job:1",
@@ -480,7 +744,7 @@ async fn sigterm_refuses_a_waiting_acquisition_and_leaves_nothing_held() {
         body,
         serde_json::json!({
             "type": "urn:fencegate:draining",
-            "title": "Service Unavailable",
+            "title": "Lease agent shutting down",
             "status": 503,
             "detail": "this sidecar is shutting down and grants no new leases",
             "resource": "account:42",
