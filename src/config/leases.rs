@@ -370,7 +370,11 @@ pub struct EgressRoute {
     /// The lease (resource) whose token is attached; captures of `path` may be used.
     pub lease: ResourceTemplate,
     /// Methods that get the token; default every method but GET, HEAD, OPTIONS.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        deserialize_with = "super::values::methods",
+        skip_serializing_if = "Option::is_none"
+    )]
     pub methods: Option<Vec<super::MethodCfg>>,
 }
 
@@ -380,7 +384,7 @@ pub struct EgressConfig {
     #[serde(default = "default_egress_listen")]
     pub listen: SocketAddr,
     pub upstream: UpstreamUrl,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "super::routes::egress_routes")]
     pub routes: Vec<EgressRoute>,
 }
 

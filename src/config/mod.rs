@@ -5,7 +5,9 @@
 
 pub(crate) mod checked;
 mod leases;
+mod routes;
 mod types;
+mod values;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -44,7 +46,7 @@ pub struct Config {
     pub store: StoreConfig,
     #[serde(default)]
     pub fence: FenceConfig,
-    #[serde(default, deserialize_with = "routes")]
+    #[serde(default, deserialize_with = "routes::routes")]
     pub routes: Vec<RouteConfig>,
     #[serde(default)]
     pub unmatched: Unmatched,
@@ -293,7 +295,11 @@ pub struct RouteConfig {
     pub name: String,
     pub path: PathTemplate,
     /// Fenced methods; `None` means every method except GET, HEAD and OPTIONS.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        deserialize_with = "values::methods",
+        skip_serializing_if = "Option::is_none"
+    )]
     pub methods: Option<Vec<MethodCfg>>,
     /// Resource id template; `None` means the normalised request path.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -510,82 +516,6 @@ impl TryFrom<RawLimits> for Limits {
     }
 }
 
-fn routes<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<RouteConfig>, D::Error> {
-    checked::from_seq(d, check_routes)
-}
-
-/// Cross-route checks: unique names, captures that exist, paths the router accepts together.
-fn check_routes(routes: &[RouteConfig]) -> Result<(), String> {
-    let mut router = matchit::Router::new();
-    let mut seen_paths: Vec<(&str, usize)> = Vec::new();
-    for (i, route) in routes.iter().enumerate() {
-        if route.name.is_empty() {
-            return Err(format!("routes[{i}].name must not be empty"));
-        }
-        if let Some(j) = routes[..i].iter().position(|r| r.name == route.name) {
-            return Err(format!(
-                "routes[{i}].name `{}` is already used by routes[{j}]",
-                route.name
-            ));
-        }
-        if let Some(template) = &route.resource {
-            for capture in template.captures() {
-                if !route.path.captures.iter().any(|c| c == capture) {
-                    return Err(format!(
-                        "routes[{i}].resource uses `{{{capture}}}` but routes[{i}].path `{}` has no such capture",
-                        route.path.source
-                    ));
-                }
-            }
-        }
-        if matches!(&route.methods, Some(m) if m.is_empty()) {
-            return Err(format!(
-                "routes[{i}].methods is empty; leave it out to fence every method but GET, HEAD, OPTIONS"
-            ));
-        }
-        if let Some(&(_, j)) = seen_paths.iter().find(|(p, _)| *p == route.path.source) {
-            // Same path: allowed when the routes fence different methods, else one would be
-            // unreachable.
-            for other in routes[j..i]
-                .iter()
-                .filter(|r| r.path.source == route.path.source)
-            {
-                if let Some(m) = shared_fenced_method(other, route) {
-                    return Err(format!(
-                        "routes[{i}] and `{}` both fence {m} on `{}`; give them disjoint `methods`",
-                        other.name, route.path.source
-                    ));
-                }
-            }
-            continue;
-        }
-        router
-            .insert(route.path.source.as_str(), i)
-            .map_err(|e| format!("routes[{i}].path `{}`: {e}", route.path.source))?;
-        seen_paths.push((&route.path.source, i));
-    }
-    Ok(())
-}
-
-/// A method both routes would fence, if any.
-fn shared_fenced_method(a: &RouteConfig, b: &RouteConfig) -> Option<String> {
-    let fenced = |r: &RouteConfig, m: &http::Method| match &r.methods {
-        Some(list) => list.iter().any(|x| x.0 == *m),
-        None => !matches!(
-            *m,
-            http::Method::GET | http::Method::HEAD | http::Method::OPTIONS
-        ),
-    };
-    let candidates: Vec<http::Method> = match (&a.methods, &b.methods) {
-        (Some(list), _) | (None, Some(list)) => list.iter().map(|m| m.0.clone()).collect(),
-        (None, None) => vec![http::Method::POST],
-    };
-    candidates
-        .into_iter()
-        .find(|m| fenced(a, m) && fenced(b, m))
-        .map(|m| m.to_string())
-}
-
 /// A configuration error, displayed with its location when it has one.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -678,20 +608,8 @@ impl Config {
                     .into(),
             );
         }
-        if let Some(egress) = &self.egress {
-            if self.leases.is_none() {
-                return Err("egress: attaching tokens needs the `leases` section".into());
-            }
-            for (i, route) in egress.routes.iter().enumerate() {
-                for capture in route.lease.captures() {
-                    if !route.path.captures.iter().any(|c| c == capture) {
-                        return Err(format!(
-                            "egress.routes[{i}].lease uses `{{{capture}}}` but its path `{}` has no such capture",
-                            route.path.source
-                        ));
-                    }
-                }
-            }
+        if self.egress.is_some() && self.leases.is_none() {
+            return Err("egress: attaching tokens needs the `leases` section".into());
         }
         let ports = [
             Some(("listen", self.listen)),
