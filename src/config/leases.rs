@@ -271,7 +271,10 @@ impl LeaseTtl {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a mapping with `base_delay`, `max_delay` and `jitter`"
+)]
 pub struct AcquireConfig {
     #[serde(default = "default_base", with = "crate::duration")]
     pub base_delay: Duration,
@@ -302,10 +305,13 @@ fn default_jitter() -> Duration {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a mapping with `backend` and `ttl`")]
 pub struct LeasesConfig {
     /// The local lease API; loopback by default so only the pod's app can use it.
-    #[serde(default = "default_lease_listen")]
+    #[serde(
+        default = "default_lease_listen",
+        deserialize_with = "super::values::address"
+    )]
     pub listen: SocketAddr,
     pub backend: BackendConfig,
     pub ttl: LeaseTtl,
@@ -379,9 +385,15 @@ pub struct EgressRoute {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a mapping with `upstream` and `routes`"
+)]
 pub struct EgressConfig {
-    #[serde(default = "default_egress_listen")]
+    #[serde(
+        default = "default_egress_listen",
+        deserialize_with = "super::values::address"
+    )]
     pub listen: SocketAddr,
     pub upstream: UpstreamUrl,
     #[serde(default, deserialize_with = "super::routes::egress_routes")]

@@ -24,13 +24,16 @@ pub use types::{
 
 /// The whole configuration file.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a mapping of settings, such as `upstream: http://127.0.0.1:8080`"
+)]
 pub struct Config {
     /// The fence proxy listener (ingress).
-    #[serde(default = "default_listen")]
+    #[serde(default = "default_listen", deserialize_with = "values::address")]
     pub listen: SocketAddr,
     /// Metrics, probes and the fence inspection API, on their own port so probes answer under load.
-    #[serde(default = "default_admin")]
+    #[serde(default = "default_admin", deserialize_with = "values::address")]
     pub admin: SocketAddr,
     /// The protected service.
     pub upstream: UpstreamUrl,
@@ -68,7 +71,10 @@ pub struct Config {
 /// `Idempotency-Key` handling on fenced routes (every fenced route, unless a route says
 /// `idempotency: false`).
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a mapping with `header`, `window`, `max_request_bytes` and `max_response_bytes`"
+)]
 pub struct IdempotencyConfig {
     #[serde(default = "default_idempotency_header")]
     pub header: HeaderNameCfg,
@@ -82,11 +88,17 @@ pub struct IdempotencyConfig {
     pub window: Option<Duration>,
     /// Largest request body an idempotent write may have (it is read whole to fingerprint it);
     /// larger gets 413.
-    #[serde(default = "default_max_idempotent_body")]
+    #[serde(
+        default = "default_max_idempotent_body",
+        deserialize_with = "values::Bytes::<1048576>::de"
+    )]
     pub max_request_bytes: usize,
     /// Largest response recorded for replay; a larger one is recorded as "completed, not
     /// replayable" and its retries get 409 `idempotency-not-replayable`.
-    #[serde(default = "default_max_idempotent_body")]
+    #[serde(
+        default = "default_max_idempotent_body",
+        deserialize_with = "values::Bytes::<1048576>::de"
+    )]
     pub max_response_bytes: usize,
 }
 
@@ -107,7 +119,7 @@ fn default_max_idempotent_body() -> usize {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a mapping with `cert` and `key`")]
 pub struct TlsConfig {
     pub cert: PathBuf,
     pub key: PathBuf,
@@ -117,7 +129,7 @@ pub struct TlsConfig {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a mapping with `header` and `equal`")]
 pub struct TokenConfig {
     #[serde(default = "default_token_header")]
     pub header: HeaderNameCfg,
@@ -199,7 +211,10 @@ struct RawStore {
     url: Option<SecretUrl>,
     #[serde(default = "default_prefix")]
     prefix: String,
-    #[serde(default = "default_cache_size")]
+    #[serde(
+        default = "default_cache_size",
+        deserialize_with = "values::Count::<100000>::de"
+    )]
     cache_size: usize,
 }
 
@@ -260,7 +275,7 @@ impl TryFrom<RawStore> for StoreConfig {
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a mapping with `authority`")]
 pub struct FenceConfig {
     #[serde(default)]
     pub authority: Authority,
@@ -310,11 +325,15 @@ pub struct RouteConfig {
     pub ordering: Ordering,
     #[serde(default = "default_barrier_timeout", with = "crate::duration")]
     pub barrier_timeout: Duration,
-    #[serde(default = "default_true")]
+    #[serde(default = "default_true", deserialize_with = "values::flag")]
     pub fence: bool,
     /// `false`: no idempotency keys on this route even though the `idempotency` section is
     /// there; `true`: requires that section. Absent: follow the section.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        deserialize_with = "values::optional_flag",
+        skip_serializing_if = "Option::is_none"
+    )]
     pub idempotency: Option<bool>,
 }
 
@@ -473,9 +492,13 @@ impl TryFrom<RawTimeouts> for Timeouts {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields, default)]
 struct RawLimits {
+    #[serde(deserialize_with = "values::Bytes::<16384>::de")]
     max_header_bytes: usize,
+    #[serde(deserialize_with = "values::Count::<100>::de")]
     max_headers: usize,
+    #[serde(deserialize_with = "values::Count::<10000>::de")]
     max_connections: usize,
+    #[serde(deserialize_with = "values::Bytes::<512>::de")]
     max_resource_bytes: usize,
 }
 

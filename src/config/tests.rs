@@ -152,7 +152,7 @@ fn bad_values_name_their_field() {
         (
             "upstream: http://a:1\nidempotency: { window: 1s, max_response_bytes: lots }\n",
             "idempotency.max_response_bytes",
-            "invalid",
+            "`lots` is not a whole number of bytes",
         ),
         (
             "upstream: http://a:1\nleases: { backend: { kind: embedded }, ttl: { p99_work: 800ms, p99_rtt: 40ms, safety_margin: 200ms, ttl: 1s } }\n",
@@ -510,5 +510,145 @@ fn egress_routes_are_checked_like_routes() {
         "egress.routes[1]: two routes match the same paths: egress.routes[0] `/a/{id}` and \
          egress.routes[1] `/a/{x}`; merge them, or write both as `/a/{id}` and give them \
          different `methods` at line 7 column 7"
+    );
+}
+
+#[test]
+fn numbers_booleans_and_addresses_say_what_to_write() {
+    for (yaml, message) in [
+        (
+            "limits: { max_headers: lots }",
+            "limits.max_headers: `lots` is not a whole number: write digits only, like 100 at line 2 column 24",
+        ),
+        (
+            "limits: { max_headers: -1 }",
+            "limits.max_headers: `-1` is not a whole number: write digits only, like 100 at line 2 column 24",
+        ),
+        (
+            "limits: { max_connections: 1.5 }",
+            "limits.max_connections: `1.5` is not a whole number: write digits only, like 10000 at line 2 column 28",
+        ),
+        (
+            "limits: { max_header_bytes: 16k }",
+            "limits.max_header_bytes: `16k` is not a whole number of bytes: write digits only, like 16384 at line 2 column 29",
+        ),
+        (
+            "limits: { max_resource_bytes: '512' }",
+            "limits.max_resource_bytes: `\"512\"` is quoted, so it is text: write 512 without quotes at line 2 column 31",
+        ),
+        (
+            "limits: { max_headers: 99999999999999999999999 }",
+            "limits.max_headers: `99999999999999999999999` is too large at line 2 column 24",
+        ),
+        (
+            "store: { kind: redis, url: 'redis://r/', cache_size: big }",
+            "store.cache_size: `big` is not a whole number: write digits only, like 100000 at line 2 column 54",
+        ),
+        (
+            "idempotency: { window: 1s, max_request_bytes: 1MB }",
+            "idempotency.max_request_bytes: `1MB` is not a whole number of bytes: write digits only, like 1048576 at line 2 column 47",
+        ),
+        (
+            "idempotency: { window: 1s, max_response_bytes: true }",
+            "idempotency.max_response_bytes: `true` is not a whole number of bytes: write digits only, like 1048576 at line 2 column 48",
+        ),
+        (
+            "routes: [{ name: a, path: /a, fence: yes }]",
+            "routes[0].fence: `yes` is not a boolean: write true or false at line 2 column 38",
+        ),
+        (
+            "routes: [{ name: a, path: /a, fence: 'false' }]",
+            "routes[0].fence: `\"false\"` is quoted, so it is text: write false without quotes at line 2 column 38",
+        ),
+        (
+            "routes: [{ name: a, path: /a, idempotency: 1 }]",
+            "routes[0].idempotency: `1` is not a boolean: write true or false at line 2 column 44",
+        ),
+        (
+            "listen: 7440",
+            "listen: `7440` has no IP address: write 0.0.0.0:7440 (every interface) or 127.0.0.1:7440 (this host only) at line 2 column 9",
+        ),
+        (
+            "admin: ':7441'",
+            "admin: `:7441` has no IP address: write 0.0.0.0:7441 (every interface) or 127.0.0.1:7441 (this host only) at line 2 column 8",
+        ),
+        (
+            "listen: localhost:7440",
+            "listen: `localhost:7440`: write an IP address, not a host name: 127.0.0.1:7440 at line 2 column 9",
+        ),
+        (
+            "listen: proxy.internal:7440",
+            "listen: `proxy.internal:7440`: write an IP address, not a host name, like 0.0.0.0:7440 (every interface) or 127.0.0.1:7440 (this host only) at line 2 column 9",
+        ),
+        (
+            "listen: '::1:7440'",
+            "listen: `::1:7440`: an IPv6 address is written in brackets: [::1]:7440 at line 2 column 9",
+        ),
+        (
+            "listen: 0.0.0.0:74400",
+            "listen: `0.0.0.0:74400`: a port is at most 65535 at line 2 column 9",
+        ),
+        (
+            "listen: 0.0.0.0",
+            "listen: `0.0.0.0` has no port: write an IP address and port, like 0.0.0.0:7440 at line 2 column 9",
+        ),
+        (
+            "listen: [1]",
+            "listen: invalid type: sequence, expected an IP address and port, like 0.0.0.0:7440 at line 2 column 9",
+        ),
+        (
+            "leases: { backend: { kind: embedded }, ttl: 1s, listen: 7442 }",
+            "leases.listen: `7442` has no IP address: write 0.0.0.0:7442 (every interface) or 127.0.0.1:7442 (this host only) at line 2 column 57",
+        ),
+        (
+            "store: { kind: redis, url: 5 }",
+            "store: the `url` does not fit kind redis: write one like redis://127.0.0.1:6379/ at line 2 column 8",
+        ),
+        (
+            "leases: { backend: { kind: postgres, url: 'redis://r/' }, ttl: 1s }",
+            "leases.backend: the `url` does not fit kind postgres: write one like postgres://user:password@127.0.0.1:5432/database at line 2 column 20",
+        ),
+    ] {
+        let e = err(&format!("upstream: http://a:1\n{yaml}\n"));
+        assert_eq!(e, message, "{yaml}");
+    }
+}
+
+/// A scalar where a section belongs names what the section holds, not a Rust type.
+#[test]
+fn a_section_written_as_a_value_says_what_it_holds() {
+    for (yaml, message) in [
+        (
+            "token: Fencing-Token",
+            "token: invalid type: string \"Fencing-Token\", expected a mapping with `header` and `equal` at line 2 column 8",
+        ),
+        (
+            "leases: 5",
+            "leases: invalid type: integer `5`, expected a mapping with `backend` and `ttl` at line 2 column 9",
+        ),
+        (
+            "leases: { backend: { kind: embedded }, ttl: 1s, acquire: 5 }",
+            "leases.acquire: invalid type: integer `5`, expected a mapping with `base_delay`, `max_delay` and `jitter` at line 2 column 58",
+        ),
+        (
+            "routes: [5]",
+            "routes[0]: invalid type: integer `5`, expected a route: a mapping with `name` and `path` at line 2 column 10",
+        ),
+        (
+            "fence: leases",
+            "fence: invalid type: string \"leases\", expected a mapping with `authority` at line 2 column 8",
+        ),
+        (
+            "tls: yes",
+            "tls: invalid type: string \"yes\", expected a mapping with `cert` and `key` at line 2 column 6",
+        ),
+    ] {
+        let e = err(&format!("upstream: http://a:1\n{yaml}\n"));
+        assert_eq!(e, message, "{yaml}");
+    }
+    assert_eq!(
+        err("hello\n"),
+        "invalid type: string \"hello\", expected a mapping of settings, such as \
+         `upstream: http://127.0.0.1:8080`"
     );
 }

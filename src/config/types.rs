@@ -440,7 +440,7 @@ impl SecretUrl {
     /// Checks the scheme against the store kind.
     pub fn check(&self, kind: super::StoreKind) -> Result<(), String> {
         use super::StoreKind;
-        let ok = match kind {
+        let (ok, name, example) = match kind {
             StoreKind::Redis if self.0.starts_with("rediss://") => {
                 return Err(
                     "TLS to Redis (rediss://) is not supported by this version; \
@@ -448,18 +448,29 @@ impl SecretUrl {
                         .into(),
                 );
             }
-            StoreKind::Redis => self.0.starts_with("redis://"),
-            StoreKind::Postgres => {
-                self.0.starts_with("postgres://") || self.0.starts_with("postgresql://")
-            }
-            StoreKind::Etcd => self.0.starts_with("etcd://") || self.0.starts_with("http://"),
-            StoreKind::Memory | StoreKind::Embedded => false,
+            StoreKind::Redis => (
+                self.0.starts_with("redis://"),
+                "redis",
+                "redis://127.0.0.1:6379/",
+            ),
+            StoreKind::Postgres => (
+                self.0.starts_with("postgres://") || self.0.starts_with("postgresql://"),
+                "postgres",
+                "postgres://user:password@127.0.0.1:5432/database",
+            ),
+            StoreKind::Etcd => (
+                self.0.starts_with("etcd://") || self.0.starts_with("http://"),
+                "etcd",
+                "etcd://127.0.0.1:2379",
+            ),
+            StoreKind::Memory | StoreKind::Embedded => (false, "", ""),
         };
         if ok {
             Ok(())
         } else {
+            // Not printed: without a scheme it cannot be told where a password would be.
             Err(format!(
-                "`{self}` does not fit this store kind (redis://, postgres://, etcd:// or http://)"
+                "the `url` does not fit kind {name}: write one like {example}"
             ))
         }
     }
