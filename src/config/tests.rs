@@ -652,3 +652,29 @@ fn a_section_written_as_a_value_says_what_it_holds() {
          `upstream: http://127.0.0.1:8080`"
     );
 }
+
+/// The duration forms docs/configuration.md lists, each as a route's `barrier_timeout`.
+#[test]
+fn the_documented_duration_forms_load() {
+    let ms = Duration::from_millis;
+    for (text, want) in [
+        ("30s", ms(30_000)),
+        ("30 s", ms(30_000)),
+        ("1500ms", ms(1500)),
+        ("1.5s", ms(1500)),
+        ("2m30s", ms(150_000)),
+        ("1h", ms(3_600_000)),
+        ("1d", ms(86_400_000)),
+        ("250us", Duration::from_micros(250)),
+        ("100ns", Duration::from_nanos(100)),
+        ("2 sec", ms(2000)),
+        ("3min", ms(180_000)),
+        ("2hours", ms(7_200_000)),
+    ] {
+        let c = Config::parse(&format!(
+            "upstream: http://a:1\nroutes: [{{ name: a, path: /a, barrier_timeout: '{text}' }}]\n"
+        ))
+        .unwrap_or_else(|e| panic!("{text}: {e}"));
+        assert_eq!(c.routes[0].barrier_timeout, want, "{text}");
+    }
+}
