@@ -134,8 +134,13 @@ enum TtlSource {
         drift_buffer: Duration,
         #[serde(with = "crate::duration")]
         round_to: Duration,
-        #[serde(with = "crate::duration")]
-        ttl: Duration,
+        /// As written: a TTL left to the derivation is not printed back, so it keeps
+        /// following the inputs.
+        #[serde(
+            with = "crate::duration::option",
+            skip_serializing_if = "Option::is_none"
+        )]
+        ttl: Option<Duration>,
     },
 }
 
@@ -221,7 +226,7 @@ impl TryFrom<RawTtl> for LeaseTtl {
                         safety_margin: d.safety_margin,
                         drift_buffer: d.drift_buffer,
                         round_to: d.round_to,
-                        ttl,
+                        ttl: d.ttl,
                     },
                 })
             }
@@ -317,7 +322,9 @@ pub struct LeasesConfig {
     pub ttl: LeaseTtl,
     #[serde(default)]
     pub acquire: AcquireConfig,
-    /// SIGTERM: in-flight work gets this long before leases are released. Default 2 × ttl.
+    /// SIGTERM: in-flight work gets this long before leases are released, as written. Default
+    /// 2 × ttl ([`LeasesConfig::drain_timeout`]), which `check` shows on its `# leases:` line
+    /// only, so that the printed config keeps following the TTL.
     #[serde(
         default,
         deserialize_with = "drain_timeout",

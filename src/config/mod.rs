@@ -78,14 +78,19 @@ pub struct Config {
 pub struct IdempotencyConfig {
     #[serde(default = "default_idempotency_header")]
     pub header: HeaderNameCfg,
-    /// How long a key's record lives after its last write. Default: `leases.ttl` + its
-    /// `p99_work` (2 × ttl when the TTL is given as a plain duration); required without leases.
+    /// How long a key's record lives after its last write, as written. Default: `leases.ttl`
+    /// plus its `p99_work` (2 × ttl when the TTL is given as a plain duration); required
+    /// without leases. A default is not printed back by `check`, so that it keeps following
+    /// the TTL.
     #[serde(
         default,
         with = "crate::duration::option",
         skip_serializing_if = "Option::is_none"
     )]
     pub window: Option<Duration>,
+    /// The window in effect: `window`, or the default; resolved when the config is parsed.
+    #[serde(skip)]
+    resolved_window: Duration,
     /// Largest request body an idempotent write may have (it is read whole to fingerprint it);
     /// larger gets 413.
     #[serde(
@@ -103,10 +108,9 @@ pub struct IdempotencyConfig {
 }
 
 impl IdempotencyConfig {
-    /// The window, resolved at load.
+    /// The window in effect (as written, or the default).
     pub fn window(&self) -> Duration {
-        self.window
-            .expect("the idempotency window is resolved when the config is parsed")
+        self.resolved_window
     }
 }
 
@@ -570,15 +574,12 @@ impl Config {
     pub fn parse(text: &str) -> Result<Config, String> {
         let mut config = serde_yaml::from_str::<Config>(text).map_err(|e| e.to_string())?;
         config.check_sections()?;
-        if let Some(leases) = &mut config.leases {
-            leases.drain_timeout = Some(leases.drain_timeout());
-        }
         let derived_window = config
             .leases
             .as_ref()
             .map(|l| l.ttl.ttl + l.ttl.p99_work.unwrap_or(l.ttl.ttl));
         if let Some(idempotency) = &mut config.idempotency {
-            idempotency.window = match (idempotency.window, derived_window) {
+            idempotency.resolved_window = match (idempotency.window, derived_window) {
                 (Some(w), _) if w.is_zero() => {
                     return Err("idempotency.window must be greater than zero".into())
                 }
@@ -587,8 +588,7 @@ impl Config {
                         "idempotency.window must be at most {MAX_WINDOW_TEXT}"
                     ))
                 }
-                (Some(w), _) => Some(w),
-                (None, Some(w)) => Some(w),
+                (Some(w), _) | (None, Some(w)) => w,
                 (None, None) => {
                     return Err(
                         "idempotency.window is required when no `leases` section gives \

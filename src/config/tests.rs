@@ -179,14 +179,95 @@ fn bad_values_name_their_field() {
     }
 }
 
+/// What `check` prints, fed back as a config file, is the same config. (Store passwords are
+/// the exception: they print masked.)
 #[test]
-fn effective_config_roundtrips() {
-    let c = Config::parse(
+fn the_effective_config_loads_again_as_the_same_config() {
+    for yaml in [
         "upstream: http://127.0.0.1:9\nstore: { kind: memory }\nroutes: [{ name: a, path: '/a/{id}', resource: 'a:{id}' }]\n",
+        "upstream: http://a:1\nleases: { backend: { kind: embedded, path: /tmp/l.db }, ttl: 1500ms }\n",
+        "upstream: http://a:1\nleases: { backend: { kind: embedded }, ttl: 1s, drain_timeout: 5s }\n",
+        "upstream: http://a:1\nleases:\n  backend: { kind: redis, url: 'redis://r:6379/', prefix: app }\n  \
+         ttl: { p99_work: 800ms, p99_rtt: 40ms, safety_margin: 200ms, drift_buffer: 100ms }\n  \
+         acquire: { base_delay: 10ms }\nidempotency: {}\n\
+         egress:\n  upstream: http://ledger:80\n  routes: [{ path: '/accounts/{id}', lease: 'account:{id}', methods: [PUT] }]\n\
+         fence: { authority: leases }\nroutes: [{ name: a, path: '/accounts/{id}', ordering: serialize, idempotency: false }]\n",
+        "upstream: http://a:1\nleases: { backend: { kind: embedded }, ttl: { p99_work: 1s, p99_rtt: 1ms, safety_margin: 1ms, ttl: 3s } }\n\
+         idempotency: { window: 10s, header: X-Key }\nroutes: [{ name: a, path: /a }]\n",
+        "upstream: http://a:1\nidempotency: { window: 1m }\ntoken: { header: X-Fence, equal: reject }\nunmatched: reject\n",
+    ] {
+        let c = Config::parse(yaml).unwrap_or_else(|e| panic!("{yaml}: {e}"));
+        let printed = c.to_yaml();
+        let again = Config::parse(&printed).unwrap_or_else(|e| panic!("{printed}: {e}"));
+        assert_eq!(again.to_yaml(), printed);
+        assert_eq!(format!("{again:?}"), format!("{c:?}"), "{printed}");
+    }
+}
+
+/// Values that follow the lease TTL (a derived `ttl`, the default `drain_timeout`, the
+/// default idempotency `window`) are not pinned in the printed config when they were left to
+/// their defaults: it would load again, but would stop following the TTL (`check` shows them
+/// on its `#` lines instead). Written, they are printed as written.
+#[test]
+fn values_that_follow_the_ttl_are_printed_only_when_written() {
+    let c = Config::parse(
+        "upstream: http://a:1\nleases:\n  backend: { kind: embedded, path: /tmp/l.db }\n  \
+         ttl: { p99_work: 800ms, p99_rtt: 40ms, safety_margin: 200ms }\nidempotency: {}\n",
     )
     .unwrap();
-    let again = Config::parse(&c.to_yaml()).unwrap();
-    assert_eq!(again.to_yaml(), c.to_yaml());
+    let leases = c.leases.as_ref().unwrap();
+    assert_eq!(leases.ttl.ttl, Duration::from_millis(1500));
+    assert_eq!(leases.drain_timeout(), Duration::from_secs(3));
+    assert_eq!(
+        c.idempotency.as_ref().unwrap().window(),
+        Duration::from_millis(2300)
+    );
+    let printed = c.to_yaml();
+    let tail = &printed[printed.find("leases:").unwrap()..];
+    assert_eq!(
+        tail,
+        "leases:
+  listen: 127.0.0.1:7442
+  backend:
+    kind: embedded
+    path: /tmp/l.db
+    prefix: fencegate
+  ttl:
+    p99_work: 800ms
+    p99_rtt: 40ms
+    safety_margin: 200ms
+    drift_buffer: 0s
+    round_to: 500ms
+  acquire:
+    base_delay: 50ms
+    max_delay: 2s
+    jitter: 100ms
+idempotency:
+  header: idempotency-key
+  max_request_bytes: 1048576
+  max_response_bytes: 1048576
+"
+    );
+    // Longer p99 work in the printed config: the TTL, drain timeout and window follow it.
+    let edited = Config::parse(&printed.replace("p99_work: 800ms", "p99_work: 1800ms")).unwrap();
+    let leases = edited.leases.as_ref().unwrap();
+    assert_eq!(leases.ttl.ttl, Duration::from_millis(2500));
+    assert_eq!(leases.drain_timeout(), Duration::from_secs(5));
+    assert_eq!(
+        edited.idempotency.as_ref().unwrap().window(),
+        Duration::from_millis(4300)
+    );
+
+    let written = Config::parse(
+        "upstream: http://a:1\nleases:\n  backend: { kind: embedded }\n  \
+         ttl: { p99_work: 800ms, p99_rtt: 40ms, safety_margin: 200ms, ttl: 2s }\n  \
+         drain_timeout: 4s\nidempotency: { window: 3s }\n",
+    )
+    .unwrap()
+    .to_yaml();
+    for line in ["    ttl: 2s\n", "  drain_timeout: 4s\n", "  window: 3s\n"] {
+        assert!(written.contains(line), "{line} in:\n{written}");
+    }
 }
 
 #[test]

@@ -272,6 +272,75 @@ upstream_ca: /nonexistent/ca.pem
     );
 }
 
+/// Runs `fencegate ARGS...`; its exit code, stdout and stderr.
+fn fencegate_cli(args: &[&std::ffi::OsStr]) -> (Option<i32>, String, String) {
+    let out = std::process::Command::new(BIN).args(args).output().unwrap();
+    (
+        out.status.code(),
+        String::from_utf8(out.stdout).unwrap(),
+        String::from_utf8(out.stderr).unwrap(),
+    )
+}
+
+fn check_file(path: &Path) -> (Option<i32>, String, String) {
+    fencegate_cli(&["check".as_ref(), "--config".as_ref(), path.as_os_str()])
+}
+
+/// What `check` prints after its `# FILE: valid` line is a config file: checked again, it
+/// prints the same, and the values that follow the lease TTL are on the `#` lines only.
+#[test]
+fn check_output_loads_again_as_the_same_config() {
+    let dir = tempfile::tempdir().unwrap();
+    let first = dir.path().join("worker.yaml");
+    std::fs::write(
+        &first,
+        format!(
+            "upstream: http://127.0.0.1:8080
+store: {{ kind: memory }}
+leases:
+  backend: {{ kind: embedded, path: {} }}
+  ttl: {{ p99_work: 800ms, p99_rtt: 40ms, safety_margin: 200ms, drift_buffer: 100ms }}
+egress:
+  upstream: http://127.0.0.1:8081
+  routes:
+    - {{ path: '/accounts/{{id}}', lease: 'account:{{id}}' }}
+idempotency: {{}}
+{ACCOUNTS}",
+            dir.path().join("leases.db").display()
+        ),
+    )
+    .unwrap();
+    let (code, printed, stderr) = check_file(&first);
+    assert_eq!((code, stderr.as_str()), (Some(0), ""), "{printed}");
+    let (head, body) = printed.split_once('\n').unwrap();
+    assert_eq!(head, format!("# {}: valid", first.display()));
+    assert!(
+        body.starts_with(
+            "# leases: ttl 1500ms (minimum 1500ms), renew every 500ms, local deadline ttl - 100ms, \
+             drain timeout 3000ms, dedup window 2300ms\n\
+             # idempotency: header idempotency-key, window 2300ms, on routes [accounts]\n\
+             listen: 0.0.0.0:7440\n"
+        ),
+        "{body}"
+    );
+    for pinned in ["drain_timeout", "window:", "    ttl:"] {
+        assert!(!body.contains(pinned), "{pinned} in:\n{body}");
+    }
+
+    let second = dir.path().join("effective.yaml");
+    std::fs::write(&second, &printed).unwrap();
+    let (code, again, stderr) = check_file(&second);
+    assert_eq!((code, stderr.as_str()), (Some(0), ""), "{again}");
+    assert_eq!(
+        again,
+        printed.replacen(
+            &first.display().to_string(),
+            &second.display().to_string(),
+            1
+        )
+    );
+}
+
 /// Replaces the config file the way a ConfigMap update does: a new file renamed over it.
 fn replace_config(path: &Path, text: &str) {
     let tmp = path.with_extension("tmp");
