@@ -652,6 +652,14 @@ impl Config {
         Ok(())
     }
 
+    /// What is valid but probably not what was meant, one sentence each, with its field path.
+    pub fn warnings(&self) -> Vec<String> {
+        let ttl = self.leases.as_ref().and_then(|l| l.ttl.warning.as_ref());
+        ttl.map(|w| format!("leases.ttl: {w}"))
+            .into_iter()
+            .collect()
+    }
+
     /// The effective configuration, defaults filled in, as YAML.
     pub fn to_yaml(&self) -> String {
         serde_yaml::to_string(self).unwrap_or_else(|e| format!("# cannot render: {e}\n"))

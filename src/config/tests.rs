@@ -759,3 +759,51 @@ fn the_documented_duration_forms_load() {
         assert_eq!(c.routes[0].barrier_timeout, want, "{text}");
     }
 }
+
+/// The 30ms floor: a TTL written below it is refused (plain, or `ttl` in a derivation); a
+/// derived TTL below it is raised to it, with a warning.
+#[test]
+fn lease_ttls_below_the_floor() {
+    let leases = |ttl: &str| {
+        format!("upstream: http://a:1\nleases:\n  backend: {{ kind: embedded }}\n  ttl: {ttl}\n")
+    };
+    assert_eq!(
+        err(&leases("12ms")),
+        "leases.ttl: a lease ttl of 12ms is below the 30ms floor, under which a lease cannot be \
+         renewed reliably: write 30ms or more at line 4 column 8"
+    );
+    assert_eq!(
+        err(&leases(
+            "{ p99_work: 5ms, p99_rtt: 1ms, safety_margin: 1ms, round_to: 1ms, ttl: 20ms }"
+        )),
+        "leases.ttl: a lease ttl of 20ms is below the 30ms floor, under which a lease cannot be \
+         renewed reliably: write 30ms or more at line 4 column 8"
+    );
+    let raised = Config::parse(&leases(
+        "{ p99_work: 5ms, p99_rtt: 1ms, safety_margin: 1ms, round_to: 1ms }",
+    ))
+    .unwrap();
+    let ttl = &raised.leases.as_ref().unwrap().ttl;
+    assert_eq!(
+        (ttl.ttl, ttl.minimum),
+        (Duration::from_millis(30), Duration::from_millis(30))
+    );
+    assert_eq!(
+        raised.warnings(),
+        ["leases.ttl: the derived ttl 7ms is below the 30ms floor, under which a lease cannot be \
+          renewed reliably: the lease ttl is 30ms"]
+    );
+    let written = Config::parse(&leases(
+        "{ p99_work: 5ms, p99_rtt: 1ms, safety_margin: 1ms, round_to: 1ms, ttl: 40ms }",
+    ))
+    .unwrap();
+    assert_eq!(
+        written.leases.as_ref().unwrap().ttl.ttl,
+        Duration::from_millis(40)
+    );
+    assert!(written.warnings().is_empty());
+    assert!(Config::parse(&leases("30ms"))
+        .unwrap()
+        .warnings()
+        .is_empty());
+}

@@ -341,6 +341,79 @@ idempotency: {{}}
     );
 }
 
+/// A derived TTL below the 30ms floor is raised to it: `ttl` and `check` say so on stderr
+/// and print the TTL in effect; written below the floor, it is refused.
+#[test]
+fn a_derived_ttl_below_the_floor_is_raised_with_a_warning() {
+    let warning = "the derived ttl 7ms is below the 30ms floor, under which a lease cannot be \
+                   renewed reliably: the lease ttl is 30ms";
+    let budgets = [
+        "ttl",
+        "--p99-work",
+        "5ms",
+        "--p99-rtt",
+        "1ms",
+        "--safety-margin",
+        "1ms",
+        "--round-to",
+        "1ms",
+    ]
+    .map(std::ffi::OsStr::new);
+    let (code, out, err) = fencegate_cli(&budgets);
+    assert_eq!(code, Some(0));
+    assert_eq!(err, format!("warning: {warning}\n"));
+    assert_eq!(
+        out,
+        "base          7ms  (p99 work 5ms + p99 rtt 1ms + safety margin 1ms + drift buffer 0ms)\n\
+         ttl           30ms  (base rounded up to a multiple of 1ms is 7ms, raised to the 30ms floor)\n\
+         renew every   10ms  (ttl / 3, with ±15% jitter)\n\
+         dedup window  35ms  (ttl + p99 work)\n"
+    );
+    let mut json = budgets.to_vec();
+    json.push("--json".as_ref());
+    let (code, out, err) = fencegate_cli(&json);
+    assert_eq!(code, Some(0));
+    assert_eq!(err, format!("warning: {warning}\n"));
+    assert_eq!(
+        out,
+        "{\"base_ms\":7,\"ttl_ms\":30,\"renew_every_ms\":10,\"dedup_window_ms\":35}\n"
+    );
+
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("fast.yaml");
+    let leases = "upstream: http://127.0.0.1:8080\nleases:\n  backend: { kind: embedded }\n  ttl: ";
+    std::fs::write(
+        &config,
+        format!("{leases}{{ p99_work: 5ms, p99_rtt: 1ms, safety_margin: 1ms, round_to: 1ms }}\n"),
+    )
+    .unwrap();
+    let (code, out, err) = check_file(&config);
+    assert_eq!(code, Some(0), "{err}");
+    assert_eq!(
+        err,
+        format!("warning: {}: leases.ttl: {warning}\n", config.display())
+    );
+    assert!(
+        out.contains(
+            "\n# leases: ttl 30ms (minimum 30ms), renew every 10ms, local deadline ttl - 0ms, \
+             drain timeout 60ms, dedup window 35ms\n"
+        ),
+        "{out}"
+    );
+
+    std::fs::write(&config, format!("{leases}12ms\n")).unwrap();
+    let (code, out, err) = check_file(&config);
+    assert_eq!((code, out.as_str()), (Some(1), ""));
+    assert_eq!(
+        err,
+        format!(
+            "error: {}: leases.ttl: a lease ttl of 12ms is below the 30ms floor, under which a \
+             lease cannot be renewed reliably: write 30ms or more at line 4 column 8\n",
+            config.display()
+        )
+    );
+}
+
 /// Replaces the config file the way a ConfigMap update does: a new file renamed over it.
 fn replace_config(path: &Path, text: &str) {
     let tmp = path.with_extension("tmp");
