@@ -232,9 +232,12 @@ pub fn main() -> ExitCode {
                     return ExitCode::from(1);
                 }
             };
-            match crate::inject::inject_manifests(&input, &options) {
-                Ok(output) => {
-                    print!("{output}");
+            match crate::inject::inject_manifests_with_warnings(&input, &options) {
+                Ok(injected) => {
+                    for warning in &injected.warnings {
+                        eprintln!("warning: {name}: {warning}");
+                    }
+                    print!("{}", injected.output);
                     ExitCode::SUCCESS
                 }
                 Err(e) => {
