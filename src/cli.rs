@@ -113,6 +113,9 @@ pub fn main() -> ExitCode {
             Ok(c)
         }) {
             Ok(c) => {
+                for warning in c.warnings() {
+                    eprintln!("warning: {}: {warning}", config.display());
+                }
                 let mut out = String::new();
                 out.push_str(&format!("# {}: valid\n", config.display()));
                 if let Some(leases) = &c.leases {
@@ -168,7 +171,11 @@ pub fn main() -> ExitCode {
                 drift_buffer,
                 round_to,
             };
-            match ttl::derive(&inputs) {
+            let derived = ttl::derive(&inputs);
+            if let Some(warning) = derived.as_ref().ok().and_then(ttl::Derived::floor_warning) {
+                eprintln!("warning: {warning}");
+            }
+            match derived {
                 Ok(d) if json => {
                     let doc = serde_json::to_string(&ttl::DerivedJson::from(d))
                         .expect("plain numbers serialise");
@@ -195,6 +202,9 @@ pub fn main() -> ExitCode {
                     return ExitCode::from(1);
                 }
             };
+            for warning in config.warnings() {
+                tracing::warn!(warning, "configuration warning");
+            }
             let embedded = config.store.kind == crate::config::StoreKind::Embedded;
             runtime(embedded).block_on(run(config, path))
         }
@@ -222,9 +232,12 @@ pub fn main() -> ExitCode {
                     return ExitCode::from(1);
                 }
             };
-            match crate::inject::inject_manifests(&input, &options) {
-                Ok(output) => {
-                    print!("{output}");
+            match crate::inject::inject_manifests_with_warnings(&input, &options) {
+                Ok(injected) => {
+                    for warning in &injected.warnings {
+                        eprintln!("warning: {name}: {warning}");
+                    }
+                    print!("{}", injected.output);
                     ExitCode::SUCCESS
                 }
                 Err(e) => {

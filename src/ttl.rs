@@ -1,5 +1,6 @@
 //! TTL derivation (design: TTL = p99 work + p99 RTT + safety margin [+ drift buffer], rounded
-//! up), with the renewal interval (TTL/3) and the dedup window (TTL + p99 work).
+//! up, and never below [`MIN_TTL`]), with the renewal interval (TTL/3) and the dedup window
+//! (TTL + p99 work).
 
 use std::time::Duration;
 
@@ -14,9 +15,17 @@ pub struct TtlInputs {
     pub round_to: Duration,
 }
 
+/// The shortest lease TTL. A lease is renewed every TTL/3; below this, a renewal's round trip
+/// and the scheduler's delays take up too much of the interval for renewal to be relied on. A
+/// TTL written in the config below it is refused; a derived one is raised to it.
+pub const MIN_TTL: Duration = Duration::from_millis(30);
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Derived {
     pub base: Duration,
+    /// The base rounded up to a multiple of `round_to`.
+    pub rounded: Duration,
+    /// The lease TTL: `rounded`, or [`MIN_TTL`] if that is longer.
     pub ttl: Duration,
     pub renew_every: Duration,
     pub dedup_window: Duration,
@@ -36,13 +45,35 @@ pub fn derive(i: &TtlInputs) -> Result<Derived, String> {
     }
     let step = i.round_to.as_nanos();
     let ttl_nanos = base.as_nanos().div_ceil(step) * step;
-    let ttl = Duration::from_nanos(u64::try_from(ttl_nanos).map_err(|_| "TTL too large")?);
+    let rounded = Duration::from_nanos(u64::try_from(ttl_nanos).map_err(|_| "TTL too large")?);
+    let ttl = rounded.max(MIN_TTL);
     Ok(Derived {
         base,
+        rounded,
         ttl,
         renew_every: ttl / 3,
         dedup_window: ttl.checked_add(i.p99_work).ok_or_else(too_large)?,
     })
+}
+
+impl Derived {
+    /// Whether the rounded TTL was below [`MIN_TTL`] and raised to it.
+    pub fn raised_to_floor(&self) -> bool {
+        self.ttl > self.rounded
+    }
+
+    /// The warning to show when the TTL was raised to [`MIN_TTL`].
+    pub fn floor_warning(&self) -> Option<String> {
+        self.raised_to_floor().then(|| {
+            format!(
+                "the derived ttl {} is below the {} floor, under which a lease cannot be \
+                 renewed reliably: the lease ttl is {}",
+                millis(self.rounded),
+                millis(MIN_TTL),
+                millis(self.ttl)
+            )
+        })
+    }
 }
 
 /// The `ttl --json` document: milliseconds, for scripts.
@@ -67,9 +98,19 @@ impl From<Derived> for DerivedJson {
 
 pub fn render(i: &TtlInputs, d: &Derived) -> String {
     let h = millis;
+    let rounding = if d.raised_to_floor() {
+        format!(
+            "base rounded up to a multiple of {} is {}, raised to the {} floor",
+            h(i.round_to),
+            h(d.rounded),
+            h(MIN_TTL)
+        )
+    } else {
+        format!("base rounded up to a multiple of {}", h(i.round_to))
+    };
     format!(
         "base          {}  (p99 work {} + p99 rtt {} + safety margin {} + drift buffer {})\n\
-         ttl           {}  (base rounded up to a multiple of {})\n\
+         ttl           {}  ({rounding})\n\
          renew every   {}  (ttl / 3, with ±15% jitter)\n\
          dedup window  {}  (ttl + p99 work)\n",
         h(d.base),
@@ -78,7 +119,6 @@ pub fn render(i: &TtlInputs, d: &Derived) -> String {
         h(i.safety_margin),
         h(i.drift_buffer),
         h(d.ttl),
-        h(i.round_to),
         h(d.renew_every),
         h(d.dedup_window),
     )
@@ -132,7 +172,33 @@ mod tests {
             derive(&inputs(800, 40, 200, 500, 500)).unwrap().ttl,
             ms(2000)
         );
-        assert_eq!(derive(&inputs(1, 0, 0, 0, 1)).unwrap().ttl, ms(1));
+        assert_eq!(derive(&inputs(30, 0, 0, 0, 1)).unwrap().ttl, ms(30));
+    }
+
+    /// A derived TTL below the floor is raised to it, and says so.
+    #[test]
+    fn a_ttl_below_the_floor_is_raised_to_it() {
+        let i = inputs(5, 1, 1, 0, 1);
+        let d = derive(&i).unwrap();
+        assert_eq!((d.base, d.rounded, d.ttl), (ms(7), ms(7), ms(30)));
+        assert_eq!((d.renew_every, d.dedup_window), (ms(10), ms(35)));
+        assert_eq!(
+            d.floor_warning().as_deref(),
+            Some(
+                "the derived ttl 7ms is below the 30ms floor, under which a lease cannot be \
+                 renewed reliably: the lease ttl is 30ms"
+            )
+        );
+        assert_eq!(
+            render(&i, &d),
+            "base          7ms  (p99 work 5ms + p99 rtt 1ms + safety margin 1ms + drift buffer 0ms)\n\
+             ttl           30ms  (base rounded up to a multiple of 1ms is 7ms, raised to the 30ms floor)\n\
+             renew every   10ms  (ttl / 3, with ±15% jitter)\n\
+             dedup window  35ms  (ttl + p99 work)\n"
+        );
+        let exact = derive(&inputs(20, 5, 5, 0, 1)).unwrap();
+        assert_eq!(exact.ttl, ms(30));
+        assert_eq!(exact.floor_warning(), None);
     }
 
     #[test]

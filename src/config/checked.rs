@@ -5,7 +5,7 @@
 use std::fmt;
 use std::marker::PhantomData;
 
-use serde::de::{self, Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
+use serde::de::{self, Deserialize, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 
 /// Parses a string, then converts it with `TryFrom<String>`.
 pub fn from_str<'de, D, T>(d: D) -> Result<T, D::Error>
@@ -47,28 +47,80 @@ where
     d.deserialize_map(V(PhantomData))
 }
 
-/// Parses a sequence of `E`, then checks the whole list with `check`.
-pub fn from_seq<'de, D, E>(d: D, check: fn(&[E]) -> Result<(), String>) -> Result<Vec<E>, D::Error>
+/// Parses a list of mappings `E`, checking each against those before it while it is read, so
+/// that a refusal carries that element's own line, column and path (`routes[2]: … at line 9
+/// column 5`) rather than the list's. `expecting` describes one element.
+pub fn from_seq_each<'de, D, E, C>(
+    d: D,
+    expecting: &'static str,
+    check: C,
+) -> Result<Vec<E>, D::Error>
 where
     D: Deserializer<'de>,
     E: Deserialize<'de>,
+    C: FnMut(&[E], &E) -> Result<(), String>,
 {
-    struct V<E>(fn(&[E]) -> Result<(), String>);
-    impl<'de, E: Deserialize<'de>> Visitor<'de> for V<E> {
+    struct Seq<E, C> {
+        expecting: &'static str,
+        check: C,
+        items: PhantomData<E>,
+    }
+    impl<'de, E: Deserialize<'de>, C: FnMut(&[E], &E) -> Result<(), String>> Visitor<'de>
+        for Seq<E, C>
+    {
         type Value = Vec<E>;
         fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
             f.write_str("a list")
         }
-        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<E>, A::Error> {
+        fn visit_seq<A: SeqAccess<'de>>(mut self, mut seq: A) -> Result<Vec<E>, A::Error> {
             let mut items = Vec::new();
-            while let Some(item) = seq.next_element()? {
-                items.push(item);
+            loop {
+                let element = Element {
+                    earlier: &items,
+                    expecting: self.expecting,
+                    check: &mut self.check,
+                };
+                match seq.next_element_seed(element)? {
+                    Some(item) => items.push(item),
+                    None => return Ok(items),
+                }
             }
-            (self.0)(&items).map_err(de::Error::custom)?;
-            Ok(items)
         }
     }
-    d.deserialize_seq(V(check))
+
+    struct Element<'a, E, C> {
+        earlier: &'a [E],
+        expecting: &'static str,
+        check: &'a mut C,
+    }
+    impl<'de, E: Deserialize<'de>, C: FnMut(&[E], &E) -> Result<(), String>> DeserializeSeed<'de>
+        for Element<'_, E, C>
+    {
+        type Value = E;
+        fn deserialize<D2: Deserializer<'de>>(self, d: D2) -> Result<E, D2::Error> {
+            // Checked inside the element's own call, which gives the error its location.
+            d.deserialize_map(self)
+        }
+    }
+    impl<'de, E: Deserialize<'de>, C: FnMut(&[E], &E) -> Result<(), String>> Visitor<'de>
+        for Element<'_, E, C>
+    {
+        type Value = E;
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str(self.expecting)
+        }
+        fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<E, A::Error> {
+            let item = E::deserialize(de::value::MapAccessDeserializer::new(map))?;
+            (self.check)(self.earlier, &item).map_err(de::Error::custom)?;
+            Ok(item)
+        }
+    }
+
+    d.deserialize_seq(Seq {
+        expecting,
+        check,
+        items: PhantomData,
+    })
 }
 
 /// `impl Deserialize` through [`from_str`] for types with `TryFrom<String, Error = String>`.

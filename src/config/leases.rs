@@ -9,12 +9,27 @@ use serde::{Deserialize, Deserializer, Serialize};
 
 use super::checked;
 use super::{PathTemplate, ResourceTemplate, SecretUrl, UpstreamUrl};
+use crate::duration::display;
 use crate::lease::schedule::MAX_LEASE_DURATION;
-use crate::ttl::{derive, TtlInputs};
+use crate::ttl::{derive, TtlInputs, MIN_TTL};
 
 /// The longest `drain_timeout`: room for the default (2 × the longest TTL), so that the
 /// effective config `check` prints loads again.
 pub const MAX_DRAIN_TIMEOUT: Duration = MAX_LEASE_DURATION.saturating_mul(2);
+
+/// Refuses a TTL written below [`MIN_TTL`] (a derived one is raised to it instead).
+fn below_floor(ttl: Duration) -> Result<(), String> {
+    if ttl < MIN_TTL {
+        return Err(format!(
+            "a lease ttl of {} is below the {} floor, under which a lease cannot be renewed \
+             reliably: write {} or more",
+            display(ttl),
+            display(MIN_TTL),
+            display(MIN_TTL)
+        ));
+    }
+    Ok(())
+}
 
 /// Refuses a TTL above [`MAX_LEASE_DURATION`].
 fn at_most_max(ttl: Duration) -> Result<Duration, String> {
@@ -115,6 +130,8 @@ pub struct LeaseTtl {
     pub p99_work: Option<Duration>,
     /// The derived minimum; API requests asking for less are refused.
     pub minimum: Duration,
+    /// Set when the derived TTL was below [`MIN_TTL`] and raised to it.
+    pub warning: Option<String>,
     /// As written, so the effective config printed by `check` loads again.
     source: TtlSource,
 }
@@ -134,8 +151,13 @@ enum TtlSource {
         drift_buffer: Duration,
         #[serde(with = "crate::duration")]
         round_to: Duration,
-        #[serde(with = "crate::duration")]
-        ttl: Duration,
+        /// As written: a TTL left to the derivation is not printed back, so it keeps
+        /// following the inputs.
+        #[serde(
+            with = "crate::duration::option",
+            skip_serializing_if = "Option::is_none"
+        )]
+        ttl: Option<Duration>,
     },
 }
 
@@ -177,9 +199,7 @@ impl TryFrom<RawTtl> for LeaseTtl {
     fn try_from(raw: RawTtl) -> Result<Self, String> {
         match raw {
             RawTtl::Plain(ttl) => {
-                if ttl < Duration::from_millis(30) {
-                    return Err("a lease ttl below 30ms cannot be renewed reliably".into());
-                }
+                below_floor(ttl)?;
                 let ttl = at_most_max(ttl)?;
                 // Without a derivation, keep a tenth of the TTL (at most 100 ms) for drift.
                 let drift_buffer = (ttl / 10).min(Duration::from_millis(100));
@@ -188,6 +208,7 @@ impl TryFrom<RawTtl> for LeaseTtl {
                     drift_buffer,
                     p99_work: None,
                     minimum: ttl,
+                    warning: None,
                     source: TtlSource::Plain(ttl),
                 })
             }
@@ -199,15 +220,18 @@ impl TryFrom<RawTtl> for LeaseTtl {
                     drift_buffer: d.drift_buffer,
                     round_to: d.round_to,
                 })?;
-                let ttl = match d.ttl {
-                    Some(ttl) if ttl < derived.ttl => {
-                        return Err(format!(
-                            "ttl {ttl:?} is below the derived minimum {:?}",
-                            derived.ttl
-                        ))
+                let (ttl, warning) = match d.ttl {
+                    Some(ttl) => {
+                        below_floor(ttl)?;
+                        if ttl < derived.ttl {
+                            return Err(format!(
+                                "ttl {ttl:?} is below the derived minimum {:?}",
+                                derived.ttl
+                            ));
+                        }
+                        (ttl, None)
                     }
-                    Some(ttl) => ttl,
-                    None => derived.ttl,
+                    None => (derived.ttl, derived.floor_warning()),
                 };
                 let ttl = at_most_max(ttl)?;
                 Ok(LeaseTtl {
@@ -215,13 +239,14 @@ impl TryFrom<RawTtl> for LeaseTtl {
                     drift_buffer: d.drift_buffer,
                     p99_work: Some(d.p99_work),
                     minimum: derived.ttl,
+                    warning,
                     source: TtlSource::Derived {
                         p99_work: d.p99_work,
                         p99_rtt: d.p99_rtt,
                         safety_margin: d.safety_margin,
                         drift_buffer: d.drift_buffer,
                         round_to: d.round_to,
-                        ttl,
+                        ttl: d.ttl,
                     },
                 })
             }
@@ -271,7 +296,10 @@ impl LeaseTtl {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a mapping with `base_delay`, `max_delay` and `jitter`"
+)]
 pub struct AcquireConfig {
     #[serde(default = "default_base", with = "crate::duration")]
     pub base_delay: Duration,
@@ -302,16 +330,21 @@ fn default_jitter() -> Duration {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a mapping with `backend` and `ttl`")]
 pub struct LeasesConfig {
     /// The local lease API; loopback by default so only the pod's app can use it.
-    #[serde(default = "default_lease_listen")]
+    #[serde(
+        default = "default_lease_listen",
+        deserialize_with = "super::values::address"
+    )]
     pub listen: SocketAddr,
     pub backend: BackendConfig,
     pub ttl: LeaseTtl,
     #[serde(default)]
     pub acquire: AcquireConfig,
-    /// SIGTERM: in-flight work gets this long before leases are released. Default 2 × ttl.
+    /// SIGTERM: in-flight work gets this long before leases are released, as written. Default
+    /// 2 × ttl ([`LeasesConfig::drain_timeout`]), which `check` shows on its `# leases:` line
+    /// only, so that the printed config keeps following the TTL.
     #[serde(
         default,
         deserialize_with = "drain_timeout",
@@ -370,17 +403,27 @@ pub struct EgressRoute {
     /// The lease (resource) whose token is attached; captures of `path` may be used.
     pub lease: ResourceTemplate,
     /// Methods that get the token; default every method but GET, HEAD, OPTIONS.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        deserialize_with = "super::values::methods",
+        skip_serializing_if = "Option::is_none"
+    )]
     pub methods: Option<Vec<super::MethodCfg>>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a mapping with `upstream` and `routes`"
+)]
 pub struct EgressConfig {
-    #[serde(default = "default_egress_listen")]
+    #[serde(
+        default = "default_egress_listen",
+        deserialize_with = "super::values::address"
+    )]
     pub listen: SocketAddr,
     pub upstream: UpstreamUrl,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "super::routes::egress_routes")]
     pub routes: Vec<EgressRoute>,
 }
 

@@ -5,7 +5,9 @@
 
 pub(crate) mod checked;
 mod leases;
+mod routes;
 mod types;
+mod values;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -22,13 +24,16 @@ pub use types::{
 
 /// The whole configuration file.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a mapping of settings, such as `upstream: http://127.0.0.1:8080`"
+)]
 pub struct Config {
     /// The fence proxy listener (ingress).
-    #[serde(default = "default_listen")]
+    #[serde(default = "default_listen", deserialize_with = "values::address")]
     pub listen: SocketAddr,
     /// Metrics, probes and the fence inspection API, on their own port so probes answer under load.
-    #[serde(default = "default_admin")]
+    #[serde(default = "default_admin", deserialize_with = "values::address")]
     pub admin: SocketAddr,
     /// The protected service.
     pub upstream: UpstreamUrl,
@@ -44,7 +49,7 @@ pub struct Config {
     pub store: StoreConfig,
     #[serde(default)]
     pub fence: FenceConfig,
-    #[serde(default, deserialize_with = "routes")]
+    #[serde(default, deserialize_with = "routes::routes")]
     pub routes: Vec<RouteConfig>,
     #[serde(default)]
     pub unmatched: Unmatched,
@@ -66,33 +71,46 @@ pub struct Config {
 /// `Idempotency-Key` handling on fenced routes (every fenced route, unless a route says
 /// `idempotency: false`).
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a mapping with `header`, `window`, `max_request_bytes` and `max_response_bytes`"
+)]
 pub struct IdempotencyConfig {
     #[serde(default = "default_idempotency_header")]
     pub header: HeaderNameCfg,
-    /// How long a key's record lives after its last write. Default: `leases.ttl` + its
-    /// `p99_work` (2 × ttl when the TTL is given as a plain duration); required without leases.
+    /// How long a key's record lives after its last write, as written. Default: `leases.ttl`
+    /// plus its `p99_work` (2 × ttl when the TTL is given as a plain duration); required
+    /// without leases. A default is not printed back by `check`, so that it keeps following
+    /// the TTL.
     #[serde(
         default,
         with = "crate::duration::option",
         skip_serializing_if = "Option::is_none"
     )]
     pub window: Option<Duration>,
+    /// The window in effect: `window`, or the default; resolved when the config is parsed.
+    #[serde(skip)]
+    resolved_window: Duration,
     /// Largest request body an idempotent write may have (it is read whole to fingerprint it);
     /// larger gets 413.
-    #[serde(default = "default_max_idempotent_body")]
+    #[serde(
+        default = "default_max_idempotent_body",
+        deserialize_with = "values::Bytes::<1048576>::de"
+    )]
     pub max_request_bytes: usize,
     /// Largest response recorded for replay; a larger one is recorded as "completed, not
     /// replayable" and its retries get 409 `idempotency-not-replayable`.
-    #[serde(default = "default_max_idempotent_body")]
+    #[serde(
+        default = "default_max_idempotent_body",
+        deserialize_with = "values::Bytes::<1048576>::de"
+    )]
     pub max_response_bytes: usize,
 }
 
 impl IdempotencyConfig {
-    /// The window, resolved at load.
+    /// The window in effect (as written, or the default).
     pub fn window(&self) -> Duration {
-        self.window
-            .expect("the idempotency window is resolved when the config is parsed")
+        self.resolved_window
     }
 }
 
@@ -105,7 +123,7 @@ fn default_max_idempotent_body() -> usize {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a mapping with `cert` and `key`")]
 pub struct TlsConfig {
     pub cert: PathBuf,
     pub key: PathBuf,
@@ -115,7 +133,7 @@ pub struct TlsConfig {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a mapping with `header` and `equal`")]
 pub struct TokenConfig {
     #[serde(default = "default_token_header")]
     pub header: HeaderNameCfg,
@@ -197,7 +215,10 @@ struct RawStore {
     url: Option<SecretUrl>,
     #[serde(default = "default_prefix")]
     prefix: String,
-    #[serde(default = "default_cache_size")]
+    #[serde(
+        default = "default_cache_size",
+        deserialize_with = "values::Count::<100000>::de"
+    )]
     cache_size: usize,
 }
 
@@ -258,7 +279,7 @@ impl TryFrom<RawStore> for StoreConfig {
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a mapping with `authority`")]
 pub struct FenceConfig {
     #[serde(default)]
     pub authority: Authority,
@@ -293,7 +314,11 @@ pub struct RouteConfig {
     pub name: String,
     pub path: PathTemplate,
     /// Fenced methods; `None` means every method except GET, HEAD and OPTIONS.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        deserialize_with = "values::methods",
+        skip_serializing_if = "Option::is_none"
+    )]
     pub methods: Option<Vec<MethodCfg>>,
     /// Resource id template; `None` means the normalised request path.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -304,11 +329,15 @@ pub struct RouteConfig {
     pub ordering: Ordering,
     #[serde(default = "default_barrier_timeout", with = "crate::duration")]
     pub barrier_timeout: Duration,
-    #[serde(default = "default_true")]
+    #[serde(default = "default_true", deserialize_with = "values::flag")]
     pub fence: bool,
     /// `false`: no idempotency keys on this route even though the `idempotency` section is
     /// there; `true`: requires that section. Absent: follow the section.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        deserialize_with = "values::optional_flag",
+        skip_serializing_if = "Option::is_none"
+    )]
     pub idempotency: Option<bool>,
 }
 
@@ -467,9 +496,13 @@ impl TryFrom<RawTimeouts> for Timeouts {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields, default)]
 struct RawLimits {
+    #[serde(deserialize_with = "values::Bytes::<16384>::de")]
     max_header_bytes: usize,
+    #[serde(deserialize_with = "values::Count::<100>::de")]
     max_headers: usize,
+    #[serde(deserialize_with = "values::Count::<10000>::de")]
     max_connections: usize,
+    #[serde(deserialize_with = "values::Bytes::<512>::de")]
     max_resource_bytes: usize,
 }
 
@@ -510,82 +543,6 @@ impl TryFrom<RawLimits> for Limits {
     }
 }
 
-fn routes<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<RouteConfig>, D::Error> {
-    checked::from_seq(d, check_routes)
-}
-
-/// Cross-route checks: unique names, captures that exist, paths the router accepts together.
-fn check_routes(routes: &[RouteConfig]) -> Result<(), String> {
-    let mut router = matchit::Router::new();
-    let mut seen_paths: Vec<(&str, usize)> = Vec::new();
-    for (i, route) in routes.iter().enumerate() {
-        if route.name.is_empty() {
-            return Err(format!("routes[{i}].name must not be empty"));
-        }
-        if let Some(j) = routes[..i].iter().position(|r| r.name == route.name) {
-            return Err(format!(
-                "routes[{i}].name `{}` is already used by routes[{j}]",
-                route.name
-            ));
-        }
-        if let Some(template) = &route.resource {
-            for capture in template.captures() {
-                if !route.path.captures.iter().any(|c| c == capture) {
-                    return Err(format!(
-                        "routes[{i}].resource uses `{{{capture}}}` but routes[{i}].path `{}` has no such capture",
-                        route.path.source
-                    ));
-                }
-            }
-        }
-        if matches!(&route.methods, Some(m) if m.is_empty()) {
-            return Err(format!(
-                "routes[{i}].methods is empty; leave it out to fence every method but GET, HEAD, OPTIONS"
-            ));
-        }
-        if let Some(&(_, j)) = seen_paths.iter().find(|(p, _)| *p == route.path.source) {
-            // Same path: allowed when the routes fence different methods, else one would be
-            // unreachable.
-            for other in routes[j..i]
-                .iter()
-                .filter(|r| r.path.source == route.path.source)
-            {
-                if let Some(m) = shared_fenced_method(other, route) {
-                    return Err(format!(
-                        "routes[{i}] and `{}` both fence {m} on `{}`; give them disjoint `methods`",
-                        other.name, route.path.source
-                    ));
-                }
-            }
-            continue;
-        }
-        router
-            .insert(route.path.source.as_str(), i)
-            .map_err(|e| format!("routes[{i}].path `{}`: {e}", route.path.source))?;
-        seen_paths.push((&route.path.source, i));
-    }
-    Ok(())
-}
-
-/// A method both routes would fence, if any.
-fn shared_fenced_method(a: &RouteConfig, b: &RouteConfig) -> Option<String> {
-    let fenced = |r: &RouteConfig, m: &http::Method| match &r.methods {
-        Some(list) => list.iter().any(|x| x.0 == *m),
-        None => !matches!(
-            *m,
-            http::Method::GET | http::Method::HEAD | http::Method::OPTIONS
-        ),
-    };
-    let candidates: Vec<http::Method> = match (&a.methods, &b.methods) {
-        (Some(list), _) | (None, Some(list)) => list.iter().map(|m| m.0.clone()).collect(),
-        (None, None) => vec![http::Method::POST],
-    };
-    candidates
-        .into_iter()
-        .find(|m| fenced(a, m) && fenced(b, m))
-        .map(|m| m.to_string())
-}
-
 /// A configuration error, displayed with its location when it has one.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -617,15 +574,12 @@ impl Config {
     pub fn parse(text: &str) -> Result<Config, String> {
         let mut config = serde_yaml::from_str::<Config>(text).map_err(|e| e.to_string())?;
         config.check_sections()?;
-        if let Some(leases) = &mut config.leases {
-            leases.drain_timeout = Some(leases.drain_timeout());
-        }
         let derived_window = config
             .leases
             .as_ref()
             .map(|l| l.ttl.ttl + l.ttl.p99_work.unwrap_or(l.ttl.ttl));
         if let Some(idempotency) = &mut config.idempotency {
-            idempotency.window = match (idempotency.window, derived_window) {
+            idempotency.resolved_window = match (idempotency.window, derived_window) {
                 (Some(w), _) if w.is_zero() => {
                     return Err("idempotency.window must be greater than zero".into())
                 }
@@ -634,8 +588,7 @@ impl Config {
                         "idempotency.window must be at most {MAX_WINDOW_TEXT}"
                     ))
                 }
-                (Some(w), _) => Some(w),
-                (None, Some(w)) => Some(w),
+                (Some(w), _) | (None, Some(w)) => w,
                 (None, None) => {
                     return Err(
                         "idempotency.window is required when no `leases` section gives \
@@ -678,20 +631,8 @@ impl Config {
                     .into(),
             );
         }
-        if let Some(egress) = &self.egress {
-            if self.leases.is_none() {
-                return Err("egress: attaching tokens needs the `leases` section".into());
-            }
-            for (i, route) in egress.routes.iter().enumerate() {
-                for capture in route.lease.captures() {
-                    if !route.path.captures.iter().any(|c| c == capture) {
-                        return Err(format!(
-                            "egress.routes[{i}].lease uses `{{{capture}}}` but its path `{}` has no such capture",
-                            route.path.source
-                        ));
-                    }
-                }
-            }
+        if self.egress.is_some() && self.leases.is_none() {
+            return Err("egress: attaching tokens needs the `leases` section".into());
         }
         let ports = [
             Some(("listen", self.listen)),
@@ -709,6 +650,14 @@ impl Config {
             }
         }
         Ok(())
+    }
+
+    /// What is valid but probably not what was meant, one sentence each, with its field path.
+    pub fn warnings(&self) -> Vec<String> {
+        let ttl = self.leases.as_ref().and_then(|l| l.ttl.warning.as_ref());
+        ttl.map(|w| format!("leases.ttl: {w}"))
+            .into_iter()
+            .collect()
     }
 
     /// The effective configuration, defaults filled in, as YAML.

@@ -228,28 +228,191 @@ pub struct PathTemplate {
     pub captures: Vec<String>,
 }
 
+impl PathTemplate {
+    /// The template with every capture name dropped (`/a/{}/{*}`): two templates that differ
+    /// only in their capture names match the same paths.
+    pub fn shape(&self) -> String {
+        let mut out = String::with_capacity(self.source.len());
+        for piece in pieces(&self.source) {
+            match piece {
+                Piece::Literal(s) => out.push_str(s),
+                Piece::Capture { catch_all, .. } => {
+                    out.push_str(if catch_all { "{*}" } else { "{}" })
+                }
+            }
+        }
+        out
+    }
+
+    /// A request path this template matches: every capture filled with `x`.
+    pub fn example(&self) -> String {
+        let mut out = String::with_capacity(self.source.len());
+        for piece in pieces(&self.source) {
+            match piece {
+                Piece::Literal("{{") => out.push('{'),
+                Piece::Literal("}}") => out.push('}'),
+                Piece::Literal(s) => out.push_str(s),
+                Piece::Capture { .. } => out.push('x'),
+            }
+        }
+        out
+    }
+}
+
+/// A piece of a path template, as the router reads it (`{{` and `}}` are literal braces).
+#[derive(Debug, PartialEq, Eq)]
+enum Piece<'a> {
+    Literal(&'a str),
+    Capture { catch_all: bool },
+}
+
+/// The pieces of a template that [`check_path`] accepted.
+fn pieces(raw: &str) -> impl Iterator<Item = Piece<'_>> {
+    let mut rest = raw;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        if rest.starts_with("{{") || rest.starts_with("}}") {
+            let (piece, after) = rest.split_at(2);
+            rest = after;
+            return Some(Piece::Literal(piece));
+        }
+        if let Some(inner) = rest.strip_prefix('{') {
+            let close = inner.find('}').unwrap_or(inner.len());
+            let catch_all = inner.starts_with('*');
+            rest = inner.get(close + 1..).unwrap_or_default();
+            return Some(Piece::Capture { catch_all });
+        }
+        let end = rest.find(['{', '}']).unwrap_or(rest.len()).max(1);
+        let (piece, after) = rest.split_at(end);
+        rest = after;
+        Some(Piece::Literal(piece))
+    })
+}
+
+/// Checks a path template's syntax, saying what to write instead; returns its capture names.
+fn check_path(raw: &str) -> Result<Vec<String>, String> {
+    if !raw.starts_with('/') {
+        return Err(format!(
+            "`{raw}` does not start with `/`: write `/{}`",
+            raw.trim_start_matches('/')
+        ));
+    }
+    let valid_name = |s: &str| {
+        s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+    };
+    let bytes = raw.as_bytes();
+    let mut captures: Vec<String> = Vec::new();
+    let (mut segment_start, mut in_segment, mut i) = (0, 0, 0);
+    let segment = |start: usize| raw[start..].split('/').next().unwrap_or_default();
+    while i < raw.len() {
+        match (bytes[i], bytes.get(i + 1)) {
+            (b'/', _) => {
+                (segment_start, in_segment) = (i + 1, 0);
+                i += 1;
+            }
+            (b'{', Some(b'{')) | (b'}', Some(b'}')) => i += 2,
+            (b'}', _) => {
+                return Err(format!(
+                    "the `}}` in `{}` closes nothing: write `{{name}}` for a capture, or `}}}}` \
+                     for a literal `}}`",
+                    segment(segment_start)
+                ));
+            }
+            (b'{', _) => {
+                let after = &raw[i..];
+                let end = after.find('/').unwrap_or(after.len());
+                let Some(close) = after[..end].find('}') else {
+                    let open = &after[..end];
+                    return Err(format!(
+                        "`{open}` is not closed: write `{open}}}` for a capture, or `{{{{` for a \
+                         literal `{{`"
+                    ));
+                };
+                let inner = &after[1..close];
+                let (name, star) = match inner.strip_prefix('*') {
+                    Some(name) => (name, "*"),
+                    None => (inner, ""),
+                };
+                if name.is_empty() {
+                    let suggestion = if star.is_empty() { "id" } else { "rest" };
+                    return Err(format!(
+                        "`{{{inner}}}` has no name: write `{{{star}{suggestion}}}`"
+                    ));
+                }
+                if !valid_name(name) {
+                    let fixed: String = name
+                        .chars()
+                        .map(|c| {
+                            if c.is_ascii_alphanumeric() || c == '-' {
+                                c
+                            } else {
+                                '_'
+                            }
+                        })
+                        .collect();
+                    return Err(format!(
+                        "`{{{inner}}}`: a capture name is letters, digits, `_` and `-`: write \
+                         `{{{star}{fixed}}}`"
+                    ));
+                }
+                in_segment += 1;
+                if in_segment > 1 {
+                    return Err(format!(
+                        "`{}` has two captures: a path segment holds at most one (with literal \
+                         text around it); put them in separate segments",
+                        segment(segment_start)
+                    ));
+                }
+                if captures.iter().any(|c| c == name) {
+                    return Err(format!(
+                        "`{{{name}}}` is captured twice: give each capture its own name"
+                    ));
+                }
+                captures.push(name.to_owned());
+                i += close + 1;
+                if !star.is_empty() && i < raw.len() {
+                    return Err(format!(
+                        "`{{*{name}}}` takes the rest of the path, so it must end it: remove \
+                         `{}` after it, or write `{{{name}}}` for one segment",
+                        &raw[i..]
+                    ));
+                }
+            }
+            _ => i += 1,
+        }
+    }
+    if captures.len() > MAX_CAPTURES {
+        return Err(format!(
+            "`{raw}` has {} captures: a path template has at most {MAX_CAPTURES}",
+            captures.len()
+        ));
+    }
+    Ok(captures)
+}
+
 impl TryFrom<String> for PathTemplate {
     type Error = String;
 
     fn try_from(raw: String) -> Result<Self, Self::Error> {
-        if !raw.starts_with('/') {
-            return Err(format!("`{raw}`: a path template starts with `/`"));
-        }
-        // The router panics beyond this many parameters; refuse before asking it.
-        if raw.matches('{').count() - 2 * raw.matches("{{").count() > MAX_CAPTURES {
-            return Err(format!("`{raw}`: at most {MAX_CAPTURES} captures per path"));
-        }
-        // The router is the authority on syntax; a throwaway insert reports any error.
+        let captures = check_path(&raw)?;
+        // The router is the authority on what it accepts; a throwaway insert reports anything
+        // the checks above let through, in plain words.
         let mut probe = matchit::Router::new();
-        probe
-            .insert(raw.as_str(), ())
-            .map_err(|e| format!("`{raw}`: {e}"))?;
-        let captures = raw
-            .split('{')
-            .skip(1)
-            .filter_map(|s| s.split_once('}').map(|(name, _)| name))
-            .map(|name| name.trim_start_matches('*').to_owned())
-            .collect();
+        probe.insert(raw.as_str(), ()).map_err(|e| match e {
+            matchit::InsertError::InvalidCatchAll => {
+                format!("`{raw}`: a `{{*name}}` capture must end the path")
+            }
+            matchit::InsertError::InvalidParamSegment => {
+                format!("`{raw}`: a path segment holds at most one capture")
+            }
+            _ => format!(
+                "`{raw}` is not a path template: write literal segments and captures such as \
+                 `/accounts/{{id}}` or `/files/{{*rest}}`"
+            ),
+        })?;
         Ok(PathTemplate {
             source: raw,
             captures,
@@ -277,7 +440,7 @@ impl SecretUrl {
     /// Checks the scheme against the store kind.
     pub fn check(&self, kind: super::StoreKind) -> Result<(), String> {
         use super::StoreKind;
-        let ok = match kind {
+        let (ok, name, example) = match kind {
             StoreKind::Redis if self.0.starts_with("rediss://") => {
                 return Err(
                     "TLS to Redis (rediss://) is not supported by this version; \
@@ -285,18 +448,29 @@ impl SecretUrl {
                         .into(),
                 );
             }
-            StoreKind::Redis => self.0.starts_with("redis://"),
-            StoreKind::Postgres => {
-                self.0.starts_with("postgres://") || self.0.starts_with("postgresql://")
-            }
-            StoreKind::Etcd => self.0.starts_with("etcd://") || self.0.starts_with("http://"),
-            StoreKind::Memory | StoreKind::Embedded => false,
+            StoreKind::Redis => (
+                self.0.starts_with("redis://"),
+                "redis",
+                "redis://127.0.0.1:6379/",
+            ),
+            StoreKind::Postgres => (
+                self.0.starts_with("postgres://") || self.0.starts_with("postgresql://"),
+                "postgres",
+                "postgres://user:password@127.0.0.1:5432/database",
+            ),
+            StoreKind::Etcd => (
+                self.0.starts_with("etcd://") || self.0.starts_with("http://"),
+                "etcd",
+                "etcd://127.0.0.1:2379",
+            ),
+            StoreKind::Memory | StoreKind::Embedded => (false, "", ""),
         };
         if ok {
             Ok(())
         } else {
+            // Not printed: without a scheme it cannot be told where a password would be.
             Err(format!(
-                "`{self}` does not fit this store kind (redis://, postgres://, etcd:// or http://)"
+                "the `url` does not fit kind {name}: write one like {example}"
             ))
         }
     }

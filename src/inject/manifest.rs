@@ -9,7 +9,9 @@
 use serde_json::Value;
 
 use super::yaml;
-use super::{inject_pod, Options, Outcome, PodError};
+use super::{
+    inject_pod, Options, Outcome, PodError, INJECT_DISABLED, INJECT_ENABLED, INJECT_LABEL,
+};
 
 /// Why `inject` refused its input. Every case is a problem with the input.
 #[derive(Debug, thiserror::Error)]
@@ -28,6 +30,26 @@ pub enum InjectError {
         object: String,
         error: PodError,
     },
+}
+
+/// A pod template that looks meant to opt in but does not: the label is on the workload
+/// instead of its pod template, is an annotation, or has another value than `enabled`. Its
+/// document is copied unchanged; the warning says what to write.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("document {document} (line {line}), {object}: {message}")]
+pub struct InjectWarning {
+    pub document: usize,
+    pub line: usize,
+    /// `Kind namespace/name` (or `Kind name`), and the item's index inside a `List`.
+    pub object: String,
+    pub message: String,
+}
+
+/// The manifests with the sidecar added, and what looked meant to opt in but did not.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Injected {
+    pub output: String,
+    pub warnings: Vec<InjectWarning>,
 }
 
 /// One document of the input: its `---` line (empty for a first document without one) and
@@ -76,7 +98,17 @@ fn is_blank(text: &str) -> bool {
 
 /// Injects every opted-in pod template of `input`; other documents are copied verbatim.
 pub fn inject_manifests(input: &str, options: &Options) -> Result<String, InjectError> {
+    inject_manifests_with_warnings(input, options).map(|injected| injected.output)
+}
+
+/// [`inject_manifests`], with a warning for each pod template that looks meant to opt in but
+/// does not.
+pub fn inject_manifests_with_warnings(
+    input: &str,
+    options: &Options,
+) -> Result<Injected, InjectError> {
     let mut out = String::with_capacity(input.len() * 2);
+    let mut warnings = Vec::new();
     for (index, doc) in split(input).iter().enumerate() {
         let document = index + 1;
         if is_blank(doc.text) {
@@ -88,13 +120,22 @@ pub fn inject_manifests(input: &str, options: &Options) -> Result<String, Inject
             line: doc.line + e.location().map_or(0, |l| l.line().saturating_sub(1)),
             message: e.to_string(),
         })?;
+        let mut found = Vec::new();
         let changed =
-            inject_object(&mut value, options).map_err(|(object, error)| InjectError::Pod {
-                document,
-                line: doc.line,
-                object,
-                error,
+            inject_object(&mut value, options, &mut found).map_err(|(object, error)| {
+                InjectError::Pod {
+                    document,
+                    line: doc.line,
+                    object,
+                    error,
+                }
             })?;
+        warnings.extend(found.into_iter().map(|(object, message)| InjectWarning {
+            document,
+            line: doc.line,
+            object,
+            message,
+        }));
         if !changed {
             out.push_str(doc.text);
             continue;
@@ -108,11 +149,20 @@ pub fn inject_manifests(input: &str, options: &Options) -> Result<String, Inject
         }
         out.push_str(&yaml::emit(&value));
     }
-    Ok(out)
+    Ok(Injected {
+        output: out,
+        warnings,
+    })
 }
 
-/// Whether the object was changed; on error, which object (`Kind name`) failed.
-fn inject_object(object: &mut Value, options: &Options) -> Result<bool, (String, PodError)> {
+/// Whether the object was changed; on error, which object (`Kind namespace/name`) failed.
+/// `warnings` gets `(object, message)` for a pod template that looks meant to opt in but does
+/// not.
+fn inject_object(
+    object: &mut Value,
+    options: &Options,
+    warnings: &mut Vec<(String, String)>,
+) -> Result<bool, (String, PodError)> {
     let kind = object
         .get("kind")
         .and_then(Value::as_str)
@@ -121,9 +171,15 @@ fn inject_object(object: &mut Value, options: &Options) -> Result<bool, (String,
     let name = object
         .pointer("/metadata/name")
         .and_then(Value::as_str)
-        .unwrap_or("(unnamed)")
-        .to_owned();
-    let describe = |e: PodError| (format!("{kind} {name}"), e);
+        .unwrap_or("(unnamed)");
+    let described = match object
+        .pointer("/metadata/namespace")
+        .and_then(Value::as_str)
+    {
+        Some(namespace) => format!("{kind} {namespace}/{name}"),
+        None => format!("{kind} {name}"),
+    };
+    let describe = |e: PodError| (described.clone(), e);
     // Volumes a StatefulSet creates from claim templates are in no pod spec.
     let claims: Vec<String> = object
         .pointer("/spec/volumeClaimTemplates")
@@ -134,38 +190,114 @@ fn inject_object(object: &mut Value, options: &Options) -> Result<bool, (String,
         .map(str::to_owned)
         .collect();
     let claims: Vec<&str> = claims.iter().map(String::as_str).collect();
-    let (template, prefix) = match kind.as_str() {
-        "Pod" => (Some(&mut *object), ""),
+    let prefix = match kind.as_str() {
+        "Pod" => "",
         "Deployment"
         | "StatefulSet"
         | "DaemonSet"
         | "ReplicaSet"
         | "ReplicationController"
-        | "Job" => (object.pointer_mut("/spec/template"), "spec.template."),
-        "CronJob" => (
-            object.pointer_mut("/spec/jobTemplate/spec/template"),
-            "spec.jobTemplate.spec.template.",
-        ),
+        | "Job" => "spec.template.",
+        "CronJob" => "spec.jobTemplate.spec.template.",
         k if k == "List" || k.ends_with("List") => {
             let mut changed = false;
             if let Some(Value::Array(items)) = object.get_mut("items") {
                 for (i, item) in items.iter_mut().enumerate() {
-                    changed |= inject_object(item, options)
+                    let mut found = Vec::new();
+                    changed |= inject_object(item, options, &mut found)
                         .map_err(|(what, e)| (format!("{kind} item {i} ({what})"), e))?;
+                    warnings.extend(
+                        found
+                            .into_iter()
+                            .map(|(what, m)| (format!("{kind} item {i} ({what})"), m)),
+                    );
                 }
             }
             return Ok(changed);
         }
-        _ => (None, ""),
+        _ => return Ok(false),
     };
-    let Some(template) = template.filter(|t| t.is_object()) else {
+    // What the workload's own metadata says, before its template is borrowed.
+    let own = (!prefix.is_empty())
+        .then(|| missed_opt_in(object.get("metadata")))
+        .flatten();
+    let Some(template) = object_template(object, prefix).filter(|t| t.is_object()) else {
         return Ok(false);
     };
-    match inject_pod(template, options, &claims) {
-        Ok(outcome) => Ok(outcome == Outcome::Injected),
+    let outcome = match inject_pod(template, options, &claims) {
+        Ok(outcome) => outcome,
         Err(mut e) => {
             e.field = format!("{prefix}{}", e.field);
-            Err(describe(e))
+            return Err(describe(e));
         }
+    };
+    if outcome == Outcome::NotOptedIn {
+        let labels = format!("{prefix}metadata.labels");
+        let enable = format!("{INJECT_LABEL}: {INJECT_ENABLED}");
+        if let Some(missed) = own {
+            let what = match missed {
+                Missed::Annotation => "annotation",
+                Missed::Value(_) | Missed::Label => "label",
+            };
+            warnings.push((
+                described.clone(),
+                format!(
+                    "not injected: the {what} {INJECT_LABEL} is on the {kind}'s own metadata, \
+                     where it does not count; write {enable} in {labels}"
+                ),
+            ));
+        }
+        match missed_opt_in(template.get("metadata")) {
+            Some(Missed::Value(value)) => warnings.push((
+                described.clone(),
+                format!(
+                    "not injected: the label {INJECT_LABEL} in {labels} is {value}, and only \
+                     \"{INJECT_ENABLED}\" opts in; write {enable}"
+                ),
+            )),
+            Some(Missed::Annotation) => warnings.push((
+                described,
+                format!(
+                    "not injected: {INJECT_LABEL} is an annotation in \
+                     {prefix}metadata.annotations, and only a label opts in; write {enable} in \
+                     {labels}"
+                ),
+            )),
+            Some(Missed::Label) | None => {}
+        }
+    }
+    Ok(outcome == Outcome::Injected)
+}
+
+/// The pod template of a workload (`prefix` as [`inject_object`] sets it), or the pod itself.
+fn object_template<'a>(object: &'a mut Value, prefix: &str) -> Option<&'a mut Value> {
+    match prefix {
+        "" => Some(object),
+        "spec.template." => object.pointer_mut("/spec/template"),
+        _ => object.pointer_mut("/spec/jobTemplate/spec/template"),
+    }
+}
+
+/// How metadata mentions `fencegate.io/inject` without opting in by it.
+enum Missed {
+    /// The label with a value that is neither `enabled` nor `disabled`, as JSON writes it.
+    Value(String),
+    /// The label `enabled` (on a workload's own metadata, where it does not count).
+    Label,
+    /// An annotation of that name (and no label).
+    Annotation,
+}
+
+fn missed_opt_in(metadata: Option<&Value>) -> Option<Missed> {
+    let metadata = metadata?;
+    match metadata.get("labels").and_then(|l| l.get(INJECT_LABEL)) {
+        // An explicit opt-out.
+        Some(Value::String(v)) if v == INJECT_DISABLED => None,
+        Some(Value::String(v)) if v == INJECT_ENABLED => Some(Missed::Label),
+        Some(value) => Some(Missed::Value(value.to_string())),
+        None => metadata
+            .get("annotations")
+            .and_then(|a| a.get(INJECT_LABEL))
+            .map(|_| Missed::Annotation),
     }
 }

@@ -17,7 +17,7 @@ pub mod yaml;
 
 use serde_json::{json, Map, Value};
 
-pub use manifest::inject_manifests;
+pub use manifest::{inject_manifests, inject_manifests_with_warnings, InjectWarning, Injected};
 pub use sidecar::*;
 
 /// Why a pod that opted in cannot get the sidecar. The pod's author has to fix the manifest.

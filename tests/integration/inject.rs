@@ -304,6 +304,96 @@ async fn inject_cli_reads_file_or_stdin_and_exits_1_on_bad_input() {
     assert!(out.stdout.is_empty(), "nothing is written on error");
 }
 
+/// A label that looks meant to opt in but does not count (on the Deployment instead of its pod
+/// template, the Istio habit `"true"` instead of `enabled`, an annotation) is a warning on
+/// stderr naming the object and what to write; the manifests are written out unchanged.
+#[tokio::test]
+async fn inject_warns_about_an_opt_in_that_does_not_count() {
+    let input = "apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: ledger
+  namespace: payments
+  labels:
+    fencegate.io/inject: enabled
+spec:
+  template:
+    metadata:
+      labels: {app: ledger}
+    spec:
+      containers: [{name: ledger, image: ledger:1}]
+---
+apiVersion: apps/v1
+kind: StatefulSet
+metadata: {name: orders}
+spec:
+  template:
+    metadata:
+      labels:
+        fencegate.io/inject: \"true\"
+    spec:
+      containers: [{name: orders, image: orders:1}]
+---
+apiVersion: v1
+kind: Pod
+metadata:
+  name: worker
+  namespace: jobs
+  annotations: {fencegate.io/inject: enabled}
+spec:
+  containers: [{name: worker, image: worker:1}]
+---
+apiVersion: batch/v1
+kind: CronJob
+metadata: {name: nightly, labels: {fencegate.io/inject: disabled}}
+spec:
+  jobTemplate:
+    spec:
+      template:
+        spec:
+          containers: [{name: nightly, image: nightly:1}]
+";
+    let inject = |input: String| async move {
+        let mut child = tokio::process::Command::new(BIN)
+            .args(["inject", "--image", IMAGE])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut stdin = child.stdin.take().unwrap();
+        stdin.write_all(input.as_bytes()).await.unwrap();
+        drop(stdin);
+        let out = child.wait_with_output().await.unwrap();
+        assert_eq!(out.status.code(), Some(0));
+        (
+            String::from_utf8(out.stdout).unwrap(),
+            String::from_utf8(out.stderr).unwrap(),
+        )
+    };
+    let (stdout, stderr) = inject(input.to_owned()).await;
+    assert_eq!(stdout, input);
+    assert_eq!(
+        stderr.lines().collect::<Vec<_>>(),
+        [
+            "warning: stdin: document 1 (line 1), Deployment payments/ledger: not injected: the \
+             label fencegate.io/inject is on the Deployment's own metadata, where it does not \
+             count; write fencegate.io/inject: enabled in spec.template.metadata.labels",
+            "warning: stdin: document 2 (line 14), StatefulSet orders: not injected: the label \
+             fencegate.io/inject in spec.template.metadata.labels is \"true\", and only \
+             \"enabled\" opts in; write fencegate.io/inject: enabled",
+            "warning: stdin: document 3 (line 25), Pod jobs/worker: not injected: \
+             fencegate.io/inject is an annotation in metadata.annotations, and only a label opts \
+             in; write fencegate.io/inject: enabled in metadata.labels",
+        ]
+    );
+
+    // Opted in as documented, or opted out on purpose (the CronJob above): not a word.
+    let (stdout, stderr) = inject(read("tests/inject/deployment-multi.yaml")).await;
+    assert_eq!(stdout, read("tests/inject/deployment-multi.golden.yaml"));
+    assert_eq!(stderr, "");
+}
+
 // ---- the webhook ------------------------------------------------------------------------
 
 fn fixture(name: &str) -> PathBuf {

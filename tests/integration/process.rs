@@ -272,6 +272,148 @@ upstream_ca: /nonexistent/ca.pem
     );
 }
 
+/// Runs `fencegate ARGS...`; its exit code, stdout and stderr.
+fn fencegate_cli(args: &[&std::ffi::OsStr]) -> (Option<i32>, String, String) {
+    let out = std::process::Command::new(BIN).args(args).output().unwrap();
+    (
+        out.status.code(),
+        String::from_utf8(out.stdout).unwrap(),
+        String::from_utf8(out.stderr).unwrap(),
+    )
+}
+
+fn check_file(path: &Path) -> (Option<i32>, String, String) {
+    fencegate_cli(&["check".as_ref(), "--config".as_ref(), path.as_os_str()])
+}
+
+/// What `check` prints after its `# FILE: valid` line is a config file: checked again, it
+/// prints the same, and the values that follow the lease TTL are on the `#` lines only.
+#[test]
+fn check_output_loads_again_as_the_same_config() {
+    let dir = tempfile::tempdir().unwrap();
+    let first = dir.path().join("worker.yaml");
+    std::fs::write(
+        &first,
+        format!(
+            "upstream: http://127.0.0.1:8080
+store: {{ kind: memory }}
+leases:
+  backend: {{ kind: embedded, path: {} }}
+  ttl: {{ p99_work: 800ms, p99_rtt: 40ms, safety_margin: 200ms, drift_buffer: 100ms }}
+egress:
+  upstream: http://127.0.0.1:8081
+  routes:
+    - {{ path: '/accounts/{{id}}', lease: 'account:{{id}}' }}
+idempotency: {{}}
+{ACCOUNTS}",
+            dir.path().join("leases.db").display()
+        ),
+    )
+    .unwrap();
+    let (code, printed, stderr) = check_file(&first);
+    assert_eq!((code, stderr.as_str()), (Some(0), ""), "{printed}");
+    let (head, body) = printed.split_once('\n').unwrap();
+    assert_eq!(head, format!("# {}: valid", first.display()));
+    assert!(
+        body.starts_with(
+            "# leases: ttl 1500ms (minimum 1500ms), renew every 500ms, local deadline ttl - 100ms, \
+             drain timeout 3000ms, dedup window 2300ms\n\
+             # idempotency: header idempotency-key, window 2300ms, on routes [accounts]\n\
+             listen: 0.0.0.0:7440\n"
+        ),
+        "{body}"
+    );
+    for pinned in ["drain_timeout", "window:", "    ttl:"] {
+        assert!(!body.contains(pinned), "{pinned} in:\n{body}");
+    }
+
+    let second = dir.path().join("effective.yaml");
+    std::fs::write(&second, &printed).unwrap();
+    let (code, again, stderr) = check_file(&second);
+    assert_eq!((code, stderr.as_str()), (Some(0), ""), "{again}");
+    assert_eq!(
+        again,
+        printed.replacen(
+            &first.display().to_string(),
+            &second.display().to_string(),
+            1
+        )
+    );
+}
+
+/// A derived TTL below the 30ms floor is raised to it: `ttl` and `check` say so on stderr
+/// and print the TTL in effect; written below the floor, it is refused.
+#[test]
+fn a_derived_ttl_below_the_floor_is_raised_with_a_warning() {
+    let warning = "the derived ttl 7ms is below the 30ms floor, under which a lease cannot be \
+                   renewed reliably: the lease ttl is 30ms";
+    let budgets = [
+        "ttl",
+        "--p99-work",
+        "5ms",
+        "--p99-rtt",
+        "1ms",
+        "--safety-margin",
+        "1ms",
+        "--round-to",
+        "1ms",
+    ]
+    .map(std::ffi::OsStr::new);
+    let (code, out, err) = fencegate_cli(&budgets);
+    assert_eq!(code, Some(0));
+    assert_eq!(err, format!("warning: {warning}\n"));
+    assert_eq!(
+        out,
+        "base          7ms  (p99 work 5ms + p99 rtt 1ms + safety margin 1ms + drift buffer 0ms)\n\
+         ttl           30ms  (base rounded up to a multiple of 1ms is 7ms, raised to the 30ms floor)\n\
+         renew every   10ms  (ttl / 3, with ±15% jitter)\n\
+         dedup window  35ms  (ttl + p99 work)\n"
+    );
+    let mut json = budgets.to_vec();
+    json.push("--json".as_ref());
+    let (code, out, err) = fencegate_cli(&json);
+    assert_eq!(code, Some(0));
+    assert_eq!(err, format!("warning: {warning}\n"));
+    assert_eq!(
+        out,
+        "{\"base_ms\":7,\"ttl_ms\":30,\"renew_every_ms\":10,\"dedup_window_ms\":35}\n"
+    );
+
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("fast.yaml");
+    let leases = "upstream: http://127.0.0.1:8080\nleases:\n  backend: { kind: embedded }\n  ttl: ";
+    std::fs::write(
+        &config,
+        format!("{leases}{{ p99_work: 5ms, p99_rtt: 1ms, safety_margin: 1ms, round_to: 1ms }}\n"),
+    )
+    .unwrap();
+    let (code, out, err) = check_file(&config);
+    assert_eq!(code, Some(0), "{err}");
+    assert_eq!(
+        err,
+        format!("warning: {}: leases.ttl: {warning}\n", config.display())
+    );
+    assert!(
+        out.contains(
+            "\n# leases: ttl 30ms (minimum 30ms), renew every 10ms, local deadline ttl - 0ms, \
+             drain timeout 60ms, dedup window 35ms\n"
+        ),
+        "{out}"
+    );
+
+    std::fs::write(&config, format!("{leases}12ms\n")).unwrap();
+    let (code, out, err) = check_file(&config);
+    assert_eq!((code, out.as_str()), (Some(1), ""));
+    assert_eq!(
+        err,
+        format!(
+            "error: {}: leases.ttl: a lease ttl of 12ms is below the 30ms floor, under which a \
+             lease cannot be renewed reliably: write 30ms or more at line 4 column 8\n",
+            config.display()
+        )
+    );
+}
+
 /// Replaces the config file the way a ConfigMap update does: a new file renamed over it.
 fn replace_config(path: &Path, text: &str) {
     let tmp = path.with_extension("tmp");
