@@ -121,14 +121,14 @@ pub fn main() -> ExitCode {
                 if let Some(leases) = &c.leases {
                     let ttl = &leases.ttl;
                     out.push_str(&format!(
-                        "# leases: ttl {}ms (minimum {}ms), renew every {}ms, local deadline ttl - {}ms, drain timeout {}ms{}\n",
-                        ttl.ttl.as_millis(),
-                        ttl.minimum.as_millis(),
-                        ttl.renew_every().as_millis(),
-                        ttl.drift_buffer.as_millis(),
-                        leases.drain_timeout().as_millis(),
+                        "# leases: ttl {} (minimum {}), renew every {}, local deadline ttl - {}, drain timeout {}{}\n",
+                        crate::duration::display(ttl.ttl),
+                        crate::duration::display(ttl.minimum),
+                        crate::duration::display(ttl.renew_every()),
+                        crate::duration::display(ttl.drift_buffer),
+                        crate::duration::display(leases.drain_timeout()),
                         ttl.p99_work
-                            .map(|w| format!(", dedup window {}ms", (ttl.ttl + w).as_millis()))
+                            .map(|w| format!(", dedup window {}", crate::duration::display(ttl.ttl + w)))
                             .unwrap_or_default()
                     ));
                 }
@@ -140,9 +140,9 @@ pub fn main() -> ExitCode {
                         .map(|r| r.name.as_str())
                         .collect();
                     out.push_str(&format!(
-                        "# idempotency: header {}, window {}ms, on routes [{}]\n",
+                        "# idempotency: header {}, window {}, on routes [{}]\n",
                         idempotency.header.0,
-                        idempotency.window().as_millis(),
+                        crate::duration::display(idempotency.window()),
                         routes.join(", ")
                     ));
                 }

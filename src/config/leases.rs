@@ -225,8 +225,9 @@ impl TryFrom<RawTtl> for LeaseTtl {
                         below_floor(ttl)?;
                         if ttl < derived.ttl {
                             return Err(format!(
-                                "ttl {ttl:?} is below the derived minimum {:?}",
-                                derived.ttl
+                                "ttl {} is below the derived minimum {}",
+                                crate::duration::display(ttl),
+                                crate::duration::display(derived.ttl)
                             ));
                         }
                         (ttl, None)

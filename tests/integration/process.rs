@@ -317,7 +317,7 @@ idempotency: {{}}
     assert!(
         body.starts_with(
             "# leases: ttl 1500ms (minimum 1500ms), renew every 500ms, local deadline ttl - 100ms, \
-             drain timeout 3000ms, dedup window 2300ms\n\
+             drain timeout 3s, dedup window 2300ms\n\
              # idempotency: header idempotency-key, window 2300ms, on routes [accounts]\n\
              listen: 0.0.0.0:7440\n"
         ),
@@ -395,7 +395,7 @@ fn a_derived_ttl_below_the_floor_is_raised_with_a_warning() {
     );
     assert!(
         out.contains(
-            "\n# leases: ttl 30ms (minimum 30ms), renew every 10ms, local deadline ttl - 0ms, \
+            "\n# leases: ttl 30ms (minimum 30ms), renew every 10ms, local deadline ttl - 0s, \
              drain timeout 60ms, dedup window 35ms\n"
         ),
         "{out}"
