@@ -357,7 +357,12 @@ fn durations_print_back_as_the_docs_write_them() {
     )
     .unwrap();
     let yaml = c.to_yaml();
-    for want in ["upstream: 1500ms", "store: 150s", "header_read: 30s", "shutdown: 10s"] {
+    for want in [
+        "upstream: 1500ms",
+        "store: 150s",
+        "header_read: 30s",
+        "shutdown: 10s",
+    ] {
         assert!(yaml.contains(want), "{want} in:\n{yaml}");
     }
 }
