@@ -4,7 +4,8 @@
 //! `.inc()` / `.observe()` and never hashes label values.
 
 use prometheus::{
-    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, Opts, Registry,
+    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry,
 };
 
 /// What happened to one request; the `outcome` label.
@@ -136,7 +137,30 @@ pub struct LeaseMetrics {
     pub renewals_failed: IntCounter,
     pub renewals_lost: IntCounter,
     pub expiry_forced: IntCounter,
-    pub held: prometheus::IntGaugeVec,
+    /// `fencegate_lease_held{resource}`: a series only while the lease is held (see
+    /// [`LeaseMetrics::held`]), so per-job leases do not leave one series each behind.
+    held: IntGaugeVec,
+    /// `fencegate_leases_held`: how many resources have a `fencegate_lease_held` series.
+    held_count: IntGauge,
+}
+
+impl LeaseMetrics {
+    /// The lease on `resource` is held (or draining) here: its series is 1.
+    pub fn held(&self, resource: &str) {
+        let gauge = self.held.with_label_values(&[resource]);
+        if gauge.get() == 0 {
+            // A new series (a newer lease on a resource still counted keeps the one it has).
+            self.held_count.inc();
+        }
+        gauge.set(1);
+    }
+
+    /// The lease on `resource` is no longer held here (released or lost): its series goes.
+    pub fn not_held(&self, resource: &str) {
+        if self.held.remove_label_values(&[resource]).is_ok() {
+            self.held_count.dec();
+        }
+    }
 }
 
 /// Label for requests that match no route (or whose path cannot be normalised).
@@ -208,12 +232,16 @@ impl Metrics {
             "fencegate_lease_expiry_forced_total",
             "Leases declared lost locally at their validity deadline or when renewal found them gone.",
         )?;
-        let held = prometheus::IntGaugeVec::new(
+        let held = IntGaugeVec::new(
             Opts::new(
                 "fencegate_lease_held",
-                "1 while this fencegate holds the lease on a resource.",
+                "1 while this fencegate holds the lease on a resource (no series otherwise).",
             ),
             &["resource"],
+        )?;
+        let held_count = IntGauge::new(
+            "fencegate_leases_held",
+            "Leases this fencegate holds (held or draining), over all resources.",
         )?;
         let replays = IntCounter::new(
             "fencegate_idempotent_replays_total",
@@ -237,6 +265,7 @@ impl Metrics {
         registry.register(Box::new(renewals.clone()))?;
         registry.register(Box::new(expiry_forced.clone()))?;
         registry.register(Box::new(held.clone()))?;
+        registry.register(Box::new(held_count.clone()))?;
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(stale.clone()))?;
         registry.register(Box::new(increments.clone()))?;
@@ -261,6 +290,7 @@ impl Metrics {
                 renewals_lost: renewals.with_label_values(&["lost"]),
                 expiry_forced,
                 held,
+                held_count,
             },
             idempotency: IdempotencyMetrics {
                 replays,
