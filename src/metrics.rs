@@ -3,6 +3,8 @@
 //! Per-route children are resolved when the route table is built, so the hot path only calls
 //! `.inc()` / `.observe()` and never hashes label values.
 
+mod process;
+
 use prometheus::{
     Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
     Registry,
@@ -243,6 +245,16 @@ impl Metrics {
             "fencegate_leases_held",
             "Leases this fencegate holds (held or draining), over all resources.",
         )?;
+        let build_info = IntGaugeVec::new(
+            Opts::new(
+                "fencegate_build_info",
+                "Always 1; the version of the running fencegate in its label.",
+            ),
+            &["version"],
+        )?;
+        build_info
+            .with_label_values(&[env!("CARGO_PKG_VERSION")])
+            .set(1);
         let replays = IntCounter::new(
             "fencegate_idempotent_replays_total",
             "Requests answered from the recorded response of their idempotency key's first attempt.",
@@ -266,6 +278,8 @@ impl Metrics {
         registry.register(Box::new(expiry_forced.clone()))?;
         registry.register(Box::new(held.clone()))?;
         registry.register(Box::new(held_count.clone()))?;
+        registry.register(Box::new(build_info))?;
+        registry.register(Box::new(process::ProcessCollector::new()))?;
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(stale.clone()))?;
         registry.register(Box::new(increments.clone()))?;
