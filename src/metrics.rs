@@ -1,9 +1,13 @@
 //! Prometheus metrics (docs/operations.md), created once from an injected registry.
 //!
-//! Per-route children are resolved when the route table is built, so the hot path only calls
-//! `.inc()` / `.observe()` and never hashes label values.
+//! Per-route children are resolved when the route table is built (request durations on a
+//! route's first request with each outcome), so the hot path only calls `.inc()` /
+//! `.observe()` and never hashes label values.
 
 mod process;
+
+use std::sync::OnceLock;
+use std::time::Duration;
 
 use prometheus::{
     Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
@@ -93,7 +97,13 @@ impl Outcome {
 
 /// Pre-resolved children for one route label.
 pub struct RouteMetrics {
+    label: String,
     outcomes: Vec<IntCounter>,
+    /// `fencegate_request_duration_seconds{route, outcome}`, indexed like `outcomes`; each
+    /// child is resolved on the route's first request with that outcome, so a route does not
+    /// export 19 empty histograms.
+    durations: Box<[OnceLock<Histogram>]>,
+    duration_vec: HistogramVec,
     pub stale: IntCounter,
     pub increments: IntCounter,
     pub upstream: Histogram,
@@ -103,6 +113,20 @@ impl RouteMetrics {
     pub fn outcome(&self, outcome: Outcome) -> &IntCounter {
         &self.outcomes[outcome as usize]
     }
+
+    /// One request answered: counted under its outcome, its end-to-end time observed.
+    pub fn finish(&self, outcome: Outcome, took: Duration) {
+        self.outcome(outcome).inc();
+        self.duration(outcome).observe(took.as_secs_f64());
+    }
+
+    /// The request-duration child for `outcome` (one atomic load once resolved).
+    pub fn duration(&self, outcome: Outcome) -> &Histogram {
+        self.durations[outcome as usize].get_or_init(|| {
+            self.duration_vec
+                .with_label_values(&[self.label.as_str(), outcome.label()])
+        })
+    }
 }
 
 pub struct Metrics {
@@ -111,6 +135,7 @@ pub struct Metrics {
     stale: IntCounterVec,
     increments: IntCounterVec,
     upstream: HistogramVec,
+    request_duration: HistogramVec,
     pub store_raise: Histogram,
     pub store_get: Histogram,
     pub store_errors: IntCounter,
@@ -245,6 +270,15 @@ impl Metrics {
             "fencegate_leases_held",
             "Leases this fencegate holds (held or draining), over all resources.",
         )?;
+        let request_duration = HistogramVec::new(
+            HistogramOpts::new(
+                "fencegate_request_duration_seconds",
+                "Time from a request's head to its response's head (upstream time included), \
+                 by route and outcome.",
+            )
+            .buckets(LATENCY_BUCKETS.to_vec()),
+            &["route", "outcome"],
+        )?;
         let build_info = IntGaugeVec::new(
             Opts::new(
                 "fencegate_build_info",
@@ -278,6 +312,7 @@ impl Metrics {
         registry.register(Box::new(expiry_forced.clone()))?;
         registry.register(Box::new(held.clone()))?;
         registry.register(Box::new(held_count.clone()))?;
+        registry.register(Box::new(request_duration.clone()))?;
         registry.register(Box::new(build_info))?;
         registry.register(Box::new(process::ProcessCollector::new()))?;
         registry.register(Box::new(requests.clone()))?;
@@ -292,6 +327,7 @@ impl Metrics {
             stale,
             increments,
             upstream,
+            request_duration,
             store_raise: store.with_label_values(&["raise"]),
             store_get: store.with_label_values(&["get"]),
             store_errors,
@@ -320,6 +356,9 @@ impl Metrics {
     /// Children for one route label; call once per route when the table is built.
     pub fn route(&self, route: &str) -> RouteMetrics {
         RouteMetrics {
+            label: route.to_owned(),
+            durations: Outcome::ALL.iter().map(|_| OnceLock::new()).collect(),
+            duration_vec: self.request_duration.clone(),
             outcomes: Outcome::ALL
                 .iter()
                 .map(|o| self.requests.with_label_values(&[route, o.label()]))

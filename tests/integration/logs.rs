@@ -1,4 +1,5 @@
-//! What the real binary logs and exports, line by line: the lease lines.
+//! What the real binary logs and exports, line by line: the access log, the reload line, the
+//! lease lines, and the request-duration, build and process series.
 //!
 //! Every log line is read from the process's stderr; the lines of a whole run are read up to
 //! the process's exit (no sleeps, no guessing when a line would have come).
@@ -8,7 +9,7 @@ use std::path::Path;
 use serde_json::Value;
 
 use crate::common::*;
-use crate::process::{wait_log, Process};
+use crate::process::{put_to, wait_log, Process};
 use crate::services::{fresh_prefix, REDIS_URL};
 
 /// The line as compact JSON, in the order the process wrote its fields, with `timestamp` and
@@ -74,6 +75,126 @@ fn series<'a>(text: &'a str, name: &str) -> Vec<&'a str> {
                 .is_some_and(|rest| rest.starts_with(['{', ' ']))
         })
         .collect()
+}
+
+#[tokio::test]
+async fn access_log_lines_follow_the_switch_and_a_reload_says_what_it_changed() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("fencegate.yaml");
+    let base = format!(
+        "listen: 127.0.0.1:0\nadmin: 127.0.0.1:0\nupstream: {}\nstore: {{ kind: memory }}\n{ACCOUNTS}",
+        up.url()
+    );
+    write(&config, &base);
+    let mut p = Process::start(&config).await;
+    let get = |p: &Process| {
+        let url = format!("http://{}/accounts/1", p.proxy);
+        async move { send("GET", &url, &[], "").await }
+    };
+
+    // Off (the default): a forwarded write, a stale one and a read, and no access line.
+    assert_eq!(put_to(p.proxy, "1", "5").await.status, 200);
+    put_to(p.proxy, "1", "4")
+        .await
+        .assert_problem(409, "urn:fencegate:stale-token");
+    assert_eq!(get(&p).await.status, 200);
+
+    // On with one switch, applied by a reload, which names it as what changed.
+    write(&config, &format!("access_log: true\n{base}"));
+    let reloaded = wait_log(&mut p.logs, "configuration reloaded").await;
+    assert_eq!(
+        exact(reloaded, &[]),
+        r#"{"timestamp":"…","level":"INFO","message":"configuration reloaded","trigger":"file changed","routes":1,"changed":"access_log","not_applied_until_restart":"","target":"fencegate::reload"}"#
+    );
+    assert_eq!(put_to(p.proxy, "1", "6").await.status, 200);
+    put_to(p.proxy, "1", "5")
+        .await
+        .assert_problem(409, "urn:fencegate:stale-token");
+    assert_eq!(get(&p).await.status, 200);
+    // The path as it came, where normalising changed it (`%31` is `1`).
+    let odd = format!("http://{}/accounts/%31", p.proxy);
+    assert_eq!(send("GET", &odd, &[], "").await.status, 200);
+
+    let text = metrics(&p).await;
+    let access: Vec<Value> = lines_to_exit(&mut p)
+        .await
+        .into_iter()
+        .filter(|l| l["target"] == "fencegate::access")
+        .collect();
+    let [admitted, stale, read, encoded] = <[Value; 4]>::try_from(access)
+        .unwrap_or_else(|lines| panic!("not four access lines: {lines:#?}"));
+    for line in [&admitted, &read, &encoded] {
+        assert!(
+            line["upstream_duration_us"].as_u64() <= line["duration_us"].as_u64(),
+            "{line}"
+        );
+    }
+    let both = ["duration_us", "upstream_duration_us"];
+    assert_eq!(
+        exact(admitted, &both),
+        r#"{"timestamp":"…","level":"INFO","message":"request","route":"accounts","method":"PUT","path":"/accounts/1","resource":"account:1","fencing_token":6,"status":200,"outcome":"admitted","duration_us":"…","upstream_duration_us":"…","target":"fencegate::access"}"#
+    );
+    assert_eq!(
+        exact(stale, &["duration_us"]),
+        r#"{"timestamp":"…","level":"INFO","message":"request","route":"accounts","method":"PUT","path":"/accounts/1","resource":"account:1","fencing_token":5,"status":409,"outcome":"stale","refusal":"stale-token","duration_us":"…","target":"fencegate::access"}"#
+    );
+    assert_eq!(
+        exact(read, &both),
+        r#"{"timestamp":"…","level":"INFO","message":"request","route":"accounts","method":"GET","path":"/accounts/1","status":200,"outcome":"forwarded","duration_us":"…","upstream_duration_us":"…","target":"fencegate::access"}"#
+    );
+    assert_eq!(
+        exact(encoded, &both),
+        r#"{"timestamp":"…","level":"INFO","message":"request","route":"accounts","method":"GET","path":"/accounts/%31","status":200,"outcome":"forwarded","duration_us":"…","upstream_duration_us":"…","target":"fencegate::access"}"#
+    );
+
+    // The end-to-end histogram: a series per route and outcome that happened, none for the
+    // others; the build and the process.
+    let counts = series(&text, "fencegate_request_duration_seconds_count");
+    assert_eq!(
+        counts,
+        [
+            r#"fencegate_request_duration_seconds_count{outcome="admitted",route="accounts"} 2"#,
+            r#"fencegate_request_duration_seconds_count{outcome="forwarded",route="accounts"} 3"#,
+            r#"fencegate_request_duration_seconds_count{outcome="stale",route="accounts"} 2"#,
+        ],
+        "{text}"
+    );
+    let buckets = series(&text, "fencegate_request_duration_seconds_bucket");
+    assert_eq!(buckets.len(), 3 * 16, "{text}");
+    assert!(
+        buckets.contains(
+            &r#"fencegate_request_duration_seconds_bucket{outcome="stale",route="accounts",le="+Inf"} 2"#
+        ),
+        "{text}"
+    );
+    assert_eq!(
+        series(&text, "fencegate_build_info"),
+        [format!(
+            r#"fencegate_build_info{{version="{}"}} 1"#,
+            env!("CARGO_PKG_VERSION")
+        )],
+    );
+    for name in [
+        "process_cpu_seconds_total",
+        "process_resident_memory_bytes",
+        "process_virtual_memory_bytes",
+        "process_open_fds",
+        "process_max_fds",
+        "process_start_time_seconds",
+    ] {
+        let found = series(&text, name);
+        assert_eq!(found.len(), 1, "{name} in\n{text}");
+        let value: f64 = found[0][name.len() + 1..].parse().unwrap();
+        // A young process may not have spent a clock tick of CPU yet.
+        let least = if name == "process_cpu_seconds_total" {
+            0.0
+        } else {
+            1.0
+        };
+        assert!(value >= least, "{}", found[0]);
+    }
+    assert_eq!(up.count(), 5);
 }
 
 /// The lease lines as the binary writes them: acquire, renew (a `DEBUG` line), lose, release,
