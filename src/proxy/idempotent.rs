@@ -106,8 +106,8 @@ impl Writer {
         .await
         .unwrap_or_else(|_| {
             Err(StoreError::Unavailable(format!(
-                "no answer within {:?}",
-                self.store_timeout
+                "no answer within {}",
+                crate::duration::display(self.store_timeout)
             )))
         });
         m.store_finish.observe(started.elapsed().as_secs_f64());
@@ -475,8 +475,8 @@ impl Proxy {
             }
             Err(_) => {
                 return refuse(Refusal::InvalidRequest(format!(
-                    "the request body did not arrive within {:?}; nothing was recorded",
-                    self.timeouts.upstream
+                    "the request body did not arrive within {}; nothing was recorded",
+                    crate::duration::display(self.timeouts.upstream)
                 )))
             }
         };
@@ -522,8 +522,8 @@ impl Proxy {
         .await
         .unwrap_or_else(|_| {
             Err(StoreError::Unavailable(format!(
-                "no answer within {:?}",
-                self.timeouts.store
+                "no answer within {}",
+                crate::duration::display(self.timeouts.store)
             )))
         });
         m.store_begin.observe(asked.elapsed().as_secs_f64());

@@ -604,8 +604,8 @@ impl Proxy {
             Err(_) => {
                 self.metrics.store_errors.inc();
                 Some(Refusal::StoreUnavailable(format!(
-                    "the lease backend did not answer within {:?}",
-                    self.timeouts.store
+                    "the lease backend did not answer within {}",
+                    crate::duration::display(self.timeouts.store)
                 )))
             }
         }
@@ -1051,7 +1051,8 @@ async fn bounded<T>(
         .await
         .unwrap_or_else(|_| {
             Err(StoreError::Unavailable(format!(
-                "no answer within {limit:?}"
+                "no answer within {}",
+                crate::duration::display(limit)
             )))
         })
 }
