@@ -744,8 +744,8 @@ impl Proxy {
         let (tx, rx) = tokio::sync::oneshot::channel();
         tokio::spawn(async move {
             let sent = exchange.await;
-            let ended = Instant::now();
-            let _ = tx.send((ended, settle(sent, ticket, attempt).await));
+            let answered = Instant::now();
+            let _ = tx.send((answered, settle(sent, ticket, attempt).await));
         });
         let answer = Answer {
             route,
@@ -757,7 +757,10 @@ impl Proxy {
             started,
         };
         match rx.await {
-            Ok((ended, settled)) => self.answer(answer, ended - sent_at, ended, settled),
+            // Settling may have waited (an idempotency record written): the request ends now.
+            Ok((answered, settled)) => {
+                self.answer(answer, answered - sent_at, Instant::now(), settled)
+            }
             Err(_) => {
                 let refusal = Refusal::UpstreamError("the upstream exchange failed".into());
                 let timing = Timing::without_upstream(started).received(received.as_deref());
