@@ -163,6 +163,7 @@ impl Server {
         if let Some(path) = watch_path {
             let reloader = Reloader {
                 path,
+                started: config.clone(),
                 running: config.clone(),
                 proxy: Arc::clone(&proxy),
                 metrics: Arc::clone(&metrics),

@@ -1,10 +1,17 @@
 //! Prometheus metrics (docs/operations.md), created once from an injected registry.
 //!
-//! Per-route children are resolved when the route table is built, so the hot path only calls
-//! `.inc()` / `.observe()` and never hashes label values.
+//! Per-route children are resolved when the route table is built (request durations on a
+//! route's first request with each outcome), so the hot path only calls `.inc()` /
+//! `.observe()` and never hashes label values.
+
+mod process;
+
+use std::sync::OnceLock;
+use std::time::Duration;
 
 use prometheus::{
-    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, Opts, Registry,
+    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry,
 };
 
 /// What happened to one request; the `outcome` label.
@@ -90,7 +97,13 @@ impl Outcome {
 
 /// Pre-resolved children for one route label.
 pub struct RouteMetrics {
+    label: String,
     outcomes: Vec<IntCounter>,
+    /// `fencegate_request_duration_seconds{route, outcome}`, indexed like `outcomes`; each
+    /// child is resolved on the route's first request with that outcome, so a route does not
+    /// export 19 empty histograms.
+    durations: Box<[OnceLock<Histogram>]>,
+    duration_vec: HistogramVec,
     pub stale: IntCounter,
     pub increments: IntCounter,
     pub upstream: Histogram,
@@ -100,6 +113,20 @@ impl RouteMetrics {
     pub fn outcome(&self, outcome: Outcome) -> &IntCounter {
         &self.outcomes[outcome as usize]
     }
+
+    /// One request answered: counted under its outcome, its end-to-end time observed.
+    pub fn finish(&self, outcome: Outcome, took: Duration) {
+        self.outcome(outcome).inc();
+        self.duration(outcome).observe(took.as_secs_f64());
+    }
+
+    /// The request-duration child for `outcome` (one atomic load once resolved).
+    pub fn duration(&self, outcome: Outcome) -> &Histogram {
+        self.durations[outcome as usize].get_or_init(|| {
+            self.duration_vec
+                .with_label_values(&[self.label.as_str(), outcome.label()])
+        })
+    }
 }
 
 pub struct Metrics {
@@ -108,6 +135,7 @@ pub struct Metrics {
     stale: IntCounterVec,
     increments: IntCounterVec,
     upstream: HistogramVec,
+    request_duration: HistogramVec,
     pub store_raise: Histogram,
     pub store_get: Histogram,
     pub store_errors: IntCounter,
@@ -136,7 +164,30 @@ pub struct LeaseMetrics {
     pub renewals_failed: IntCounter,
     pub renewals_lost: IntCounter,
     pub expiry_forced: IntCounter,
-    pub held: prometheus::IntGaugeVec,
+    /// `fencegate_lease_held{resource}`: a series only while the lease is held (see
+    /// [`LeaseMetrics::held`]), so per-job leases do not leave one series each behind.
+    held: IntGaugeVec,
+    /// `fencegate_leases_held`: how many resources have a `fencegate_lease_held` series.
+    held_count: IntGauge,
+}
+
+impl LeaseMetrics {
+    /// The lease on `resource` is held (or draining) here: its series is 1.
+    pub fn held(&self, resource: &str) {
+        let gauge = self.held.with_label_values(&[resource]);
+        if gauge.get() == 0 {
+            // A new series (a newer lease on a resource still counted keeps the one it has).
+            self.held_count.inc();
+        }
+        gauge.set(1);
+    }
+
+    /// The lease on `resource` is no longer held here (released or lost): its series goes.
+    pub fn not_held(&self, resource: &str) {
+        if self.held.remove_label_values(&[resource]).is_ok() {
+            self.held_count.dec();
+        }
+    }
 }
 
 /// Label for requests that match no route (or whose path cannot be normalised).
@@ -208,13 +259,36 @@ impl Metrics {
             "fencegate_lease_expiry_forced_total",
             "Leases declared lost locally at their validity deadline or when renewal found them gone.",
         )?;
-        let held = prometheus::IntGaugeVec::new(
+        let held = IntGaugeVec::new(
             Opts::new(
                 "fencegate_lease_held",
-                "1 while this fencegate holds the lease on a resource.",
+                "1 while this fencegate holds the lease on a resource (no series otherwise).",
             ),
             &["resource"],
         )?;
+        let held_count = IntGauge::new(
+            "fencegate_leases_held",
+            "Leases this fencegate holds (held or draining), over all resources.",
+        )?;
+        let request_duration = HistogramVec::new(
+            HistogramOpts::new(
+                "fencegate_request_duration_seconds",
+                "Time from a request's head to its response's head (upstream time included), \
+                 by route and outcome.",
+            )
+            .buckets(LATENCY_BUCKETS.to_vec()),
+            &["route", "outcome"],
+        )?;
+        let build_info = IntGaugeVec::new(
+            Opts::new(
+                "fencegate_build_info",
+                "Always 1; the version of the running fencegate in its label.",
+            ),
+            &["version"],
+        )?;
+        build_info
+            .with_label_values(&[env!("CARGO_PKG_VERSION")])
+            .set(1);
         let replays = IntCounter::new(
             "fencegate_idempotent_replays_total",
             "Requests answered from the recorded response of their idempotency key's first attempt.",
@@ -237,6 +311,10 @@ impl Metrics {
         registry.register(Box::new(renewals.clone()))?;
         registry.register(Box::new(expiry_forced.clone()))?;
         registry.register(Box::new(held.clone()))?;
+        registry.register(Box::new(held_count.clone()))?;
+        registry.register(Box::new(request_duration.clone()))?;
+        registry.register(Box::new(build_info))?;
+        registry.register(Box::new(process::ProcessCollector::new()))?;
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(stale.clone()))?;
         registry.register(Box::new(increments.clone()))?;
@@ -249,6 +327,7 @@ impl Metrics {
             stale,
             increments,
             upstream,
+            request_duration,
             store_raise: store.with_label_values(&["raise"]),
             store_get: store.with_label_values(&["get"]),
             store_errors,
@@ -261,6 +340,7 @@ impl Metrics {
                 renewals_lost: renewals.with_label_values(&["lost"]),
                 expiry_forced,
                 held,
+                held_count,
             },
             idempotency: IdempotencyMetrics {
                 replays,
@@ -276,6 +356,9 @@ impl Metrics {
     /// Children for one route label; call once per route when the table is built.
     pub fn route(&self, route: &str) -> RouteMetrics {
         RouteMetrics {
+            label: route.to_owned(),
+            durations: Outcome::ALL.iter().map(|_| OnceLock::new()).collect(),
+            duration_vec: self.request_duration.clone(),
             outcomes: Outcome::ALL
                 .iter()
                 .map(|o| self.requests.with_label_values(&[route, o.label()]))

@@ -12,7 +12,7 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use tokio::sync::watch;
 
-use crate::config::Config;
+use crate::config::{Config, SecretUrl};
 use crate::metrics::Metrics;
 use crate::proxy::Proxy;
 
@@ -21,7 +21,11 @@ pub const POLL: Duration = Duration::from_secs(1);
 
 pub struct Reloader {
     pub path: PathBuf,
-    /// The config running now, to report fields that only a restart can change.
+    /// The config the process started with: the fields only a restart can change still run
+    /// with its values.
+    pub started: Config,
+    /// The config last applied (at start or by a reload): what a reload's changes are
+    /// told against.
     pub running: Config,
     pub proxy: Arc<ArcSwap<Proxy>>,
     pub metrics: Arc<Metrics>,
@@ -66,13 +70,15 @@ impl Reloader {
             Ok(proxy) => proxy,
             Err(e) => return self.refuse(trigger, &e),
         };
-        let needs_restart = restart_only_changes(&self.running, &config);
+        let changed = changed_fields(&self.running, &config);
+        let needs_restart = restart_only_changes(&self.started, &config);
         self.proxy.store(Arc::new(proxy));
         self.metrics.reloads_ok.inc();
         tracing::info!(
             trigger,
             routes = config.routes.len(),
-            not_applied_until_restart = ?needs_restart,
+            changed = changed.join(", "),
+            not_applied_until_restart = needs_restart.join(", "),
             "configuration reloaded"
         );
         self.running = config;
@@ -88,37 +94,162 @@ impl Reloader {
     }
 }
 
-/// Fields a reload cannot change (sockets, TLS, the store): listed so the log says so.
-fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
+/// The fields whose values differ between two configs, by their path in the file: a top-level
+/// field, or `field.subfield` under a mapping (`timeouts.upstream`). Store and lease backend
+/// URLs are compared with their passwords, which the serialised form masks.
+fn changed_fields(old: &Config, new: &Config) -> Vec<String> {
+    let as_map = |c: &Config| match serde_json::to_value(c) {
+        Ok(serde_json::Value::Object(map)) => map,
+        _ => serde_json::Map::new(),
+    };
+    let (old_map, new_map) = (as_map(old), as_map(new));
     let mut changed = Vec::new();
-    if old.listen != new.listen {
-        changed.push("listen");
+    for key in union(&old_map, &new_map) {
+        match (old_map.get(key), new_map.get(key)) {
+            (Some(a), Some(b)) if a == b => {}
+            (Some(serde_json::Value::Object(a)), Some(serde_json::Value::Object(b))) => {
+                for sub in union(a, b) {
+                    if a.get(sub) != b.get(sub) {
+                        changed.push(format!("{key}.{sub}"));
+                    }
+                }
+            }
+            _ => changed.push(key.clone()),
+        }
     }
-    if old.admin != new.admin {
-        changed.push("admin");
-    }
-    if format!("{:?}", old.tls) != format!("{:?}", new.tls) {
-        changed.push("tls");
-    }
-    if format!("{:?}", old.store) != format!("{:?}", new.store) {
-        changed.push("store");
-    }
-    if old.fence.authority != new.fence.authority {
-        changed.push("fence.authority");
-    }
-    if format!("{:?}", old.leases) != format!("{:?}", new.leases) {
-        changed.push("leases");
-    }
-    if format!("{:?}", old.egress) != format!("{:?}", new.egress) {
-        changed.push("egress");
-    }
-    let (a, b) = (&old.limits, &new.limits);
-    if (a.max_header_bytes, a.max_headers, a.max_connections)
-        != (b.max_header_bytes, b.max_headers, b.max_connections)
-        || old.timeouts.header_read != new.timeouts.header_read
-        || old.timeouts.shutdown != new.timeouts.shutdown
-    {
-        changed.push("limits/timeouts of connections");
+    let url = |u: Option<&SecretUrl>| u.map(SecretUrl::expose).map(str::to_owned);
+    let secret_changes = [
+        (
+            "store.url",
+            url(old.store.url.as_ref()) != url(new.store.url.as_ref()),
+        ),
+        (
+            "leases.backend",
+            url(old.leases.as_ref().and_then(|l| l.backend.url.as_ref()))
+                != url(new.leases.as_ref().and_then(|l| l.backend.url.as_ref())),
+        ),
+    ];
+    for (name, differs) in secret_changes {
+        if differs && !changed.iter().any(|c| name.starts_with(c.as_str())) {
+            changed.push(name.to_owned());
+        }
     }
     changed
+}
+
+/// The keys of two mappings, those of `a` first, each once.
+fn union<'a>(
+    a: &'a serde_json::Map<String, serde_json::Value>,
+    b: &'a serde_json::Map<String, serde_json::Value>,
+) -> Vec<&'a String> {
+    a.keys()
+        .chain(b.keys().filter(|k| !a.contains_key(k.as_str())))
+        .collect()
+}
+
+/// Fields a reload cannot change (sockets, TLS, the store, the lease side) whose value in
+/// `new` differs from the one the process runs with: listed so the log says so.
+fn restart_only_changes(running: &Config, new: &Config) -> Vec<&'static str> {
+    let debug = |v: &dyn std::fmt::Debug| format!("{v:?}");
+    let url = |u: Option<&SecretUrl>| u.map(SecretUrl::expose).map(str::to_owned);
+    let (a, b) = (running, new);
+    let checks = [
+        ("listen", a.listen != b.listen),
+        ("admin", a.admin != b.admin),
+        ("tls", debug(&a.tls) != debug(&b.tls)),
+        (
+            "store",
+            debug(&a.store) != debug(&b.store)
+                || url(a.store.url.as_ref()) != url(b.store.url.as_ref()),
+        ),
+        ("fence.authority", a.fence.authority != b.fence.authority),
+        (
+            "leases",
+            debug(&a.leases) != debug(&b.leases)
+                || url(a.leases.as_ref().and_then(|l| l.backend.url.as_ref()))
+                    != url(b.leases.as_ref().and_then(|l| l.backend.url.as_ref())),
+        ),
+        ("egress", debug(&a.egress) != debug(&b.egress)),
+        (
+            "limits.max_header_bytes",
+            a.limits.max_header_bytes != b.limits.max_header_bytes,
+        ),
+        (
+            "limits.max_headers",
+            a.limits.max_headers != b.limits.max_headers,
+        ),
+        (
+            "limits.max_connections",
+            a.limits.max_connections != b.limits.max_connections,
+        ),
+        (
+            "timeouts.header_read",
+            a.timeouts.header_read != b.timeouts.header_read,
+        ),
+        (
+            "timeouts.shutdown",
+            a.timeouts.shutdown != b.timeouts.shutdown,
+        ),
+    ];
+    checks
+        .into_iter()
+        .filter_map(|(name, differs)| differs.then_some(name))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(extra: &str) -> Config {
+        Config::parse(&format!(
+            "upstream: http://127.0.0.1:8080\nstore: {{ kind: memory }}\n{extra}"
+        ))
+        .unwrap()
+    }
+
+    #[test]
+    fn a_reload_names_what_it_changed_and_what_waits_for_a_restart() {
+        let start = config("");
+        let routes = "routes:\n  - { name: a, path: '/a/{id}' }\n";
+        let first = config(&format!("listen: 127.0.0.1:9000\n{routes}"));
+        assert_eq!(changed_fields(&start, &first), ["listen", "routes"]);
+        assert_eq!(restart_only_changes(&start, &first), ["listen"]);
+
+        // A later reload that changes only a timeout says so, and `listen`, still not
+        // applied, is still listed as waiting for a restart.
+        let second = config(&format!(
+            "listen: 127.0.0.1:9000\n{routes}timeouts: {{ upstream: 3s, shutdown: 1s }}\n"
+        ));
+        assert_eq!(
+            changed_fields(&first, &second),
+            ["timeouts.upstream", "timeouts.shutdown"]
+        );
+        assert_eq!(
+            restart_only_changes(&start, &second),
+            ["listen", "timeouts.shutdown"]
+        );
+
+        // Back to the values the process runs with: nothing waits any more.
+        let third = config(routes);
+        assert_eq!(
+            changed_fields(&second, &third),
+            ["listen", "timeouts.upstream", "timeouts.shutdown"]
+        );
+        assert!(restart_only_changes(&start, &third).is_empty());
+        assert!(changed_fields(&third, &third).is_empty());
+    }
+
+    #[test]
+    fn a_new_store_password_is_a_change_though_it_prints_masked() {
+        let redis = |password: &str| {
+            Config::parse(&format!(
+                "upstream: http://127.0.0.1:8080\nstore: {{ kind: redis, url: 'redis://u:{password}@127.0.0.1:6379/' }}\n"
+            ))
+            .unwrap()
+        };
+        let (a, b) = (redis("one"), redis("two"));
+        assert_eq!(changed_fields(&a, &b), ["store.url"]);
+        assert_eq!(restart_only_changes(&a, &b), ["store"]);
+    }
 }

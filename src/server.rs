@@ -174,11 +174,20 @@ pub async fn serve<H, F>(
     }
     let addr = listener.local_addr().ok();
     drop(listener);
-    tracing::info!(addr = ?addr, open = drain.count(), "listener closed; draining connections");
+    tracing::info!(
+        addr = addr.map(tracing::field::display),
+        open = drain.count(),
+        "listener closed; draining connections"
+    );
     tokio::select! {
         () = drain.shutdown() => {}
         () = tokio::time::sleep(settings.drain) => {
-            tracing::warn!(drain = ?settings.drain, "connections still open after the drain timeout; closing them");
+            tracing::warn!(
+                addr = addr.map(tracing::field::display),
+                open = drain.count(),
+                drain = %crate::duration::display(settings.drain),
+                "connections still open after the drain timeout; closing them"
+            );
         }
     }
 }

@@ -66,6 +66,9 @@ pub struct Config {
     /// Idempotency keys on fenced routes: retries answered from the first attempt's record.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub idempotency: Option<IdempotencyConfig>,
+    /// One `INFO` line per request on the `fencegate::access` log target; off by default.
+    #[serde(default)]
+    pub access_log: bool,
 }
 
 /// `Idempotency-Key` handling on fenced routes (every fenced route, unless a route says

@@ -434,11 +434,7 @@ impl Agent {
             });
             leases.insert(lease.grant.resource.clone(), Arc::clone(&lease));
             // Under the lock: the gauge follows the lease listed for the resource.
-            self.metrics
-                .lease
-                .held
-                .with_label_values(&[&lease.grant.resource])
-                .set(1);
+            self.metrics.lease.held(&lease.grant.resource);
             lease
         };
         self.emit("held", &lease);
@@ -499,6 +495,7 @@ impl Agent {
                         ttl_ms = lease.ttl.as_millis() as u64,
                         valid_for_ms = lease.valid_for().as_millis() as u64,
                         error = %e,
+                        state = lease.snapshot.borrow().state.as_str(),
                         "lease renewal failed; retrying"
                     );
                     self.emit("renew_failed", &lease);
@@ -530,13 +527,10 @@ impl Agent {
                 .get(&lease.grant.resource)
                 .is_none_or(|l| Arc::ptr_eq(l, lease));
             if current {
-                self.metrics
-                    .lease
-                    .held
-                    .with_label_values(&[&lease.grant.resource])
-                    .set(0);
+                self.metrics.lease.not_held(&lease.grant.resource);
             }
         }
+        // The one line of this transition: WARN, with the reason and the new state.
         tracing::warn!(
             resource = lease.grant.resource,
             holder_id = lease.grant.holder,
@@ -544,6 +538,7 @@ impl Agent {
             fencing_token = lease.grant.token,
             ttl_ms = lease.ttl.as_millis() as u64,
             reason = why,
+            state = State::Expired.as_str(),
             "lease lost"
         );
         self.emit("lost", lease);
@@ -556,11 +551,7 @@ impl Agent {
         let lease = {
             let mut leases = self.leases.lock().expect("leases lock");
             let lease = leases.remove(resource)?;
-            self.metrics
-                .lease
-                .held
-                .with_label_values(&[&lease.grant.resource])
-                .set(0);
+            self.metrics.lease.not_held(&lease.grant.resource);
             lease
         };
         if let Some(renewer) = lease.renewer.lock().expect("renewer lock").take() {
@@ -634,9 +625,10 @@ impl Agent {
             ttl_ms: lease.ttl.as_millis(),
             state: lease.snapshot.borrow().state,
         };
-        // One line per transition: `lost` and `renew_failed` have their own, with the reason.
-        if matches!(event, "held" | "released") {
-            tracing::info!(
+        // One line per transition: `lost` and `renew_failed` have their own WARN line, with
+        // the reason; a successful renewal is a DEBUG line (one per lease every TTL/3).
+        match event {
+            "held" | "released" => tracing::info!(
                 resource = e.resource,
                 holder_id = e.holder,
                 lease_id = e.lease_id,
@@ -644,7 +636,18 @@ impl Agent {
                 ttl_ms = e.ttl_ms as u64,
                 state = e.state.as_str(),
                 "lease {event}"
-            );
+            ),
+            "renewed" => tracing::debug!(
+                resource = e.resource,
+                holder_id = e.holder,
+                lease_id = e.lease_id,
+                fencing_token = e.fencing_token,
+                ttl_ms = e.ttl_ms as u64,
+                valid_for_ms = lease.valid_for().as_millis() as u64,
+                state = e.state.as_str(),
+                "lease renewed"
+            ),
+            _ => {}
         }
         let _ = self.events.send(e);
     }
@@ -675,15 +678,18 @@ mod tests {
         }
     }
 
-    fn gauge(agent: &Agent, resource: &str) -> String {
-        let text = prometheus::TextEncoder::new()
-            .encode_to_string(&agent.metrics.registry.gather())
-            .unwrap();
-        let prefix = format!("fencegate_lease_held{{resource=\"{resource}\"}} ");
-        text.lines()
-            .find_map(|l| l.strip_prefix(prefix.as_str()))
-            .unwrap_or_else(|| panic!("no {prefix}in\n{text}"))
-            .to_owned()
+    /// The `fencegate_lease_held` series of `resource` and `fencegate_leases_held`, as exported.
+    fn gauge(agent: &Agent, resource: &str) -> (Option<String>, String) {
+        let text = agent.metrics.render();
+        let value = |prefix: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(prefix))
+                .map(str::to_owned)
+        };
+        let held = value(&format!("fencegate_lease_held{{resource=\"{resource}\"}} "));
+        let count =
+            value("fencegate_leases_held ").unwrap_or_else(|| panic!("no count in\n{text}"));
+        (held, count)
     }
 
     /// Lets spawned tasks run until `f` holds (no timers involved).
@@ -794,7 +800,7 @@ mod tests {
             .acquire("r", "w1", None, Duration::ZERO)
             .await
             .unwrap();
-        assert_eq!(gauge(&agent, "r"), "1");
+        assert_eq!(gauge(&agent, "r"), (Some("1".into()), "1".into()));
         let mut events = agent.subscribe();
         // The backend drops w1's lease (an operator, a failover): w2 gets the resource while
         // w1's renewer still runs.
@@ -803,7 +809,7 @@ mod tests {
             .acquire("r", "w2", None, Duration::from_secs(10))
             .await
             .unwrap();
-        assert_eq!(gauge(&agent, "r"), "1");
+        assert_eq!(gauge(&agent, "r"), (Some("1".into()), "1".into()));
         // w1's next renewal finds it gone and declares it lost.
         loop {
             let e = events.recv().await.unwrap();
@@ -815,10 +821,24 @@ mod tests {
         assert_eq!(old.state(), State::Expired);
         assert_eq!(new.state(), State::Held);
         assert_eq!(agent.token_for("r"), Some(new.grant.token));
-        assert_eq!(gauge(&agent, "r"), "1");
-        // And the new lease's own release sets it to 0.
+        assert_eq!(gauge(&agent, "r"), (Some("1".into()), "1".into()));
+        // And the new lease's own release removes the series (per-job leases would otherwise
+        // leave one series each behind for good).
         agent.release("r").await.unwrap().unwrap();
-        assert_eq!(gauge(&agent, "r"), "0");
+        assert_eq!(gauge(&agent, "r"), (None, "0".into()));
+        // A lease lost on its own removes it too.
+        let lost = agent
+            .acquire("s", "w3", None, Duration::ZERO)
+            .await
+            .unwrap();
+        assert_eq!(gauge(&agent, "s"), (Some("1".into()), "1".into()));
+        assert!(agent.backend().release(&lost.grant).await.unwrap());
+        loop {
+            if events.recv().await.unwrap().event == "lost" {
+                break;
+            }
+        }
+        assert_eq!(gauge(&agent, "s"), (None, "0".into()));
     }
 
     async fn agent(dir: &tempfile::TempDir) -> Arc<Agent> {

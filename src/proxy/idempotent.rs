@@ -108,8 +108,8 @@ impl Writer {
         .await
         .unwrap_or_else(|_| {
             Err(StoreError::Unavailable(format!(
-                "no answer within {:?}",
-                self.store_timeout
+                "no answer within {}",
+                crate::duration::display(self.store_timeout)
             )))
         });
         m.store_finish.observe(started.elapsed().as_secs_f64());
@@ -445,6 +445,7 @@ impl Proxy {
         subject: Subject<'_>,
         peer: SocketAddr,
         own: Option<super::upstream::SharedSlot>,
+        started: tokio::time::Instant,
     ) -> Response<ProxyBody> {
         let settings = self
             .idempotency
@@ -452,7 +453,13 @@ impl Proxy {
             .expect("idempotent routes exist only with the idempotency section");
         let token = subject.token.expect("idempotent writes carry a token");
         let method = req.method().clone();
-        let refuse = |refusal| self.refuse(refusal, Some(route), subject, &method, normalised);
+        // The path as received, for the access line (the other lines have the normalised one).
+        let received = (self.access_log && req.uri().path() != normalised)
+            .then(|| req.uri().path().to_owned());
+        let refuse = |refusal| {
+            let timing = super::Timing::without_upstream(started).received(received.as_deref());
+            self.refuse(refusal, Some(route), subject, &method, normalised, timing)
+        };
 
         let (parts, body) = req.into_parts();
         let limit = settings.max_request_bytes;
@@ -470,8 +477,8 @@ impl Proxy {
             }
             Err(_) => {
                 return refuse(Refusal::InvalidRequest(format!(
-                    "the request body did not arrive within {:?}; nothing was recorded",
-                    self.timeouts.upstream
+                    "the request body did not arrive within {}; nothing was recorded",
+                    crate::duration::display(self.timeouts.upstream)
                 )))
             }
         };
@@ -509,7 +516,7 @@ impl Proxy {
         let ticket =
             (route.ordering == Ordering::Serialize).then(|| self.barriers.enter(resource, token));
         let m = &self.metrics.idempotency;
-        let started = Instant::now();
+        let asked = Instant::now();
         let begin = tokio::time::timeout(
             self.timeouts.store,
             self.store.begin_idempotent(resource, &key, &claim),
@@ -517,11 +524,11 @@ impl Proxy {
         .await
         .unwrap_or_else(|_| {
             Err(StoreError::Unavailable(format!(
-                "no answer within {:?}",
-                self.timeouts.store
+                "no answer within {}",
+                crate::duration::display(self.timeouts.store)
             )))
         });
-        m.store_begin.observe(started.elapsed().as_secs_f64());
+        m.store_begin.observe(asked.elapsed().as_secs_f64());
         let route_metrics = &self.route_metrics[route.index];
         match begin {
             Err(StoreError::Unavailable(e)) => {
@@ -558,7 +565,19 @@ impl Proxy {
             Ok(Begin::Completed(record)) => match record.response {
                 Some(response) => {
                     m.replays.inc();
-                    route_metrics.outcome(Outcome::Replayed).inc();
+                    let timing = super::Timing::without_upstream(started);
+                    route_metrics.finish(Outcome::Replayed, timing.took());
+                    if self.access_log {
+                        super::log_access(super::Access {
+                            subject,
+                            method: &method,
+                            path: received.as_deref().unwrap_or(normalised),
+                            status: response.status,
+                            outcome: Outcome::Replayed,
+                            problem: None,
+                            timing,
+                        });
+                    }
                     tracing::info!(
                         route = %route.name,
                         %method,
@@ -621,6 +640,7 @@ impl Proxy {
                     peer,
                     Some(attempt),
                     own,
+                    started,
                 )
                 .await
             }

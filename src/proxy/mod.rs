@@ -16,7 +16,9 @@ use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Instant;
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use http::header::HeaderName;
 use http::uri::PathAndQuery;
@@ -76,6 +78,8 @@ pub struct Proxy {
     /// Idempotency keys: the section, and per route (indexed like the table) whether it applies.
     idempotency: Option<IdempotencyConfig>,
     idempotent: Vec<bool>,
+    /// `access_log`: one line per request (target `fencegate::access`).
+    access_log: bool,
 }
 
 /// What answering a forwarded request needs besides the upstream's answer.
@@ -85,6 +89,9 @@ struct Answer<'a> {
     outcome: Outcome,
     method: &'a Method,
     normalised: &'a str,
+    /// The path as received, for the access log, when it is on and normalising changed it.
+    received: Option<&'a str>,
+    started: Instant,
 }
 
 /// What a forwarded request's answer is counted and logged under, owned by its future.
@@ -94,24 +101,38 @@ struct Answering {
     resource: Option<String>,
     token: Option<u64>,
     outcome: Outcome,
+    /// When the request's head was handed to fencegate.
+    started: Instant,
+    /// The path as received, kept only for the access log and only when normalising changed it.
+    received: Option<Box<str>>,
 }
 
 impl Answering {
-    fn unfenced(route: Option<usize>, outcome: Outcome) -> Self {
+    fn unfenced(route: Option<usize>, outcome: Outcome, started: Instant) -> Self {
         Answering {
             route,
             resource: None,
             token: None,
             outcome,
+            started,
+            received: None,
         }
     }
 
-    fn fenced(route: usize, resource: String, token: Option<u64>, outcome: Outcome) -> Self {
+    fn fenced(
+        route: usize,
+        resource: String,
+        token: Option<u64>,
+        outcome: Outcome,
+        started: Instant,
+    ) -> Self {
         Answering {
             route: Some(route),
             resource: Some(resource),
             token,
             outcome,
+            started,
+            received: None,
         }
     }
 
@@ -278,6 +299,7 @@ impl Proxy {
                 .iter()
                 .map(|r| r.idempotent(config.idempotency.as_ref()))
                 .collect(),
+            access_log: config.access_log,
         }
     }
 
@@ -305,11 +327,15 @@ impl Proxy {
         peer: SocketAddr,
         own: Option<upstream::SharedSlot>,
     ) -> Handling<impl Future<Output = Response<ProxyBody>> + Send + 'static> {
+        // End to end: from here, where the request's head has been read, to the response's
+        // head (`fencegate_request_duration_seconds`, the access log).
+        let started = Instant::now();
         // Every refusal is answered, counted and logged the same way, with the request's method
         // and path as it came.
         let refused = |refusal: Refusal, route: Option<&Route>, subject: Subject<'_>| {
             let (method, path) = (req.method(), req.uri().path());
-            Handling::done(self.refuse(refusal, route, subject, method, path))
+            let timing = Timing::without_upstream(started);
+            Handling::done(self.refuse(refusal, route, subject, method, path, timing))
         };
         if let Some(problem) = host_problem(&req) {
             return refused(
@@ -363,11 +389,11 @@ impl Proxy {
                 return refused(Refusal::NoRoute, None, Subject::default())
             }
             Ok(Matched::None) => {
-                let answering = Answering::unfenced(None, Outcome::Forwarded);
+                let answering = Answering::unfenced(None, Outcome::Forwarded, started);
                 return self.forwarding(req, normalised, answering, peer, own);
             }
             Ok(Matched::Pass(route)) => {
-                let answering = Answering::unfenced(Some(route.index), Outcome::Forwarded);
+                let answering = Answering::unfenced(Some(route.index), Outcome::Forwarded, started);
                 return self.forwarding(req, normalised, answering, peer, own);
             }
             Ok(Matched::Fence { route, resource }) => (route, resource),
@@ -390,13 +416,15 @@ impl Proxy {
             };
             let mut req = req;
             set_token(req.headers_mut(), &self.token_header, token);
-            let answering = Answering::fenced(index, resource, Some(token), Outcome::Admitted);
+            let answering =
+                Answering::fenced(index, resource, Some(token), Outcome::Admitted, started);
             return self.forwarding(req, normalised, answering, peer, own);
         }
         let token = match token_from_headers(req.headers(), &self.token_header) {
             Err(e) => return refused(Refusal::InvalidToken(e), Some(route), subject),
             Ok(None) if route.missing_token == MissingToken::Allow => {
-                let answering = Answering::fenced(index, resource, None, Outcome::Forwarded);
+                let answering =
+                    Answering::fenced(index, resource, None, Outcome::Forwarded, started);
                 return self.forwarding(req, normalised, answering, peer, own);
             }
             Ok(None) => return refused(Refusal::TokenRequired, Some(route), subject),
@@ -425,15 +453,15 @@ impl Proxy {
         };
         let Some(answer) = at_once else {
             return Handling::Later {
-                future: Box::pin(
-                    self.fence_later(req, normalised, index, resource, token, key, peer, own),
-                ),
+                future: Box::pin(self.fence_later(
+                    req, normalised, index, resource, token, key, peer, own, started,
+                )),
             };
         };
         if let Err(refusal) = self.on_verdict(route, token, answer) {
             return refused(refusal, Some(route), subject);
         }
-        let answering = Answering::fenced(index, resource, Some(token), Outcome::Admitted);
+        let answering = Answering::fenced(index, resource, Some(token), Outcome::Admitted, started);
         self.forwarding(req, normalised, answering, peer, own)
     }
 
@@ -450,6 +478,7 @@ impl Proxy {
         key: Option<String>,
         peer: SocketAddr,
         own: Option<upstream::SharedSlot>,
+        started: Instant,
     ) -> Response<ProxyBody> {
         let route = &self.table.routes()[index];
         let subject = Subject {
@@ -459,7 +488,17 @@ impl Proxy {
         };
         if let Some(key) = key {
             return self
-                .idempotent_write(req, &normalised, route, &resource, key, subject, peer, own)
+                .idempotent_write(
+                    req,
+                    &normalised,
+                    route,
+                    &resource,
+                    key,
+                    subject,
+                    peer,
+                    own,
+                    started,
+                )
                 .await;
         }
         // Authority, then the barrier's turn for this token taken, the raise, the wait for
@@ -486,12 +525,14 @@ impl Proxy {
             Ok(ticket) => ticket,
             Err(refusal) => {
                 let (method, path) = (req.method(), req.uri().path());
-                return self.refuse(refusal, Some(route), subject, method, path);
+                let timing = Timing::without_upstream(started);
+                return self.refuse(refusal, Some(route), subject, method, path, timing);
             }
         };
         match ticket {
             None => {
-                let answering = Answering::fenced(index, resource, Some(token), Outcome::Admitted);
+                let answering =
+                    Answering::fenced(index, resource, Some(token), Outcome::Admitted, started);
                 let forwarded = Arc::clone(&self).forwarding(req, normalised, answering, peer, own);
                 forwarded.await.unwrap_or_else(|never| match never {})
             }
@@ -505,6 +546,7 @@ impl Proxy {
                     peer,
                     None,
                     own,
+                    started,
                 )
                 .await
             }
@@ -562,8 +604,8 @@ impl Proxy {
             Err(_) => {
                 self.metrics.store_errors.inc();
                 Some(Refusal::StoreUnavailable(format!(
-                    "the lease backend did not answer within {:?}",
-                    self.timeouts.store
+                    "the lease backend did not answer within {}",
+                    crate::duration::display(self.timeouts.store)
                 )))
             }
         }
@@ -618,21 +660,34 @@ impl Proxy {
         own: Option<upstream::SharedSlot>,
     ) -> Handling<impl Future<Output = Response<ProxyBody>> + Send + 'static> {
         let method = req.method().clone();
+        let mut answering = answering;
+        if self.access_log && req.uri().path() != normalised {
+            answering.received = Some(req.uri().path().into());
+        }
         let req = req.map(http_body_util::Either::Left);
-        let (exchange, started) = match self.send(req, &normalised, true, peer, own) {
+        let (exchange, sent_at) = match self.send(req, &normalised, true, peer, own) {
             Ok(sending) => sending,
             Err(e) => {
                 let route = answering.route.map(|i| &self.table.routes()[i]);
                 let subject = answering.subject(route);
                 let refusal = Refusal::InvalidPath(e);
-                return Handling::done(self.refuse(refusal, route, subject, &method, &normalised));
+                let timing = Timing::without_upstream(answering.started)
+                    .received(answering.received.as_deref());
+                return Handling::done(self.refuse(
+                    refusal,
+                    route,
+                    subject,
+                    &method,
+                    &normalised,
+                    timing,
+                ));
             }
         };
         // Only what is needed after the answer lives across the wait.
         Handling::Forwarding {
             forwarding: async move {
                 let sent = exchange.await;
-                let took = started.elapsed();
+                let ended = Instant::now();
                 let route = answering.route.map(|i| &self.table.routes()[i]);
                 let answer = Answer {
                     route,
@@ -640,8 +695,10 @@ impl Proxy {
                     outcome: answering.outcome,
                     method: &method,
                     normalised: &normalised,
+                    received: answering.received.as_deref(),
+                    started: answering.started,
                 };
-                self.answer(answer, took, pass_on(sent, None))
+                self.answer(answer, ended - sent_at, ended, pass_on(sent, None))
             },
         }
     }
@@ -665,24 +722,30 @@ impl Proxy {
         peer: SocketAddr,
         attempt: Option<Attempt>,
         own: Option<upstream::SharedSlot>,
+        started: Instant,
     ) -> Response<ProxyBody> {
         let method = req.method().clone();
         let route = Some(route);
-        let (exchange, started) = match self.send(req, normalised, false, peer, own) {
+        // The request is still as received here (`send` rewrites its URI).
+        let received = (self.access_log && req.uri().path() != normalised)
+            .then(|| req.uri().path().to_owned());
+        let (exchange, sent_at) = match self.send(req, normalised, false, peer, own) {
             Ok(sending) => sending,
             Err(e) => {
                 if let Some(attempt) = attempt {
                     // Claimed but never sent: a retry may execute it.
                     attempt.unknown().await;
                 }
-                return self.refuse(Refusal::InvalidPath(e), route, subject, &method, normalised);
+                let refusal = Refusal::InvalidPath(e);
+                let timing = Timing::without_upstream(started).received(received.as_deref());
+                return self.refuse(refusal, route, subject, &method, normalised, timing);
             }
         };
         let (tx, rx) = tokio::sync::oneshot::channel();
         tokio::spawn(async move {
             let sent = exchange.await;
-            let took = started.elapsed();
-            let _ = tx.send((took, settle(sent, ticket, attempt).await));
+            let answered = Instant::now();
+            let _ = tx.send((answered, settle(sent, ticket, attempt).await));
         });
         let answer = Answer {
             route,
@@ -690,12 +753,18 @@ impl Proxy {
             outcome: Outcome::Admitted,
             method: &method,
             normalised,
+            received: received.as_deref(),
+            started,
         };
         match rx.await {
-            Ok((took, settled)) => self.answer(answer, took, settled),
+            // Settling may have waited (an idempotency record written): the request ends now.
+            Ok((answered, settled)) => {
+                self.answer(answer, answered - sent_at, Instant::now(), settled)
+            }
             Err(_) => {
                 let refusal = Refusal::UpstreamError("the upstream exchange failed".into());
-                self.refuse(refusal, route, subject, &method, normalised)
+                let timing = Timing::without_upstream(started).received(received.as_deref());
+                self.refuse(refusal, route, subject, &method, normalised, timing)
             }
         }
     }
@@ -705,14 +774,32 @@ impl Proxy {
     fn answer(
         &self,
         answer: Answer<'_>,
-        took: std::time::Duration,
+        took: Duration,
+        ended: Instant,
         settled: Result<Response<ProxyBody>, Failed>,
     ) -> Response<ProxyBody> {
         let metrics = self.metrics_for(answer.route);
         metrics.upstream.observe(took.as_secs_f64());
+        let timing = Timing {
+            started: answer.started,
+            ended,
+            upstream: Some(took),
+            received: answer.received,
+        };
         let refusal = match settled {
             Ok(response) => {
-                metrics.outcome(answer.outcome).inc();
+                metrics.finish(answer.outcome, timing.took());
+                if self.access_log {
+                    log_access(Access {
+                        subject: answer.subject,
+                        method: answer.method,
+                        path: answer.received.unwrap_or(answer.normalised),
+                        status: response.status().as_u16(),
+                        outcome: answer.outcome,
+                        problem: None,
+                        timing,
+                    });
+                }
                 return response;
             }
             Err(Failed::Upstream(e)) if request_body_failed(&e) => {
@@ -731,6 +818,7 @@ impl Proxy {
             answer.subject,
             answer.method,
             answer.normalised,
+            timing,
         )
     }
 
@@ -833,7 +921,7 @@ impl Proxy {
         &self.route_metrics[index]
     }
 
-    /// Counts, logs (one line per refusal) and answers.
+    /// Counts, logs (one line per refusal, and the access line) and answers.
     fn refuse(
         &self,
         refusal: Refusal,
@@ -841,9 +929,10 @@ impl Proxy {
         subject: Subject<'_>,
         method: &Method,
         path: &str,
+        timing: Timing<'_>,
     ) -> Response<ProxyBody> {
         let (status, kind, _, outcome) = refusal.kind();
-        self.metrics_for(route).outcome(outcome).inc();
+        self.metrics_for(route).finish(outcome, timing.took());
         let current_token = match refusal {
             Refusal::Stale { current } | Refusal::Superseded { latest: current } => Some(current),
             Refusal::Unissued { latest } => latest,
@@ -866,8 +955,86 @@ impl Proxy {
                 "write refused"
             }
         );
+        if self.access_log {
+            log_access(Access {
+                subject,
+                method,
+                path: timing.received.unwrap_or(path),
+                status: status.as_u16(),
+                outcome,
+                problem: Some(kind),
+                timing,
+            });
+        }
         refusal.response(&subject, &self.token_header)
     }
+}
+
+/// When a request's handling began and ended, and how long its upstream exchange took; and,
+/// for the access line, the path as received where the lines of [`Proxy::refuse`] are given
+/// the normalised one (kept only when the access log is on and normalising changed the path).
+#[derive(Debug, Clone, Copy)]
+struct Timing<'a> {
+    started: Instant,
+    ended: Instant,
+    /// `None` when the request was not sent upstream.
+    upstream: Option<Duration>,
+    received: Option<&'a str>,
+}
+
+impl<'a> Timing<'a> {
+    /// A request answered by fencegate, now, without an exchange with the upstream.
+    fn without_upstream(started: Instant) -> Self {
+        Timing {
+            started,
+            ended: Instant::now(),
+            upstream: None,
+            received: None,
+        }
+    }
+
+    fn received(self, received: Option<&'a str>) -> Self {
+        Timing { received, ..self }
+    }
+
+    /// End to end.
+    fn took(&self) -> Duration {
+        self.ended.saturating_duration_since(self.started)
+    }
+}
+
+/// One access log line: a request as it came and what became of it.
+struct Access<'a> {
+    subject: Subject<'a>,
+    method: &'a Method,
+    /// As received, without the query.
+    path: &'a str,
+    status: u16,
+    outcome: Outcome,
+    /// The problem type fencegate answered with; `None` for the upstream's answer.
+    problem: Option<&'static str>,
+    timing: Timing<'a>,
+}
+
+/// Writes `access` at `INFO` on the `fencegate::access` target (`access_log: true`).
+fn log_access(access: Access<'_>) {
+    let micros = |d: Duration| u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
+    tracing::info!(
+        target: "fencegate::access",
+        route = access.subject.route.unwrap_or(UNMATCHED),
+        method = access.method.as_str(),
+        path = access.path,
+        resource = access.subject.resource,
+        fencing_token = access.subject.token,
+        status = access.status,
+        outcome = access.outcome.label(),
+        refusal = access
+            .problem
+            .map(|t| t.strip_prefix("urn:fencegate:").unwrap_or(t)),
+        duration_us = micros(access.timing.took()),
+        upstream_duration_us = access.timing.upstream.map(micros),
+        "request"
+    );
 }
 
 /// A store answer, bounded by `limit`. Answers that are ready at once (the memory store, a
@@ -887,7 +1054,8 @@ async fn bounded<T>(
         .await
         .unwrap_or_else(|_| {
             Err(StoreError::Unavailable(format!(
-                "no answer within {limit:?}"
+                "no answer within {}",
+                crate::duration::display(limit)
             )))
         })
 }

@@ -300,7 +300,12 @@ async fn connect(
     let target = (host, authority.port_u16().unwrap_or(80));
     let stream = tokio::time::timeout(timeout, tokio::net::TcpStream::connect(target))
         .await
-        .map_err(|_| format!("connecting to {authority} timed out after {timeout:?}"))?
+        .map_err(|_| {
+            format!(
+                "connecting to {authority} timed out after {}",
+                crate::duration::display(timeout)
+            )
+        })?
         .map_err(|e| format!("connecting to {authority}: {e}"))?;
     stream.set_nodelay(true)?;
     let (sender, connection) = hyper::client::conn::http1::Builder::new()

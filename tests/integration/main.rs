@@ -16,6 +16,7 @@ mod lease_acquiring;
 mod lease_agent;
 mod lease_e2e;
 mod leases;
+mod logs;
 mod process;
 mod proxy;
 mod services;
