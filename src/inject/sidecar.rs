@@ -33,6 +33,9 @@ pub const ADMIN_PORT: u16 = 7441;
 pub const ADMIN_PORT_NAME: &str = "admin";
 /// The distroless `nonroot` user of the image.
 pub const RUN_AS_USER: u32 = 65532;
+/// Classic sidecars: how long the `preStop` hook holds SIGTERM back, so the Service stops
+/// sending traffic before the proxy closes its listener (docs/operations.md, Shutdown).
+pub const PRE_STOP_SLEEP_SECONDS: u32 = 5;
 
 /// How to inject, the same for every pod.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -116,6 +119,12 @@ pub fn sidecar(options: &Options, pod: &PodSettings) -> Value {
     if options.native {
         // The field that makes an init container a sidecar (KEP-753).
         container["restartPolicy"] = json!("Always");
+    } else {
+        // A classic sidecar gets SIGTERM with the app, and closes its listener at once: hold
+        // the signal back until the endpoints no longer route to the pod. (A native sidecar
+        // is stopped after the app.) The `sleep` action needs Kubernetes 1.30; the image
+        // has no `sleep` binary to exec.
+        container["lifecycle"] = json!({"preStop": {"sleep": {"seconds": PRE_STOP_SLEEP_SECONDS}}});
     }
     container
 }

@@ -195,6 +195,21 @@ fn inject_classic_matches_golden() {
     assert_eq!(containers(spec, "containers"), ["accounts", "fencegate"]);
     assert!(spec.get("initContainers").is_none());
     assert!(spec["containers"][1].get("restartPolicy").is_none());
+    // It gets SIGTERM with the app: hold it back until the endpoints stop routing here.
+    assert_eq!(
+        spec["containers"][1]["lifecycle"],
+        json!({"preStop": {"sleep": {"seconds": 5}}})
+    );
+    assert!(spec["containers"][0].get("lifecycle").is_none());
+}
+
+#[test]
+fn inject_native_sidecar_has_no_pre_stop() {
+    // Stopped after the app by Kubernetes itself.
+    let out = inject_manifests(&read("tests/inject/classic.yaml"), &native()).unwrap();
+    let sidecar = &documents(&out)[0]["spec"]["template"]["spec"]["initContainers"][0];
+    assert_eq!(sidecar["restartPolicy"], "Always");
+    assert!(sidecar.get("lifecycle").is_none(), "{sidecar}");
 }
 
 #[test]
