@@ -735,6 +735,14 @@ async fn webhook_process_serves_tls_and_stops_on_sigterm() {
     let body: Value =
         serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap();
     assert_eq!(body["response"]["patchType"], "JSONPatch");
+    // One line per review, saying which pod of which workload, before it has a name.
+    let admitted = wait_log(&mut logs, "admitted").await;
+    assert_eq!(admitted["uid"], "705ab4f5-6393-11e8-b7cc-42010a800002");
+    assert_eq!(admitted["namespace"], "payments");
+    assert_eq!(admitted["pod"], "ledger-6d9f8b7c5-");
+    assert_eq!(admitted["owner"], "ReplicaSet/ledger-6d9f8b7c5");
+    assert_eq!(admitted["injected"], true);
+    assert_eq!(admitted["level"], "INFO");
 
     let pid = child.id().unwrap().to_string();
     assert!(std::process::Command::new("kill")
