@@ -25,8 +25,8 @@ use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 
 use super::{
-    inject_label, inject_pod_as, patch, OptIn, Options, Outcome, INJECT_DISABLED, INJECT_ENABLED,
-    INJECT_LABEL,
+    inject_label, inject_pod_as, patch, store_dies_with_pod, OptIn, Options, Outcome, DATA_VOLUME,
+    INJECT_DISABLED, INJECT_ENABLED, INJECT_LABEL,
 };
 use crate::proxy::body::ProxyBody;
 use crate::server::{serve, ServerSettings};
@@ -125,22 +125,27 @@ pub fn review(body: &[u8], options: &Options, opt_in: OptIn) -> Reply {
         return bad_request("the AdmissionReview request has no `uid`");
     };
     let mut response = json!({"uid": uid, "allowed": true});
-    let warning = match decide(request, options, opt_in) {
-        Decision::Unchanged => None,
-        Decision::Warn(warning) => Some(warning),
-        Decision::Patch(ops, warning) => {
+    let warnings = match decide(request, options, opt_in) {
+        Decision::Unchanged => Vec::new(),
+        Decision::Warn(warning) => vec![warning],
+        Decision::Patch(ops, warnings) => {
             let encoded = serde_json::to_vec(&ops).expect("JSON values serialise");
             response["patchType"] = json!("JSONPatch");
             response["patch"] = json!(base64::engine::general_purpose::STANDARD.encode(encoded));
-            warning
+            warnings
         }
     };
-    if let Some(warning) = warning {
-        let warning: String = format!("fencegate: {warning}")
-            .chars()
-            .take(MAX_WARNING_CHARS)
+    if !warnings.is_empty() {
+        let warnings: Vec<String> = warnings
+            .iter()
+            .map(|w| {
+                format!("fencegate: {w}")
+                    .chars()
+                    .take(MAX_WARNING_CHARS)
+                    .collect()
+            })
             .collect();
-        response["warnings"] = json!([warning]);
+        response["warnings"] = json!(warnings);
     }
     Reply {
         status: StatusCode::OK,
@@ -156,8 +161,9 @@ pub fn review(body: &[u8], options: &Options, opt_in: OptIn) -> Reply {
 enum Decision {
     Unchanged,
     Warn(String),
-    /// Inject, with a warning when the pod's label looks like a failed attempt to opt out.
-    Patch(Vec<Value>, Option<String>),
+    /// Inject, with warnings: the pod's label looks like a failed attempt to opt out; the
+    /// embedded store would live in an emptyDir.
+    Patch(Vec<Value>, Vec<String>),
 }
 
 fn decide(request: &Value, options: &Options, opt_in: OptIn) -> Decision {
@@ -190,14 +196,21 @@ fn decide(request: &Value, options: &Options, opt_in: OptIn) -> Decision {
         Ok(Outcome::Injected) => {
             // Only `disabled` opts out of a namespace's opt-in; say so to whoever tried
             // another value.
-            let warning = inject_label(pod.get("metadata"))
+            let mut warnings: Vec<String> = inject_label(pod.get("metadata"))
                 .filter(|v| v.as_str() != Some(INJECT_ENABLED))
                 .map(|v| {
                     format!(
                         "label {INJECT_LABEL}: {v} does not opt out (only {INJECT_DISABLED} does); injected because the namespace opted in"
                     )
-                });
-            Decision::Patch(patch::diff(pod, &injected), warning)
+                })
+                .into_iter()
+                .collect();
+            if store_dies_with_pod(&injected, options, &[]) {
+                warnings.push(format!(
+                    "embedded store on an emptyDir: this pod's maxima are its own and die with it; mount a PersistentVolumeClaim as {DATA_VOLUME} (a StatefulSet's volumeClaimTemplate) or share a redis, postgres or etcd store"
+                ));
+            }
+            Decision::Patch(patch::diff(pod, &injected), warnings)
         }
         Ok(Outcome::AlreadyInjected | Outcome::NotOptedIn) => Decision::Unchanged,
         Err(e) => Decision::Warn(format!("sidecar not injected: {e}")),
