@@ -382,6 +382,25 @@ fn inject_config_map_already_in_the_input() {
     assert_eq!(out.matches("kind: ConfigMap").count(), 2, "{out}");
 }
 
+/// The walk-through in docs/kubernetes.md shows these files whole: the ones CI validates and the
+/// goldens inject.
+#[test]
+fn inject_walkthrough_files_are_the_ones_in_the_docs() {
+    let docs = read("docs/kubernetes.md");
+    for file in [
+        "tests/inject/walkthrough-redis.yaml",
+        "tests/inject/walkthrough-ledger.yaml",
+        "tests/inject/shards.yaml",
+        "charts/fencegate/ci/redis-values.yaml",
+    ] {
+        let block = format!("```yaml\n{}```\n", read(file));
+        assert!(
+            docs.contains(&block),
+            "docs/kubernetes.md does not show {file} as it is"
+        );
+    }
+}
+
 #[test]
 fn inject_config_is_checked_with_stand_ins_for_the_pod_environment() {
     let e = SidecarConfig::parse(&read("tests/inject/config/invalid.yaml")).unwrap_err();
