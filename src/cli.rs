@@ -63,6 +63,8 @@ enum Command {
         /// Sidecar image [default: ghcr.io/fencegate/fencegate:<this version>].
         #[arg(long)]
         image: Option<String>,
+        #[command(flatten)]
+        sidecar: SidecarArgs,
     },
     /// Serve the mutating admission webhook that injects the sidecar (POST /mutate for pods that opted in, POST /mutate-namespace for pods in namespaces that did).
     Webhook {
@@ -81,7 +83,62 @@ enum Command {
         /// Sidecar image [default: ghcr.io/fencegate/fencegate:<this version>].
         #[arg(long)]
         image: Option<String>,
+        #[command(flatten)]
+        sidecar: SidecarArgs,
     },
+}
+
+/// What `inject` and `webhook` know of the sidecar config, for the pods that mount it.
+#[derive(clap::Args)]
+struct SidecarArgs {
+    /// The sidecar's fencegate.yaml (checked): its leases and egress listeners become
+    /// FENCEGATE_LEASE_API and FENCEGATE_EGRESS_URL of the app containers; `inject` also writes
+    /// it as the ConfigMap.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// The ConfigMap of pods without the fencegate.io/config annotation, which --config and
+    /// --env-from-secret are about.
+    #[arg(long, value_name = "NAME", default_value = crate::inject::DEFAULT_CONFIG_MAP, value_parser = k8s_name)]
+    config_map: String,
+    /// A Secret (in the pod's namespace) whose keys become the sidecar's environment
+    /// variables, for ${VARIABLES} in the config such as a store password.
+    #[arg(long, value_name = "SECRET", value_parser = k8s_name)]
+    env_from_secret: Option<String>,
+}
+
+impl SidecarArgs {
+    /// The injection options; the error names the config file.
+    fn options(
+        self,
+        image: Option<String>,
+        classic: bool,
+    ) -> Result<crate::inject::Options, String> {
+        let config = match &self.config {
+            None => None,
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+                let config = crate::inject::SidecarConfig::parse(&text)
+                    .map_err(|e| format!("{}: {e}", path.display()))?;
+                Some(config)
+            }
+        };
+        Ok(crate::inject::Options {
+            image: image.unwrap_or_else(crate::inject::Options::default_image),
+            native: !classic,
+            config_map: self.config_map,
+            config,
+            env_from_secret: self.env_from_secret,
+        })
+    }
+}
+
+fn k8s_name(s: &str) -> Result<String, String> {
+    if crate::inject::is_dns_subdomain(s) {
+        Ok(s.to_owned())
+    } else {
+        Err("a Kubernetes object name: lowercase letters, digits, `-` and `.`".to_owned())
+    }
 }
 
 fn duration(s: &str) -> Result<Duration, String> {
@@ -213,10 +270,14 @@ pub fn main() -> ExitCode {
             file,
             classic,
             image,
+            sidecar,
         } => {
-            let options = crate::inject::Options {
-                image: image.unwrap_or_else(crate::inject::Options::default_image),
-                native: !classic,
+            let options = match sidecar.options(image, classic) {
+                Ok(options) => options,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return ExitCode::from(1);
+                }
             };
             let (name, input) = match file.as_deref().filter(|p| p.as_os_str() != "-") {
                 None => (
@@ -252,11 +313,15 @@ pub fn main() -> ExitCode {
             listen,
             classic,
             image,
+            sidecar,
         } => {
             init_logging();
-            let options = crate::inject::Options {
-                image: image.unwrap_or_else(crate::inject::Options::default_image),
-                native: !classic,
+            let options = match sidecar.options(image, classic) {
+                Ok(options) => options,
+                Err(e) => {
+                    tracing::error!(error = %e, "invalid sidecar config");
+                    return ExitCode::from(1);
+                }
             };
             let tls = crate::config::TlsConfig {
                 cert: tls_cert,
@@ -278,8 +343,20 @@ pub fn main() -> ExitCode {
                         return ExitCode::from(1);
                     }
                 };
-                let addr = listener.local_addr().map(|a| a.to_string()).unwrap_or_default();
-                tracing::info!(listen = %addr, image = %options.image, native = options.native, "webhook started");
+                let addr = listener
+                    .local_addr()
+                    .map(|a| a.to_string())
+                    .unwrap_or_default();
+                tracing::info!(
+                    listen = %addr,
+                    image = %options.image,
+                    native = options.native,
+                    config_map = %options.config_map,
+                    lease_api = options.config.as_ref().and_then(|c| c.lease_api.as_deref()),
+                    egress_url = options.config.as_ref().and_then(|c| c.egress_url.as_deref()),
+                    env_from_secret = options.env_from_secret.as_deref(),
+                    "webhook started"
+                );
                 let shutdown = async {
                     let signal = shutdown_signal().await;
                     tracing::info!(signal, "shutting down: draining webhook connections");

@@ -10,7 +10,8 @@ use serde_json::Value;
 
 use super::yaml;
 use super::{
-    inject_pod, Options, Outcome, PodError, INJECT_DISABLED, INJECT_ENABLED, INJECT_LABEL,
+    inject_pod, pod_error, Options, Outcome, PodError, SidecarConfig, DATA_VOLUME, INJECT_DISABLED,
+    INJECT_ENABLED, INJECT_LABEL,
 };
 
 /// Why `inject` refused its input. Every case is a problem with the input.
@@ -29,6 +30,13 @@ pub enum InjectError {
         /// `Kind name`, and the item's index inside a `List`.
         object: String,
         error: PodError,
+    },
+    #[error("document {document} (line {line}), ConfigMap {name}: {message}")]
+    ConfigMap {
+        document: usize,
+        line: usize,
+        name: String,
+        message: String,
     },
 }
 
@@ -96,7 +104,8 @@ fn is_blank(text: &str) -> bool {
     })
 }
 
-/// Injects every opted-in pod template of `input`; other documents are copied verbatim.
+/// Injects every opted-in pod template of `input`; other documents are copied verbatim. With
+/// `options.config`, the ConfigMap it describes comes first (see [`config_maps`]).
 pub fn inject_manifests(input: &str, options: &Options) -> Result<String, InjectError> {
     inject_manifests_with_warnings(input, options).map(|injected| injected.output)
 }
@@ -109,6 +118,7 @@ pub fn inject_manifests_with_warnings(
 ) -> Result<Injected, InjectError> {
     let mut out = String::with_capacity(input.len() * 2);
     let mut warnings = Vec::new();
+    let mut objects = Vec::new();
     for (index, doc) in split(input).iter().enumerate() {
         let document = index + 1;
         if is_blank(doc.text) {
@@ -136,6 +146,9 @@ pub fn inject_manifests_with_warnings(
             object,
             message,
         }));
+        if options.config.is_some() {
+            objects.push((document, doc.line, value.clone()));
+        }
         if !changed {
             out.push_str(doc.text);
             continue;
@@ -149,10 +162,128 @@ pub fn inject_manifests_with_warnings(
         }
         out.push_str(&yaml::emit(&value));
     }
+    let Some(config) = &options.config else {
+        return Ok(Injected {
+            output: out,
+            warnings,
+        });
+    };
+    let mut first = String::new();
+    for config_map in config_maps(&objects, config, options)? {
+        if !first.is_empty() {
+            first.push_str("---\n");
+        }
+        first.push_str(&config_map);
+    }
+    let separated = is_separator(out.split_inclusive('\n').next().unwrap_or_default());
+    if !first.is_empty() && !out.is_empty() && !separated {
+        first.push_str("---\n");
+    }
     Ok(Injected {
-        output: out,
+        output: first + &out,
         warnings,
     })
+}
+
+/// The ConfigMaps, one per namespace, that the output's injected pods mount from
+/// `options.config_map`, holding `config`, as YAML documents. A ConfigMap of that name and
+/// namespace already in the input is left as it is when it holds the same file (so injecting
+/// the output again changes nothing), and refused when it holds another.
+fn config_maps(
+    objects: &[(usize, usize, Value)],
+    config: &SidecarConfig,
+    options: &Options,
+) -> Result<Vec<String>, InjectError> {
+    let mut wanted: Vec<Option<String>> = Vec::new();
+    let mut present = Vec::new();
+    let mut visit = Vec::new();
+    for (document, line, value) in objects {
+        visit.push((*document, *line, value));
+        while let Some((document, line, object)) = visit.pop() {
+            let kind = object
+                .get("kind")
+                .and_then(Value::as_str)
+                .unwrap_or_default();
+            let namespace = object
+                .pointer("/metadata/namespace")
+                .and_then(Value::as_str)
+                .map(str::to_owned);
+            if kind == "List" || kind.ends_with("List") {
+                let items = object.get("items").and_then(Value::as_array);
+                // Reversed, so that items are visited in order.
+                visit.extend(
+                    items
+                        .into_iter()
+                        .flatten()
+                        .rev()
+                        .map(|i| (document, line, i)),
+                );
+            } else if kind == "ConfigMap" {
+                if object.pointer("/metadata/name").and_then(Value::as_str)
+                    == Some(options.config_map.as_str())
+                {
+                    let data = object
+                        .pointer("/data/fencegate.yaml")
+                        .and_then(Value::as_str);
+                    present.push((
+                        namespace,
+                        data == Some(config.text.as_str()),
+                        document,
+                        line,
+                    ));
+                }
+            } else if let Some(pod) = template(object, kind) {
+                let mounts = pod
+                    .pointer("/spec/volumes")
+                    .and_then(Value::as_array)
+                    .into_iter()
+                    .flatten()
+                    .any(|v| {
+                        v.get("name").and_then(Value::as_str) == Some(super::CONFIG_VOLUME)
+                            && v.pointer("/configMap/name").and_then(Value::as_str)
+                                == Some(options.config_map.as_str())
+                    });
+                if mounts && !wanted.contains(&namespace) {
+                    wanted.push(namespace);
+                }
+            }
+        }
+    }
+    let mut out = Vec::new();
+    for namespace in wanted {
+        match present.iter().find(|(ns, ..)| *ns == namespace) {
+            Some((_, true, ..)) => continue,
+            Some((_, false, document, line)) => {
+                return Err(InjectError::ConfigMap {
+                    document: *document,
+                    line: *line,
+                    name: options.config_map.clone(),
+                    message: "already in the input with another fencegate.yaml than --config: \
+                              drop one of them"
+                        .to_owned(),
+                })
+            }
+            None => out.push(yaml::emit(
+                &config.config_map(&options.config_map, namespace.as_deref()),
+            )),
+        }
+    }
+    Ok(out)
+}
+
+/// The pod template of a workload object of `kind`, if it has one.
+fn template<'a>(object: &'a Value, kind: &str) -> Option<&'a Value> {
+    match kind {
+        "Pod" => Some(object),
+        "Deployment"
+        | "StatefulSet"
+        | "DaemonSet"
+        | "ReplicaSet"
+        | "ReplicationController"
+        | "Job" => object.pointer("/spec/template"),
+        "CronJob" => object.pointer("/spec/jobTemplate/spec/template"),
+        _ => None,
+    }
 }
 
 /// Whether the object was changed; on error, which object (`Kind namespace/name`) failed.
@@ -225,6 +356,16 @@ fn inject_object(
         return Ok(false);
     };
     let outcome = match inject_pod(template, options, &claims) {
+        Ok(Outcome::Injected) if super::store_dies_with_pod(template, options, &claims) => {
+            let why = format!(
+                "the sidecar config (--config) uses the embedded store, and {DATA_VOLUME} would be \
+                 an emptyDir: every pod would keep maxima of its own and a replaced pod would \
+                 start without any; give a StatefulSet whose pods own their shards a \
+                 volumeClaimTemplate named {DATA_VOLUME} (or the pod a persistentVolumeClaim \
+                 volume of that name), or share a redis, postgres or etcd store"
+            );
+            return Err(describe(pod_error(&format!("{prefix}spec.volumes"), why)));
+        }
         Ok(outcome) => outcome,
         Err(mut e) => {
             e.field = format!("{prefix}{}", e.field);

@@ -9,6 +9,7 @@
 //! `fencegate.io/upstream-port` (default `8080`). A pod that already has a container named
 //! `fencegate` is left alone, so injecting twice changes nothing.
 
+pub mod config;
 pub mod manifest;
 pub mod patch;
 pub mod sidecar;
@@ -17,6 +18,7 @@ pub mod yaml;
 
 use serde_json::{json, Map, Value};
 
+pub use config::SidecarConfig;
 pub use manifest::{inject_manifests, inject_manifests_with_warnings, InjectWarning, Injected};
 pub use sidecar::*;
 
@@ -138,7 +140,7 @@ pub fn inject_pod_as(
             Some(_) => return Err(pod_error("metadata.labels", "not a mapping")),
         }
     }
-    let settings = PodSettings::from_metadata(metadata.as_ref())?;
+    let settings = PodSettings::from_metadata(metadata.as_ref(), &options.config_map)?;
     for (field, c) in all() {
         let name = c
             .get("name")
@@ -165,7 +167,17 @@ pub fn inject_pod_as(
         .filter_map(|v| v.get("name").and_then(Value::as_str).map(str::to_owned))
         .collect();
 
-    let container = sidecar(options, &settings);
+    // The pod mounts the ConfigMap the options know about, not a volume of its own.
+    let own_config =
+        settings.config_map == options.config_map && !existing.iter().any(|v| v == CONFIG_VOLUME);
+    if let Some(config) = options.config.as_ref().filter(|_| own_config) {
+        if let Some(Value::Array(apps)) = spec.get_mut("containers") {
+            for app in apps.iter_mut() {
+                add_env(app, &config.app_env());
+            }
+        }
+    }
+    let container = sidecar(options, &settings, own_config);
     if options.native {
         match spec.get_mut("initContainers") {
             Some(Value::Array(list)) => list.insert(0, container),
@@ -218,6 +230,55 @@ fn label_enabled(pod: &mut Value) {
         labels
             .entry(INJECT_LABEL)
             .or_insert_with(|| json!(INJECT_ENABLED));
+    }
+}
+
+/// Adds the variables an app container does not set itself, after its own.
+fn add_env(container: &mut Value, vars: &[(&str, &str)]) {
+    let Value::Object(container) = container else {
+        return;
+    };
+    for (name, value) in vars {
+        let env = container.entry("env").or_insert_with(|| json!([]));
+        if env.is_null() {
+            *env = json!([]);
+        }
+        let Value::Array(env) = env else {
+            return;
+        };
+        if !env
+            .iter()
+            .any(|e| e.get("name").and_then(Value::as_str) == Some(name))
+        {
+            env.push(json!({"name": name, "value": value}));
+        }
+    }
+}
+
+/// Whether an injected pod would keep its recorded maxima only as long as it lives: the
+/// sidecar config that `options` know (`--config`) uses the embedded store, the pod mounts it,
+/// and its `fencegate-data` volume is an `emptyDir` (or a generic ephemeral volume). `claims`
+/// are the volume claim templates of its StatefulSet.
+pub fn store_dies_with_pod(pod: &Value, options: &Options, claims: &[&str]) -> bool {
+    if !options.config.as_ref().is_some_and(|c| c.embedded_store) {
+        return false;
+    }
+    let volumes = pod.pointer("/spec/volumes").and_then(Value::as_array);
+    let volume = |name: &str| {
+        volumes
+            .into_iter()
+            .flatten()
+            .find(|v| v.get("name").and_then(Value::as_str) == Some(name))
+    };
+    let config_map = volume(CONFIG_VOLUME)
+        .and_then(|v| v.pointer("/configMap/name"))
+        .and_then(Value::as_str);
+    if config_map != Some(options.config_map.as_str()) || claims.contains(&DATA_VOLUME) {
+        return false;
+    }
+    match volume(DATA_VOLUME) {
+        None => true,
+        Some(v) => v.get("emptyDir").is_some() || v.get("ephemeral").is_some(),
     }
 }
 

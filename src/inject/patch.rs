@@ -2,8 +2,8 @@
 //!
 //! The API server applies the patch to the pod it sent, so the ops must not assume more than
 //! what changed: new keys are `add`ed, items added at the end of a list are `add`ed at `/-`,
-//! items added at its front at `/0`, `/1`, ...; anything else is a `replace` of the smallest
-//! enclosing value that differs.
+//! items added at its front at `/0`, `/1`, ...; items changed in place are diffed in place;
+//! anything else is a `replace` of the smallest enclosing value that differs.
 
 use serde_json::{json, Value};
 
@@ -37,18 +37,23 @@ fn diff_at(path: &mut String, old: &Value, new: &Value, ops: &mut Vec<Value>) {
             }
         }
         (Value::Array(before), Value::Array(after))
-            if after.len() > before.len() && after.starts_with(before) =>
-        {
-            for value in &after[before.len()..] {
-                ops.push(json!({"op": "add", "path": format!("{path}/-"), "value": value}));
-            }
-        }
-        (Value::Array(before), Value::Array(after))
             if after.len() > before.len() && after.ends_with(before) =>
         {
             let added = after.len() - before.len();
             for (i, value) in after[..added].iter().enumerate() {
                 ops.push(json!({"op": "add", "path": format!("{path}/{i}"), "value": value}));
+            }
+        }
+        // Items changed in place (an app container given variables), then any added at the end.
+        (Value::Array(before), Value::Array(after)) if after.len() >= before.len() => {
+            for (i, (previous, value)) in before.iter().zip(after).enumerate() {
+                let len = path.len();
+                path.push_str(&format!("/{i}"));
+                diff_at(path, previous, value, ops);
+                path.truncate(len);
+            }
+            for value in &after[before.len()..] {
+                ops.push(json!({"op": "add", "path": format!("{path}/-"), "value": value}));
             }
         }
         _ => ops.push(json!({"op": "replace", "path": path, "value": new})),

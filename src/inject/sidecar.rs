@@ -3,7 +3,7 @@
 
 use serde_json::{json, Value};
 
-use super::{pod_error, PodError};
+use super::{pod_error, PodError, SidecarConfig};
 
 /// The opt-in label and the value that enables injection.
 pub const INJECT_LABEL: &str = "fencegate.io/inject";
@@ -33,6 +33,9 @@ pub const ADMIN_PORT: u16 = 7441;
 pub const ADMIN_PORT_NAME: &str = "admin";
 /// The distroless `nonroot` user of the image.
 pub const RUN_AS_USER: u32 = 65532;
+/// Classic sidecars: how long the `preStop` hook holds SIGTERM back, so the Service stops
+/// sending traffic before the proxy closes its listener (docs/operations.md, Shutdown).
+pub const PRE_STOP_SLEEP_SECONDS: u32 = 5;
 
 /// How to inject, the same for every pod.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -43,6 +46,14 @@ pub struct Options {
     /// 1.29+), started before the other init containers and stopped after the app.
     /// `false`: a plain entry in `containers`, for older clusters.
     pub native: bool,
+    /// The ConfigMap of pods without the `fencegate.io/config` annotation, and the one that
+    /// `config` and `env_from_secret` are about.
+    pub config_map: String,
+    /// The `fencegate.yaml` of `config_map` (`--config`), for the pods that mount it.
+    pub config: Option<SidecarConfig>,
+    /// A Secret in the pod's namespace whose keys become the sidecar's environment
+    /// (`envFrom`), for the `${VARIABLES}` of `config_map`'s file, on the pods that mount it.
+    pub env_from_secret: Option<String>,
 }
 
 impl Options {
@@ -57,6 +68,9 @@ impl Default for Options {
         Options {
             image: Self::default_image(),
             native: true,
+            config_map: DEFAULT_CONFIG_MAP.to_owned(),
+            config: None,
+            env_from_secret: None,
         }
     }
 }
@@ -68,8 +82,9 @@ pub struct PodSettings {
     pub upstream_port: u16,
 }
 
-/// The sidecar container: the only place it is defined.
-pub fn sidecar(options: &Options, pod: &PodSettings) -> Value {
+/// The sidecar container: the only place it is defined. `own_config`: the pod mounts
+/// `options.config_map`, so `options.env_from_secret` is for it.
+pub fn sidecar(options: &Options, pod: &PodSettings, own_config: bool) -> Value {
     let mut container = json!({
         "name": CONTAINER_NAME,
         "image": options.image,
@@ -113,9 +128,27 @@ pub fn sidecar(options: &Options, pod: &PodSettings) -> Value {
             {"name": DATA_VOLUME, "mountPath": DATA_DIR},
         ],
     });
+    if let (Some(secret), Value::Object(fields)) = (
+        options.env_from_secret.as_ref().filter(|_| own_config),
+        &mut container,
+    ) {
+        // Store passwords for the config's `${VARIABLES}`, next to `env`.
+        let at = fields.keys().position(|k| k == "env").map_or(0, |i| i + 1);
+        fields.shift_insert(
+            at,
+            "envFrom".to_owned(),
+            json!([{"secretRef": {"name": secret}}]),
+        );
+    }
     if options.native {
         // The field that makes an init container a sidecar (KEP-753).
         container["restartPolicy"] = json!("Always");
+    } else {
+        // A classic sidecar gets SIGTERM with the app, and closes its listener at once: hold
+        // the signal back until the endpoints no longer route to the pod. (A native sidecar
+        // is stopped after the app.) The `sleep` action needs Kubernetes 1.30; the image
+        // has no `sleep` binary to exec.
+        container["lifecycle"] = json!({"preStop": {"sleep": {"seconds": PRE_STOP_SLEEP_SECONDS}}});
     }
     container
 }
@@ -129,13 +162,17 @@ pub fn volumes(pod: &PodSettings) -> [Value; 2] {
 }
 
 impl PodSettings {
-    /// Reads the annotations of a pod (or pod template).
-    pub fn from_metadata(metadata: Option<&Value>) -> Result<PodSettings, PodError> {
+    /// Reads the annotations of a pod (or pod template); `config_map` is the ConfigMap of a
+    /// pod without the `fencegate.io/config` annotation.
+    pub fn from_metadata(
+        metadata: Option<&Value>,
+        config_map: &str,
+    ) -> Result<PodSettings, PodError> {
         let annotations = metadata.and_then(|m| m.get("annotations"));
         let get = |key: &str| annotations.and_then(|a| a.get(key));
         let field = "metadata.annotations";
         let config_map = match get(CONFIG_ANNOTATION) {
-            None => DEFAULT_CONFIG_MAP.to_owned(),
+            None => config_map.to_owned(),
             Some(Value::String(name)) if is_dns_subdomain(name) => name.clone(),
             Some(other) => {
                 return Err(pod_error(
@@ -169,8 +206,8 @@ impl PodSettings {
     }
 }
 
-/// RFC 1123 subdomain, as Kubernetes requires of ConfigMap names.
-fn is_dns_subdomain(name: &str) -> bool {
+/// RFC 1123 subdomain, as Kubernetes requires of ConfigMap and Secret names.
+pub fn is_dns_subdomain(name: &str) -> bool {
     !name.is_empty()
         && name.len() <= 253
         && name.split('.').all(|label| {

@@ -25,8 +25,8 @@ use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 
 use super::{
-    inject_label, inject_pod_as, patch, OptIn, Options, Outcome, INJECT_DISABLED, INJECT_ENABLED,
-    INJECT_LABEL,
+    inject_label, inject_pod_as, patch, store_dies_with_pod, OptIn, Options, Outcome, DATA_VOLUME,
+    INJECT_DISABLED, INJECT_ENABLED, INJECT_LABEL,
 };
 use crate::proxy::body::ProxyBody;
 use crate::server::{serve, ServerSettings};
@@ -46,12 +46,63 @@ pub const NAMESPACE_PATH: &str = "/mutate-namespace";
 pub struct Reply {
     pub status: StatusCode,
     pub body: Value,
+    /// The object under review, for the log line; empty for a body that is not a review.
+    pub subject: Subject,
+}
+
+/// Which object a review was about, as far as the request says.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Subject {
+    pub namespace: String,
+    /// The pod's name, or its `generateName` (`ledger-6d9f8b7c5-`) before it has one.
+    pub pod: String,
+    /// `Kind/name` of its controller (or first owner), e.g. `ReplicaSet/ledger-6d9f8b7c5`.
+    pub owner: String,
+}
+
+impl Subject {
+    fn of(request: &Value) -> Subject {
+        let text = |v: Option<&Value>| {
+            v.and_then(Value::as_str)
+                .filter(|s| !s.is_empty())
+                .map(str::to_owned)
+        };
+        let metadata = request.pointer("/object/metadata");
+        let field = |key: &str| text(metadata.and_then(|m| m.get(key)));
+        let owners = metadata
+            .and_then(|m| m.get("ownerReferences"))
+            .and_then(Value::as_array);
+        let owner = owners
+            .and_then(|o| {
+                o.iter()
+                    .find(|r| r.get("controller") == Some(&Value::Bool(true)))
+                    .or_else(|| o.first())
+            })
+            .map(|r| {
+                format!(
+                    "{}/{}",
+                    text(r.get("kind")).unwrap_or_default(),
+                    text(r.get("name")).unwrap_or_default()
+                )
+            });
+        Subject {
+            namespace: text(request.get("namespace"))
+                .or_else(|| field("namespace"))
+                .unwrap_or_default(),
+            pod: field("name")
+                .or_else(|| text(request.get("name")))
+                .or_else(|| field("generateName"))
+                .unwrap_or_default(),
+            owner: owner.unwrap_or_default(),
+        }
+    }
 }
 
 fn bad_request(message: impl Into<String>) -> Reply {
     Reply {
         status: StatusCode::BAD_REQUEST,
         body: json!({"error": message.into()}),
+        subject: Subject::default(),
     }
 }
 
@@ -74,22 +125,27 @@ pub fn review(body: &[u8], options: &Options, opt_in: OptIn) -> Reply {
         return bad_request("the AdmissionReview request has no `uid`");
     };
     let mut response = json!({"uid": uid, "allowed": true});
-    let warning = match decide(request, options, opt_in) {
-        Decision::Unchanged => None,
-        Decision::Warn(warning) => Some(warning),
-        Decision::Patch(ops, warning) => {
+    let warnings = match decide(request, options, opt_in) {
+        Decision::Unchanged => Vec::new(),
+        Decision::Warn(warning) => vec![warning],
+        Decision::Patch(ops, warnings) => {
             let encoded = serde_json::to_vec(&ops).expect("JSON values serialise");
             response["patchType"] = json!("JSONPatch");
             response["patch"] = json!(base64::engine::general_purpose::STANDARD.encode(encoded));
-            warning
+            warnings
         }
     };
-    if let Some(warning) = warning {
-        let warning: String = format!("fencegate: {warning}")
-            .chars()
-            .take(MAX_WARNING_CHARS)
+    if !warnings.is_empty() {
+        let warnings: Vec<String> = warnings
+            .iter()
+            .map(|w| {
+                format!("fencegate: {w}")
+                    .chars()
+                    .take(MAX_WARNING_CHARS)
+                    .collect()
+            })
             .collect();
-        response["warnings"] = json!([warning]);
+        response["warnings"] = json!(warnings);
     }
     Reply {
         status: StatusCode::OK,
@@ -98,14 +154,16 @@ pub fn review(body: &[u8], options: &Options, opt_in: OptIn) -> Reply {
             "kind": "AdmissionReview",
             "response": response,
         }),
+        subject: Subject::of(request),
     }
 }
 
 enum Decision {
     Unchanged,
     Warn(String),
-    /// Inject, with a warning when the pod's label looks like a failed attempt to opt out.
-    Patch(Vec<Value>, Option<String>),
+    /// Inject, with warnings: the pod's label looks like a failed attempt to opt out; the
+    /// embedded store would live in an emptyDir.
+    Patch(Vec<Value>, Vec<String>),
 }
 
 fn decide(request: &Value, options: &Options, opt_in: OptIn) -> Decision {
@@ -138,14 +196,21 @@ fn decide(request: &Value, options: &Options, opt_in: OptIn) -> Decision {
         Ok(Outcome::Injected) => {
             // Only `disabled` opts out of a namespace's opt-in; say so to whoever tried
             // another value.
-            let warning = inject_label(pod.get("metadata"))
+            let mut warnings: Vec<String> = inject_label(pod.get("metadata"))
                 .filter(|v| v.as_str() != Some(INJECT_ENABLED))
                 .map(|v| {
                     format!(
                         "label {INJECT_LABEL}: {v} does not opt out (only {INJECT_DISABLED} does); injected because the namespace opted in"
                     )
-                });
-            Decision::Patch(patch::diff(pod, &injected), warning)
+                })
+                .into_iter()
+                .collect();
+            if store_dies_with_pod(&injected, options, &[]) {
+                warnings.push(format!(
+                    "embedded store on an emptyDir: this pod's maxima are its own and die with it; mount a PersistentVolumeClaim as {DATA_VOLUME} (a StatefulSet's volumeClaimTemplate) or share a redis, postgres or etcd store"
+                ));
+            }
+            Decision::Patch(patch::diff(pod, &injected), warnings)
         }
         Ok(Outcome::AlreadyInjected | Outcome::NotOptedIn) => Decision::Unchanged,
         Err(e) => Decision::Warn(format!("sidecar not injected: {e}")),
@@ -164,6 +229,7 @@ fn error(status: StatusCode, message: &str) -> Response<ProxyBody> {
     json_response(&Reply {
         status,
         body: json!({"error": message}),
+        subject: Subject::default(),
     })
 }
 
@@ -218,6 +284,8 @@ pub async fn handle(req: Request<Incoming>, options: Arc<Options>) -> Response<P
     }
 }
 
+/// One line per review: its `uid`, the pod's `namespace`, `pod` (name or generateName) and
+/// `owner` (`Kind/name`), whether it was `injected`, and the warnings.
 fn log(reply: &Reply) {
     let response = &reply.body["response"];
     let uid = response["uid"].as_str().unwrap_or_default();
@@ -230,13 +298,39 @@ fn log(reply: &Reply) {
         );
         return;
     }
+    let Subject {
+        namespace,
+        pod,
+        owner,
+    } = &reply.subject;
     let injected = response.get("patch").is_some();
-    match response["warnings"].get(0).and_then(Value::as_str) {
-        Some(warning) if injected => {
-            tracing::warn!(uid, injected, warning, "admitted, with a warning")
-        }
-        Some(warning) => tracing::warn!(uid, warning, "admitted unchanged, with a warning"),
-        None => tracing::info!(uid, injected, "admitted"),
+    let warnings: Vec<&str> = response["warnings"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+        .collect();
+    let warning = warnings.join("; ");
+    match (warnings.is_empty(), injected) {
+        (true, _) => tracing::info!(uid, namespace, pod, owner, injected, "admitted"),
+        (false, true) => tracing::warn!(
+            uid,
+            namespace,
+            pod,
+            owner,
+            injected,
+            warning,
+            "admitted, with a warning"
+        ),
+        (false, false) => tracing::warn!(
+            uid,
+            namespace,
+            pod,
+            owner,
+            injected,
+            warning,
+            "admitted unchanged, with a warning"
+        ),
     }
 }
 

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use base64::Engine as _;
 use bytes::Bytes;
 use fencegate::config::TlsConfig;
-use fencegate::inject::{inject_manifests, yaml, Options};
+use fencegate::inject::{inject_manifests, yaml, Options, SidecarConfig};
 use http::{Method, Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper_rustls::HttpsConnectorBuilder;
@@ -39,6 +39,7 @@ fn native() -> Options {
     Options {
         image: IMAGE.to_owned(),
         native: true,
+        ..Options::default()
     }
 }
 
@@ -46,6 +47,18 @@ fn classic() -> Options {
     Options {
         image: IMAGE.to_owned(),
         native: false,
+        ..Options::default()
+    }
+}
+
+/// `options` with `tests/inject/config/<config>` as `--config` and `secret` as
+/// `--env-from-secret`.
+fn with_config(options: Options, config: &str, secret: Option<&str>) -> Options {
+    let text = read(&format!("tests/inject/config/{config}"));
+    Options {
+        config: Some(SidecarConfig::parse(&text).unwrap_or_else(|e| panic!("{config}: {e}"))),
+        env_from_secret: secret.map(str::to_owned),
+        ..options
     }
 }
 
@@ -90,8 +103,9 @@ fn unchanged(case: &str, options: &Options) {
 
 /// Every document of a YAML stream, parsed as Kubernetes reads it.
 fn documents(text: &str) -> Vec<Value> {
+    // The newline before `---` ends the document's last line.
     text.split("\n---\n")
-        .map(|d| yaml::load(d).unwrap())
+        .map(|d| yaml::load(&format!("{d}\n")).unwrap())
         .filter(|d| !d.is_null())
         .collect()
 }
@@ -195,6 +209,207 @@ fn inject_classic_matches_golden() {
     assert_eq!(containers(spec, "containers"), ["accounts", "fencegate"]);
     assert!(spec.get("initContainers").is_none());
     assert!(spec["containers"][1].get("restartPolicy").is_none());
+    // It gets SIGTERM with the app: hold it back until the endpoints stop routing here.
+    assert_eq!(
+        spec["containers"][1]["lifecycle"],
+        json!({"preStop": {"sleep": {"seconds": 5}}})
+    );
+    assert!(spec["containers"][0].get("lifecycle").is_none());
+}
+
+#[test]
+fn inject_native_sidecar_has_no_pre_stop() {
+    // Stopped after the app by Kubernetes itself.
+    let out = inject_manifests(&read("tests/inject/classic.yaml"), &native()).unwrap();
+    let sidecar = &documents(&out)[0]["spec"]["template"]["spec"]["initContainers"][0];
+    assert_eq!(sidecar["restartPolicy"], "Always");
+    assert!(sidecar.get("lifecycle").is_none(), "{sidecar}");
+}
+
+#[test]
+fn inject_config_writes_the_config_map_and_app_env_matches_golden() {
+    let options = with_config(native(), "leases-egress.yaml", Some("fencegate-store"));
+    let out = golden("env", &options);
+    let docs = documents(&out);
+    assert_eq!(docs.len(), 3, "one ConfigMap, then the two Deployments");
+    assert_eq!(
+        docs[0],
+        json!({
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {
+                "name": "fencegate",
+                "namespace": "payments",
+                "labels": {"app.kubernetes.io/part-of": "fencegate"},
+            },
+            // The file as written, comments and ${VARIABLES} included.
+            "data": {"fencegate.yaml": read("tests/inject/config/leases-egress.yaml")},
+        })
+    );
+    let spec = &docs[1]["spec"]["template"]["spec"];
+    assert_eq!(
+        spec["containers"][0]["env"],
+        json!([
+            {"name": "LOG_LEVEL", "value": "info"},
+            {"name": "FENCEGATE_LEASE_API", "value": "http://127.0.0.1:7442"},
+            {"name": "FENCEGATE_EGRESS_URL", "value": "http://127.0.0.1:7543"},
+        ])
+    );
+    assert_eq!(
+        spec["containers"][1]["env"],
+        json!([
+            {"name": "FENCEGATE_EGRESS_URL", "value": "http://127.0.0.1:9443"},
+            {"name": "FENCEGATE_LEASE_API", "value": "http://127.0.0.1:7442"},
+        ])
+    );
+    let sidecar = &spec["initContainers"][0];
+    assert_eq!(
+        sidecar["env"],
+        json!([{"name": "FENCEGATE_UPSTREAM_PORT", "value": "8080"}])
+    );
+    assert_eq!(
+        sidecar["envFrom"],
+        json!([{"secretRef": {"name": "fencegate-store"}}])
+    );
+    // The pod with a ConfigMap of its own gets nothing that --config implies.
+    let audit = &docs[2]["spec"]["template"]["spec"];
+    assert!(audit["containers"][0].get("env").is_none(), "{audit}");
+    assert!(
+        audit["initContainers"][0].get("envFrom").is_none(),
+        "{audit}"
+    );
+    assert_eq!(
+        audit["volumes"][0],
+        json!({"name": "fencegate-config", "configMap": {"name": "audit-fencegate"}})
+    );
+}
+
+#[test]
+fn inject_walkthrough_matches_golden() {
+    let options = with_config(native(), "redis.yaml", Some("fencegate-store"));
+    let out = golden("walkthrough-ledger", &options);
+    let docs = documents(&out);
+    let kinds: Vec<&str> = docs.iter().map(|d| d["kind"].as_str().unwrap()).collect();
+    assert_eq!(kinds, ["ConfigMap", "Deployment", "Service"]);
+    assert_eq!(docs[0]["metadata"]["namespace"], "payments");
+    // No leases or egress in this config: the app's environment is its own.
+    let spec = &docs[1]["spec"]["template"]["spec"];
+    assert!(spec["containers"][0].get("env").is_none(), "{spec}");
+    assert_eq!(
+        spec["initContainers"][0]["envFrom"],
+        json!([{"secretRef": {"name": "fencegate-store"}}])
+    );
+    // The Service reaches the sidecar by port number, which works before Kubernetes 1.32.
+    assert_eq!(docs[2]["spec"]["ports"][0]["targetPort"], json!(7440));
+    assert_eq!(
+        spec["initContainers"][0]["ports"][0],
+        json!({"name": "fenced-http", "containerPort": 7440, "protocol": "TCP"})
+    );
+    // Unchanged documents are copied byte for byte.
+    let input = read("tests/inject/walkthrough-ledger.yaml");
+    assert!(out.ends_with(&input[input.find("---\napiVersion: v1\nkind: Service").unwrap()..]));
+}
+
+#[test]
+fn inject_embedded_store_on_a_claim_matches_golden() {
+    let out = golden("shards", &with_config(native(), "embedded.yaml", None));
+    let docs = documents(&out);
+    assert_eq!(docs[0]["kind"], "ConfigMap");
+    assert_eq!(docs[0]["metadata"]["namespace"], "inventory");
+    let spec = &docs[1]["spec"]["template"]["spec"];
+    // The data volume is the claim, never an emptyDir.
+    assert_eq!(
+        spec["volumes"],
+        json!([{"name": "fencegate-config", "configMap": {"name": "fencegate"}}])
+    );
+}
+
+#[test]
+fn inject_refuses_the_embedded_store_on_an_empty_dir() {
+    let options = with_config(classic(), "embedded.yaml", None);
+    let e = inject_manifests(&read("tests/inject/classic.yaml"), &options)
+        .unwrap_err()
+        .to_string();
+    assert_eq!(
+        e,
+        "document 1 (line 1), Deployment accounts: cannot inject the sidecar: \
+         spec.template.spec.volumes: the sidecar config (--config) uses the embedded store, \
+         and fencegate-data would be an emptyDir: every pod would keep maxima of its own and a \
+         replaced pod would start without any; give a StatefulSet whose pods own their shards \
+         a volumeClaimTemplate named fencegate-data (or the pod a persistentVolumeClaim volume \
+         of that name), or share a redis, postgres or etcd store"
+    );
+    // A persistentVolumeClaim volume of that name is the pod's own choice.
+    let with_claim = read("tests/inject/classic.yaml").replace(
+        "        - containerPort: 8080\n",
+        "        - containerPort: 8080\n      volumes:\n      - name: fencegate-data\n        persistentVolumeClaim: {claimName: accounts-fences}\n",
+    );
+    let out = inject_manifests(&with_claim, &options).unwrap();
+    assert!(out.contains("claimName: accounts-fences"), "{out}");
+    assert!(!out.contains("emptyDir"), "{out}");
+}
+
+#[test]
+fn inject_config_map_already_in_the_input() {
+    let options = with_config(native(), "embedded.yaml", None);
+    let sts = read("tests/inject/shards.yaml");
+    // The same file: left as it is, no second copy.
+    let same = yaml::emit(&json!({
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "fencegate", "namespace": "inventory"},
+        "data": {"fencegate.yaml": read("tests/inject/config/embedded.yaml")},
+    }));
+    let out = inject_manifests(&format!("{same}---\n{sts}"), &options).unwrap();
+    assert!(out.starts_with(&format!("{same}---\n")), "{out}");
+    assert_eq!(out.matches("kind: ConfigMap").count(), 1, "{out}");
+    // Another file: refused, naming the document.
+    let other = "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: fencegate, namespace: inventory}\ndata:\n  fencegate.yaml: |\n    upstream: http://127.0.0.1:9000\n";
+    let e = inject_manifests(&format!("{sts}---\n{other}"), &options)
+        .unwrap_err()
+        .to_string();
+    let line = sts.lines().count() + 1;
+    assert_eq!(
+        e,
+        format!(
+            "document 3 (line {line}), ConfigMap fencegate: already in the input with another \
+             fencegate.yaml than --config: drop one of them"
+        )
+    );
+    // In another namespace it is another ConfigMap.
+    let elsewhere = other.replace("namespace: inventory", "namespace: staging");
+    let out = inject_manifests(&format!("{sts}---\n{elsewhere}"), &options).unwrap();
+    assert_eq!(out.matches("kind: ConfigMap").count(), 2, "{out}");
+}
+
+/// The walk-through in docs/kubernetes.md shows these files whole: the ones CI validates and the
+/// goldens inject.
+#[test]
+fn inject_walkthrough_files_are_the_ones_in_the_docs() {
+    let docs = read("docs/kubernetes.md");
+    for file in [
+        "tests/inject/walkthrough-redis.yaml",
+        "tests/inject/walkthrough-ledger.yaml",
+        "tests/inject/shards.yaml",
+        "charts/fencegate/ci/redis-values.yaml",
+    ] {
+        let block = format!("```yaml\n{}```\n", read(file));
+        assert!(
+            docs.contains(&block),
+            "docs/kubernetes.md does not show {file} as it is"
+        );
+    }
+}
+
+#[test]
+fn inject_config_is_checked_with_stand_ins_for_the_pod_environment() {
+    let e = SidecarConfig::parse(&read("tests/inject/config/invalid.yaml")).unwrap_err();
+    // The URL is masked as in every message about a store URL.
+    assert_eq!(
+        e,
+        "store: the `url` does not fit kind redis: write one like redis://127.0.0.1:6379/ \
+         at line 3 column 3 (checked with `0` for REDIS_URL, which the pod's environment sets)"
+    );
 }
 
 #[test]
@@ -394,6 +609,86 @@ spec:
     assert_eq!(stderr, "");
 }
 
+/// `--config`, `--env-from-secret` and `--config-map` on the command line.
+#[tokio::test]
+async fn inject_cli_writes_the_config_map_of_config() {
+    let inject = |args: &[&str]| {
+        std::process::Command::new(BIN)
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .arg("inject")
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let out = inject(&[
+        "--config",
+        "tests/inject/config/leases-egress.yaml",
+        "--env-from-secret",
+        "fencegate-store",
+        "--image",
+        IMAGE,
+        "-f",
+        "tests/inject/env.yaml",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        String::from_utf8(out.stdout).unwrap(),
+        read("tests/inject/env.golden.yaml")
+    );
+
+    // --config-map names the ConfigMap of pods without the annotation, and of --config.
+    let out = inject(&[
+        "--config",
+        "tests/inject/config/leases-egress.yaml",
+        "--config-map",
+        "audit-fencegate",
+        "-f",
+        "tests/inject/env.yaml",
+    ]);
+    assert!(out.status.success());
+    let docs = documents(&String::from_utf8(out.stdout).unwrap());
+    assert_eq!(docs[0]["metadata"]["name"], "audit-fencegate");
+    assert_eq!(
+        docs[1]["spec"]["template"]["spec"]["volumes"][0]["configMap"]["name"],
+        "audit-fencegate"
+    );
+    assert!(docs[2]["spec"]["template"]["spec"]["containers"][0]["env"].is_array());
+
+    let out = inject(&[
+        "--config",
+        "tests/inject/config/invalid.yaml",
+        "-f",
+        "tests/inject/env.yaml",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(out.stdout.is_empty());
+    assert_eq!(
+        String::from_utf8(out.stderr).unwrap(),
+        "error: tests/inject/config/invalid.yaml: store: the `url` does not fit kind redis: write \
+         one like redis://127.0.0.1:6379/ at line 3 column 3 (checked with `0` for \
+         REDIS_URL, which the pod's environment sets)\n"
+    );
+
+    let out = inject(&["--config", "tests/inject/config/missing.yaml"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(
+        String::from_utf8(out.stderr).unwrap(),
+        "error: cannot read tests/inject/config/missing.yaml: No such file or directory (os error 2)\n"
+    );
+
+    let out = inject(&["--env-from-secret", "Store_Secret"]);
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert!(
+        stderr.contains("invalid value 'Store_Secret' for '--env-from-secret <SECRET>': a Kubernetes object name"),
+        "{stderr}"
+    );
+}
+
 // ---- the webhook ------------------------------------------------------------------------
 
 fn fixture(name: &str) -> PathBuf {
@@ -508,7 +803,8 @@ fn apply(response: &Value, pod: &Value) -> Value {
 /// What `fencegate inject` makes of the same pod (fed as JSON, which is YAML).
 fn injected(pod: &Value, options: &Options) -> Value {
     let text = inject_manifests(&serde_json::to_string_pretty(pod).unwrap(), options).unwrap();
-    yaml::load(&text).unwrap()
+    // With --config, after the ConfigMap.
+    documents(&text).pop().unwrap()
 }
 
 #[tokio::test]
@@ -540,6 +836,108 @@ async fn webhook_patch_gives_exactly_the_inject_output() {
             assert!(response.get("warnings").is_none(), "{response}");
         }
     }
+}
+
+/// With `--config`: the app containers of pods that mount the ConfigMap get the lease API and
+/// egress addresses, the sidecar the Secret, in the patch as in `inject`'s output.
+#[tokio::test]
+async fn webhook_with_config_sets_the_app_env_like_inject() {
+    for base in [native(), classic()] {
+        let options = Options {
+            // pod.json mounts ledger-fencegate.
+            config_map: "ledger-fencegate".to_owned(),
+            ..with_config(base, "leases-egress.yaml", Some("fencegate-store"))
+        };
+        let webhook = Webhook::start(options.clone()).await;
+        for name in ["pod.json", "pod-init.json"] {
+            let review = admission(name);
+            let pod = &review["request"]["object"];
+            let response = webhook.review(&review).await;
+            assert!(response.get("warnings").is_none(), "{response}");
+            let patched = apply(&response, pod);
+            assert_eq!(patched, injected(pod, &options), "{name}");
+            assert!(
+                ops(&response).iter().all(|op| op["op"] == "add"),
+                "{response}"
+            );
+            let app = &patched["spec"]["containers"][0];
+            let env = app["env"].as_array().unwrap();
+            assert_eq!(
+                env[env.len() - 2..],
+                [
+                    json!({"name": "FENCEGATE_LEASE_API", "value": "http://127.0.0.1:7442"}),
+                    json!({"name": "FENCEGATE_EGRESS_URL", "value": "http://127.0.0.1:7543"}),
+                ],
+                "{name}"
+            );
+            let sidecar = if options.native {
+                &patched["spec"]["initContainers"][0]
+            } else {
+                patched["spec"]["containers"]
+                    .as_array()
+                    .unwrap()
+                    .last()
+                    .unwrap()
+            };
+            assert_eq!(sidecar["name"], "fencegate");
+            assert_eq!(
+                sidecar["envFrom"],
+                json!([{"secretRef": {"name": "fencegate-store"}}])
+            );
+            // Called again with the injected pod: nothing more, nothing twice.
+            let mut again = review.clone();
+            again["request"]["object"] = patched;
+            let response = webhook.review(&again).await;
+            assert!(response.get("patch").is_none(), "{response}");
+        }
+    }
+
+    // A pod mounting another ConfigMap than --config-map gets neither.
+    let webhook = Webhook::start(with_config(native(), "leases-egress.yaml", Some("s"))).await;
+    let review = admission("pod.json");
+    let patched = apply(&webhook.review(&review).await, &review["request"]["object"]);
+    assert_eq!(
+        patched["spec"]["containers"][0]["env"],
+        review["request"]["object"]["spec"]["containers"][0]["env"]
+    );
+    assert!(patched["spec"]["initContainers"][0]
+        .get("envFrom")
+        .is_none());
+}
+
+/// The embedded store on an emptyDir keeps maxima per pod: injected, with a warning.
+#[tokio::test]
+async fn webhook_warns_about_the_embedded_store_on_an_empty_dir() {
+    let options = Options {
+        config_map: "ledger-fencegate".to_owned(),
+        ..with_config(native(), "embedded.yaml", None)
+    };
+    let webhook = Webhook::start(options.clone()).await;
+    let review = admission("pod.json");
+    let response = webhook.review(&review).await;
+    assert_eq!(
+        response["warnings"],
+        json!(["fencegate: embedded store on an emptyDir: this pod's maxima are its own and die with it; mount a PersistentVolumeClaim as fencegate-data (a StatefulSet's volumeClaimTemplate) or share a redis, postgres or etcd store"])
+    );
+    assert_eq!(
+        apply(&response, &review["request"]["object"]),
+        injected(
+            &review["request"]["object"],
+            &Options {
+                config: None,
+                ..options.clone()
+            }
+        )
+    );
+    // A StatefulSet's pod arrives with its claim as the volume: no warning.
+    let mut claimed = review.clone();
+    claimed["request"]["object"]["spec"]["volumes"]
+        .as_array_mut()
+        .unwrap()
+        .push(json!({"name": "fencegate-data", "persistentVolumeClaim": {"claimName": "fencegate-data-ledger-0"}}));
+    let response = webhook.review(&claimed).await;
+    assert!(response.get("warnings").is_none(), "{response}");
+    assert_eq!(response["patchType"], "JSONPatch");
 }
 
 #[tokio::test]
@@ -810,6 +1208,14 @@ async fn webhook_process_serves_tls_and_stops_on_sigterm() {
     let body: Value =
         serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap();
     assert_eq!(body["response"]["patchType"], "JSONPatch");
+    // One line per review, saying which pod of which workload, before it has a name.
+    let admitted = wait_log(&mut logs, "admitted").await;
+    assert_eq!(admitted["uid"], "705ab4f5-6393-11e8-b7cc-42010a800002");
+    assert_eq!(admitted["namespace"], "payments");
+    assert_eq!(admitted["pod"], "ledger-6d9f8b7c5-");
+    assert_eq!(admitted["owner"], "ReplicaSet/ledger-6d9f8b7c5");
+    assert_eq!(admitted["injected"], true);
+    assert_eq!(admitted["level"], "INFO");
 
     let pid = child.id().unwrap().to_string();
     assert!(std::process::Command::new("kill")
@@ -823,4 +1229,51 @@ async fn webhook_process_serves_tls_and_stops_on_sigterm() {
         .expect("the webhook did not exit after SIGTERM")
         .unwrap();
     assert!(status.success(), "{status}");
+}
+
+/// The webhook checks its `--config` at start-up: a file fencegate would refuse stops it.
+#[tokio::test]
+async fn webhook_process_checks_its_config() {
+    let webhook = |config: &str| {
+        tokio::process::Command::new(BIN)
+            .args(["webhook", "--listen", "127.0.0.1:0", "--tls-cert"])
+            .arg(fixture("server.pem"))
+            .arg("--tls-key")
+            .arg(fixture("server-key.pem"))
+            .arg("--config")
+            .arg(path(&format!("tests/inject/config/{config}")))
+            .args(["--env-from-secret", "fencegate-store"])
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap()
+    };
+    let out = webhook("invalid.yaml").wait_with_output().await.unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let line: Value = serde_json::from_slice(&out.stderr).unwrap();
+    assert_eq!(line["message"], "invalid sidecar config");
+    assert!(
+        line["error"].as_str().unwrap().ends_with(
+            "tests/inject/config/invalid.yaml: store: the `url` does not fit kind redis: write one \
+             like redis://127.0.0.1:6379/ at line 3 column 3 (checked with `0` for REDIS_URL, \
+             which the pod's environment sets)"
+        ),
+        "{line}"
+    );
+
+    let mut child = webhook("leases-egress.yaml");
+    let stderr = child.stderr.take().unwrap();
+    let (tx, mut logs) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        use tokio::io::AsyncBufReadExt;
+        let mut lines = tokio::io::BufReader::new(stderr).lines();
+        while let Ok(Some(line)) = lines.next_line().await {
+            let _ = tx.send(serde_json::from_str::<Value>(&line).unwrap());
+        }
+    });
+    let started = wait_log(&mut logs, "webhook started").await;
+    assert_eq!(started["config_map"], "fencegate");
+    assert_eq!(started["lease_api"], "http://127.0.0.1:7442");
+    assert_eq!(started["egress_url"], "http://127.0.0.1:7543");
+    assert_eq!(started["env_from_secret"], "fencegate-store");
 }
