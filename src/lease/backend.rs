@@ -194,6 +194,11 @@ pub async fn open(config: &BackendConfig) -> Result<Arc<dyn LeaseBackend>, Lease
             .map(|u| u.expose())
             .ok_or_else(|| LeaseError::Unavailable("this lease backend needs a `url`".into()))
     };
+    if config.tls.is_some() || config.url.as_ref().is_some_and(|u| u.is_tls()) {
+        return Err(LeaseError::Unavailable(
+            "leases.backend.tls: this version cannot reach a lease backend over TLS".into(),
+        ));
+    }
     match config.kind {
         BackendKind::Embedded => {
             let path = config.path.as_deref().ok_or_else(|| {

@@ -140,6 +140,27 @@ pub async fn open_with_clock(
             .expect("networked stores always have a url after validation")
     };
     let cache = config.cache_size;
+    // TLS files are read now, so that a bad one stops `run` with the field's name.
+    let tls = |alpn: &[&[u8]]| -> Result<Option<Arc<crate::tls::ClientTls>>, StoreError> {
+        let url_tls = config.url.as_ref().is_some_and(|u| u.is_tls());
+        match (&config.tls, url_tls) {
+            (Some(files), _) => crate::tls::ClientTls::load(files, "store.tls", alpn),
+            (None, true) => crate::tls::ClientTls::load(&Default::default(), "store.tls", alpn),
+            (None, false) => return Ok(None),
+        }
+        .map(|tls| Some(Arc::new(tls)))
+        .map_err(StoreError::Unavailable)
+    };
+    if tls(&[])?.is_some() {
+        return Err(StoreError::Unavailable(format!(
+            "store.tls: this version cannot reach a {} store over TLS",
+            config
+                .url
+                .as_ref()
+                .map_or("networked".into(), |_| format!("{:?}", config.kind)
+                    .to_lowercase())
+        )));
+    }
     match config.kind {
         StoreKind::Memory => Ok(Arc::new(MemoryStore::new())),
         StoreKind::Embedded => {
