@@ -194,9 +194,21 @@ pub async fn open(config: &BackendConfig) -> Result<Arc<dyn LeaseBackend>, Lease
             .map(|u| u.expose())
             .ok_or_else(|| LeaseError::Unavailable("this lease backend needs a `url`".into()))
     };
-    if config.tls.is_some() || config.url.as_ref().is_some_and(|u| u.is_tls()) {
+    let tls = |alpn: &[&[u8]]| -> Result<Option<Arc<crate::tls::ClientTls>>, LeaseError> {
+        let url_tls = config.url.as_ref().is_some_and(|u| u.is_tls());
+        match (&config.tls, url_tls) {
+            (Some(files), _) => crate::tls::ClientTls::load(files, "leases.backend.tls", alpn),
+            (None, true) => {
+                crate::tls::ClientTls::load(&Default::default(), "leases.backend.tls", alpn)
+            }
+            (None, false) => return Ok(None),
+        }
+        .map(|tls| Some(Arc::new(tls)))
+        .map_err(LeaseError::Unavailable)
+    };
+    if config.kind != BackendKind::Redis && tls(&[])?.is_some() {
         return Err(LeaseError::Unavailable(
-            "leases.backend.tls: this version cannot reach a lease backend over TLS".into(),
+            "leases.backend.tls: this version cannot reach this lease backend over TLS".into(),
         ));
     }
     match config.kind {
@@ -212,6 +224,7 @@ pub async fn open(config: &BackendConfig) -> Result<Arc<dyn LeaseBackend>, Lease
         BackendKind::Redis => Ok(Arc::new(super::redis::RedisLeases::new(
             url()?,
             &config.prefix,
+            tls(&[])?,
         )?)),
         BackendKind::Postgres => Ok(Arc::new(super::postgres::PostgresLeases::new(
             url()?,

@@ -18,6 +18,7 @@ pub use embedded::{defer_wakes_to_park, EmbeddedStore};
 pub(crate) use etcd::endpoints as etcd_endpoints;
 pub use memory::MemoryStore;
 pub(crate) use postgres::pool as postgres_pool;
+pub(crate) use redis::{RedisConn, RedisTarget};
 
 use crate::config::{EqualTokens, StoreConfig, StoreKind};
 use crate::idempotency::{Begin, Claim, Record};
@@ -151,14 +152,10 @@ pub async fn open_with_clock(
         .map(|tls| Some(Arc::new(tls)))
         .map_err(StoreError::Unavailable)
     };
-    if tls(&[])?.is_some() {
+    if config.kind != StoreKind::Redis && tls(&[])?.is_some() {
         return Err(StoreError::Unavailable(format!(
             "store.tls: this version cannot reach a {} store over TLS",
-            config
-                .url
-                .as_ref()
-                .map_or("networked".into(), |_| format!("{:?}", config.kind)
-                    .to_lowercase())
+            format!("{:?}", config.kind).to_lowercase()
         )));
     }
     match config.kind {
@@ -171,7 +168,7 @@ pub async fn open_with_clock(
             Ok(Arc::new(EmbeddedStore::open(path, &config.prefix)?))
         }
         StoreKind::Redis => {
-            let remote = self::redis::RedisRemote::new(url(), &config.prefix)?;
+            let remote = self::redis::RedisRemote::new(url(), &config.prefix, tls(&[])?)?;
             Ok(Arc::new(shared::SharedStore::with_clock(
                 remote, cache, clock,
             )))

@@ -19,6 +19,7 @@ mod leases;
 mod process;
 mod proxy;
 mod services;
+mod store_tls;
 mod stores;
 mod tls;
 mod upstream_conn;
