@@ -206,7 +206,7 @@ pub async fn open(config: &BackendConfig) -> Result<Arc<dyn LeaseBackend>, Lease
         .map(|tls| Some(Arc::new(tls)))
         .map_err(LeaseError::Unavailable)
     };
-    if config.kind != BackendKind::Redis && tls(&[])?.is_some() {
+    if config.kind == BackendKind::Etcd && tls(&[])?.is_some() {
         return Err(LeaseError::Unavailable(
             "leases.backend.tls: this version cannot reach this lease backend over TLS".into(),
         ));
@@ -229,6 +229,7 @@ pub async fn open(config: &BackendConfig) -> Result<Arc<dyn LeaseBackend>, Lease
         BackendKind::Postgres => Ok(Arc::new(super::postgres::PostgresLeases::new(
             url()?,
             &config.prefix,
+            tls(&[])?,
         )?)),
         BackendKind::Etcd => Ok(Arc::new(
             super::etcd::EtcdLeases::connect(url()?, &config.prefix).await?,

@@ -17,7 +17,9 @@ pub(crate) use embedded::parks_here;
 pub use embedded::{defer_wakes_to_park, EmbeddedStore};
 pub(crate) use etcd::endpoints as etcd_endpoints;
 pub use memory::MemoryStore;
+pub(crate) use postgres::describe as describe_postgres_error;
 pub(crate) use postgres::pool as postgres_pool;
+pub use postgres::PgTls;
 pub(crate) use redis::{RedisConn, RedisTarget};
 
 use crate::config::{EqualTokens, StoreConfig, StoreKind};
@@ -152,7 +154,7 @@ pub async fn open_with_clock(
         .map(|tls| Some(Arc::new(tls)))
         .map_err(StoreError::Unavailable)
     };
-    if config.kind != StoreKind::Redis && tls(&[])?.is_some() {
+    if config.kind == StoreKind::Etcd && tls(&[])?.is_some() {
         return Err(StoreError::Unavailable(format!(
             "store.tls: this version cannot reach a {} store over TLS",
             format!("{:?}", config.kind).to_lowercase()
@@ -174,7 +176,7 @@ pub async fn open_with_clock(
             )))
         }
         StoreKind::Postgres => {
-            let remote = self::postgres::PostgresRemote::new(url(), &config.prefix)?;
+            let remote = self::postgres::PostgresRemote::new(url(), &config.prefix, tls(&[])?)?;
             Ok(Arc::new(shared::SharedStore::with_clock(
                 remote, cache, clock,
             )))
