@@ -206,11 +206,6 @@ pub async fn open(config: &BackendConfig) -> Result<Arc<dyn LeaseBackend>, Lease
         .map(|tls| Some(Arc::new(tls)))
         .map_err(LeaseError::Unavailable)
     };
-    if config.kind == BackendKind::Etcd && tls(&[])?.is_some() {
-        return Err(LeaseError::Unavailable(
-            "leases.backend.tls: this version cannot reach this lease backend over TLS".into(),
-        ));
-    }
     match config.kind {
         BackendKind::Embedded => {
             let path = config.path.as_deref().ok_or_else(|| {
@@ -232,7 +227,7 @@ pub async fn open(config: &BackendConfig) -> Result<Arc<dyn LeaseBackend>, Lease
             tls(&[])?,
         )?)),
         BackendKind::Etcd => Ok(Arc::new(
-            super::etcd::EtcdLeases::connect(url()?, &config.prefix).await?,
+            super::etcd::EtcdLeases::connect(url()?, &config.prefix, tls(&[b"h2"])?).await?,
         )),
     }
 }

@@ -15,7 +15,7 @@ use std::sync::Arc;
 #[cfg(test)]
 pub(crate) use embedded::parks_here;
 pub use embedded::{defer_wakes_to_park, EmbeddedStore};
-pub(crate) use etcd::endpoints as etcd_endpoints;
+pub(crate) use etcd::client as etcd_client;
 pub use memory::MemoryStore;
 pub(crate) use postgres::describe as describe_postgres_error;
 pub(crate) use postgres::pool as postgres_pool;
@@ -154,12 +154,6 @@ pub async fn open_with_clock(
         .map(|tls| Some(Arc::new(tls)))
         .map_err(StoreError::Unavailable)
     };
-    if config.kind == StoreKind::Etcd && tls(&[])?.is_some() {
-        return Err(StoreError::Unavailable(format!(
-            "store.tls: this version cannot reach a {} store over TLS",
-            format!("{:?}", config.kind).to_lowercase()
-        )));
-    }
     match config.kind {
         StoreKind::Memory => Ok(Arc::new(MemoryStore::new())),
         StoreKind::Embedded => {
@@ -182,7 +176,8 @@ pub async fn open_with_clock(
             )))
         }
         StoreKind::Etcd => {
-            let remote = self::etcd::EtcdRemote::connect(url(), &config.prefix).await?;
+            let remote =
+                self::etcd::EtcdRemote::connect(url(), &config.prefix, tls(&[b"h2"])?).await?;
             Ok(Arc::new(shared::SharedStore::with_clock(
                 remote, cache, clock,
             )))
