@@ -293,7 +293,11 @@ impl RedisConn {
         result: Result<T, RedisError>,
     ) -> Result<T, RedisError> {
         if let Err(e) = &result {
-            if e.is_unrecoverable_error() || e.is_timeout() || e.is_io_error() {
+            if e.is_unrecoverable_error()
+                || e.is_timeout()
+                || e.is_io_error()
+                || e.is_connection_dropped()
+            {
                 let mut current = self.current.lock().await;
                 if current.0 == generation {
                     current.1 = None;
