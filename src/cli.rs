@@ -167,6 +167,13 @@ pub fn main() -> ExitCode {
                     }
                 })?;
             }
+            // And the store's and the lease backend's TLS files.
+            crate::tls::check_client_files(&c).map_err(|message| {
+                crate::config::ConfigError::Invalid {
+                    path: config.clone(),
+                    message,
+                }
+            })?;
             Ok(c)
         }) {
             Ok(c) => {

@@ -1,15 +1,17 @@
-//! rustls configuration, on the ring provider, for the listener and for an `https` upstream.
+//! rustls configuration, on the ring provider, for the listener, for an `https` upstream and
+//! for the connections to a store or lease backend ([`ClientTls`]).
 
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::SystemTime;
 
 use rustls::crypto::CryptoProvider;
 use rustls::server::WebPkiClientVerifier;
 use rustls::{ClientConfig, RootCertStore, ServerConfig};
 use rustls_pki_types::pem::PemObject;
-use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 
-use crate::config::TlsConfig;
+use crate::config::{ClientTlsConfig, Config, TlsConfig};
 
 /// The one crypto provider, named explicitly so no feature flag elsewhere can swap it.
 pub fn provider() -> Arc<CryptoProvider> {
@@ -83,4 +85,274 @@ pub fn client_config(extra_ca: Option<&Path>) -> Result<ClientConfig, String> {
         .map_err(|e| e.to_string())?
         .with_root_certificates(roots)
         .with_no_client_auth())
+}
+
+/// TLS to a store or lease backend (`store.tls`, `leases.backend.tls`): a rustls client
+/// config built from the `ca`, `cert` and `key` files, rebuilt when one of them changes.
+///
+/// Every new connection asks [`ClientTls::config`], which compares the files' modification
+/// time, length and inode with those it was built from (three `stat`s, no read) and rebuilds
+/// on a difference: a rotated CA bundle or client certificate is used by the next connection,
+/// without a restart. When the changed files cannot be used (unreadable, half written, a key
+/// that does not fit), the error is logged once for that change and connections keep the last
+/// good config; the next change is tried again.
+pub struct ClientTls {
+    files: ClientTlsConfig,
+    /// The config field, for messages: `store.tls` or `leases.backend.tls`.
+    field: &'static str,
+    alpn: Vec<Vec<u8>>,
+    server_name: Option<ServerName<'static>>,
+    state: Mutex<Loaded>,
+}
+
+struct Loaded {
+    stamps: Stamps,
+    config: Arc<ClientConfig>,
+}
+
+/// What a file looked like when it was read: modification time, length and inode (a
+/// Kubernetes Secret volume swaps a symlink; the file it points at is a new inode).
+type Stamp = Option<(Option<SystemTime>, u64, u64)>;
+type Stamps = [Stamp; 3];
+
+impl ClientTls {
+    /// Reads the files once; an unusable file is an error naming its field.
+    pub fn load(
+        files: &ClientTlsConfig,
+        field: &'static str,
+        alpn: &[&[u8]],
+    ) -> Result<Self, String> {
+        let alpn: Vec<Vec<u8>> = alpn.iter().map(|p| p.to_vec()).collect();
+        let stamps = stamps(files);
+        let config = Arc::new(build(files, field, &alpn)?);
+        let server_name = match &files.server_name {
+            Some(name) => Some(
+                ServerName::try_from(name.clone())
+                    .map_err(|e| format!("{field}.server_name `{name}`: {e}"))?,
+            ),
+            None => None,
+        };
+        Ok(ClientTls {
+            files: files.clone(),
+            field,
+            alpn,
+            server_name,
+            state: Mutex::new(Loaded { stamps, config }),
+        })
+    }
+
+    /// The config for a new connection: the files as they are now, or, if they changed into
+    /// something unusable, as they last were usable.
+    pub fn config(&self) -> Arc<ClientConfig> {
+        let now = stamps(&self.files);
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if state.stamps != now {
+            state.stamps = now;
+            match build(&self.files, self.field, &self.alpn) {
+                Ok(config) => {
+                    state.config = Arc::new(config);
+                    tracing::info!(
+                        field = self.field,
+                        "TLS files changed; new connections use them"
+                    );
+                }
+                Err(error) => tracing::error!(
+                    field = self.field,
+                    error = %error,
+                    "TLS files changed but cannot be used; new connections keep the previous ones"
+                ),
+            }
+        }
+        Arc::clone(&state.config)
+    }
+
+    /// The name the server's certificate must carry: `server_name`, else `host`.
+    pub fn server_name(&self, host: &str) -> std::io::Result<ServerName<'static>> {
+        match &self.server_name {
+            Some(name) => Ok(name.clone()),
+            None => {
+                // An IPv6 host comes bracketed from a URL.
+                let host = host.trim_start_matches('[').trim_end_matches(']');
+                ServerName::try_from(host.to_owned()).map_err(|e| {
+                    std::io::Error::new(
+                        std::io::ErrorKind::InvalidInput,
+                        format!("`{host}` cannot be checked against a certificate: {e}"),
+                    )
+                })
+            }
+        }
+    }
+
+    /// The TLS handshake over `tcp` to `host` (or `server_name`), with the current files.
+    pub async fn connect<S>(
+        &self,
+        host: &str,
+        tcp: S,
+    ) -> std::io::Result<tokio_rustls::client::TlsStream<S>>
+    where
+        S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+    {
+        let name = self.server_name(host)?;
+        tokio_rustls::TlsConnector::from(self.config())
+            .connect(name, tcp)
+            .await
+    }
+}
+
+impl std::fmt::Debug for ClientTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClientTls")
+            .field("field", &self.field)
+            .field("files", &self.files)
+            .finish_non_exhaustive()
+    }
+}
+
+fn stamps(files: &ClientTlsConfig) -> Stamps {
+    let stamp = |path: &Option<std::path::PathBuf>| -> Stamp {
+        let meta = std::fs::metadata(path.as_ref()?).ok()?;
+        #[cfg(unix)]
+        let inode = std::os::unix::fs::MetadataExt::ino(&meta);
+        #[cfg(not(unix))]
+        let inode = 0;
+        Some((meta.modified().ok(), meta.len(), inode))
+    };
+    [stamp(&files.ca), stamp(&files.cert), stamp(&files.key)]
+}
+
+/// The rustls client config the files describe; errors name the field.
+fn build(files: &ClientTlsConfig, field: &str, alpn: &[Vec<u8>]) -> Result<ClientConfig, String> {
+    let roots = match &files.ca {
+        Some(ca) => roots(ca).map_err(|e| format!("{field}.ca: {e}"))?,
+        None => {
+            let mut roots = RootCertStore::empty();
+            roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
+            roots
+        }
+    };
+    let builder = ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_root_certificates(roots);
+    let mut config = match (&files.cert, &files.key) {
+        (Some(cert), Some(key)) => {
+            let chain = certs(cert).map_err(|e| format!("{field}.cert: {e}"))?;
+            let key = PrivateKeyDer::from_pem_file(key).map_err(|e| {
+                format!(
+                    "{field}.key: cannot read a private key from {}: {e}",
+                    key.display()
+                )
+            })?;
+            builder.with_client_auth_cert(chain, key).map_err(|e| {
+                format!("{field}.cert and {field}.key do not form a usable pair: {e}")
+            })?
+        }
+        _ => builder.with_no_client_auth(),
+    };
+    config.alpn_protocols = alpn.to_vec();
+    Ok(config)
+}
+
+/// Reads every store and lease backend TLS file a config names, as `run` does at start.
+pub fn check_client_files(config: &Config) -> Result<(), String> {
+    if let Some(tls) = &config.store.tls {
+        build(tls, "store.tls", &[])?;
+    }
+    if let Some(tls) = config.leases.as_ref().and_then(|l| l.backend.tls.as_ref()) {
+        build(tls, "leases.backend.tls", &[])?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bad_files_name_their_field() {
+        let dir = tempfile::tempdir().unwrap();
+        let missing = dir.path().join("missing.pem");
+        let files = ClientTlsConfig {
+            ca: Some(missing.clone()),
+            ..Default::default()
+        };
+        let e = ClientTls::load(&files, "store.tls", &[]).unwrap_err();
+        assert!(
+            e.starts_with("store.tls.ca: cannot read certificates from"),
+            "{e}"
+        );
+        let empty = dir.path().join("empty.pem");
+        std::fs::write(&empty, "").unwrap();
+        let files = ClientTlsConfig {
+            cert: Some(empty.clone()),
+            key: Some(empty),
+            ..Default::default()
+        };
+        let e = ClientTls::load(&files, "leases.backend.tls", &[]).unwrap_err();
+        assert!(
+            e.starts_with("leases.backend.tls.cert: no certificate found"),
+            "{e}"
+        );
+    }
+
+    /// A CA certificate, PEM.
+    fn ca_pem(name: &str) -> String {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, name);
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        params.self_signed(&key).unwrap().pem()
+    }
+
+    /// Replaces `path` as rotation does: a new file renamed over the old one.
+    fn replace(path: &Path, contents: &str) {
+        let next = path.with_extension("next");
+        std::fs::write(&next, contents).unwrap();
+        std::fs::rename(&next, path).unwrap();
+    }
+
+    #[test]
+    fn changed_files_are_used_and_unusable_ones_keep_the_last_good_config() {
+        let dir = tempfile::tempdir().unwrap();
+        let ca = dir.path().join("ca.pem");
+        std::fs::write(&ca, ca_pem("first")).unwrap();
+        let files = ClientTlsConfig {
+            ca: Some(ca.clone()),
+            ..Default::default()
+        };
+        let tls = ClientTls::load(&files, "store.tls", &[]).unwrap();
+        let first = tls.config();
+        assert!(
+            Arc::ptr_eq(&first, &tls.config()),
+            "unchanged files: same config"
+        );
+        replace(&ca, "not a certificate\n");
+        assert!(
+            Arc::ptr_eq(&first, &tls.config()),
+            "kept the last good config"
+        );
+        replace(&ca, &ca_pem("second"));
+        let second = tls.config();
+        assert!(!Arc::ptr_eq(&first, &second), "rebuilt from the new file");
+        std::fs::remove_file(&ca).unwrap();
+        assert!(
+            Arc::ptr_eq(&second, &tls.config()),
+            "a missing file keeps it too"
+        );
+    }
+
+    #[test]
+    fn no_ca_means_the_public_roots() {
+        let tls = ClientTls::load(&ClientTlsConfig::default(), "store.tls", &[b"h2"]).unwrap();
+        let config = tls.config();
+        assert_eq!(config.alpn_protocols, [b"h2".to_vec()]);
+        assert!(!config.client_auth_cert_resolver.has_certs());
+        assert_eq!(
+            tls.server_name("127.0.0.1").unwrap(),
+            ServerName::try_from("127.0.0.1").unwrap()
+        );
+        assert!(tls.server_name("[::1]").is_ok());
+    }
 }

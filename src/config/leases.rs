@@ -8,7 +8,7 @@ use std::time::Duration;
 use serde::{Deserialize, Deserializer, Serialize};
 
 use super::checked;
-use super::{PathTemplate, ResourceTemplate, SecretUrl, UpstreamUrl};
+use super::{ClientTlsConfig, PathTemplate, ResourceTemplate, SecretUrl, UpstreamUrl};
 use crate::duration::display;
 use crate::lease::schedule::MAX_LEASE_DURATION;
 use crate::ttl::{derive, TtlInputs, MIN_TTL};
@@ -62,6 +62,9 @@ pub struct BackendConfig {
     pub path: Option<PathBuf>,
     /// Key / table namespace, validated like the store's.
     pub prefix: String,
+    /// TLS to a Redis, PostgreSQL or etcd backend (docs/stores.md).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls: Option<ClientTlsConfig>,
 }
 
 #[derive(Deserialize)]
@@ -72,6 +75,7 @@ struct RawBackend {
     path: Option<PathBuf>,
     #[serde(default = "default_prefix")]
     prefix: String,
+    tls: Option<ClientTlsConfig>,
 }
 
 fn default_prefix() -> String {
@@ -92,21 +96,26 @@ impl TryFrom<RawBackend> for BackendConfig {
         };
         match (store_kind, &raw.url, &raw.path) {
             (None, Some(_), _) => Err("`url` is for the redis, postgres and etcd backends".into()),
+            (None, None, _) if raw.tls.is_some() => {
+                Err("`tls` is for the redis, postgres and etcd backends".into())
+            }
             (None, None, path) => Ok(BackendConfig {
                 kind: raw.kind,
                 url: None,
                 path: Some(path.clone().unwrap_or_else(|| DEFAULT_LEASE_PATH.into())),
                 prefix: raw.prefix,
+                tls: None,
             }),
             (Some(_), None, _) => Err("this backend kind needs a `url`".into()),
             (Some(_), _, Some(_)) => Err("`path` is for the embedded backend".into()),
             (Some(kind), Some(url), None) => {
-                url.check(kind)?;
+                url.check(kind, raw.tls.as_ref())?;
                 Ok(BackendConfig {
                     kind: raw.kind,
                     url: raw.url,
                     path: None,
                     prefix: raw.prefix,
+                    tls: raw.tls,
                 })
             }
         }

@@ -6,6 +6,7 @@
 pub(crate) mod checked;
 mod leases;
 mod routes;
+mod store_tls;
 mod types;
 mod values;
 
@@ -18,6 +19,7 @@ use serde::{Deserialize, Deserializer, Serialize};
 pub use leases::{
     AcquireConfig, BackendConfig, BackendKind, EgressConfig, EgressRoute, LeaseTtl, LeasesConfig,
 };
+pub use store_tls::ClientTlsConfig;
 pub use types::{
     HeaderNameCfg, MethodCfg, PathTemplate, ResourcePart, ResourceTemplate, SecretUrl, UpstreamUrl,
 };
@@ -185,6 +187,9 @@ pub struct StoreConfig {
     /// Networked stores: how many resources' maxima are cached locally to answer refusals
     /// without a round trip.
     pub cache_size: usize,
+    /// TLS to a Redis, PostgreSQL or etcd store (docs/stores.md).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls: Option<ClientTlsConfig>,
 }
 
 impl Default for StoreConfig {
@@ -195,6 +200,7 @@ impl Default for StoreConfig {
             url: None,
             prefix: default_prefix(),
             cache_size: DEFAULT_CACHE_SIZE,
+            tls: None,
         }
     }
 }
@@ -223,6 +229,7 @@ struct RawStore {
         deserialize_with = "values::Count::<100000>::de"
     )]
     cache_size: usize,
+    tls: Option<ClientTlsConfig>,
 }
 
 fn default_cache_size() -> usize {
@@ -238,12 +245,15 @@ impl TryFrom<RawStore> for StoreConfig {
                 if raw.url.is_some() {
                     return Err("`url` is for the redis, postgres and etcd stores".into());
                 }
+                if raw.tls.is_some() {
+                    return Err("`tls` is for the redis, postgres and etcd stores".into());
+                }
             }
             StoreKind::Redis | StoreKind::Postgres | StoreKind::Etcd => {
                 let Some(url) = &raw.url else {
                     return Err("this store kind needs a `url`".into());
                 };
-                url.check(raw.kind)?;
+                url.check(raw.kind, raw.tls.as_ref())?;
                 if raw.path.is_some() {
                     return Err("`path` is for the embedded store".into());
                 }
@@ -277,6 +287,7 @@ impl TryFrom<RawStore> for StoreConfig {
             url: raw.url,
             prefix: raw.prefix,
             cache_size: raw.cache_size,
+            tls: raw.tls,
         })
     }
 }

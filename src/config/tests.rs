@@ -120,9 +120,54 @@ fn bad_values_name_their_field() {
             "does not fit",
         ),
         (
-            "upstream: http://a:1\nstore: { kind: redis, url: 'rediss://x' }\n",
+            "upstream: http://a:1\nstore: { kind: redis, url: 'redis://x', tls: {} }\n",
             "store",
-            "not supported by this version",
+            "`tls` needs a rediss:// url",
+        ),
+        (
+            "upstream: http://a:1\nstore: { kind: etcd, url: 'etcd://x:1', tls: { ca: c.pem } }\n",
+            "store",
+            "`tls` needs an https:// url",
+        ),
+        (
+            "upstream: http://a:1\nstore: { kind: postgres, url: 'postgres://x/db?sslmode=disable', tls: {} }\n",
+            "store",
+            "remove `sslmode=disable`",
+        ),
+        (
+            "upstream: http://a:1\nstore: { kind: postgres, url: 'postgres://x/db?sslmode=require' }\n",
+            "store",
+            "`sslmode=require` needs the `tls` mapping",
+        ),
+        (
+            "upstream: http://a:1\nstore: { kind: rediss, url: 'rediss://x', tls: { cert: c.pem } }\n",
+            "store",
+            "unknown variant",
+        ),
+        (
+            "upstream: http://a:1\nstore: { kind: redis, url: 'rediss://x', tls: { cert: c.pem } }\n",
+            "store.tls",
+            "`cert` needs its `key`",
+        ),
+        (
+            "upstream: http://a:1\nstore: { kind: redis, url: 'rediss://x', tls: { server_name: 'a b' } }\n",
+            "store.tls",
+            "neither a DNS name nor an IP address",
+        ),
+        (
+            "upstream: http://a:1\nstore: { kind: memory, tls: {} }\n",
+            "store",
+            "`tls` is for the redis, postgres and etcd stores",
+        ),
+        (
+            "upstream: http://a:1\nleases: { backend: { kind: embedded, tls: {} }, ttl: 1s }\n",
+            "leases.backend",
+            "`tls` is for the redis, postgres and etcd backends",
+        ),
+        (
+            "upstream: http://a:1\nleases: { backend: { kind: redis, url: 'rediss://r:6380', tls: { key: k.pem } }, ttl: 1s }\n",
+            "leases.backend.tls",
+            "`key` needs its `cert`",
         ),
         (
             "upstream: http://a:1\nlimits: { max_connections: 0 }\n",
@@ -246,6 +291,7 @@ idempotency:
   header: idempotency-key
   max_request_bytes: 1048576
   max_response_bytes: 1048576
+access_log: false
 "
     );
     // Longer p99 work in the printed config: the TTL, drain timeout and window follow it.
@@ -806,4 +852,26 @@ fn lease_ttls_below_the_floor() {
         .unwrap()
         .warnings()
         .is_empty());
+}
+
+#[test]
+fn store_tls_prints_back_and_loads_again() {
+    let c = Config::parse(
+        "upstream: http://a:1\n\
+         store: { kind: redis, url: 'rediss://app:pw@r:6380/0', tls: { ca: /etc/ca.pem, cert: /c.pem, key: /k.pem, server_name: redis.internal } }\n\
+         leases: { backend: { kind: etcd, url: 'https://e:2379', tls: { ca: /etc/ca.pem } }, ttl: 1s }\n",
+    )
+    .unwrap();
+    let tls = c.store.tls.as_ref().unwrap();
+    assert_eq!(tls.server_name.as_deref(), Some("redis.internal"));
+    assert_eq!(tls.key.as_deref(), Some(Path::new("/k.pem")));
+    let yaml = c.to_yaml();
+    assert!(yaml.contains("rediss://app:****@r:6380/0"), "{yaml}");
+    assert!(!yaml.contains("pw"), "{yaml}");
+    let again = Config::parse(&yaml).unwrap();
+    assert_eq!(again.store.tls, c.store.tls);
+    assert_eq!(
+        again.leases.unwrap().backend.tls,
+        c.leases.unwrap().backend.tls
+    );
 }

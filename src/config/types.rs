@@ -437,19 +437,18 @@ impl SecretUrl {
         &self.0
     }
 
-    /// Checks the scheme against the store kind.
-    pub fn check(&self, kind: super::StoreKind) -> Result<(), String> {
+    /// Checks the scheme against the store kind, and against `tls` (TLS is on exactly when
+    /// the scheme says so: `rediss://`, `https://`, or a PostgreSQL URL with the `tls`
+    /// mapping), so that no config asks for TLS and gets plaintext.
+    pub fn check(
+        &self,
+        kind: super::StoreKind,
+        tls: Option<&super::ClientTlsConfig>,
+    ) -> Result<(), String> {
         use super::StoreKind;
         let (ok, name, example) = match kind {
-            StoreKind::Redis if self.0.starts_with("rediss://") => {
-                return Err(
-                    "TLS to Redis (rediss://) is not supported by this version; \
-                            reach Redis over a private network or a TLS-terminating sidecar"
-                        .into(),
-                );
-            }
             StoreKind::Redis => (
-                self.0.starts_with("redis://"),
+                self.0.starts_with("redis://") || self.0.starts_with("rediss://"),
                 "redis",
                 "redis://127.0.0.1:6379/",
             ),
@@ -459,20 +458,59 @@ impl SecretUrl {
                 "postgres://user:password@127.0.0.1:5432/database",
             ),
             StoreKind::Etcd => (
-                self.0.starts_with("etcd://") || self.0.starts_with("http://"),
+                self.0.starts_with("etcd://")
+                    || self.0.starts_with("http://")
+                    || self.0.starts_with("https://"),
                 "etcd",
                 "etcd://127.0.0.1:2379",
             ),
             StoreKind::Memory | StoreKind::Embedded => (false, "", ""),
         };
-        if ok {
-            Ok(())
-        } else {
+        if !ok {
             // Not printed: without a scheme it cannot be told where a password would be.
-            Err(format!(
+            return Err(format!(
                 "the `url` does not fit kind {name}: write one like {example}"
-            ))
+            ));
         }
+        match kind {
+            StoreKind::Redis if tls.is_some() && !self.0.starts_with("rediss://") => Err(format!(
+                "`tls` needs a rediss:// url (`{self}` would connect in plaintext)"
+            )),
+            StoreKind::Etcd if tls.is_some() && !self.0.starts_with("https://") => Err(format!(
+                "`tls` needs an https:// url (`{self}` would connect in plaintext)"
+            )),
+            StoreKind::Postgres => {
+                let sslmode = self.query_param("sslmode");
+                match (tls, sslmode) {
+                    (Some(_), Some("disable" | "allow" | "prefer")) => Err(format!(
+                        "`tls` always requires TLS with a verified certificate; remove \
+                         `sslmode={}` from the url",
+                        sslmode.unwrap_or_default()
+                    )),
+                    (None, Some(mode @ ("require" | "verify-ca" | "verify-full"))) => Err(format!(
+                        "`sslmode={mode}` needs the `tls` mapping (`tls: {{}}` for the public \
+                         web roots, or `tls: {{ ca: FILE }}`)"
+                    )),
+                    _ => Ok(()),
+                }
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Whether the URL's scheme asks for TLS (`rediss://`, `https://`).
+    pub fn is_tls(&self) -> bool {
+        self.0.starts_with("rediss://") || self.0.starts_with("https://")
+    }
+
+    /// A query parameter's value, as written.
+    fn query_param(&self, name: &str) -> Option<&str> {
+        let (_, query) = self.0.split_once('?')?;
+        query
+            .split('&')
+            .filter_map(|pair| pair.split_once('='))
+            .find(|(k, _)| *k == name)
+            .map(|(_, v)| v)
     }
 }
 

@@ -5,7 +5,7 @@ use super::pb::etcdserverpb::{
     RangeResponse, RequestOp, ResponseHeader, TxnRequest, TxnResponse,
 };
 use super::pb::mvccpb::KeyValue;
-use super::{Error, Transport};
+use super::{retry_unauthenticated, Error, Transport};
 
 #[derive(Clone)]
 pub struct KvClient {
@@ -26,11 +26,19 @@ impl KvClient {
         options: Option<GetOptions>,
     ) -> Result<RangeResponse, Error> {
         let request = options.unwrap_or_default().request(key.into());
-        Ok(self.inner.range(request).await?.into_inner())
+        retry_unauthenticated(|| {
+            let (mut inner, request) = (self.inner.clone(), request.clone());
+            async move { Ok(inner.range(request).await?.into_inner()) }
+        })
+        .await
     }
 
     pub async fn txn(&mut self, txn: Txn) -> Result<TxnResponse, Error> {
-        Ok(self.inner.txn(txn.request).await?.into_inner())
+        retry_unauthenticated(|| {
+            let (mut inner, request) = (self.inner.clone(), txn.request.clone());
+            async move { Ok(inner.txn(request).await?.into_inner()) }
+        })
+        .await
     }
 }
 

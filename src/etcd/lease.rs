@@ -8,7 +8,7 @@ use super::pb::etcdserverpb::{
     LeaseKeepAliveResponse, LeaseRevokeRequest, LeaseRevokeResponse, LeaseTimeToLiveRequest,
     LeaseTimeToLiveResponse,
 };
-use super::{Error, Transport};
+use super::{retry_unauthenticated, Error, Transport};
 
 #[derive(Clone)]
 pub struct LeaseClient {
@@ -25,38 +25,27 @@ impl LeaseClient {
     /// A new lease of `ttl` seconds (etcd may raise it to its minimum), with an id etcd picks.
     pub async fn grant(&mut self, ttl: i64) -> Result<LeaseGrantResponse, Error> {
         let request = LeaseGrantRequest { ttl, id: 0 };
-        Ok(self.inner.lease_grant(request).await?.into_inner())
+        retry_unauthenticated(|| {
+            let mut inner = self.inner.clone();
+            async move { Ok(inner.lease_grant(request).await?.into_inner()) }
+        })
+        .await
     }
 
     /// Ends the lease now, deleting the keys attached to it.
     pub async fn revoke(&mut self, id: i64) -> Result<LeaseRevokeResponse, Error> {
         let request = LeaseRevokeRequest { id };
-        Ok(self.inner.lease_revoke(request).await?.into_inner())
+        retry_unauthenticated(|| {
+            let mut inner = self.inner.clone();
+            async move { Ok(inner.lease_revoke(request).await?.into_inner()) }
+        })
+        .await
     }
 
     /// One keep-alive round trip on a stream of its own: the lease is reset to its granted
     /// TTL. [`Error::LeaseKeepAlive`] when etcd answers that it has expired or never was.
     pub async fn keep_alive(&mut self, id: i64) -> Result<LeaseKeepAliveResponse, Error> {
-        let (sender, receiver) = mpsc::channel(1);
-        sender
-            .send(LeaseKeepAliveRequest { id })
-            .await
-            .map_err(|e| Error::LeaseKeepAlive(e.to_string()))?;
-        let mut answers = self
-            .inner
-            .lease_keep_alive(ReceiverStream::new(receiver))
-            .await?
-            .into_inner();
-        // The request stream stays open until the answer is in.
-        let answer = answers.message().await?;
-        drop(sender);
-        match answer {
-            Some(answer) if answer.ttl > 0 => Ok(answer),
-            Some(_) => Err(Error::LeaseKeepAlive("lease not found".into())),
-            None => Err(Error::Stream(
-                "the keep-alive stream ended unanswered".into(),
-            )),
-        }
+        retry_unauthenticated(|| keep_alive(self.inner.clone(), id)).await
     }
 
     pub async fn time_to_live(
@@ -68,7 +57,36 @@ impl LeaseClient {
             id,
             keys: options.is_some_and(|o| o.keys),
         };
-        Ok(self.inner.lease_time_to_live(request).await?.into_inner())
+        retry_unauthenticated(|| {
+            let mut inner = self.inner.clone();
+            async move { Ok(inner.lease_time_to_live(request).await?.into_inner()) }
+        })
+        .await
+    }
+}
+
+async fn keep_alive(
+    mut inner: lease_client::LeaseClient<Transport>,
+    id: i64,
+) -> Result<LeaseKeepAliveResponse, Error> {
+    let (sender, receiver) = mpsc::channel(1);
+    sender
+        .send(LeaseKeepAliveRequest { id })
+        .await
+        .map_err(|e| Error::LeaseKeepAlive(e.to_string()))?;
+    let mut answers = inner
+        .lease_keep_alive(ReceiverStream::new(receiver))
+        .await?
+        .into_inner();
+    // The request stream stays open until the answer is in.
+    let answer = answers.message().await?;
+    drop(sender);
+    match answer {
+        Some(answer) if answer.ttl > 0 => Ok(answer),
+        Some(_) => Err(Error::LeaseKeepAlive("lease not found".into())),
+        None => Err(Error::Stream(
+            "the keep-alive stream ended unanswered".into(),
+        )),
     }
 }
 

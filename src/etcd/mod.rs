@@ -13,9 +13,19 @@
 //! Names and shapes follow the `etcd-client` crate this replaces, so its users read the same;
 //! answers are the generated messages, with accessors for the fields the users read.
 //!
-//! Every client goes through [`Transport`]: TLS (an `https` endpoint with a rustls config) and
-//! authentication (an interceptor adding the `token` metadata that `Auth.Authenticate` returns)
-//! would change it and [`Client::connect`], not the clients.
+//! Every client goes through [`Transport`]:
+//! - TLS: `https://` endpoints are dialled by fencegate's own connector ([`TlsConnector`]):
+//!   TCP, then the handshake through [`ClientTls`] (the `tls` mapping's CA, client certificate
+//!   and `server_name`, its files as they are at each new connection, ALPN `h2`). One channel
+//!   connects to one endpoint at a time and, when that connection fails, to the next that
+//!   answers (etcd's own clients also pin one endpoint); `http://` endpoints stay balanced.
+//! - Authentication: with a user and password, [`Transport`] gets a token from
+//!   `Auth.Authenticate` before the first call and sends it as the `token` metadata on every
+//!   call. It authenticates again when the token is older than [`TOKEN_REFRESH`] (etcd's
+//!   simple tokens expire after 5 minutes unused, JWTs at their TTL), and at once after etcd
+//!   answered `Unauthenticated` (an expired or unknown token, as after an etcd restart); the
+//!   unary calls and stream openings that etcd refused so are sent once more with the new
+//!   token ([`retry_unauthenticated`]).
 
 mod kv;
 mod lease;
@@ -30,16 +40,128 @@ pub(crate) mod pb {
     pub mod mvccpb;
 }
 
-use std::time::Duration;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
 
-use tonic::transport::{Channel, Endpoint};
+use http::HeaderValue;
+use hyper_util::rt::TokioIo;
+use tonic::codegen::Service;
+use tonic::transport::{Channel, Endpoint, Uri};
+
+use crate::tls::ClientTls;
 
 pub use kv::{Compare, CompareOp, GetOptions, KvClient, PutOptions, Txn, TxnOp, TxnOpResponse};
 pub use lease::{LeaseClient, LeaseTimeToLiveOptions};
 pub use watch::{EventType, WatchClient, WatchFilterType, WatchOptions};
 
-/// What every generated client sends its requests through.
-type Transport = Channel;
+/// How long a token is used before authenticating again.
+pub const TOKEN_REFRESH: Duration = Duration::from_secs(60);
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// What every generated client sends its requests through: the channel, and the token of an
+/// authenticated user.
+#[derive(Clone)]
+pub(crate) struct Transport {
+    channel: Channel,
+    auth: Option<Arc<Auth>>,
+}
+
+/// A user's credentials and its current token.
+struct Auth {
+    name: String,
+    password: String,
+    /// The token and when it was obtained; a tokio mutex, so that concurrent calls wait for
+    /// one `Authenticate`.
+    token: tokio::sync::Mutex<Option<(HeaderValue, Instant)>>,
+}
+
+impl Auth {
+    /// The current token, authenticating first if there is none or it is old.
+    async fn token(&self, channel: &Channel) -> Result<HeaderValue, tonic::Status> {
+        let mut token = self.token.lock().await;
+        if let Some((value, at)) = &*token {
+            if at.elapsed() < TOKEN_REFRESH {
+                return Ok(value.clone());
+            }
+        }
+        let request = pb::etcdserverpb::AuthenticateRequest {
+            name: self.name.clone(),
+            password: self.password.clone(),
+        };
+        let response = pb::etcdserverpb::auth_client::AuthClient::new(channel.clone())
+            .authenticate(request)
+            .await?
+            .into_inner();
+        let value = HeaderValue::from_str(&response.token)
+            .map_err(|_| tonic::Status::internal("etcd returned a token that is no header"))?;
+        *token = Some((value.clone(), Instant::now()));
+        Ok(value)
+    }
+
+    /// etcd refused a call's token: the next call authenticates again.
+    async fn forget(&self, refused: &HeaderValue) {
+        let mut token = self.token.lock().await;
+        if token.as_ref().is_some_and(|(value, _)| value == refused) {
+            *token = None;
+        }
+    }
+}
+
+impl Service<http::Request<tonic::body::Body>> for Transport {
+    type Response = http::Response<tonic::body::Body>;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.channel.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, mut request: http::Request<tonic::body::Body>) -> Self::Future {
+        // The channel that was made ready makes the call; a clone takes its place.
+        let fresh = self.channel.clone();
+        let mut ready = std::mem::replace(&mut self.channel, fresh);
+        let Some(auth) = self.auth.clone() else {
+            return Box::pin(async move { ready.call(request).await.map_err(Into::into) });
+        };
+        let channel = self.channel.clone();
+        Box::pin(async move {
+            // Boxed as itself, so that the client reads the status back (code and message).
+            let token = auth
+                .token(&channel)
+                .await
+                .map_err(|status| -> BoxError { Box::new(status) })?;
+            request.headers_mut().insert("token", token.clone());
+            let response = ready.call(request).await?;
+            // A refused token comes back as a trailers-only response: status in the headers.
+            if response.headers().get("grpc-status").map(|s| s.as_bytes()) == Some(b"16".as_slice())
+            {
+                auth.forget(&token).await;
+            }
+            Ok(response)
+        })
+    }
+}
+
+/// Runs `call`, and once more if etcd answered `Unauthenticated` (the transport has
+/// forgotten the refused token, so the second call authenticates anew). A refused call was
+/// not executed, so sending it again is safe.
+pub(crate) async fn retry_unauthenticated<T, F, Fut>(mut call: F) -> Result<T, Error>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, Error>>,
+{
+    match call().await {
+        Err(Error::GRpcStatus(status)) if status.code() == tonic::Code::Unauthenticated => {
+            call().await
+        }
+        other => other,
+    }
+}
 
 /// Why an etcd call failed.
 #[derive(Debug, thiserror::Error)]
@@ -48,7 +170,7 @@ pub enum Error {
     InvalidArgs(String),
     #[error("transport error: {0}")]
     Transport(#[from] tonic::transport::Error),
-    #[error("grpc request error: {0}")]
+    #[error("grpc request error: {}: {}", .0.code(), .0.message())]
     GRpcStatus(#[from] tonic::Status),
     /// The lease to keep alive has expired or does not exist (etcd answered a TTL of 0).
     #[error("lease keep alive error: {0}")]
@@ -61,12 +183,16 @@ pub enum Error {
 }
 
 /// How [`Client::connect`] reaches the endpoints.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Clone, Default)]
 pub struct ConnectOptions {
     connect_timeout: Option<Duration>,
     timeout: Option<Duration>,
     /// HTTP/2 keep-alive (interval, timeout), also while idle.
     keep_alive: Option<(Duration, Duration)>,
+    /// For `https://` endpoints.
+    tls: Option<Arc<ClientTls>>,
+    /// A user name and password to authenticate with.
+    user: Option<(String, String)>,
 }
 
 impl ConnectOptions {
@@ -92,6 +218,18 @@ impl ConnectOptions {
         self.keep_alive = Some((interval, timeout));
         self
     }
+
+    /// TLS for `https://` endpoints (which need it).
+    pub fn with_tls(mut self, tls: Arc<ClientTls>) -> Self {
+        self.tls = Some(tls);
+        self
+    }
+
+    /// Authenticates as `name` (etcd's `Auth.Authenticate`).
+    pub fn with_user(mut self, name: impl Into<String>, password: impl Into<String>) -> Self {
+        self.user = Some((name.into(), password.into()));
+        self
+    }
 }
 
 /// A connection to an etcd cluster, from which the per-service clients are taken (they share
@@ -102,24 +240,52 @@ pub struct Client {
 }
 
 impl Client {
-    /// `endpoints`: `http://host:port` URLs. Nothing is dialled here: the channel connects on
-    /// first use, to any endpoint that answers, and reconnects after failures.
+    /// `endpoints`: `http://host:port` URLs, or `https://host:port` with TLS options. Nothing
+    /// is dialled here: the channel connects on first use, to any endpoint that answers, and
+    /// reconnects after failures.
     pub async fn connect<E: AsRef<str>, S: AsRef<[E]>>(
         endpoints: S,
         options: Option<ConnectOptions>,
     ) -> Result<Self, Error> {
         let options = options.unwrap_or_default();
-        let endpoints = endpoints
-            .as_ref()
+        let urls: Vec<&str> = endpoints.as_ref().iter().map(AsRef::as_ref).collect();
+        let endpoints = urls
             .iter()
-            .map(|url| endpoint(url.as_ref(), &options))
+            .map(|url| endpoint(url, &options))
             .collect::<Result<Vec<_>, _>>()?;
-        if endpoints.is_empty() {
+        let Some(first) = endpoints.first() else {
             return Err(Error::InvalidArgs("empty endpoints".into()));
-        }
-        // Balanced even over one endpoint, so a broken connection is replaced.
-        let channel = Channel::balance_list(endpoints.into_iter());
-        Ok(Client { channel })
+        };
+        let channel = match &options.tls {
+            Some(tls) => {
+                let hosts = endpoints
+                    .iter()
+                    .map(|e| {
+                        let uri = e.uri();
+                        let host = uri.host().unwrap_or_default().to_owned();
+                        (host, uri.port_u16().unwrap_or(2379))
+                    })
+                    .collect();
+                let connector = TlsConnector {
+                    hosts: Arc::new(hosts),
+                    next: Arc::new(AtomicUsize::new(0)),
+                    tls: Arc::clone(tls),
+                };
+                first.connect_with_connector_lazy(connector)
+            }
+            // Balanced even over one endpoint, so a broken connection is replaced.
+            None => Channel::balance_list(endpoints.into_iter()),
+        };
+        let auth = options.user.map(|(name, password)| {
+            Arc::new(Auth {
+                name,
+                password,
+                token: tokio::sync::Mutex::new(None),
+            })
+        });
+        Ok(Client {
+            channel: Transport { channel, auth },
+        })
     }
 
     pub fn kv_client(&self) -> KvClient {
@@ -136,9 +302,13 @@ impl Client {
 }
 
 fn endpoint(url: &str, options: &ConnectOptions) -> Result<Endpoint, Error> {
-    if !url.starts_with("http://") {
+    let scheme_fits = match &options.tls {
+        Some(_) => url.starts_with("https://"),
+        None => url.starts_with("http://"),
+    };
+    if !scheme_fits {
         return Err(Error::InvalidArgs(format!(
-            "etcd endpoints are http:// URLs: {url}"
+            "etcd endpoints are http:// URLs, or https:// with TLS: {url}"
         )));
     }
     let mut endpoint = Endpoint::from_shared(url.to_owned())
@@ -156,6 +326,56 @@ fn endpoint(url: &str, options: &ConnectOptions) -> Result<Endpoint, Error> {
         endpoint = endpoint.connect_timeout(timeout);
     }
     Ok(endpoint)
+}
+
+/// Dials `https://` endpoints: TCP, then TLS through [`ClientTls`], to the endpoint that
+/// answered last, else the next ones in turn.
+#[derive(Clone)]
+struct TlsConnector {
+    hosts: Arc<Vec<(String, u16)>>,
+    /// The endpoint to try first.
+    next: Arc<AtomicUsize>,
+    tls: Arc<ClientTls>,
+}
+
+type TlsIo = TokioIo<tokio_rustls::client::TlsStream<tokio::net::TcpStream>>;
+
+impl Service<Uri> for TlsConnector {
+    type Response = TlsIo;
+    type Error = std::io::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<TlsIo, std::io::Error>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), std::io::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _: Uri) -> Self::Future {
+        let this = self.clone();
+        Box::pin(async move {
+            let count = this.hosts.len();
+            let first = this.next.load(Ordering::Relaxed);
+            let mut last = None;
+            for i in 0..count {
+                let at = (first + i) % count;
+                let (host, port) = &this.hosts[at];
+                let attempt = async {
+                    let tcp = tokio::net::TcpStream::connect((host.as_str(), *port)).await?;
+                    let _ = tcp.set_nodelay(true);
+                    this.tls.connect(host, tcp).await
+                };
+                match attempt.await {
+                    Ok(stream) => {
+                        this.next.store(at, Ordering::Relaxed);
+                        return Ok(TokioIo::new(stream));
+                    }
+                    Err(e) => last = Some(e),
+                }
+            }
+            this.next
+                .store((first + 1) % count.max(1), Ordering::Relaxed);
+            Err(last.unwrap_or_else(|| std::io::Error::other("no etcd endpoint")))
+        })
+    }
 }
 
 /// The end of the key range holding every key that starts with `prefix`: the prefix with its
@@ -190,5 +410,17 @@ mod tests {
             .is_ok());
         assert!(Client::connect(Vec::<String>::new(), None).await.is_err());
         assert!(Client::connect(["127.0.0.1:2379"], None).await.is_err());
+        // https:// goes with TLS, http:// without.
+        let tls = Arc::new(ClientTls::load(&Default::default(), "store.tls", &[b"h2"]).unwrap());
+        let with_tls = || Some(ConnectOptions::new().with_tls(Arc::clone(&tls)));
+        assert!(Client::connect(["https://127.0.0.1:2379"], None)
+            .await
+            .is_err());
+        assert!(Client::connect(["https://127.0.0.1:2379"], with_tls())
+            .await
+            .is_ok());
+        assert!(Client::connect(["http://127.0.0.1:2379"], with_tls())
+            .await
+            .is_err());
     }
 }

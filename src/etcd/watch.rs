@@ -8,7 +8,7 @@ use super::pb::etcdserverpb::{
     WatchRequest, WatchResponse,
 };
 use super::pb::mvccpb::{Event, KeyValue};
-use super::{prefix_end, Error, Transport};
+use super::{prefix_end, retry_unauthenticated, Error, Transport};
 
 pub use super::pb::mvccpb::event::EventType;
 
@@ -32,22 +32,27 @@ impl WatchClient {
         options: Option<WatchOptions>,
     ) -> Result<WatchStream, Error> {
         let create = options.unwrap_or_default().request(key.into());
-        let (sender, receiver) = mpsc::channel(8);
-        sender
-            .send(WatchRequest {
-                request_union: Some(watch_request::RequestUnion::CreateRequest(create)),
-            })
-            .await
-            .map_err(|e| Error::Stream(e.to_string()))?;
-        let responses = self
-            .inner
-            .watch(ReceiverStream::new(receiver))
-            .await?
-            .into_inner();
-        Ok(WatchStream {
-            requests: WatchRequestSender(sender),
-            responses: WatchResponseStream(responses),
+        retry_unauthenticated(|| {
+            let (mut inner, create) = (self.inner.clone(), create.clone());
+            async move {
+                let (sender, receiver) = mpsc::channel(8);
+                sender
+                    .send(WatchRequest {
+                        request_union: Some(watch_request::RequestUnion::CreateRequest(create)),
+                    })
+                    .await
+                    .map_err(|e| Error::Stream(e.to_string()))?;
+                let responses = inner
+                    .watch(ReceiverStream::new(receiver))
+                    .await?
+                    .into_inner();
+                Ok(WatchStream {
+                    requests: WatchRequestSender(sender),
+                    responses: WatchResponseStream(responses),
+                })
+            }
         })
+        .await
     }
 }
 

@@ -194,6 +194,18 @@ pub async fn open(config: &BackendConfig) -> Result<Arc<dyn LeaseBackend>, Lease
             .map(|u| u.expose())
             .ok_or_else(|| LeaseError::Unavailable("this lease backend needs a `url`".into()))
     };
+    let tls = |alpn: &[&[u8]]| -> Result<Option<Arc<crate::tls::ClientTls>>, LeaseError> {
+        let url_tls = config.url.as_ref().is_some_and(|u| u.is_tls());
+        match (&config.tls, url_tls) {
+            (Some(files), _) => crate::tls::ClientTls::load(files, "leases.backend.tls", alpn),
+            (None, true) => {
+                crate::tls::ClientTls::load(&Default::default(), "leases.backend.tls", alpn)
+            }
+            (None, false) => return Ok(None),
+        }
+        .map(|tls| Some(Arc::new(tls)))
+        .map_err(LeaseError::Unavailable)
+    };
     match config.kind {
         BackendKind::Embedded => {
             let path = config.path.as_deref().ok_or_else(|| {
@@ -207,13 +219,15 @@ pub async fn open(config: &BackendConfig) -> Result<Arc<dyn LeaseBackend>, Lease
         BackendKind::Redis => Ok(Arc::new(super::redis::RedisLeases::new(
             url()?,
             &config.prefix,
+            tls(&[])?,
         )?)),
         BackendKind::Postgres => Ok(Arc::new(super::postgres::PostgresLeases::new(
             url()?,
             &config.prefix,
+            tls(&[])?,
         )?)),
         BackendKind::Etcd => Ok(Arc::new(
-            super::etcd::EtcdLeases::connect(url()?, &config.prefix).await?,
+            super::etcd::EtcdLeases::connect(url()?, &config.prefix, tls(&[b"h2"])?).await?,
         )),
     }
 }

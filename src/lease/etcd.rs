@@ -36,15 +36,15 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use crate::etcd::{
-    Client, Compare, CompareOp, ConnectOptions, EventType, KvClient, LeaseClient,
-    LeaseTimeToLiveOptions, PutOptions, Txn, TxnOp, TxnOpResponse, WatchClient, WatchFilterType,
-    WatchOptions,
+    Compare, CompareOp, EventType, KvClient, LeaseClient, LeaseTimeToLiveOptions, PutOptions, Txn,
+    TxnOp, TxnOpResponse, WatchClient, WatchFilterType, WatchOptions,
 };
 
 use super::backend::{
     Acquired, Grant, GrantEvents, GrantFeed, LeaseBackend, LeaseError, HEARTBEAT,
 };
 use crate::store::BoxFuture;
+use crate::tls::ClientTls;
 
 pub struct EtcdLeases {
     /// The clients share one balanced, lazily (re)connecting channel.
@@ -66,18 +66,16 @@ impl Drop for GrantWatch {
 }
 
 impl EtcdLeases {
-    /// `url`: `etcd://host:port[,host:port...]` or `http://host:port[,...]`.
-    pub async fn connect(url: &str, prefix: &str) -> Result<Self, LeaseError> {
-        let options = ConnectOptions::new()
-            .with_connect_timeout(Duration::from_secs(1))
-            .with_timeout(Duration::from_secs(2))
-            .with_keep_alive(Duration::from_secs(5), Duration::from_secs(2));
-        let client = Client::connect(
-            crate::store::etcd_endpoints(url).map_err(LeaseError::Unavailable)?,
-            Some(options),
-        )
-        .await
-        .map_err(unavailable)?;
+    /// `url`: `etcd://`, `http://` or (with `tls`) `https://` endpoints, comma-separated, with
+    /// `user:password@` to authenticate.
+    pub async fn connect(
+        url: &str,
+        prefix: &str,
+        tls: Option<Arc<ClientTls>>,
+    ) -> Result<Self, LeaseError> {
+        let client = crate::store::etcd_client(url, tls)
+            .await
+            .map_err(LeaseError::Unavailable)?;
         Ok(EtcdLeases {
             kv: client.kv_client(),
             lease: client.lease_client(),

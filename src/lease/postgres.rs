@@ -28,13 +28,15 @@ use std::time::Duration;
 
 use deadpool_postgres::Pool;
 use tokio::sync::{watch, OnceCell};
-use tokio_postgres::{AsyncMessage, NoTls};
+use tokio_postgres::tls::{MakeTlsConnect, TlsConnect};
+use tokio_postgres::{AsyncMessage, NoTls, Socket};
 
 use super::backend::{
     Acquired, Grant, GrantEvents, GrantFeed, LeaseBackend, LeaseError, HEARTBEAT,
 };
 use super::embedded::{new_lease_id, Waiters};
-use crate::store::BoxFuture;
+use crate::store::{BoxFuture, PgTls};
+use crate::tls::ClientTls;
 
 /// Payloads are limited to 8000 bytes; a longer resource wakes every waiter instead.
 const MAX_PAYLOAD: usize = 7900;
@@ -42,6 +44,8 @@ const MAX_PAYLOAD: usize = 7900;
 pub struct PostgresLeases {
     pool: Pool,
     config: tokio_postgres::Config,
+    /// TLS for every connection, the listener's too (the pool's carry it already).
+    tls: Option<Arc<ClientTls>>,
     /// Table created (idempotently) before the first statement.
     schema: OnceCell<()>,
     table: String,
@@ -72,8 +76,9 @@ impl Drop for Listener {
 
 impl PostgresLeases {
     /// `prefix` is validated as an SQL identifier when the config is loaded.
-    pub fn new(url: &str, prefix: &str) -> Result<Self, LeaseError> {
-        let (pool, config) = crate::store::postgres_pool(url).map_err(LeaseError::Unavailable)?;
+    pub fn new(url: &str, prefix: &str, tls: Option<Arc<ClientTls>>) -> Result<Self, LeaseError> {
+        let (pool, config) =
+            crate::store::postgres_pool(url, tls.clone()).map_err(LeaseError::Unavailable)?;
         let table = format!("{prefix}_leases");
         // Unquoted identifiers fold to lower case; channel names given as strings do not.
         let channel = table.to_ascii_lowercase();
@@ -82,6 +87,7 @@ impl PostgresLeases {
         Ok(PostgresLeases {
             pool,
             config,
+            tls,
             schema: OnceCell::new(),
             acquire_sql: format!(
                 "WITH granted AS (\
@@ -134,7 +140,11 @@ impl PostgresLeases {
     }
 
     async fn client(&self) -> Result<deadpool_postgres::Object, LeaseError> {
-        let client = self.pool.get().await.map_err(|e| unavailable(&e))?;
+        let client = self
+            .pool
+            .get()
+            .await
+            .map_err(|e| unavailable(&crate::store::describe_postgres_error(&e)))?;
         self.schema
             .get_or_try_init(|| async {
                 client
@@ -149,7 +159,7 @@ impl PostgresLeases {
                         self.table
                     ))
                     .await
-                    .map_err(|e| unavailable(&e))
+                    .map_err(|e| unavailable(&crate::store::describe_postgres_error(&e)))
             })
             .await?;
         Ok(client)
@@ -159,14 +169,32 @@ impl PostgresLeases {
     fn listener(&self) -> &Listener {
         self.listener.get_or_init(|| {
             let (tx, listening) = watch::channel(false);
-            let task = tokio::spawn(listen(
+            let (config, channel, grant_channel) = (
                 self.config.clone(),
                 self.channel.clone(),
                 self.grant_channel.clone(),
-                Arc::clone(&self.waiters),
-                Arc::clone(&self.grants),
-                tx,
-            ))
+            );
+            let (waiters, grants) = (Arc::clone(&self.waiters), Arc::clone(&self.grants));
+            let task = match &self.tls {
+                Some(tls) => tokio::spawn(listen(
+                    config,
+                    PgTls(Arc::clone(tls)),
+                    channel,
+                    grant_channel,
+                    waiters,
+                    grants,
+                    tx,
+                )),
+                None => tokio::spawn(listen(
+                    config,
+                    NoTls,
+                    channel,
+                    grant_channel,
+                    waiters,
+                    grants,
+                    tx,
+                )),
+            }
             .abort_handle();
             Listener { task, listening }
         })
@@ -175,17 +203,23 @@ impl PostgresLeases {
 
 /// Keeps one connection listening on the release and grant channels, with a heartbeat,
 /// reconnecting after a second when it drops.
-async fn listen(
+async fn listen<T>(
     config: tokio_postgres::Config,
+    tls: T,
     channel: String,
     grant_channel: String,
     waiters: Arc<Waiters>,
     grants: Arc<GrantFeed>,
     listening: watch::Sender<bool>,
-) {
+) where
+    T: MakeTlsConnect<Socket> + Clone + Send + 'static,
+    T::Stream: Send + 'static,
+    T::TlsConnect: Send,
+    <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
+{
     let listen_sql = format!("LISTEN \"{channel}\"; LISTEN \"{grant_channel}\"");
     loop {
-        match config.connect(NoTls).await {
+        match config.connect(tls.clone()).await {
             Ok((client, mut connection)) => {
                 let (wake, announce) = (Arc::clone(&waiters), Arc::clone(&grants));
                 let grant_channel = grant_channel.clone();
@@ -270,12 +304,12 @@ impl LeaseBackend for PostgresLeases {
             let statement = client
                 .prepare_cached(&self.acquire_sql)
                 .await
-                .map_err(|e| unavailable(&e))?;
+                .map_err(|e| unavailable(&crate::store::describe_postgres_error(&e)))?;
             let lease_id = new_lease_id();
             let row = client
                 .query_opt(&statement, &[&resource, &holder, &lease_id, &ttl_ms(ttl)])
                 .await
-                .map_err(|e| unavailable(&e))?;
+                .map_err(|e| unavailable(&crate::store::describe_postgres_error(&e)))?;
             let Some(row) = row else {
                 // Held by a row committed after this statement's snapshot.
                 return Ok(Acquired::Held { holder: None });
@@ -306,14 +340,14 @@ impl LeaseBackend for PostgresLeases {
             let statement = client
                 .prepare_cached(&self.renew_sql)
                 .await
-                .map_err(|e| unavailable(&e))?;
+                .map_err(|e| unavailable(&crate::store::describe_postgres_error(&e)))?;
             let n = client
                 .execute(
                     &statement,
                     &[&grant.resource, &grant.lease_id, &token, &ttl_ms(ttl)],
                 )
                 .await
-                .map_err(|e| unavailable(&e))?;
+                .map_err(|e| unavailable(&crate::store::describe_postgres_error(&e)))?;
             Ok(n == 1)
         })
     }
@@ -327,11 +361,11 @@ impl LeaseBackend for PostgresLeases {
             let statement = client
                 .prepare_cached(&self.release_sql)
                 .await
-                .map_err(|e| unavailable(&e))?;
+                .map_err(|e| unavailable(&crate::store::describe_postgres_error(&e)))?;
             let rows = client
                 .query(&statement, &[&grant.resource, &grant.lease_id, &token])
                 .await
-                .map_err(|e| unavailable(&e))?;
+                .map_err(|e| unavailable(&crate::store::describe_postgres_error(&e)))?;
             Ok(rows.len() == 1)
         })
     }
@@ -345,11 +379,11 @@ impl LeaseBackend for PostgresLeases {
             let statement = client
                 .prepare_cached(&self.latest_sql)
                 .await
-                .map_err(|e| unavailable(&e))?;
+                .map_err(|e| unavailable(&crate::store::describe_postgres_error(&e)))?;
             let row = client
                 .query_opt(&statement, &[&resource])
                 .await
-                .map_err(|e| unavailable(&e))?;
+                .map_err(|e| unavailable(&crate::store::describe_postgres_error(&e)))?;
             row.map(|r| token_of(r.get(0))).transpose()
         })
     }
@@ -371,11 +405,11 @@ impl LeaseBackend for PostgresLeases {
                 let statement = client
                     .prepare_cached(&self.live_sql)
                     .await
-                    .map_err(|e| unavailable(&e))?;
+                    .map_err(|e| unavailable(&crate::store::describe_postgres_error(&e)))?;
                 let row = client
                     .query_opt(&statement, &[&resource])
                     .await
-                    .map_err(|e| unavailable(&e))?;
+                    .map_err(|e| unavailable(&crate::store::describe_postgres_error(&e)))?;
                 Ok::<_, LeaseError>(row.is_some())
             };
             if matches!(live.await, Ok(false)) {

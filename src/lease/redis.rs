@@ -24,19 +24,23 @@
 //! subscriptions are confirmed again, which sends `Live`. `changed()` waits while the
 //! connection is not subscribed; the waiter's backoff wakes it meanwhile. A release in the
 //! moment before the subscription is restored is left to backoff.
+//!
+//! Both connections are made by [`RedisTarget`] (TCP, or TLS for a `rediss://` url, with the
+//! `tls` mapping's files as they are at each new connection); when connecting starts failing,
+//! one line says why, and one more when it works again.
 
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{AsyncConnectionConfig, ProtocolVersion, PushInfo, PushKind, Script, Value};
-use tokio::sync::{mpsc, watch, OnceCell};
+use tokio::sync::{mpsc, watch};
 
 use super::backend::{
     Acquired, Grant, GrantEvents, GrantFeed, LeaseBackend, LeaseError, HEARTBEAT,
 };
 use super::embedded::{new_lease_id, Waiters};
-use crate::store::BoxFuture;
+use crate::store::{BoxFuture, RedisConn, RedisTarget};
+use crate::tls::ClientTls;
 
 /// KEYS[1] = lease, KEYS[2] = counter; ARGV[1] = lease id, ARGV[2] = holder, ARGV[3] = ttl ms,
 /// ARGV[4] = grant channel. Returns {1, token} when granted, {0, current lease value} when held.
@@ -76,9 +80,8 @@ return 0
 ";
 
 pub struct RedisLeases {
-    client: redis::Client,
     /// Commands; connected on first use, so fencegate starts while Redis is down.
-    conn: OnceCell<ConnectionManager>,
+    conn: RedisConn,
     /// The event subscription; started by the first `changed()` or `grant_events()`.
     events: OnceLock<Events>,
     acquire: Script,
@@ -102,12 +105,10 @@ impl Drop for Events {
 }
 
 impl RedisLeases {
-    pub fn new(url: &str, prefix: &str) -> Result<Self, LeaseError> {
-        let client = redis::Client::open(url)
-            .map_err(|e| LeaseError::Unavailable(format!("bad redis url: {e}")))?;
+    pub fn new(url: &str, prefix: &str, tls: Option<Arc<ClientTls>>) -> Result<Self, LeaseError> {
+        let target = RedisTarget::new(url, tls).map_err(LeaseError::Unavailable)?;
         Ok(RedisLeases {
-            client,
-            conn: OnceCell::new(),
+            conn: RedisConn::new(target, Some("lease backend")),
             events: OnceLock::new(),
             acquire: Script::new(ACQUIRE),
             renew: Script::new(RENEW),
@@ -122,31 +123,12 @@ impl RedisLeases {
         format!("{}:{{{resource}}}:{what}", self.prefix)
     }
 
-    fn manager_config() -> ConnectionManagerConfig {
-        // Fail fast: the agent's backoff, not ours, decides how long to wait.
-        ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(Duration::from_secs(1)))
-            .set_response_timeout(Some(Duration::from_secs(2)))
-            .set_number_of_retries(1)
-    }
-
-    async fn conn(&self) -> Result<ConnectionManager, LeaseError> {
-        let conn = self
-            .conn
-            .get_or_try_init(|| {
-                ConnectionManager::new_with_config(self.client.clone(), Self::manager_config())
-            })
-            .await
-            .map_err(unavailable)?;
-        Ok(conn.clone())
-    }
-
     /// The event subscription, started on first use (inside a Tokio runtime).
     fn events(&self) -> &Events {
         self.events.get_or_init(|| {
             let (tx, subscribed) = watch::channel(false);
             let task = tokio::spawn(keep_subscribed(
-                self.client.clone(),
+                self.conn.target().with_protocol(ProtocolVersion::RESP3),
                 self.prefix.clone(),
                 Arc::clone(&self.waiters),
                 Arc::clone(&self.grants),
@@ -158,28 +140,16 @@ impl RedisLeases {
     }
 }
 
-/// Keeps one RESP3 connection subscribed to the release and grant channels, reconnecting
+/// Keeps one RESP3 connection (`target` speaks RESP3: push messages need it, whatever the
+/// configured url asks for) subscribed to the release and grant channels, reconnecting
 /// every half second while Redis is unreachable.
 async fn keep_subscribed(
-    client: redis::Client,
+    target: RedisTarget,
     prefix: String,
     waiters: Arc<Waiters>,
     grants: Arc<GrantFeed>,
     subscribed: watch::Sender<bool>,
 ) {
-    // Push messages need RESP3, whatever the configured URL asks for.
-    let info = client.get_connection_info().clone();
-    let settings = info
-        .redis_settings()
-        .clone()
-        .set_protocol(ProtocolVersion::RESP3);
-    let client = match redis::Client::open(info.set_redis_settings(settings)) {
-        Ok(client) => client,
-        Err(e) => {
-            tracing::error!(error = %e, "redis lease events cannot be subscribed");
-            return;
-        }
-    };
     let head = format!("{prefix}:{{");
     let patterns = [
         format!("{prefix}:{{*}}:released"),
@@ -188,13 +158,9 @@ async fn keep_subscribed(
     loop {
         let (tx, mut rx) = mpsc::unbounded_channel();
         let config = AsyncConnectionConfig::new()
-            .set_connection_timeout(Some(Duration::from_secs(1)))
             .set_response_timeout(Some(HEARTBEAT))
             .set_push_sender(tx);
-        match client
-            .get_multiplexed_async_connection_with_config(&config)
-            .await
-        {
+        match target.connect(config).await {
             Ok(mut conn) => {
                 // Returns once the server confirmed both subscriptions.
                 if conn.psubscribe(&patterns).await.is_ok() {
@@ -281,9 +247,9 @@ impl LeaseBackend for RedisLeases {
         ttl: Duration,
     ) -> BoxFuture<'a, Result<Acquired, LeaseError>> {
         Box::pin(async move {
-            let mut conn = self.conn().await?;
+            let (generation, mut conn) = self.conn.get().await.map_err(unavailable)?;
             let lease_id = new_lease_id();
-            let (granted, value): (u8, String) = self
+            let result = self
                 .acquire
                 .key(self.key(resource, "lease"))
                 .key(self.key(resource, "token"))
@@ -292,6 +258,10 @@ impl LeaseBackend for RedisLeases {
                 .arg(ttl_ms(ttl))
                 .arg(self.key(resource, "granted"))
                 .invoke_async(&mut conn)
+                .await;
+            let (granted, value): (u8, String) = self
+                .conn
+                .done(generation, result)
                 .await
                 .map_err(unavailable)?;
             if granted == 1 {
@@ -314,13 +284,17 @@ impl LeaseBackend for RedisLeases {
         ttl: Duration,
     ) -> BoxFuture<'a, Result<bool, LeaseError>> {
         Box::pin(async move {
-            let mut conn = self.conn().await?;
-            let renewed: u8 = self
+            let (generation, mut conn) = self.conn.get().await.map_err(unavailable)?;
+            let result = self
                 .renew
                 .key(self.key(&grant.resource, "lease"))
                 .arg(&grant.lease_id)
                 .arg(ttl_ms(ttl))
                 .invoke_async(&mut conn)
+                .await;
+            let renewed: u8 = self
+                .conn
+                .done(generation, result)
                 .await
                 .map_err(unavailable)?;
             Ok(renewed == 1)
@@ -329,13 +303,17 @@ impl LeaseBackend for RedisLeases {
 
     fn release<'a>(&'a self, grant: &'a Grant) -> BoxFuture<'a, Result<bool, LeaseError>> {
         Box::pin(async move {
-            let mut conn = self.conn().await?;
-            let released: u8 = self
+            let (generation, mut conn) = self.conn.get().await.map_err(unavailable)?;
+            let result = self
                 .release
                 .key(self.key(&grant.resource, "lease"))
                 .arg(&grant.lease_id)
                 .arg(self.key(&grant.resource, "released"))
                 .invoke_async(&mut conn)
+                .await;
+            let released: u8 = self
+                .conn
+                .done(generation, result)
                 .await
                 .map_err(unavailable)?;
             Ok(released == 1)
@@ -347,10 +325,14 @@ impl LeaseBackend for RedisLeases {
         resource: &'a str,
     ) -> BoxFuture<'a, Result<Option<u64>, LeaseError>> {
         Box::pin(async move {
-            let mut conn = self.conn().await?;
-            let value: Option<String> = redis::cmd("GET")
+            let (generation, mut conn) = self.conn.get().await.map_err(unavailable)?;
+            let result = redis::cmd("GET")
                 .arg(self.key(resource, "token"))
                 .query_async(&mut conn)
+                .await;
+            let value: Option<String> = self
+                .conn
+                .done(generation, result)
                 .await
                 .map_err(unavailable)?;
             value.as_deref().map(parse_token).transpose()
@@ -369,12 +351,14 @@ impl LeaseBackend for RedisLeases {
             let notified = registration.notify().notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            let held = match self.conn().await {
-                Ok(mut conn) => redis::cmd("EXISTS")
-                    .arg(self.key(resource, "lease"))
-                    .query_async::<u8>(&mut conn)
-                    .await
-                    .map(|n| n == 1),
+            let held = match self.conn.get().await {
+                Ok((generation, mut conn)) => {
+                    let result = redis::cmd("EXISTS")
+                        .arg(self.key(resource, "lease"))
+                        .query_async::<u8>(&mut conn)
+                        .await;
+                    self.conn.done(generation, result).await.map(|n| n == 1)
+                }
                 Err(_) => Ok(true),
             };
             if matches!(held, Ok(false)) {
@@ -401,7 +385,7 @@ mod tests {
 
     #[test]
     fn keys_share_a_hash_tag() {
-        let leases = RedisLeases::new("redis://127.0.0.1:1/", "fg").unwrap();
+        let leases = RedisLeases::new("redis://127.0.0.1:1/", "fg", None).unwrap();
         assert_eq!(leases.key("a:1", "lease"), "fg:{a:1}:lease");
         assert_eq!(leases.key("a:1", "token"), "fg:{a:1}:token");
         assert_eq!(ttl_ms(Duration::from_micros(10)), 1);

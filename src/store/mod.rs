@@ -15,9 +15,12 @@ use std::sync::Arc;
 #[cfg(test)]
 pub(crate) use embedded::parks_here;
 pub use embedded::{defer_wakes_to_park, EmbeddedStore};
-pub(crate) use etcd::endpoints as etcd_endpoints;
+pub(crate) use etcd::client as etcd_client;
 pub use memory::MemoryStore;
+pub(crate) use postgres::describe as describe_postgres_error;
 pub(crate) use postgres::pool as postgres_pool;
+pub use postgres::PgTls;
+pub(crate) use redis::{RedisConn, RedisTarget};
 
 use crate::config::{EqualTokens, StoreConfig, StoreKind};
 use crate::idempotency::{Begin, Claim, Record};
@@ -140,6 +143,17 @@ pub async fn open_with_clock(
             .expect("networked stores always have a url after validation")
     };
     let cache = config.cache_size;
+    // TLS files are read now, so that a bad one stops `run` with the field's name.
+    let tls = |alpn: &[&[u8]]| -> Result<Option<Arc<crate::tls::ClientTls>>, StoreError> {
+        let url_tls = config.url.as_ref().is_some_and(|u| u.is_tls());
+        match (&config.tls, url_tls) {
+            (Some(files), _) => crate::tls::ClientTls::load(files, "store.tls", alpn),
+            (None, true) => crate::tls::ClientTls::load(&Default::default(), "store.tls", alpn),
+            (None, false) => return Ok(None),
+        }
+        .map(|tls| Some(Arc::new(tls)))
+        .map_err(StoreError::Unavailable)
+    };
     match config.kind {
         StoreKind::Memory => Ok(Arc::new(MemoryStore::new())),
         StoreKind::Embedded => {
@@ -150,19 +164,20 @@ pub async fn open_with_clock(
             Ok(Arc::new(EmbeddedStore::open(path, &config.prefix)?))
         }
         StoreKind::Redis => {
-            let remote = self::redis::RedisRemote::new(url(), &config.prefix)?;
+            let remote = self::redis::RedisRemote::new(url(), &config.prefix, tls(&[])?)?;
             Ok(Arc::new(shared::SharedStore::with_clock(
                 remote, cache, clock,
             )))
         }
         StoreKind::Postgres => {
-            let remote = self::postgres::PostgresRemote::new(url(), &config.prefix)?;
+            let remote = self::postgres::PostgresRemote::new(url(), &config.prefix, tls(&[])?)?;
             Ok(Arc::new(shared::SharedStore::with_clock(
                 remote, cache, clock,
             )))
         }
         StoreKind::Etcd => {
-            let remote = self::etcd::EtcdRemote::connect(url(), &config.prefix).await?;
+            let remote =
+                self::etcd::EtcdRemote::connect(url(), &config.prefix, tls(&[b"h2"])?).await?;
             Ok(Arc::new(shared::SharedStore::with_clock(
                 remote, cache, clock,
             )))

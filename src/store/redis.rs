@@ -18,12 +18,24 @@
 //! claim. A claim instead takes over the record of an attempt seen in flight for a whole
 //! in-flight lifetime on fencegate's monotonic clock ([`super::shared`]), in the script, only
 //! while the record still names that attempt.
+//!
+//! Connections ([`RedisTarget`], [`RedisConn`]) are fencegate's own: TCP, or TLS through
+//! [`ClientTls`] for a `rediss://` url (so the ring provider, the `tls` mapping's CA, client
+//! certificate and `server_name`, and certificate rotation apply as to every store), with the
+//! redis crate speaking the protocol over them (`AUTH` with the url's user and password,
+//! `SELECT`, `HELLO`).
 
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::Script;
-use tokio::sync::OnceCell;
+use redis::aio::MultiplexedConnection;
+use redis::{
+    AsyncConnectionConfig, ConnectionAddr, IntoConnectionInfo, ProtocolVersion,
+    RedisConnectionInfo, RedisError, Script,
+};
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
+
+use crate::tls::ClientTls;
 
 use super::shared::{Claimed, Owner, Remote};
 use super::{decide, BoxFuture, StoreError, Verdict};
@@ -121,10 +133,184 @@ redis.call('PEXPIRE', KEYS[1], ARGV[7])
 return 1
 ";
 
+/// Connect timeout (TCP, TLS handshake and `AUTH` together) and per-command response
+/// timeout: fail fast, so the caller's deadline, not ours, decides how long a write waits.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+const RESPONSE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Where and how to reach Redis: the url's host, port and settings (user, password,
+/// database, protocol), over TCP or, for `rediss://`, TLS.
+#[derive(Clone)]
+pub(crate) struct RedisTarget {
+    host: String,
+    port: u16,
+    settings: RedisConnectionInfo,
+    tls: Option<Arc<ClientTls>>,
+}
+
+impl RedisTarget {
+    /// `tls` is given exactly when the url is `rediss://` (the config checks that).
+    pub(crate) fn new(url: &str, tls: Option<Arc<ClientTls>>) -> Result<Self, String> {
+        if url.contains('#') {
+            // The redis crate reads `#insecure` as "do not verify": never.
+            return Err("a redis url has no `#` fragment".into());
+        }
+        // The TLS is ours: the redis crate parses the rest like a redis:// url.
+        let (plain, is_tls) = match url.strip_prefix("rediss://") {
+            Some(rest) => (format!("redis://{rest}"), true),
+            None => (url.to_owned(), false),
+        };
+        if is_tls != tls.is_some() {
+            return Err("a rediss:// url goes with TLS settings, a redis:// url without".into());
+        }
+        let info = plain
+            .as_str()
+            .into_connection_info()
+            .map_err(|e| format!("bad redis url: {e}"))?;
+        let ConnectionAddr::Tcp(host, port) = info.addr().clone() else {
+            return Err("a redis url names a host and port".into());
+        };
+        Ok(RedisTarget {
+            host,
+            port,
+            settings: info.redis_settings().clone(),
+            tls,
+        })
+    }
+
+    /// The same server, speaking `protocol` (push messages need RESP3).
+    pub(crate) fn with_protocol(&self, protocol: ProtocolVersion) -> Self {
+        let mut target = self.clone();
+        target.settings = target.settings.set_protocol(protocol);
+        target
+    }
+
+    /// A new connection (TLS handshake with the TLS files as they are now), set up and
+    /// authenticated, with its driver task running; within [`CONNECT_TIMEOUT`].
+    pub(crate) async fn connect(
+        &self,
+        config: AsyncConnectionConfig,
+    ) -> Result<MultiplexedConnection, RedisError> {
+        let connect = async {
+            let tcp = tokio::net::TcpStream::connect((self.host.as_str(), self.port)).await?;
+            let _ = tcp.set_nodelay(true);
+            match &self.tls {
+                Some(tls) => {
+                    let stream = tls.connect(&self.host, tcp).await?;
+                    self.set_up(stream, config).await
+                }
+                None => self.set_up(tcp, config).await,
+            }
+        };
+        tokio::time::timeout(CONNECT_TIMEOUT, connect)
+            .await
+            .unwrap_or_else(|_| {
+                Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("no connection within {}ms", CONNECT_TIMEOUT.as_millis()),
+                )
+                .into())
+            })
+    }
+
+    async fn set_up<S>(
+        &self,
+        stream: S,
+        config: AsyncConnectionConfig,
+    ) -> Result<MultiplexedConnection, RedisError>
+    where
+        S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    {
+        let (conn, driver) =
+            MultiplexedConnection::new_with_config(&self.settings, stream, config).await?;
+        // Ends when the last handle of the connection is dropped, or the connection breaks.
+        tokio::spawn(driver);
+        Ok(conn)
+    }
+}
+
+/// One shared connection, dialled on first use and again after it broke.
+pub(crate) struct RedisConn {
+    target: RedisTarget,
+    /// The connection and its generation (so that a failure drops only the connection it
+    /// happened on).
+    current: tokio::sync::Mutex<(u64, Option<MultiplexedConnection>)>,
+    /// For a lease backend: log one line when connecting starts failing and one when it
+    /// works again (a store's health latch logs for the store).
+    log_as: Option<&'static str>,
+    failing: AtomicBool,
+}
+
+impl RedisConn {
+    pub(crate) fn new(target: RedisTarget, log_as: Option<&'static str>) -> Self {
+        RedisConn {
+            target,
+            current: tokio::sync::Mutex::new((0, None)),
+            log_as,
+            failing: AtomicBool::new(false),
+        }
+    }
+
+    pub(crate) fn target(&self) -> &RedisTarget {
+        &self.target
+    }
+
+    /// The connection, dialled if there is none.
+    pub(crate) async fn get(&self) -> Result<(u64, MultiplexedConnection), RedisError> {
+        let mut current = self.current.lock().await;
+        if let (generation, Some(conn)) = &*current {
+            return Ok((*generation, conn.clone()));
+        }
+        let config = AsyncConnectionConfig::new().set_response_timeout(Some(RESPONSE_TIMEOUT));
+        match self.target.connect(config).await {
+            Ok(conn) => {
+                current.0 += 1;
+                current.1 = Some(conn.clone());
+                if self.failing.swap(false, Ordering::Relaxed) {
+                    if let Some(what) = self.log_as {
+                        tracing::info!(backend = "redis", "{what} reachable again");
+                    }
+                }
+                Ok((current.0, conn))
+            }
+            Err(e) => {
+                if !self.failing.swap(true, Ordering::Relaxed) {
+                    if let Some(what) = self.log_as {
+                        tracing::error!(backend = "redis", error = %e, "{what} unavailable");
+                    }
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Passes on the result of a command on the connection of `generation`; when the
+    /// connection failed (anything but an error reply from the server) it is dropped, so the
+    /// next call dials a new one.
+    pub(crate) async fn done<T>(
+        &self,
+        generation: u64,
+        result: Result<T, RedisError>,
+    ) -> Result<T, RedisError> {
+        if let Err(e) = &result {
+            if e.is_unrecoverable_error()
+                || e.is_timeout()
+                || e.is_io_error()
+                || e.is_connection_dropped()
+            {
+                let mut current = self.current.lock().await;
+                if current.0 == generation {
+                    current.1 = None;
+                }
+            }
+        }
+        result
+    }
+}
+
 pub struct RedisRemote {
-    client: redis::Client,
     /// Connected on first use, so fencegate starts (not ready) while Redis is still down.
-    conn: OnceCell<ConnectionManager>,
+    conn: RedisConn,
     script: Script,
     begin: Script,
     finish: Script,
@@ -132,12 +318,10 @@ pub struct RedisRemote {
 }
 
 impl RedisRemote {
-    pub fn new(url: &str, prefix: &str) -> Result<Self, StoreError> {
-        let client = redis::Client::open(url)
-            .map_err(|e| StoreError::Unavailable(format!("bad redis url: {e}")))?;
+    pub fn new(url: &str, prefix: &str, tls: Option<Arc<ClientTls>>) -> Result<Self, StoreError> {
+        let target = RedisTarget::new(url, tls).map_err(StoreError::Unavailable)?;
         Ok(RedisRemote {
-            client,
-            conn: OnceCell::new(),
+            conn: RedisConn::new(target, None),
             script: Script::new(RAISE),
             begin: Script::new(BEGIN),
             finish: Script::new(FINISH),
@@ -152,23 +336,6 @@ impl RedisRemote {
     /// The record key: the maximum's hash tag, then the idempotency key after a `\x1f`.
     fn record_key(&self, resource: &str, key: &str) -> String {
         format!("{}:{{{resource}}}:idem\u{1f}{key}", self.prefix)
-    }
-
-    async fn conn(&self) -> Result<ConnectionManager, StoreError> {
-        let conn = self
-            .conn
-            .get_or_try_init(|| async {
-                // The manager reconnects by itself after a drop; fail fast so the caller's
-                // deadline, not ours, decides how long a write waits.
-                let config = ConnectionManagerConfig::new()
-                    .set_connection_timeout(Some(std::time::Duration::from_secs(1)))
-                    .set_response_timeout(Some(std::time::Duration::from_secs(2)))
-                    .set_number_of_retries(1);
-                ConnectionManager::new_with_config(self.client.clone(), config).await
-            })
-            .await
-            .map_err(unavailable)?;
-        Ok(conn.clone())
     }
 }
 
@@ -258,12 +425,16 @@ impl Remote for RedisRemote {
         equal: EqualTokens,
     ) -> BoxFuture<'a, Result<Verdict, StoreError>> {
         Box::pin(async move {
-            let mut conn = self.conn().await?;
-            let (previous, raised): (String, u8) = self
+            let (generation, mut conn) = self.conn.get().await.map_err(unavailable)?;
+            let result = self
                 .script
                 .key(self.key(resource))
                 .arg(token.to_string())
                 .invoke_async(&mut conn)
+                .await;
+            let (previous, raised): (String, u8) = self
+                .conn
+                .done(generation, result)
                 .await
                 .map_err(unavailable)?;
             let previous = if previous.is_empty() {
@@ -281,10 +452,14 @@ impl Remote for RedisRemote {
 
     fn get<'a>(&'a self, resource: &'a str) -> BoxFuture<'a, Result<Option<u64>, StoreError>> {
         Box::pin(async move {
-            let mut conn = self.conn().await?;
-            let value: Option<String> = redis::cmd("GET")
+            let (generation, mut conn) = self.conn.get().await.map_err(unavailable)?;
+            let result = redis::cmd("GET")
                 .arg(self.key(resource))
                 .query_async(&mut conn)
+                .await;
+            let value: Option<String> = self
+                .conn
+                .done(generation, result)
                 .await
                 .map_err(unavailable)?;
             value.as_deref().map(parse).transpose()
@@ -293,9 +468,10 @@ impl Remote for RedisRemote {
 
     fn ping(&self) -> BoxFuture<'_, Result<(), StoreError>> {
         Box::pin(async move {
-            let mut conn = self.conn().await?;
-            redis::cmd("PING")
-                .query_async::<String>(&mut conn)
+            let (generation, mut conn) = self.conn.get().await.map_err(unavailable)?;
+            let result = redis::cmd("PING").query_async::<String>(&mut conn).await;
+            self.conn
+                .done(generation, result)
                 .await
                 .map_err(unavailable)?;
             Ok(())
@@ -310,9 +486,9 @@ impl Remote for RedisRemote {
         takeover: Option<AttemptId>,
     ) -> BoxFuture<'a, Result<Claimed, StoreError>> {
         Box::pin(async move {
-            let mut conn = self.conn().await?;
+            let (generation, mut conn) = self.conn.get().await.map_err(unavailable)?;
             let in_flight = claim.in_flight().encode();
-            let reply: Vec<Vec<u8>> = self
+            let result = self
                 .begin
                 .key(self.key(resource))
                 .key(self.record_key(resource, key))
@@ -325,6 +501,10 @@ impl Remote for RedisRemote {
                 .arg(claim.attempt.hex())
                 .arg(takeover.map(|a| a.hex()).unwrap_or_default())
                 .invoke_async(&mut conn)
+                .await;
+            let reply: Vec<Vec<u8>> = self
+                .conn
+                .done(generation, result)
                 .await
                 .map_err(unavailable)?;
             begin_reply(&reply)
@@ -339,8 +519,8 @@ impl Remote for RedisRemote {
         outcome: &'a Record,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
         Box::pin(async move {
-            let mut conn = self.conn().await?;
-            let wrote: u8 = self
+            let (generation, mut conn) = self.conn.get().await.map_err(unavailable)?;
+            let result = self
                 .finish
                 .key(self.record_key(resource, key))
                 .arg(claim.token.to_string())
@@ -352,6 +532,10 @@ impl Remote for RedisRemote {
                 .arg(window_ms(claim))
                 .arg(claim.attempt.hex())
                 .invoke_async(&mut conn)
+                .await;
+            let wrote: u8 = self
+                .conn
+                .done(generation, result)
                 .await
                 .map_err(unavailable)?;
             Ok(wrote == 1)
@@ -360,5 +544,31 @@ impl Remote for RedisRemote {
 
     fn kind(&self) -> &'static str {
         "redis"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_become_targets() {
+        let tls = Arc::new(ClientTls::load(&Default::default(), "store.tls", &[]).unwrap());
+        let target = RedisTarget::new("rediss://app:pw@redis.internal:6380/2", Some(tls)).unwrap();
+        assert_eq!(
+            (target.host.as_str(), target.port),
+            ("redis.internal", 6380)
+        );
+        assert_eq!(target.settings.username(), Some("app"));
+        assert_eq!(target.settings.password(), Some("pw"));
+        assert_eq!(target.settings.db(), 2);
+        let plain = RedisTarget::new("redis://127.0.0.1/", None).unwrap();
+        assert_eq!(plain.port, 6379);
+        assert!(plain.tls.is_none());
+        // Never without verification, and never TLS settings on a plaintext url.
+        let tls = Arc::new(ClientTls::load(&Default::default(), "store.tls", &[]).unwrap());
+        assert!(RedisTarget::new("rediss://127.0.0.1/#insecure", Some(tls.clone())).is_err());
+        assert!(RedisTarget::new("redis://127.0.0.1/", Some(tls)).is_err());
+        assert!(RedisTarget::new("rediss://127.0.0.1/", None).is_err());
     }
 }

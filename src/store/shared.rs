@@ -15,7 +15,7 @@
 //! The first sighting is no earlier than the attempt's start, so the takeover is never early,
 //! whatever any wall clock does.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -260,7 +260,7 @@ pub struct SharedStore<R: Remote> {
     cache: BoundedMaxima,
     sightings: InFlightSightings,
     clock: Clock,
-    healthy: Arc<AtomicBool>,
+    health: Arc<Health>,
     /// The health probe; stopped when the store is dropped.
     probe: tokio::task::JoinHandle<()>,
 }
@@ -282,26 +282,56 @@ impl<R: Remote> SharedStore<R> {
     pub fn with_clock(remote: R, cache_capacity: usize, clock: Clock) -> Self {
         let remote = Arc::new(remote);
         // Unknown until the first answer; the first probe runs at once.
-        let healthy = Arc::new(AtomicBool::new(false));
-        let probe = tokio::spawn(probe(Arc::clone(&remote), Arc::clone(&healthy)));
+        let health = Arc::new(Health::new(remote.kind()));
+        let probe = tokio::spawn(probe(Arc::clone(&remote), Arc::clone(&health)));
         SharedStore {
             remote,
             cache: BoundedMaxima::new(cache_capacity),
             sightings: InFlightSightings::new(SIGHTINGS),
             clock,
-            healthy,
+            health,
             probe,
         }
     }
 
     fn record<T>(&self, result: &Result<T, StoreError>) {
-        let ok = result.is_ok();
-        if self.healthy.swap(ok, Ordering::Relaxed) != ok {
-            match result {
-                Ok(_) => tracing::info!(store = self.remote.kind(), "fence store reachable again"),
-                Err(e) => {
-                    tracing::error!(store = self.remote.kind(), error = %e, "fence store unavailable")
-                }
+        self.health.set(result.as_ref().err());
+    }
+}
+
+/// The health latch: unknown until the first answer, then healthy or not. One log line when
+/// it changes (with the cause when the store becomes unavailable), however many requests and
+/// probes fail in between: a wrong password or CA says so once, not once per retry.
+struct Health {
+    state: AtomicU8,
+    kind: &'static str,
+}
+
+const UNKNOWN: u8 = 0;
+const HEALTHY: u8 = 1;
+const UNHEALTHY: u8 = 2;
+
+impl Health {
+    fn new(kind: &'static str) -> Self {
+        Health {
+            state: AtomicU8::new(UNKNOWN),
+            kind,
+        }
+    }
+
+    fn healthy(&self) -> bool {
+        self.state.load(Ordering::Relaxed) == HEALTHY
+    }
+
+    fn set(&self, error: Option<&StoreError>) {
+        let new = if error.is_some() { UNHEALTHY } else { HEALTHY };
+        let old = self.state.swap(new, Ordering::Relaxed);
+        match (old, error) {
+            (HEALTHY, None) | (UNHEALTHY, Some(_)) => {}
+            (UNKNOWN, None) => tracing::info!(store = self.kind, "fence store reachable"),
+            (_, None) => tracing::info!(store = self.kind, "fence store reachable again"),
+            (_, Some(e)) => {
+                tracing::error!(store = self.kind, error = %e, "fence store unavailable")
             }
         }
     }
@@ -313,17 +343,19 @@ impl<R: Remote> Drop for SharedStore<R> {
     }
 }
 
-async fn probe<R: Remote>(remote: Arc<R>, healthy: Arc<AtomicBool>) {
+async fn probe<R: Remote>(remote: Arc<R>, health: Arc<Health>) {
     let mut backoff = MIN_BACKOFF;
     loop {
-        let ok = matches!(
-            tokio::time::timeout(PROBE_TIMEOUT, remote.ping()).await,
-            Ok(Ok(()))
-        );
-        let was = healthy.swap(ok, Ordering::Relaxed);
-        if ok && !was {
-            tracing::info!(store = remote.kind(), "fence store reachable");
-        }
+        let error = match tokio::time::timeout(PROBE_TIMEOUT, remote.ping()).await {
+            Ok(Ok(())) => None,
+            Ok(Err(e)) => Some(e),
+            Err(_) => Some(StoreError::Unavailable(format!(
+                "no answer to a probe within {}ms",
+                PROBE_TIMEOUT.as_millis()
+            ))),
+        };
+        let ok = error.is_none();
+        health.set(error.as_ref());
         let wait = if ok {
             backoff = MIN_BACKOFF;
             HEALTHY_PROBE
@@ -369,7 +401,7 @@ impl<R: Remote> FenceStore for SharedStore<R> {
     }
 
     fn healthy(&self) -> bool {
-        self.healthy.load(Ordering::Relaxed)
+        self.health.healthy()
     }
 
     fn begin_idempotent<'a>(

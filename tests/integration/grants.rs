@@ -153,6 +153,7 @@ async fn cache_follows_grants(kind: &str) {
         url,
         path: (kind == "embedded").then(|| dir.path().join("leases.db")),
         prefix: fresh_prefix(),
+        tls: None,
     };
     let mine = lease::open(&config).await.unwrap();
     // Another client of the same backend grants the leases (with the embedded backend, whose
@@ -277,6 +278,7 @@ async fn authoritative_fence_with_redis_fails_closed_while_the_backend_is_down()
         url: Some(SecretUrl::try_from(redis.url()).unwrap()),
         path: None,
         prefix,
+        tls: None,
     })
     .await
     .unwrap();

@@ -26,6 +26,7 @@ async fn a_waiting_acquisition_is_reported_as_acquiring() {
         url: Some(SecretUrl::try_from(REDIS_URL.to_owned()).unwrap()),
         path: None,
         prefix,
+        tls: None,
     })
     .await
     .unwrap();

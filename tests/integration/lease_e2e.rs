@@ -774,6 +774,7 @@ async fn sigterm_refuses_a_waiting_acquisition_and_leaves_nothing_held() {
         url: None,
         path: Some(leases_db),
         prefix: "fencegate".into(),
+        tls: None,
     })
     .await
     .unwrap();

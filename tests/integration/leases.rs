@@ -43,6 +43,7 @@ impl Fixture {
                 url,
                 path,
                 prefix: fresh_prefix(),
+                tls: None,
             },
             _service: service,
             _dir: dir,
@@ -421,6 +422,7 @@ async fn events_survive_a_server_restart(kind: Kind) {
         url: Some(SecretUrl::try_from(service.url()).unwrap()),
         path: None,
         prefix: fresh_prefix(),
+        tls: None,
     };
     let b = lease::open(&config).await.unwrap();
     // Start the event connection.

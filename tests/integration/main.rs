@@ -20,6 +20,7 @@ mod logs;
 mod process;
 mod proxy;
 mod services;
+mod store_tls;
 mod stores;
 mod tls;
 mod upstream_conn;
