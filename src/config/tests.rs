@@ -339,6 +339,27 @@ fn store_urls_never_print_their_password() {
     );
     let token_only = SecretUrl::try_from("redis://:pw@h/".to_owned()).unwrap();
     assert_eq!(token_only.to_string(), "redis://:****@h/");
+    // Passwords with `/`, `?` or `#` unencoded (as `openssl rand -base64` makes them): the
+    // etcd and PostgreSQL URL readers take them, so they must be masked too.
+    for (raw, shown) in [
+        (
+            "https://fencegate:ab/Cd+9=@etcd-0:2379,etcd-1:2379",
+            "https://fencegate:****@etcd-0:2379,etcd-1:2379",
+        ),
+        (
+            "postgres://app:x/y@db/fences",
+            "postgres://app:****@db/fences",
+        ),
+        ("etcd://u:pa?ss@h:2379", "etcd://u:****@h:2379"),
+        ("redis://u:p#w@h:6379/0", "redis://u:****@h:6379/0"),
+        (
+            "postgres://app:p/w?x@db/f?sslmode=require&password=q",
+            "postgres://app:****@db/f?sslmode=require&password=****",
+        ),
+    ] {
+        let url = SecretUrl::try_from(raw.to_owned()).unwrap();
+        assert_eq!(url.to_string(), shown, "{raw}");
+    }
 }
 
 #[test]

@@ -536,19 +536,26 @@ impl fmt::Display for SecretUrl {
         let Some((scheme, rest)) = self.0.split_once("://") else {
             return f.write_str("****");
         };
-        let (rest, query) = match rest.split_once('?') {
-            Some((rest, query)) => (rest, Some(query)),
-            None => (rest, None),
-        };
-        let authority_end = rest.find('/').unwrap_or(rest.len());
-        match rest[..authority_end].rfind('@') {
+        // The userinfo ends at the last `@`, wherever it is: a password may hold `/`, `?` or
+        // `#` unencoded (the etcd and PostgreSQL URL readers accept it), and must be masked
+        // all the same. An `@` in the query only masks more than it needs to.
+        let tail = match rest.rfind('@') {
             Some(at) => {
                 let userinfo = &rest[..at];
                 let user = userinfo.split_once(':').map_or(userinfo, |(u, _)| u);
-                write!(f, "{scheme}://{user}:****{}", &rest[at..])?;
+                write!(f, "{scheme}://{user}:****@")?;
+                &rest[at + 1..]
             }
-            None => write!(f, "{scheme}://{rest}")?,
-        }
+            None => {
+                write!(f, "{scheme}://")?;
+                rest
+            }
+        };
+        let (host, query) = match tail.split_once('?') {
+            Some((host, query)) => (host, Some(query)),
+            None => (tail, None),
+        };
+        f.write_str(host)?;
         if let Some(query) = query {
             // Query parameters can carry secrets too (`?password=`): mask the likely ones.
             f.write_str("?")?;
