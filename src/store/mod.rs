@@ -1,6 +1,7 @@
 //! Where recorded maxima live. Every store implements [`FenceStore`] with one atomic
 //! compare-and-raise; the decision itself is the pure [`decide`], shared by all of them.
 
+mod cache;
 mod embedded;
 mod etcd;
 mod memory;
