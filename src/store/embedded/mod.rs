@@ -1,0 +1,428 @@
+//! Durable maxima in a redb file on local disk.
+//!
+//! Every raise is committed with an fsync before the write it admits is forwarded, so a
+//! `kill -9` never forgets a maximum. One writer thread owns all write transactions and commits
+//! whatever raises queued up while the previous sync ran (group commit): under load many raises
+//! share one sync instead of queueing for one each.
+//!
+//! When the writer has just committed, a raise queued from a runtime thread set up with
+//! [`defer_wakes_to_park`] does not wake it at once: the runtime wakes it when it runs out of
+//! work (or the writer looks again after [`POLL`]). Woken by the first raise, the writer
+//! would take the core from the proxy it shares it with and commit that raise nearly alone;
+//! woken when the runtime parks, it commits every raise the runtime's ready work produced. A
+//! writer that has gone idle is woken at once, so a lone write never waits.
+//!
+//! All maxima are also held in memory (loaded at open, updated after each commit), so a stale
+//! token or a repeat of the current token is answered without touching the disk. The cache only
+//! ever holds durable values, and this process is the file's only writer (redb locks it).
+//!
+//! Idempotency records go through the same writer: a claim reads the record, decides, raises
+//! the maximum and writes the `in_flight` record in the batch's write transaction, so it is
+//! durable before the write it admits is forwarded. Records live in `{prefix}.idempotency`
+//! under [`record_key`], with the wall-clock instant (ms since the Unix epoch) they expire at,
+//! since the file outlives the process; an expired record counts as absent. Except an
+//! `in_flight` record whose attempt this process started: the writer also keeps its deadline
+//! on the monotonic clock, and until that passes the record is live whatever the wall clock
+//! says, so a forward step of the clock cannot let a retry execute beside a running attempt. A second table,
+//! `{prefix}.idempotency.expiry`, holds `(expires_ms, record key)` for every record, so
+//! purging the expired ones (inside write transactions) visits only those.
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{fence, AtomicBool, AtomicU64, Ordering};
+use std::sync::{mpsc, Arc};
+use std::thread::Thread;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use dashmap::DashMap;
+use redb::{Database, ReadableDatabase, ReadableTable, Table, TableDefinition};
+use tokio::sync::oneshot;
+
+use super::{decide, record_key, BoxFuture, FenceStore, StoreError, Verdict};
+use crate::config::EqualTokens;
+use crate::idempotency::{self, AttemptId, Begin, Claim, Phase, Record};
+
+/// Upper bound on operations per transaction, so one batch cannot hold the queue for long.
+const MAX_BATCH: usize = 4096;
+
+/// Upper bound on expired records purged per transaction; the rest go with the next ones.
+const MAX_PURGE: usize = 1024;
+
+/// How long the writer, after a commit, waits for a wake before it looks at the queue again,
+/// and then goes idle if it found nothing.
+const POLL: Duration = Duration::from_millis(1);
+
+thread_local! {
+    /// This thread runs a runtime whose park hook wakes the writers ([`defer_wakes_to_park`]).
+    static PARKS_HERE: Cell<bool> = const { Cell::new(false) };
+    /// Writers to wake when this thread's runtime parks.
+    static DEFERRED: RefCell<Vec<Thread>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Sets up `builder`'s runtime so that raises queued from its threads wake the embedded
+/// store's writer when the runtime runs out of work, not one by one (see the module comment).
+pub fn defer_wakes_to_park(builder: &mut tokio::runtime::Builder) {
+    builder.on_thread_park(|| {
+        PARKS_HERE.set(true);
+        DEFERRED.with_borrow_mut(|writers| {
+            for writer in writers.drain(..) {
+                writer.unpark();
+            }
+        });
+    });
+}
+
+/// Whether this thread's runtime was set up with [`defer_wakes_to_park`] and has parked since.
+#[cfg(test)]
+pub(crate) fn parks_here() -> bool {
+    PARKS_HERE.get()
+}
+
+/// Record key to `(expires_ms, encoded record)`.
+type Records<'a> = TableDefinition<'a, &'static str, (u64, &'static [u8])>;
+/// `(expires_ms, record key)` for every record, in expiry order.
+type Expiries<'a> = TableDefinition<'a, (u64, &'static str), ()>;
+
+/// One operation for the writer thread.
+enum Op {
+    Raise {
+        resource: Box<str>,
+        token: u64,
+        equal: EqualTokens,
+        reply: oneshot::Sender<Result<Verdict, StoreError>>,
+    },
+    Begin {
+        resource: Box<str>,
+        key: Box<str>,
+        claim: Claim,
+        reply: oneshot::Sender<Result<Begin, StoreError>>,
+    },
+    Finish {
+        resource: Box<str>,
+        key: Box<str>,
+        claim: Claim,
+        outcome: Record,
+        reply: oneshot::Sender<Result<bool, StoreError>>,
+    },
+}
+
+/// What an operation answers once its transaction committed.
+enum Answer {
+    Verdict(Verdict),
+    Begin(Begin),
+    Finished(bool),
+    /// This operation alone failed (its record is unreadable); it wrote nothing.
+    Failed(StoreError),
+}
+
+impl Op {
+    fn reply(self, answer: Result<Answer, StoreError>) {
+        let answer = answer.and_then(|a| match a {
+            Answer::Failed(e) => Err(e),
+            a => Ok(a),
+        });
+        match self {
+            Op::Raise { reply, .. } => {
+                let _ = reply.send(answer.map(|a| match a {
+                    Answer::Verdict(v) => v,
+                    _ => unreachable!("a raise answers a verdict"),
+                }));
+            }
+            Op::Begin { reply, .. } => {
+                let _ = reply.send(answer.map(|a| match a {
+                    Answer::Begin(b) => b,
+                    _ => unreachable!("a claim answers a begin"),
+                }));
+            }
+            Op::Finish { reply, .. } => {
+                let _ = reply.send(answer.map(|a| match a {
+                    Answer::Finished(f) => f,
+                    _ => unreachable!("an outcome answers whether it landed"),
+                }));
+            }
+        }
+    }
+}
+
+/// The attempts of this process whose `in_flight` records are live, by record key: the owner
+/// and its deadline on the monotonic clock (`None`: the window does not fit in an `Instant`).
+type Running = HashMap<String, (AttemptId, Option<Instant>)>;
+
+/// Whether `record`, stored under `key`, is the `in_flight` record of an attempt of this
+/// process whose monotonic deadline has not passed.
+fn running(live: &Running, key: &str, record: &Record, now: Instant) -> bool {
+    live.get(key).is_some_and(|(attempt, deadline)| {
+        record.phase == Phase::InFlight
+            && record.attempt == Some(*attempt)
+            && deadline.is_none_or(|d| d > now)
+    })
+}
+
+/// Milliseconds since the Unix epoch, the clock record expiries are kept in.
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+fn expiry_ms(now: u64, window: Duration) -> u64 {
+    now.saturating_add(u64::try_from(window.as_millis()).unwrap_or(u64::MAX))
+}
+
+struct Shared {
+    /// Durable maxima, complete: a resource absent here is absent on disk.
+    maxima: DashMap<Box<str>, u64>,
+    healthy: AtomicBool,
+    /// Committed write transactions, for tests and metrics of group commit.
+    commits: AtomicU64,
+    /// The writer waits without a deadline: a new operation wakes it at once.
+    idle: AtomicBool,
+    /// Added to the wall clock the writer reads (tests: a clock step).
+    #[cfg(test)]
+    clock_step_ms: AtomicU64,
+}
+
+impl Shared {
+    /// The wall clock record expiries are compared with.
+    fn now_ms(&self) -> u64 {
+        #[cfg(test)]
+        let step = self.clock_step_ms.load(Ordering::Relaxed);
+        #[cfg(not(test))]
+        let step = 0;
+        now_ms().saturating_add(step)
+    }
+}
+
+pub struct EmbeddedStore {
+    shared: Arc<Shared>,
+    /// Queue to the writer thread; closing it (and waking the thread) stops the thread.
+    queue: Option<mpsc::Sender<Op>>,
+    /// Joined on drop, so the database file is unlocked when the store is gone.
+    writer: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for EmbeddedStore {
+    fn drop(&mut self) {
+        drop(self.queue.take());
+        if let Some(writer) = self.writer.take() {
+            writer.thread().unpark();
+            let _ = writer.join();
+        }
+    }
+}
+
+impl EmbeddedStore {
+    /// Opens (creating if needed) the database and loads every maximum into memory.
+    pub fn open(path: &Path, prefix: &str) -> Result<Self, StoreError> {
+        Self::open_polling(path, prefix, POLL)
+    }
+
+    /// [`EmbeddedStore::open`] with the writer's [`POLL`] set (tests).
+    fn open_polling(path: &Path, prefix: &str, poll: Duration) -> Result<Self, StoreError> {
+        let fail = |what: &str, e: &dyn std::fmt::Display| {
+            StoreError::Unavailable(format!("{what} {}: {e}", path.display()))
+        };
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(|e| fail("cannot create the directory of", &e))?;
+        }
+        let db = Database::create(path).map_err(|e| fail("cannot open", &e))?;
+        let names = Names::new(prefix);
+        let maxima = DashMap::new();
+        {
+            let table = TableDefinition::<&str, u64>::new(&names.fences);
+            let txn = db.begin_write().map_err(|e| fail("cannot write", &e))?;
+            txn.open_table(table)
+                .map_err(|e| fail("cannot open table in", &e))?;
+            txn.open_table(Records::new(&names.records))
+                .map_err(|e| fail("cannot open table in", &e))?;
+            txn.open_table(Expiries::new(&names.expiries))
+                .map_err(|e| fail("cannot open table in", &e))?;
+            txn.commit().map_err(|e| fail("cannot commit to", &e))?;
+            let read = db.begin_read().map_err(|e| fail("cannot read", &e))?;
+            let table = read
+                .open_table(table)
+                .map_err(|e| fail("cannot read", &e))?;
+            for row in table.iter().map_err(|e| fail("cannot read", &e))? {
+                let (k, v) = row.map_err(|e| fail("cannot read", &e))?;
+                maxima.insert(Box::from(k.value()), v.value());
+            }
+        }
+        let shared = Arc::new(Shared {
+            maxima,
+            healthy: AtomicBool::new(true),
+            commits: AtomicU64::new(0),
+            idle: AtomicBool::new(false),
+            #[cfg(test)]
+            clock_step_ms: AtomicU64::new(0),
+        });
+        let (queue, rx) = mpsc::channel();
+        let writer_shared = Arc::clone(&shared);
+        let writer_path = path.to_owned();
+        let writer = std::thread::Builder::new()
+            .name("fencegate-store".into())
+            .spawn(move || writer(writer_path, db, names, rx, writer_shared, poll))
+            .map_err(|e| fail("cannot start the writer for", &e))?;
+        Ok(EmbeddedStore {
+            shared,
+            queue: Some(queue),
+            writer: Some(writer),
+        })
+    }
+
+    /// Wakes the writer for an operation just queued: at once, or when this thread's runtime
+    /// parks (see the module comment).
+    fn wake(&self) {
+        // Present until the store is dropped, and nothing is sent after that.
+        let Some(writer) = self.writer.as_ref().map(|w| w.thread()) else {
+            return;
+        };
+        // Pairs with the fence in `writer` between marking itself idle and a last look at the
+        // queue: either it sees this operation, or this sees it idle.
+        fence(Ordering::SeqCst);
+        if !PARKS_HERE.get() || self.shared.idle.load(Ordering::Relaxed) {
+            writer.unpark();
+            return;
+        }
+        DEFERRED.with_borrow_mut(|writers| {
+            if !writers.iter().any(|w| w.id() == writer.id()) {
+                writers.push(writer.clone());
+            }
+        });
+    }
+
+    fn send<T>(
+        &self,
+        op: Op,
+        answer: oneshot::Receiver<Result<T, StoreError>>,
+    ) -> BoxFuture<'static, Result<T, StoreError>>
+    where
+        T: Send + 'static,
+    {
+        let sent = match &self.queue {
+            Some(queue) => queue.send(op).map(|()| self.wake()).map_err(|_| ()),
+            None => Err(()),
+        };
+        Box::pin(async move {
+            sent.map_err(|_| StoreError::Unavailable("the store writer has stopped".into()))?;
+            answer
+                .await
+                .map_err(|_| StoreError::Unavailable("the store writer has stopped".into()))?
+        })
+    }
+
+    /// How many transactions have been committed since open.
+    pub fn commits(&self) -> u64 {
+        self.shared.commits.load(Ordering::Relaxed)
+    }
+
+    pub fn len(&self) -> usize {
+        self.shared.maxima.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.shared.maxima.is_empty()
+    }
+}
+
+impl FenceStore for EmbeddedStore {
+    fn compare_and_raise<'a>(
+        &'a self,
+        resource: &'a str,
+        token: u64,
+        equal: EqualTokens,
+    ) -> BoxFuture<'a, Result<Verdict, StoreError>> {
+        let cached = self.shared.maxima.get(resource).map(|v| *v);
+        if let Some(current) = cached {
+            let verdict = decide(Some(current), token, equal);
+            if !verdict.raised(token) {
+                // Refusal, or the durable maximum itself: nothing to write.
+                return Box::pin(std::future::ready(Ok(verdict)));
+            }
+        }
+        let (reply, answer) = oneshot::channel();
+        let raise = Op::Raise {
+            resource: resource.into(),
+            token,
+            equal,
+            reply,
+        };
+        self.send(raise, answer)
+    }
+
+    fn current<'a>(&'a self, resource: &'a str) -> BoxFuture<'a, Result<Option<u64>, StoreError>> {
+        let current = self.shared.maxima.get(resource).map(|v| *v);
+        Box::pin(std::future::ready(Ok(current)))
+    }
+
+    /// False after a failed commit until the disk takes writes again, and for good once the
+    /// writer thread has stopped (a panic in it, say): every write would then be refused.
+    fn healthy(&self) -> bool {
+        self.shared.healthy.load(Ordering::Relaxed)
+            && self.writer.as_ref().is_some_and(|w| !w.is_finished())
+    }
+
+    fn begin_idempotent<'a>(
+        &'a self,
+        resource: &'a str,
+        key: &'a str,
+        claim: &'a Claim,
+    ) -> BoxFuture<'a, Result<Begin, StoreError>> {
+        // Always through the writer, never from the cache: a stale token may still have a
+        // record to replay.
+        let (reply, answer) = oneshot::channel();
+        let begin = Op::Begin {
+            resource: resource.into(),
+            key: key.into(),
+            claim: *claim,
+            reply,
+        };
+        self.send(begin, answer)
+    }
+
+    fn finish_idempotent<'a>(
+        &'a self,
+        resource: &'a str,
+        key: &'a str,
+        claim: &'a Claim,
+        outcome: &'a Record,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        let (reply, answer) = oneshot::channel();
+        let finish = Op::Finish {
+            resource: resource.into(),
+            key: key.into(),
+            claim: *claim,
+            outcome: outcome.clone(),
+            reply,
+        };
+        self.send(finish, answer)
+    }
+
+    fn kind(&self) -> &'static str {
+        "embedded"
+    }
+}
+
+/// The names of the store's tables, all under its prefix.
+struct Names {
+    fences: String,
+    records: String,
+    expiries: String,
+}
+
+impl Names {
+    fn new(prefix: &str) -> Self {
+        Names {
+            fences: format!("{prefix}.fences"),
+            records: format!("{prefix}.idempotency"),
+            expiries: format!("{prefix}.idempotency.expiry"),
+        }
+    }
+}
+
+mod records;
+use records::{purge, read_record, write_record};
+#[cfg(test)]
+mod tests;
+mod writer;
+use writer::writer;
