@@ -148,7 +148,7 @@ pub async fn open_with_clock(
                 .path
                 .as_deref()
                 .expect("the embedded store always has a path after validation");
-            Ok(Arc::new(EmbeddedStore::open(path, &config.prefix)?))
+            Ok(Arc::new(EmbeddedStore::open(path, &config.prefix, cache)?))
         }
         StoreKind::Redis => {
             let remote = self::redis::RedisRemote::new(url(), &config.prefix)?;

@@ -12,9 +12,24 @@
 //! woken when the runtime parks, it commits every raise the runtime's ready work produced. A
 //! writer that has gone idle is woken at once, so a lone write never waits.
 //!
-//! All maxima are also held in memory (loaded at open, updated after each commit), so a stale
-//! token or a repeat of the current token is answered without touching the disk. The cache only
-//! ever holds durable values, and this process is the file's only writer (redb locks it).
+//! The maxima live in the file; memory holds a bounded cache of the recently used ones
+//! ([`BoundedMaxima`], `store.cache_size` resources) and redb's page cache ([`PAGE_CACHE`]),
+//! so memory does not grow with the number of resources and opening reads no maximum. Every
+//! cached value is a lower bound of the durable maximum, which is what makes a refusal from
+//! the cache safe whatever was evicted or read meanwhile. A decision that changes nothing is
+//! made without the writer, from a value that was the durable maximum during the request:
+//!
+//! - a token below a cached value is refused (a lower bound suffices);
+//! - a repeat of an *exact* cached value is admitted. Only the writer marks values exact: after
+//!   a commit, with the values it committed or read in its transaction, and it clears the mark
+//!   of every resource a batch raises before committing it. As this process is the file's only
+//!   writer (redb locks it), an exact value is the durable maximum;
+//! - a resource not cached (or a repeat of a value that is not exact) is read from the file in
+//!   one read transaction, on the calling thread, and decided against what it read.
+//!
+//! Every raise goes to the writer, which decides it against the maximum in its own write
+//! transaction (the table, not the cache), so an eviction between a lookup and the commit
+//! cannot admit a stale token.
 //!
 //! Idempotency records go through the same writer: a claim reads the record, decides, raises
 //! the maximum and writes the `in_flight` record in the batch's write transaction, so it is
@@ -35,10 +50,11 @@ use std::sync::{mpsc, Arc};
 use std::thread::Thread;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use dashmap::DashMap;
+use arc_swap::ArcSwapOption;
 use redb::{Database, ReadableDatabase, ReadableTable, Table, TableDefinition};
 use tokio::sync::oneshot;
 
+use super::cache::BoundedMaxima;
 use super::{decide, record_key, BoxFuture, FenceStore, StoreError, Verdict};
 use crate::config::EqualTokens;
 use crate::idempotency::{self, AttemptId, Begin, Claim, Phase, Record};
@@ -48,6 +64,15 @@ const MAX_BATCH: usize = 4096;
 
 /// Upper bound on expired records purged per transaction; the rest go with the next ones.
 const MAX_PURGE: usize = 1024;
+
+/// redb's cache of file pages, in bytes (its default is 1 GiB). The b-tree's branch pages of
+/// 10 million resources take about 4 MiB; the rest holds recently read and written leaves.
+pub const PAGE_CACHE: usize = 16 << 20;
+
+/// Opens (creating if needed) the database file with the store's page cache.
+fn open_file(path: &Path) -> Result<Database, redb::DatabaseError> {
+    redb::Builder::new().set_cache_size(PAGE_CACHE).create(path)
+}
 
 /// How long the writer, after a commit, waits for a wake before it looks at the queue again,
 /// and then goes idle if it found nothing.
@@ -171,8 +196,14 @@ fn expiry_ms(now: u64, window: Duration) -> u64 {
 }
 
 struct Shared {
-    /// Durable maxima, complete: a resource absent here is absent on disk.
-    maxima: DashMap<Box<str>, u64>,
+    /// Lower bounds of durable maxima, some exact (see the module comment).
+    cache: BoundedMaxima,
+    /// The database, for reads; `None` while the writer reopens it after a failure.
+    db: ArcSwapOption<Database>,
+    /// The file, for messages.
+    path: PathBuf,
+    /// The table of maxima.
+    fences: String,
     healthy: AtomicBool,
     /// Committed write transactions, for tests and metrics of group commit.
     commits: AtomicU64,
@@ -181,7 +212,14 @@ struct Shared {
     /// Added to the wall clock the writer reads (tests: a clock step).
     #[cfg(test)]
     clock_step_ms: AtomicU64,
+    /// Runs in the writer just before it commits a batch that wrote (tests).
+    #[cfg(test)]
+    before_commit: std::sync::Mutex<Option<Box<BeforeCommit>>>,
 }
+
+/// A test's look at the cache while a batch is about to commit.
+#[cfg(test)]
+type BeforeCommit = dyn FnMut(&BoundedMaxima) + Send;
 
 impl Shared {
     /// The wall clock record expiries are compared with.
@@ -213,48 +251,58 @@ impl Drop for EmbeddedStore {
 }
 
 impl EmbeddedStore {
-    /// Opens (creating if needed) the database and loads every maximum into memory.
-    pub fn open(path: &Path, prefix: &str) -> Result<Self, StoreError> {
-        Self::open_polling(path, prefix, POLL)
+    /// Opens (creating if needed) the database, caching up to `cache_size` maxima. Reads no
+    /// maximum: the time it takes does not grow with the number of resources.
+    pub fn open(path: &Path, prefix: &str, cache_size: usize) -> Result<Self, StoreError> {
+        Self::open_polling(path, prefix, cache_size, POLL)
     }
 
     /// [`EmbeddedStore::open`] with the writer's [`POLL`] set (tests).
-    fn open_polling(path: &Path, prefix: &str, poll: Duration) -> Result<Self, StoreError> {
+    fn open_polling(
+        path: &Path,
+        prefix: &str,
+        cache_size: usize,
+        poll: Duration,
+    ) -> Result<Self, StoreError> {
         let fail = |what: &str, e: &dyn std::fmt::Display| {
             StoreError::Unavailable(format!("{what} {}: {e}", path.display()))
         };
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(|e| fail("cannot create the directory of", &e))?;
         }
-        let db = Database::create(path).map_err(|e| fail("cannot open", &e))?;
+        let db = Arc::new(open_file(path).map_err(|e| fail("cannot open", &e))?);
         let names = Names::new(prefix);
-        let maxima = DashMap::new();
-        {
-            let table = TableDefinition::<&str, u64>::new(&names.fences);
+        let fences = TableDefinition::<&str, u64>::new(&names.fences);
+        let records = Records::new(&names.records);
+        let expiries = Expiries::new(&names.expiries);
+        let missing = {
+            let read = db.begin_read().map_err(|e| fail("cannot read", &e))?;
+            read.open_table(fences).is_err()
+                || read.open_table(records).is_err()
+                || read.open_table(expiries).is_err()
+        };
+        if missing {
             let txn = db.begin_write().map_err(|e| fail("cannot write", &e))?;
-            txn.open_table(table)
+            txn.open_table(fences)
                 .map_err(|e| fail("cannot open table in", &e))?;
-            txn.open_table(Records::new(&names.records))
+            txn.open_table(records)
                 .map_err(|e| fail("cannot open table in", &e))?;
-            txn.open_table(Expiries::new(&names.expiries))
+            txn.open_table(expiries)
                 .map_err(|e| fail("cannot open table in", &e))?;
             txn.commit().map_err(|e| fail("cannot commit to", &e))?;
-            let read = db.begin_read().map_err(|e| fail("cannot read", &e))?;
-            let table = read
-                .open_table(table)
-                .map_err(|e| fail("cannot read", &e))?;
-            for row in table.iter().map_err(|e| fail("cannot read", &e))? {
-                let (k, v) = row.map_err(|e| fail("cannot read", &e))?;
-                maxima.insert(Box::from(k.value()), v.value());
-            }
         }
         let shared = Arc::new(Shared {
-            maxima,
+            cache: BoundedMaxima::new(cache_size),
+            db: ArcSwapOption::new(Some(Arc::clone(&db))),
+            path: path.to_owned(),
+            fences: names.fences.clone(),
             healthy: AtomicBool::new(true),
             commits: AtomicU64::new(0),
             idle: AtomicBool::new(false),
             #[cfg(test)]
             clock_step_ms: AtomicU64::new(0),
+            #[cfg(test)]
+            before_commit: std::sync::Mutex::new(None),
         });
         let (queue, rx) = mpsc::channel();
         let writer_shared = Arc::clone(&shared);
@@ -316,12 +364,59 @@ impl EmbeddedStore {
         self.shared.commits.load(Ordering::Relaxed)
     }
 
-    pub fn len(&self) -> usize {
-        self.shared.maxima.len()
+    /// How many maxima are cached.
+    pub fn cached(&self) -> usize {
+        self.shared.cache.len()
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.shared.maxima.is_empty()
+    /// The durable maximum of `resource`, read from the file in one read transaction (and
+    /// cached as a lower bound).
+    fn read_maximum(&self, resource: &str) -> Result<Option<u64>, StoreError> {
+        let Some(db) = self.shared.db.load_full() else {
+            return Err(StoreError::Unavailable(format!(
+                "{} is being reopened after a failed write",
+                self.shared.path.display()
+            )));
+        };
+        let read = || -> Result<Option<u64>, redb::Error> {
+            let txn = db.begin_read()?;
+            let table = txn.open_table(TableDefinition::<&str, u64>::new(&self.shared.fences))?;
+            let value = table.get(resource)?.map(|v| v.value());
+            Ok(value)
+        };
+        let durable = read().map_err(|e| {
+            StoreError::Unavailable(format!("cannot read {}: {e}", self.shared.path.display()))
+        })?;
+        if let Some(value) = durable {
+            self.shared.cache.observe(resource, value);
+        }
+        Ok(durable)
+    }
+
+    /// The verdict on `token` when it changes nothing (a refusal, or a repeat of the maximum),
+    /// decided here without the writer; `None` when it would raise the maximum, which only the
+    /// writer decides (see the module comment).
+    fn decide_here(
+        &self,
+        resource: &str,
+        token: u64,
+        equal: EqualTokens,
+    ) -> Result<Option<Verdict>, StoreError> {
+        if let Some(cached) = self.shared.cache.entry(resource) {
+            let verdict = decide(Some(cached.value), token, equal);
+            match verdict {
+                // Below a lower bound: stale whatever the durable maximum is now.
+                Verdict::Stale { .. } => return Ok(Some(verdict)),
+                // Above a lower bound: the writer compares with the durable maximum.
+                _ if verdict.raised(token) => return Ok(None),
+                // A repeat of the durable maximum itself.
+                _ if cached.exact => return Ok(Some(verdict)),
+                // A repeat of a lower bound: the file says whether it is the maximum.
+                _ => {}
+            }
+        }
+        let verdict = decide(self.read_maximum(resource)?, token, equal);
+        Ok((!verdict.raised(token)).then_some(verdict))
     }
 }
 
@@ -332,13 +427,11 @@ impl FenceStore for EmbeddedStore {
         token: u64,
         equal: EqualTokens,
     ) -> BoxFuture<'a, Result<Verdict, StoreError>> {
-        let cached = self.shared.maxima.get(resource).map(|v| *v);
-        if let Some(current) = cached {
-            let verdict = decide(Some(current), token, equal);
-            if !verdict.raised(token) {
-                // Refusal, or the durable maximum itself: nothing to write.
-                return Box::pin(std::future::ready(Ok(verdict)));
-            }
+        match self.decide_here(resource, token, equal) {
+            // Refusal, or the durable maximum itself: nothing to write.
+            Ok(Some(verdict)) => return Box::pin(std::future::ready(Ok(verdict))),
+            Err(e) => return Box::pin(std::future::ready(Err(e))),
+            Ok(None) => {}
         }
         let (reply, answer) = oneshot::channel();
         let raise = Op::Raise {
@@ -351,8 +444,11 @@ impl FenceStore for EmbeddedStore {
     }
 
     fn current<'a>(&'a self, resource: &'a str) -> BoxFuture<'a, Result<Option<u64>, StoreError>> {
-        let current = self.shared.maxima.get(resource).map(|v| *v);
-        Box::pin(std::future::ready(Ok(current)))
+        let current = match self.shared.cache.entry(resource) {
+            Some(cached) if cached.exact => Ok(Some(cached.value)),
+            _ => self.read_maximum(resource),
+        };
+        Box::pin(std::future::ready(current))
     }
 
     /// False after a failed commit until the disk takes writes again, and for good once the
@@ -420,6 +516,8 @@ impl Names {
     }
 }
 
+#[cfg(test)]
+mod properties;
 mod records;
 use records::{purge, read_record, write_record};
 #[cfg(test)]

@@ -17,7 +17,7 @@ struct Tables<'n> {
 /// The writer thread: wait for operations, take every queued one, commit them together.
 pub(super) fn writer(
     path: PathBuf,
-    db: Database,
+    db: Arc<Database>,
     names: Names,
     rx: mpsc::Receiver<Op>,
     shared: Arc<Shared>,
@@ -84,7 +84,7 @@ pub(super) fn writer(
         }
         active_until = Some(Instant::now() + poll);
         if db.is_none() {
-            db = Database::create(&path).ok();
+            db = reopen(&path, &shared);
         }
         let result = match &db {
             Some(handle) => {
@@ -94,17 +94,20 @@ pub(super) fn writer(
             None => Err(format!("cannot reopen {}", path.display())),
         };
         match result {
-            Ok((answers, raised, committed)) => {
+            Ok((answers, maxima, committed)) => {
                 if committed {
                     shared.commits.fetch_add(1, Ordering::Relaxed);
                 }
                 if !shared.healthy.swap(true, Ordering::Relaxed) {
                     tracing::info!(path = %path.display(), "fence store writable again");
                 }
-                // Publish only now that the values are durable.
-                for (resource, token) in raised {
-                    let mut slot = shared.maxima.entry(resource).or_insert(token);
-                    *slot = (*slot).max(token);
+                // Only now that the values are durable, and before anyone is answered: each
+                // is the resource's durable maximum until this thread's next commit, which
+                // clears the mark first.
+                for (resource, (value, _)) in maxima {
+                    if let Some(value) = value {
+                        shared.cache.confirm(&resource, value);
+                    }
                 }
                 for (op, answer) in batch.drain(..).zip(answers) {
                     op.reply(Ok(answer));
@@ -113,6 +116,7 @@ pub(super) fn writer(
             Err(e) => {
                 shared.healthy.store(false, Ordering::Relaxed);
                 // Drop the handle: redb refuses further use after an I/O error.
+                shared.db.store(None);
                 db = None;
                 tracing::error!(path = %path.display(), error = %e, "fence store commit failed");
                 for op in batch.drain(..) {
@@ -123,15 +127,23 @@ pub(super) fn writer(
     }
 }
 
+/// Opens the database again and hands it to readers too. Fails while a reader still holds
+/// the handle dropped after a failure (redb locks the file); the next attempt may succeed.
+fn reopen(path: &Path, shared: &Shared) -> Option<Arc<Database>> {
+    let db = open_file(path).ok().map(Arc::new);
+    shared.db.store(db.clone());
+    db
+}
+
 /// Reopens the database if needed and proves it writable with a real commit.
 fn recover(
     path: &Path,
-    db: &mut Option<Database>,
+    db: &mut Option<Arc<Database>>,
     probe: TableDefinition<&str, u64>,
     shared: &Shared,
 ) {
     if db.is_none() {
-        *db = Database::create(path).ok();
+        *db = reopen(path, shared);
     }
     let Some(handle) = db else { return };
     let attempt = || -> Result<(), redb::Error> {
@@ -150,14 +162,47 @@ fn recover(
             tracing::info!(path = %path.display(), "fence store writable again");
         }
         Err(e) => {
+            shared.db.store(None);
             *db = None;
             tracing::debug!(path = %path.display(), error = %e, "fence store still not writable");
         }
     }
 }
 
-/// The answers in batch order, the raised maxima, and whether anything was committed.
-type BatchResult = (Vec<Answer>, HashMap<Box<str>, u64>, bool);
+/// The maxima a batch read from the table or raised: the value after the batch (`None`: no
+/// maximum recorded), and whether the batch raised it.
+type Maxima = HashMap<Box<str>, (Option<u64>, bool)>;
+
+/// The answers in batch order, the maxima the batch read or raised, and whether anything was
+/// committed.
+type BatchResult = (Vec<Answer>, Maxima, bool);
+
+/// The durable maximum of `resource` as of this point of the batch: what the batch raised it
+/// to, else what the table holds (read once per batch).
+fn maximum(
+    fences: &Table<&'static str, u64>,
+    maxima: &mut Maxima,
+    resource: &str,
+) -> Result<Option<u64>, redb::Error> {
+    if let Some((value, _)) = maxima.get(resource) {
+        return Ok(*value);
+    }
+    let value = fences.get(resource)?.map(|v| v.value());
+    maxima.insert(resource.into(), (value, false));
+    Ok(value)
+}
+
+/// Raises the maximum of `resource` to `token` in the table and in `maxima`.
+fn raise(
+    fences: &mut Table<&'static str, u64>,
+    maxima: &mut Maxima,
+    resource: &str,
+    token: u64,
+) -> Result<(), redb::Error> {
+    fences.insert(resource, token)?;
+    maxima.insert(resource.into(), (Some(token), true));
+    Ok(())
+}
 
 /// How often a batch of raises alone also purges expired idempotency records (a batch with
 /// keyed operations always does).
@@ -179,8 +224,8 @@ fn commit_batch(
     let now = shared.now_ms();
     let monotonic = Instant::now();
     let mut answers = Vec::with_capacity(batch.len());
-    // Raises within this batch, applied in arrival order.
-    let mut raised: HashMap<Box<str>, u64> = HashMap::new();
+    // Maxima read and raised within this batch, applied in arrival order.
+    let mut maxima = Maxima::new();
     let mut wrote = false;
     let keyed = batch.iter().any(|op| !matches!(op, Op::Raise { .. }));
     let purging = keyed || now >= *next_purge;
@@ -194,12 +239,6 @@ fn commit_batch(
         } else {
             None
         };
-        let current = |raised: &HashMap<Box<str>, u64>, resource: &str| {
-            raised
-                .get(resource)
-                .copied()
-                .or_else(|| shared.maxima.get(resource).map(|v| *v))
-        };
         for op in batch {
             let answer = match op {
                 Op::Raise {
@@ -208,10 +247,11 @@ fn commit_batch(
                     equal,
                     ..
                 } => {
-                    let verdict = decide(current(&raised, resource), *token, *equal);
+                    // Against the table, never the cache: a cached value is only a lower bound.
+                    let current = maximum(&fences, &mut maxima, resource)?;
+                    let verdict = decide(current, *token, *equal);
                     if verdict.raised(*token) {
-                        fences.insert(&**resource, *token)?;
-                        raised.insert(resource.clone(), *token);
+                        raise(&mut fences, &mut maxima, resource, *token)?;
                         wrote = true;
                     }
                     Answer::Verdict(verdict)
@@ -235,12 +275,11 @@ fn commit_batch(
                         .as_ref()
                         .filter(|(at, r)| *at > now || running(live, &k, r, monotonic))
                         .map(|(_, r)| r);
-                    let maximum = current(&raised, resource);
-                    let begin = idempotency::decide(record, maximum, claim);
+                    let current = maximum(&fences, &mut maxima, resource)?;
+                    let begin = idempotency::decide(record, current, claim);
                     if let Begin::Execute { .. } = begin {
-                        if maximum.is_none_or(|c| claim.token > c) {
-                            fences.insert(&**resource, claim.token)?;
-                            raised.insert(resource.clone(), claim.token);
+                        if current.is_none_or(|c| claim.token > c) {
+                            raise(&mut fences, &mut maxima, resource, claim.token)?;
                         }
                         let record = claim.in_flight();
                         let old = existing.map(|(at, _)| at);
@@ -294,7 +333,16 @@ fn commit_batch(
         }
     }
     if wrote {
+        // Before the raised values become durable, and readable by read transactions: their
+        // cached values are lower bounds from here until confirmed after the commit.
+        for (resource, _) in maxima.iter().filter(|(_, (_, raised))| *raised) {
+            shared.cache.unconfirm(resource);
+        }
+        #[cfg(test)]
+        if let Some(look) = shared.before_commit.lock().unwrap().as_mut() {
+            look(&shared.cache);
+        }
         txn.commit()?;
     }
-    Ok((answers, raised, wrote))
+    Ok((answers, maxima, wrote))
 }
