@@ -364,6 +364,47 @@ impl EmbeddedStore {
         self.shared.commits.load(Ordering::Relaxed)
     }
 
+    /// Records maxima straight into the file at `path`, `batch` resources per transaction:
+    /// each resource's maximum is raised to its token, never lowered. For benchmarks that need
+    /// millions of resources without a request for each. The file must not be open elsewhere
+    /// (redb locks it, and this fails). Returns how many maxima it raised.
+    #[doc(hidden)]
+    pub fn prefill(
+        path: &Path,
+        prefix: &str,
+        maxima: impl IntoIterator<Item = (String, u64)>,
+        batch: usize,
+    ) -> Result<u64, StoreError> {
+        let fail = |e: &dyn std::fmt::Display| {
+            StoreError::Unavailable(format!("cannot fill {}: {e}", path.display()))
+        };
+        let db = open_file(path).map_err(|e| fail(&e))?;
+        let names = Names::new(prefix);
+        let fences = TableDefinition::<&str, u64>::new(&names.fences);
+        let mut maxima = maxima.into_iter().peekable();
+        let mut raised = 0;
+        while maxima.peek().is_some() {
+            let mut write = || -> Result<u64, redb::Error> {
+                let mut raised = 0;
+                let txn = db.begin_write()?;
+                {
+                    let mut table = txn.open_table(fences)?;
+                    for (resource, token) in maxima.by_ref().take(batch.max(1)) {
+                        let current = table.get(resource.as_str())?.map(|v| v.value());
+                        if current.is_none_or(|c| token > c) {
+                            table.insert(resource.as_str(), token)?;
+                            raised += 1;
+                        }
+                    }
+                }
+                txn.commit()?;
+                Ok(raised)
+            };
+            raised += write().map_err(|e| fail(&e))?;
+        }
+        Ok(raised)
+    }
+
     /// How many maxima are cached.
     pub fn cached(&self) -> usize {
         self.shared.cache.len()
