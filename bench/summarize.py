@@ -350,8 +350,8 @@ if emb:
         "rising tokens, 32 connections (bench/put_range.lua): *hot* cycles over a working set "
         "within the cache, *cold* walks every resource in a scattered order, so each write finds "
         "its resource uncached. *store* is the mean of `fencegate_store_duration_seconds` per "
-        "raise; *read/written* are the bytes the process read and wrote per request "
-        "(/proc/<pid>/io)."
+        "raise; *pages read/written* are redb's 4 KiB file reads and writes per request "
+        "(rchar and wchar of /proc/<pid>/io, which do not count sockets)."
     )
     p("")
     p("| store | resources | fill | db file | ready | RSS at ready | stale token | peak RSS (VmHWM) |")
@@ -367,13 +367,13 @@ if emb:
             f"{float(r['hwm_kb']) / 1024:.1f} MB |"
         )
     p("")
-    p("| store | run | resources | req/s | proxy CPU us/request | store us/raise | read B/request | written B/request | RSS after |")
+    p("| store | run | resources | req/s | proxy CPU us/request | store us/raise | pages read/request | pages written/request | RSS after |")
     p("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in emb:
         for run, n in (("hot", int(r["hot_resources"])), ("cold", int(r["resources"]))):
             p(
                 f"| {NAMES[r['target']]} | {run} | {n:,} | {fmt(float(r[run + '_rps']))} | {r[run + '_cpu_us']} | "
-                f"{r[run + '_store_us']} | {fmt(float(r[run + '_read_b']))} | {fmt(float(r[run + '_write_b']))} | "
+                f"{r[run + '_store_us']} | {r[run + '_read_pages']} | {r[run + '_write_pages']} | "
                 f"{float(r['rss_' + run + '_kb']) / 1024:.1f} MB |"
             )
     p("")
