@@ -6,10 +6,13 @@
 --   scatter  a permutation of 0..N-1 (steps of a stride coprime with N): consecutive writes
 --            land far apart in the file, and with N far above store.cache_size every write
 --            finds its resource uncached (cold), until N writes have been sent.
+-- Optional: LIMIT and MARKER, as in bench/fill.lua: after LIMIT responses, create MARKER and
+-- stop (bench/run then ends wrk with SIGINT).
 local dir = debug.getinfo(1, "S").source:match("^@(.*/)") or "./"
 dofile(dir .. "report.lua")
 
 local resources, base, order, n, id, stride = 10000, 1, "cycle", 0, 0, 1
+local limit, marker, got = nil, nil, 0
 local body = '{"balance":100}\n'
 
 local function gcd(a, b)
@@ -21,6 +24,8 @@ init = function(args)
   resources = tonumber(args[1]) or resources
   base = tonumber(args[2]) or base
   order = args[3] or order
+  limit = tonumber(args[4])
+  marker = args[5]
   if order == "scatter" then
     -- Near the golden ratio of N, coprime with it: every id once per N writes.
     stride = math.floor(resources * 0.6180339887) + 1
@@ -40,4 +45,15 @@ request = function()
     ["Fencing-Token"] = string.format("%.0f", token),
     ["Content-Type"] = "application/json",
   }, body)
+end
+
+response = function(status, headers, body)
+  got = got + 1
+  if limit and got == limit then
+    if marker then
+      local f = io.open(marker, "w")
+      if f then f:write(got, "\n"); f:close() end
+    end
+    wrk.thread:stop()
+  end
 end
