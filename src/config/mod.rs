@@ -184,8 +184,9 @@ pub struct StoreConfig {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub url: Option<SecretUrl>,
     pub prefix: String,
-    /// Networked stores: how many resources' maxima are cached locally to answer refusals
-    /// without a round trip.
+    /// Embedded and networked stores: how many resources' maxima are kept in memory (the
+    /// recently used ones). Networked stores answer refusals from them without a round trip;
+    /// the embedded store reads the others from its file.
     pub cache_size: usize,
     /// TLS to a Redis, PostgreSQL or etcd store (docs/stores.md).
     #[serde(skip_serializing_if = "Option::is_none")]

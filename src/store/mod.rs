@@ -1,6 +1,7 @@
 //! Where recorded maxima live. Every store implements [`FenceStore`] with one atomic
 //! compare-and-raise; the decision itself is the pure [`decide`], shared by all of them.
 
+mod cache;
 mod embedded;
 mod etcd;
 mod memory;
@@ -161,7 +162,7 @@ pub async fn open_with_clock(
                 .path
                 .as_deref()
                 .expect("the embedded store always has a path after validation");
-            Ok(Arc::new(EmbeddedStore::open(path, &config.prefix)?))
+            Ok(Arc::new(EmbeddedStore::open(path, &config.prefix, cache)?))
         }
         StoreKind::Redis => {
             let remote = self::redis::RedisRemote::new(url(), &config.prefix, tls(&[])?)?;

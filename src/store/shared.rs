@@ -19,8 +19,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use dashmap::DashMap;
-
+pub use super::cache::BoundedMaxima;
 use super::{decide, BoxFuture, FenceStore, StoreError, Verdict};
 use crate::config::EqualTokens;
 use crate::idempotency::{AttemptId, Begin, Claim, Record};
@@ -102,53 +101,6 @@ pub trait Remote: Send + Sync + 'static {
     ) -> BoxFuture<'a, Result<bool, StoreError>>;
 
     fn kind(&self) -> &'static str;
-}
-
-/// Lower bounds of maxima, at most `capacity` resources.
-pub struct BoundedMaxima {
-    map: DashMap<Box<str>, u64>,
-    capacity: usize,
-}
-
-impl BoundedMaxima {
-    pub fn new(capacity: usize) -> Self {
-        BoundedMaxima {
-            map: DashMap::new(),
-            capacity,
-        }
-    }
-
-    pub fn get(&self, resource: &str) -> Option<u64> {
-        self.map.get(resource).map(|v| *v)
-    }
-
-    /// Records that the maximum is at least `value`.
-    pub fn observe(&self, resource: &str, value: u64) {
-        if let Some(mut current) = self.map.get_mut(resource) {
-            *current = (*current).max(value);
-            return;
-        }
-        if self.capacity == 0 {
-            return;
-        }
-        if self.map.len() >= self.capacity {
-            // Any entry will do: the cache only saves round trips, it never decides admission.
-            let victim = self.map.iter().next().map(|e| e.key().clone());
-            if let Some(victim) = victim {
-                self.map.remove(&victim);
-            }
-        }
-        let mut slot = self.map.entry(resource.into()).or_insert(value);
-        *slot = (*slot).max(value);
-    }
-
-    pub fn len(&self) -> usize {
-        self.map.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.map.is_empty()
-    }
 }
 
 /// Most in-flight records whose first sighting is remembered; more are forgotten (any one:
@@ -475,21 +427,6 @@ impl<R: Remote> FenceStore for SharedStore<R> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn cache_is_bounded_and_only_rises() {
-        let c = BoundedMaxima::new(2);
-        c.observe("a", 5);
-        c.observe("a", 3);
-        assert_eq!(c.get("a"), Some(5));
-        c.observe("b", 1);
-        c.observe("c", 1);
-        assert_eq!(c.len(), 2);
-        assert_eq!(c.get("c"), Some(1));
-        let none = BoundedMaxima::new(0);
-        none.observe("a", 1);
-        assert!(none.is_empty());
-    }
 
     fn owner(n: u128, lifetime: Option<u64>) -> Owner {
         Owner {

@@ -389,3 +389,63 @@ async fn postgres_stores_starting_together_all_create_their_tables() {
         );
     }
 }
+
+/// The embedded store keeps only `cache_size` maxima in memory: a resource written before a
+/// restart (a `kill -9` and a graceful one), and pushed out of the cache by others since, is
+/// read from the file and its stale token still refused.
+#[tokio::test]
+async fn embedded_refuses_a_stale_token_for_a_resource_out_of_the_cache_after_restarts() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("fencegate.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "listen: 127.0.0.1:0\nadmin: 127.0.0.1:0\nupstream: {}\n\
+             store: {{ kind: embedded, path: {}, cache_size: 2 }}\n{ACCOUNTS}",
+            up.url(),
+            dir.path().join("fences.db").display()
+        ),
+    )
+    .unwrap();
+    let others = |p: &Process, token: &'static str| {
+        let proxy = p.proxy;
+        async move {
+            for id in 100..110 {
+                assert_eq!(put_to(proxy, &id.to_string(), token).await.status, 200);
+            }
+        }
+    };
+    let stale = |p: &Process| {
+        let proxy = p.proxy;
+        async move {
+            let reply = put_to(proxy, "1", "41").await;
+            reply.assert_problem(409, "urn:fencegate:stale-token");
+            assert_eq!(reply.headers["fencing-token-current"], "42");
+        }
+    };
+
+    let mut first = Process::start(&config).await;
+    assert_eq!(put_to(first.proxy, "1", "42").await.status, 200);
+    others(&first, "1").await;
+    stale(&first).await;
+    first.child.start_kill().unwrap();
+    first.child.wait().await.unwrap();
+
+    let second = Process::start(&config).await;
+    others(&second, "2").await;
+    stale(&second).await;
+    second.signal("-TERM");
+    let mut second = second;
+    assert!(second.child.wait().await.unwrap().success());
+
+    let third = Process::start(&config).await;
+    others(&third, "3").await;
+    stale(&third).await;
+    // A repeat of the maximum, read from the file, is admitted.
+    assert_eq!(put_to(third.proxy, "1", "42").await.status, 200);
+    // 1 + 10 others in each of three processes, the repeat; no stale write.
+    let tokens: Vec<_> = up.seen().iter().map(|s| s.token()).collect();
+    assert_eq!(tokens.len(), 32);
+    assert_eq!(tokens.iter().filter(|t| **t == Some(41)).count(), 0);
+}

@@ -1,0 +1,81 @@
+//! Idempotency records in the file, and their expiry index.
+
+use super::*;
+
+/// A record as stored: when it expires (ms since the Unix epoch), and the record.
+pub(super) type Stored = Option<(u64, Record)>;
+
+/// The stored record under `key` with its expiry, expired or not. The inner error is a record
+/// that does not decode: it fails the one operation, not the batch.
+pub(super) fn read_record(
+    records: &Table<&'static str, (u64, &'static [u8])>,
+    key: &str,
+) -> Result<Result<Stored, StoreError>, redb::Error> {
+    let Some(guard) = records.get(key)? else {
+        return Ok(Ok(None));
+    };
+    let (at, bytes) = guard.value();
+    Ok(Record::decode(bytes).map(|r| Some((at, r))).map_err(|e| {
+        StoreError::Unavailable(format!("the idempotency record {key:?} is unreadable: {e}"))
+    }))
+}
+
+/// Writes `record` under `key` to expire at `at`, moving its entry in the expiry index from
+/// `old` (the expiry of the record it replaces, if any).
+pub(super) fn write_record(
+    records: &mut Table<&'static str, (u64, &'static [u8])>,
+    expiries: &mut Table<(u64, &'static str), ()>,
+    key: &str,
+    old: Option<u64>,
+    at: u64,
+    record: &Record,
+) -> Result<(), redb::Error> {
+    if let Some(old) = old {
+        expiries.remove((old, key))?;
+    }
+    records.insert(key, (at, record.encode().as_slice()))?;
+    expiries.insert((at, key), ())?;
+    Ok(())
+}
+
+/// Removes records that expired at or before `now`, visiting only those (at most
+/// [`MAX_PURGE`]).
+pub(super) fn purge(
+    records: &mut Table<&'static str, (u64, &'static [u8])>,
+    expiries: &mut Table<(u64, &'static str), ()>,
+    now: u64,
+    live: &Running,
+    monotonic: Instant,
+) -> Result<(), redb::Error> {
+    let mut expired = Vec::new();
+    for entry in expiries
+        .range(..(now.saturating_add(1), ""))?
+        .take(MAX_PURGE)
+    {
+        let (index, _) = entry?;
+        let (at, key) = index.value();
+        expired.push((at, key.to_owned()));
+    }
+    for (at, key) in expired {
+        // A running attempt's record stays, index entry and all, until its outcome or its
+        // monotonic deadline.
+        if live.contains_key(&key) {
+            let guard = records.get(key.as_str())?;
+            let bytes = guard.as_ref().map(|g| g.value().1.to_vec());
+            drop(guard);
+            let record = bytes.and_then(|b| Record::decode(&b).ok());
+            if record.is_some_and(|r| running(live, &key, &r, monotonic)) {
+                continue;
+            }
+        }
+        expiries.remove((at, key.as_str()))?;
+        // The index is exact, but never remove a record that does not expire here.
+        let due = records
+            .get(key.as_str())?
+            .is_some_and(|g| g.value().0 == at);
+        if due {
+            records.remove(key.as_str())?;
+        }
+    }
+    Ok(())
+}

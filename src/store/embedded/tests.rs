@@ -1,0 +1,470 @@
+//! Unit tests of the embedded store.
+
+use super::*;
+
+#[tokio::test]
+async fn survives_reopen() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("f.db");
+    {
+        let store = EmbeddedStore::open(&path, "t", 1000).unwrap();
+        let v = store
+            .compare_and_raise("r", 9, EqualTokens::Allow)
+            .await
+            .unwrap();
+        assert_eq!(v, Verdict::Admitted { previous: None });
+        let v = store
+            .compare_and_raise("r", 4, EqualTokens::Allow)
+            .await
+            .unwrap();
+        assert_eq!(v, Verdict::Stale { current: 9 });
+    }
+    let store = EmbeddedStore::open(&path, "t", 1000).unwrap();
+    assert_eq!(store.current("r").await.unwrap(), Some(9));
+    let v = store
+        .compare_and_raise("r", 8, EqualTokens::Allow)
+        .await
+        .unwrap();
+    assert_eq!(v, Verdict::Stale { current: 9 });
+}
+
+fn claim(token: u64, window: Duration) -> Claim {
+    Claim {
+        token,
+        fingerprint: crate::idempotency::Fingerprint([7; 32]),
+        equal: EqualTokens::Allow,
+        window,
+        may_execute: true,
+        attempt: crate::idempotency::AttemptId::next(),
+    }
+}
+
+#[tokio::test]
+async fn records_survive_reopen() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("f.db");
+    let c = claim(4, Duration::from_secs(60));
+    let done = Record {
+        phase: Phase::Completed,
+        status: Some(204),
+        ..Record::in_flight(4, c.fingerprint)
+    };
+    {
+        let store = EmbeddedStore::open(&path, "t", 1000).unwrap();
+        assert_eq!(
+            store.begin_idempotent("r", "k", &c).await.unwrap(),
+            Begin::Execute { previous: None }
+        );
+        assert!(store.finish_idempotent("r", "k", &c, &done).await.unwrap());
+    }
+    let store = EmbeddedStore::open(&path, "t", 1000).unwrap();
+    assert_eq!(store.current("r").await.unwrap(), Some(4));
+    assert_eq!(
+        store.begin_idempotent("r", "k", &c).await.unwrap(),
+        Begin::Completed(done)
+    );
+}
+
+#[tokio::test]
+async fn expired_records_are_absent_and_purged_by_later_writes() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("f.db");
+    {
+        let store = EmbeddedStore::open(&path, "t", 1000).unwrap();
+        let short = claim(1, Duration::from_millis(1));
+        for key in ["a", "b", "c"] {
+            assert!(matches!(
+                store.begin_idempotent("r", key, &short).await.unwrap(),
+                Begin::Execute { .. }
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        // Expired: the key executes again; this write purges the other two.
+        assert_eq!(
+            store.begin_idempotent("r", "a", &short).await.unwrap(),
+            Begin::Execute { previous: Some(1) }
+        );
+        let long = claim(2, Duration::from_secs(60));
+        assert!(matches!(
+            store.begin_idempotent("r", "d", &long).await.unwrap(),
+            Begin::Execute { .. }
+        ));
+    }
+    let db = Database::create(&path).unwrap();
+    let read = db.begin_read().unwrap();
+    let names = Names::new("t");
+    let records = read.open_table(Records::new(&names.records)).unwrap();
+    let keys: Vec<String> = records
+        .iter()
+        .unwrap()
+        .map(|row| row.unwrap().0.value().to_owned())
+        .collect();
+    assert_eq!(keys, [record_key("r", "d")]);
+    let expiries = read.open_table(Expiries::new(&names.expiries)).unwrap();
+    assert_eq!(redb::ReadableTableMetadata::len(&expiries).unwrap(), 1);
+}
+
+/// The wall clock steps an hour forward while an attempt runs: its in-flight record is
+/// past its stored expiry, but a retry is still refused as in flight (and no purge removes
+/// it), and the attempt's outcome lands. Records of attempts that ended do expire.
+#[tokio::test]
+async fn a_wall_clock_step_does_not_expire_a_running_attempt() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = EmbeddedStore::open(&dir.path().join("f.db"), "t", 1000).unwrap();
+    let a = claim(4, Duration::from_secs(60));
+    assert_eq!(
+        store.begin_idempotent("r", "k", &a).await.unwrap(),
+        Begin::Execute { previous: None }
+    );
+    store
+        .shared
+        .clock_step_ms
+        .store(3_600_000, Ordering::Relaxed);
+    let retry = claim(4, Duration::from_secs(60));
+    assert_eq!(
+        store.begin_idempotent("r", "k", &retry).await.unwrap(),
+        Begin::InFlight
+    );
+    // Another key's write purges what expired by the stepped clock.
+    assert!(matches!(
+        store.begin_idempotent("r", "other", &retry).await.unwrap(),
+        Begin::Execute { .. }
+    ));
+    assert_eq!(
+        store.begin_idempotent("r", "k", &retry).await.unwrap(),
+        Begin::InFlight
+    );
+    let done = Record {
+        phase: Phase::Completed,
+        status: Some(204),
+        ..Record::in_flight(4, a.fingerprint)
+    };
+    assert!(store.finish_idempotent("r", "k", &a, &done).await.unwrap());
+    assert_eq!(
+        store.begin_idempotent("r", "k", &retry).await.unwrap(),
+        Begin::Completed(done)
+    );
+    // A further day: "other" is still `retry`'s running attempt here, so it stays.
+    store
+        .shared
+        .clock_step_ms
+        .store(3_600_000 + 86_400_000, Ordering::Relaxed);
+    assert_eq!(
+        store.begin_idempotent("r", "other", &a).await.unwrap(),
+        Begin::InFlight
+    );
+    // "k" completed: its record is no attempt's any more, and the wall clock expires it.
+    assert_eq!(
+        store.begin_idempotent("r", "k", &a).await.unwrap(),
+        Begin::Execute { previous: Some(4) }
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_raises_share_commits() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Arc::new(EmbeddedStore::open(&dir.path().join("f.db"), "t", 1000).unwrap());
+    let tasks: Vec<_> = (0..200u64)
+        .map(|i| {
+            let store = Arc::clone(&store);
+            tokio::spawn(async move {
+                store
+                    .compare_and_raise(&format!("r{}", i % 20), i, EqualTokens::Allow)
+                    .await
+                    .unwrap()
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    for r in 0..20u64 {
+        let max = (0..200u64).filter(|i| i % 20 == r).max();
+        assert_eq!(store.current(&format!("r{r}")).await.unwrap(), max);
+    }
+    // 200 raises queued while earlier syncs ran: far fewer commits than raises.
+    assert!(store.commits() < 100, "{} commits", store.commits());
+}
+
+/// A writer that, once active, only ever wakes when told to (the test outlives its poll).
+fn patient(dir: &tempfile::TempDir) -> EmbeddedStore {
+    EmbeddedStore::open_polling(
+        &dir.path().join("f.db"),
+        "t",
+        1000,
+        Duration::from_secs(3600),
+    )
+    .unwrap()
+}
+
+fn hooked_runtime() -> tokio::runtime::Runtime {
+    let mut builder = tokio::runtime::Builder::new_current_thread();
+    defer_wakes_to_park(&mut builder);
+    builder.enable_all().build().unwrap()
+}
+
+/// Spins (no sleep) until `done`, for at most 10 s.
+fn until(what: &str, done: impl Fn() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::yield_now();
+    }
+}
+
+#[test]
+fn raises_queued_before_the_runtime_parks_share_one_commit() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = patient(&dir);
+    until("the writer to go idle", || {
+        store.shared.idle.load(Ordering::Relaxed)
+    });
+    hooked_runtime().block_on(async {
+        // The writer is idle, so this wakes it at once; the runtime parks while it waits.
+        let v = store
+            .compare_and_raise("first", 1, EqualTokens::Allow)
+            .await;
+        assert_eq!(v.unwrap(), Verdict::Admitted { previous: None });
+        assert_eq!(store.commits(), 1);
+        // The writer has just committed: these wait for the runtime to park, then go
+        // together.
+        let raises: Vec<_> = (0..64)
+            .map(|i| {
+                store.compare_and_raise(
+                    ["a", "b", "c", "d"][i % 4],
+                    2 + i as u64,
+                    EqualTokens::Allow,
+                )
+            })
+            .collect();
+        let mut verdicts = Vec::new();
+        for raise in raises {
+            verdicts.push(raise.await.unwrap());
+        }
+        assert_eq!(store.commits(), 2);
+        assert_eq!(verdicts[0], Verdict::Admitted { previous: None });
+        assert_eq!(verdicts[4], Verdict::Admitted { previous: Some(2) });
+        assert_eq!(verdicts[63], Verdict::Admitted { previous: Some(61) });
+    });
+    assert_eq!(
+        store.shared.cache.entry("d").map(|c| (c.value, c.exact)),
+        Some((65, true))
+    );
+}
+
+#[test]
+fn a_store_whose_writer_has_stopped_is_not_healthy() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut store = EmbeddedStore::open(&dir.path().join("f.db"), "t", 1000).unwrap();
+    assert!(store.healthy());
+    // The writer returns once its queue is closed: the same end as a panic in it, seen
+    // from the store.
+    drop(store.queue.take());
+    let writer = store.writer.as_ref().unwrap();
+    writer.thread().unpark();
+    until("the writer to stop", || writer.is_finished());
+    assert!(!store.healthy());
+}
+
+#[tokio::test]
+async fn a_thread_without_the_hook_wakes_the_writer_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = patient(&dir);
+    for token in 1..=3 {
+        // After the first commit the writer waits an hour unless woken.
+        let raise = store.compare_and_raise("r", token, EqualTokens::Allow);
+        let v = tokio::time::timeout(Duration::from_secs(10), raise)
+            .await
+            .expect("the writer was not woken");
+        assert!(matches!(v.unwrap(), Verdict::Admitted { .. }));
+    }
+    assert_eq!(store.commits(), 3);
+}
+
+#[test]
+fn an_idle_writer_is_woken_at_once_even_from_a_hooked_runtime() {
+    let dir = tempfile::tempdir().unwrap();
+    let poll = Duration::from_micros(1);
+    let store = EmbeddedStore::open_polling(&dir.path().join("f.db"), "t", 1000, poll).unwrap();
+    hooked_runtime().block_on(async {
+        let v = store.compare_and_raise("r", 1, EqualTokens::Allow).await;
+        assert_eq!(v.unwrap(), Verdict::Admitted { previous: None });
+        until("the writer to go idle", || {
+            store.shared.idle.load(Ordering::Relaxed)
+        });
+        // Queued without letting the runtime park: only an immediate wake commits it.
+        let raise = store.compare_and_raise("r", 2, EqualTokens::Allow);
+        until("the second commit", || store.commits() == 2);
+        assert_eq!(
+            raise.await.unwrap(),
+            Verdict::Admitted { previous: Some(1) }
+        );
+    });
+}
+
+/// Raises `resources` to `token` each (in one batch), so that a small cache evicts.
+async fn fill(store: &EmbeddedStore, resources: std::ops::Range<u64>, token: u64) {
+    let raises: Vec<_> = resources
+        .map(|i| format!("r{i}"))
+        .map(|r| async move { store.compare_and_raise(&r, token, EqualTokens::Allow).await })
+        .collect();
+    for raise in raises {
+        assert!(matches!(raise.await.unwrap(), Verdict::Admitted { .. }));
+    }
+}
+
+#[tokio::test]
+async fn opening_reads_no_maximum() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("f.db");
+    {
+        let store = EmbeddedStore::open(&path, "t", 100_000).unwrap();
+        fill(&store, 0..2_000, 3).await;
+        assert_eq!(store.cached(), 2_000);
+    }
+    let store = EmbeddedStore::open(&path, "t", 100_000).unwrap();
+    assert_eq!(store.cached(), 0);
+    // Each is read from the file on first use.
+    assert_eq!(store.current("r1999").await.unwrap(), Some(3));
+    assert_eq!(
+        store
+            .compare_and_raise("r7", 2, EqualTokens::Allow)
+            .await
+            .unwrap(),
+        Verdict::Stale { current: 3 }
+    );
+    assert_eq!(store.cached(), 2);
+}
+
+#[tokio::test]
+async fn the_cache_is_bounded_and_an_evicted_maximum_is_read_from_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = EmbeddedStore::open(&dir.path().join("f.db"), "t", 8).unwrap();
+    fill(&store, 0..100, 5).await;
+    assert!(store.cached() <= 8, "{} cached", store.cached());
+    assert!(!store.shared.cache.contains("r0"));
+    let commits = store.commits();
+    // Refused from the file, without the writer.
+    assert_eq!(
+        store
+            .compare_and_raise("r0", 4, EqualTokens::Allow)
+            .await
+            .unwrap(),
+        Verdict::Stale { current: 5 }
+    );
+    assert_eq!(
+        store
+            .compare_and_raise("r1", 5, EqualTokens::Reject)
+            .await
+            .unwrap(),
+        Verdict::Stale { current: 5 }
+    );
+    // A repeat of the maximum: admitted, nothing written.
+    assert_eq!(
+        store
+            .compare_and_raise("r2", 5, EqualTokens::Allow)
+            .await
+            .unwrap(),
+        Verdict::Admitted { previous: Some(5) }
+    );
+    assert_eq!(store.commits(), commits);
+    assert_eq!(
+        store
+            .compare_and_raise("r3", 6, EqualTokens::Allow)
+            .await
+            .unwrap(),
+        Verdict::Admitted { previous: Some(5) }
+    );
+    assert_eq!(store.commits(), commits + 1);
+}
+
+/// The cache holds a value below the durable maximum (a read that started before a raise
+/// committed and cached what it read after the raise's own entry was evicted). A token
+/// between the two, or equal to the stale value, must still be refused: the writer compares
+/// with the table, and a repeat of a value not marked exact is checked against the file.
+#[tokio::test]
+async fn a_lower_bound_in_the_cache_admits_nothing_below_the_durable_maximum() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = EmbeddedStore::open(&dir.path().join("f.db"), "t", 1).unwrap();
+    assert!(matches!(
+        store
+            .compare_and_raise("r", 9, EqualTokens::Allow)
+            .await
+            .unwrap(),
+        Verdict::Admitted { previous: None }
+    ));
+    let plant = || {
+        // Another resource takes the only place, then the late read lands.
+        store.shared.cache.observe("other", 1);
+        assert!(!store.shared.cache.contains("r"));
+        store.shared.cache.observe("r", 3);
+        assert_eq!(
+            store.shared.cache.entry("r"),
+            Some(crate::store::cache::Cached {
+                value: 3,
+                exact: false
+            })
+        );
+    };
+    // Above the lower bound: the writer's table says 9. A repeat of it: the file says 9.
+    for token in [5, 8, 3] {
+        plant();
+        assert_eq!(
+            store
+                .compare_and_raise("r", token, EqualTokens::Allow)
+                .await
+                .unwrap(),
+            Verdict::Stale { current: 9 },
+            "token {token}"
+        );
+    }
+    plant();
+    assert_eq!(store.current("r").await.unwrap(), Some(9));
+    // Through the idempotent path as well.
+    plant();
+    let c = claim(5, Duration::from_secs(60));
+    assert!(matches!(
+        store.begin_idempotent("r", "k", &c).await.unwrap(),
+        Begin::Stale { current: 9 }
+    ));
+}
+
+/// A raise clears the exact mark of its resource before its commit and sets it again after:
+/// while the commit runs, a repeat of the old maximum is not taken for the maximum.
+#[tokio::test]
+async fn the_writer_keeps_exact_values_exact() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = EmbeddedStore::open(&dir.path().join("f.db"), "t", 100).unwrap();
+    store
+        .compare_and_raise("r", 4, EqualTokens::Allow)
+        .await
+        .unwrap();
+    let exact = |value| Some(crate::store::cache::Cached { value, exact: true });
+    assert_eq!(store.shared.cache.entry("r"), exact(4));
+    let seen = Arc::new(std::sync::Mutex::new(None));
+    let saw = Arc::clone(&seen);
+    *store.shared.before_commit.lock().unwrap() = Some(Box::new(move |cache| {
+        *saw.lock().unwrap() = cache.entry("r");
+    }));
+    store
+        .compare_and_raise("r", 6, EqualTokens::Allow)
+        .await
+        .unwrap();
+    // While the raise to 6 committed, 4 was a lower bound only.
+    assert_eq!(
+        *seen.lock().unwrap(),
+        Some(crate::store::cache::Cached {
+            value: 4,
+            exact: false
+        })
+    );
+    assert_eq!(store.shared.cache.entry("r"), exact(6));
+    // Read by the writer (a stale claim): exact too.
+    store.shared.cache.unconfirm("r");
+    let c = claim(2, Duration::from_secs(60));
+    assert!(matches!(
+        store.begin_idempotent("r", "k", &c).await.unwrap(),
+        Begin::Stale { current: 6 }
+    ));
+    assert_eq!(store.shared.cache.entry("r"), exact(6));
+}
