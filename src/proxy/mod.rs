@@ -5,7 +5,7 @@
 //! into a response in one place ([`Proxy::refuse`]), where it is also counted and logged.
 
 pub mod body;
-pub mod forward;
+pub mod headers;
 pub mod idempotent;
 pub mod problem;
 pub mod upstream;
@@ -842,7 +842,7 @@ impl Proxy {
         let (mut parts, body) = req.into_parts();
         let forwarded_for = match &own {
             Some(slot) => slot.forwarded_for(peer.ip()),
-            None => forward::peer_value(peer.ip()),
+            None => headers::peer_value(peer.ip()),
         };
         // The client connection's own upstream connection serves HTTP/1 clients of a plain
         // upstream; HTTP/2 clients (concurrent streams) and https upstreams use the pool, and
@@ -863,7 +863,7 @@ impl Proxy {
         let upstream_host = (!absolute).then(|| self.upstream_host.clone());
         let uri = self.upstream_uri(normalised, &parts.uri, absolute)?;
         // Borrowed from the URI (a field apart from the headers): no copy of the authority.
-        forward::request_headers(
+        headers::request_headers(
             &mut parts.headers,
             forwarded_for,
             self.https,
@@ -1111,7 +1111,7 @@ async fn settle(
         }
     };
     let (mut parts, inner) = response.into_parts();
-    forward::strip_hop_by_hop(&mut parts.headers);
+    headers::strip_hop_by_hop(&mut parts.headers);
     let body = if http_body::Body::is_end_stream(&inner) {
         // A response without a body (204, Content-Length: 0) is never polled by the server:
         // record it before it goes out.
@@ -1135,7 +1135,7 @@ async fn settle(
 /// [`settle`] without an idempotency attempt: nothing to record, so nothing to wait for.
 fn pass_on(sent: upstream::Sent, ticket: Option<Ticket>) -> Result<Response<ProxyBody>, Failed> {
     let (mut parts, inner) = sent?.into_parts();
-    forward::strip_hop_by_hop(&mut parts.headers);
+    headers::strip_hop_by_hop(&mut parts.headers);
     Ok(Response::from_parts(
         parts,
         ProxyBody::Upstream {

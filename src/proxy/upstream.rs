@@ -92,7 +92,7 @@ impl SharedSlot {
         match self.0.forwarded_for.get() {
             Some((ip, value)) if *ip == peer => value.clone(),
             _ => {
-                let value = super::forward::peer_value(peer);
+                let value = super::headers::peer_value(peer);
                 let _ = self.0.forwarded_for.set((peer, value.clone()));
                 value
             }
