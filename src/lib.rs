@@ -31,6 +31,7 @@
 
 pub mod admin;
 pub mod app;
+pub mod body;
 pub mod cli;
 pub mod config;
 pub mod demo;
@@ -41,6 +42,7 @@ pub mod idempotency;
 pub mod inject;
 pub mod lease;
 pub mod metrics;
+pub mod problem;
 pub mod proxy;
 pub mod reload;
 pub mod server;

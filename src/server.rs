@@ -25,7 +25,7 @@ use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tokio_rustls::TlsAcceptor;
 
-use crate::proxy::body::ProxyBody;
+use crate::body::ProxyBody;
 use crate::timer::Kept;
 
 /// Connection-level settings.
