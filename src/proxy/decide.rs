@@ -15,9 +15,9 @@ use super::{Proxy, Write};
 use crate::body::ProxyBody;
 use crate::config::Ordering;
 use crate::fence::routes::Route;
+use crate::fence::verdict::Verdict;
 use crate::metrics::Outcome;
 use crate::store::StoreError;
-use crate::store::Verdict;
 
 impl Proxy {
     /// The rest of a fenced write that has to wait before its send: an idempotency key, an
