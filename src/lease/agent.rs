@@ -23,9 +23,10 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use super::backend::{Acquired, Grant, LeaseBackend, LeaseError};
-use super::schedule::{backoff, renew_delay, unit, valid_until, MAX_LEASE_DURATION};
+use super::schedule::{backoff, renew_delay, unit, valid_until};
 use crate::config::{AcquireConfig, LeaseTtl};
 use crate::metrics::Metrics;
+use crate::ttl::MAX_LEASE_DURATION;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]

@@ -6,8 +6,16 @@ use std::time::Duration;
 use http::Method;
 use tokio::time::Instant;
 
-use super::problem::Subject;
 use crate::metrics::{Outcome, UNMATCHED};
+
+/// What a request is about (route, resource, token), as its log lines and a refusal's body
+/// name it.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Subject<'a> {
+    pub route: Option<&'a str>,
+    pub resource: Option<&'a str>,
+    pub token: Option<u64>,
+}
 
 /// When a request's handling began and ended, and how long its upstream exchange took; and,
 /// for the access line, the path as received where the lines of [`Proxy::refuse`] are given

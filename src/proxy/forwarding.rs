@@ -15,9 +15,9 @@ use http::{Method, Request, Response, Uri, Version};
 use hyper::body::Incoming;
 use tokio::time::Instant;
 
-use super::access::{log_access, Access, Timing};
+use super::access::{log_access, Access, Subject, Timing};
 use super::headers;
-use super::problem::{Refusal, Subject};
+use super::problem::Refusal;
 use super::recording::{Attempt, Recording};
 use super::upstream::{self, Failed, UpstreamBody};
 use super::{Handling, Proxy, Write};

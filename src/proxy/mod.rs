@@ -46,9 +46,9 @@ use crate::fence::token::{connection_nominates, token_from_headers, TokenError};
 use crate::lease::agent::Agent;
 use crate::metrics::{Metrics, Outcome, RouteMetrics};
 use crate::store::FenceStore;
-use access::Timing;
+use access::{Subject, Timing};
 use forwarding::{set_token, Answering};
-use problem::{host_problem, Refusal, Subject};
+use problem::{host_problem, Refusal};
 use upstream::UpstreamClient;
 
 /// Everything a request needs, built once per configuration.

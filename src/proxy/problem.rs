@@ -6,7 +6,7 @@
 use http::header::{HeaderName, HeaderValue, RETRY_AFTER};
 use http::{Method, Request, Response, StatusCode, Version};
 
-use super::access::{log_access, Access, Timing};
+use super::access::{log_access, Access, Subject, Timing};
 use super::Proxy;
 use crate::body::ProxyBody;
 use crate::fence::path::PathError;
@@ -63,14 +63,6 @@ pub enum Refusal {
     // The upstream's.
     UpstreamError(String),
     UpstreamTimeout,
-}
-
-/// What a refusal was about, for the body and the log line.
-#[derive(Debug, Default, Clone, Copy)]
-pub struct Subject<'a> {
-    pub route: Option<&'a str>,
-    pub resource: Option<&'a str>,
-    pub token: Option<u64>,
 }
 
 impl Refusal {
