@@ -12,9 +12,9 @@ use http::{Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
 use serde_json::json;
 
+use crate::body::ProxyBody;
 use crate::metrics::Metrics;
-use crate::proxy::body::ProxyBody;
-use crate::proxy::problem::{method_not_allowed, Problem};
+use crate::problem::{method_not_allowed, Problem};
 use crate::store::FenceStore;
 
 /// The fence inspection API's path; the rest is a percent-encoded resource id.

@@ -18,10 +18,10 @@ use hyper_util::rt::TokioExecutor;
 use tokio::net::TcpListener;
 
 use crate::app::Server;
+use crate::body::ProxyBody;
 use crate::config::Config;
 use crate::lease::agent::Agent;
 use crate::lease::{Acquired, Grant, LeaseBackend, LeaseError};
-use crate::proxy::body::ProxyBody;
 use crate::proxy::Proxy;
 use crate::server::{serve, ServerSettings};
 use crate::store::BoxFuture;

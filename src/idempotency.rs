@@ -31,7 +31,7 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
 use crate::config::EqualTokens;
-use crate::store::{decide as fence, Verdict};
+use crate::fence::verdict::{decide as fence, Verdict};
 
 /// Longest accepted key, in bytes (keys are visible ASCII).
 pub const MAX_KEY_BYTES: usize = 255;

@@ -5,32 +5,49 @@
 //! token is at least the highest token recorded for that resource (compare-and-raise).
 //!
 //! # Layout
-//! - [`config`]: the YAML schema, parsed into validated types (errors with line and column).
-//! - [`fence`]: the pure decisions: [`fence::token`] grammar and header hygiene,
-//!   [`fence::path`] normalisation, [`fence::routes`] route and resource matching,
-//!   [`fence::barrier`] the `ordering: serialize` in-flight barrier.
-//! - [`store`]: recorded maxima behind one trait: `memory`, `embedded` (redb, fsync'd,
-//!   group commit), Redis, PostgreSQL, etcd; each also keeps the idempotency records.
-//!   `etcd` is the small etcd v3 client the etcd store and lease backend share, over
-//!   committed generated gRPC code.
-//! - [`idempotency`]: records of writes carrying an `Idempotency-Key`, and the pure decision
-//!   of what a retry gets.
-//! - [`lease`]: the lease agent: backends (embedded, Redis, PostgreSQL, etcd), renewal,
-//!   the local lease API and the egress proxy.
-//! - [`proxy`]: the request path, refusals as problem+json, header surgery, streaming bodies.
-//! - [`server`]: accept loop with TLS, HTTP/1 + HTTP/2, limits and graceful drain;
-//!   [`timer`]: the timers a connection keeps from request to request.
-//! - [`admin`]: metrics, probes and the fence inspection API; [`metrics`]: their definitions.
-//! - [`reload`]: live configuration (file change or SIGHUP).
-//! - [`duration`]: the duration syntax of the config, the lease API and the CLI.
-//! - [`app`]: wiring and the shutdown order; [`cli`]: the command line; [`demo`]: the
-//!   slow-writer walk-through; [`ttl`]: TTL derivation.
+//! Top to bottom: a module imports only modules listed below it, with one exception (the
+//! response body holds a [`proxy::recording::Recording`]); `scripts/check-cycles` checks that
+//! no modules (at the level of top-level modules and their direct submodules) import each
+//! other in a cycle.
+//!
+//! - [`cli`]: the command line; [`demo`]: the slow-writer walk-through.
+//! - [`app`]: wiring and the shutdown order.
 //! - [`inject`]: the Kubernetes sidecar, defined once, added to manifests
 //!   ([`inject::manifest`]) and to pods by the admission webhook ([`inject::webhook`]).
+//! - [`server`]: accept loop with TLS, HTTP/1 + HTTP/2, limits, `server::drain` (graceful
+//!   drain) and `server::head_timer` (the header-read timer); [`admin`]: metrics, probes and
+//!   the fence inspection API; [`reload`]: live configuration (file change or SIGHUP).
+//! - [`proxy`]: the request path, along the request's way: `handle_on` in [`proxy`] itself,
+//!   `build`, `decide` (authority, compare-and-raise, barrier), [`proxy::idempotent`] and
+//!   [`proxy::recording`] (writes with an `Idempotency-Key`), `forwarding` over
+//!   [`proxy::upstream`] with [`proxy::headers`] (header surgery), [`proxy::problem`]
+//!   (refusals), `access` (the access log).
+//! - [`lease`]: the lease agent ([`lease::agent`]): backends behind one trait
+//!   ([`lease::backend`]; embedded, Redis, PostgreSQL, etcd, with `lease::shared` helpers),
+//!   renewal timing ([`lease::schedule`]), the grant cache ([`lease::grants`]) and the local
+//!   lease API ([`lease::api`]).
+//! - [`store`]: recorded maxima behind one trait: `memory`, `embedded` (redb, fsync'd,
+//!   group commit), Redis, PostgreSQL, etcd; each also keeps the idempotency records.
+//! - `etcd`: the small etcd v3 client the etcd store and lease backend share, over committed
+//!   generated gRPC code.
+//! - [`idempotency`]: records of writes carrying an `Idempotency-Key`, and the pure decision
+//!   of what a retry gets.
+//! - [`problem`]: problem+json bodies, the same on every listener; [`body`]: the response
+//!   body every listener sends.
+//! - [`fence`]: the pure decisions: [`fence::token`] grammar and header hygiene,
+//!   [`fence::path`] normalisation, [`fence::routes`] route and resource matching,
+//!   [`fence::method`] method overrides, [`fence::verdict`] compare-and-raise,
+//!   [`fence::barrier`] the `ordering: serialize` in-flight barrier.
+//! - [`tls`]: server and client TLS from the configured files.
+//! - [`config`]: the YAML schema, parsed into validated types (errors with line and column).
+//! - [`metrics`]: the metric definitions; [`ttl`]: TTL derivation and lease duration limits;
+//!   [`duration`]: the duration syntax of the config, the lease API and the CLI; [`timer`]:
+//!   the timers a connection keeps from request to request.
 #![forbid(unsafe_code)]
 
 pub mod admin;
 pub mod app;
+pub mod body;
 pub mod cli;
 pub mod config;
 pub mod demo;
@@ -41,6 +58,7 @@ pub mod idempotency;
 pub mod inject;
 pub mod lease;
 pub mod metrics;
+pub mod problem;
 pub mod proxy;
 pub mod reload;
 pub mod server;

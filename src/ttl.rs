@@ -20,6 +20,12 @@ pub struct TtlInputs {
 /// TTL written in the config below it is refused; a derived one is raised to it.
 pub const MIN_TTL: Duration = Duration::from_millis(30);
 
+/// The longest lease TTL, acquisition `wait` and drain timeout accepted, from the config or
+/// from an API request. Far above any sensible lease (a lease is renewed every TTL/3, so a
+/// long TTL only delays the takeover after a crash) and far below what would overflow the
+/// monotonic clock when added to it.
+pub const MAX_LEASE_DURATION: Duration = Duration::from_secs(3600);
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Derived {
     pub base: Duration,

@@ -8,10 +8,10 @@ use std::time::Duration;
 use serde::{Deserialize, Deserializer, Serialize};
 
 use super::checked;
-use super::{ClientTlsConfig, PathTemplate, ResourceTemplate, SecretUrl, UpstreamUrl};
+use super::routes::{uses_captures, Paths, Shape};
+use super::{ClientTlsConfig, MethodCfg, PathTemplate, ResourceTemplate, SecretUrl, UpstreamUrl};
 use crate::duration::display;
-use crate::lease::schedule::MAX_LEASE_DURATION;
-use crate::ttl::{derive, TtlInputs, MIN_TTL};
+use crate::ttl::{derive, TtlInputs, MAX_LEASE_DURATION, MIN_TTL};
 
 /// The longest `drain_timeout`: room for the default (2 × the longest TTL), so that the
 /// effective config `check` prints loads again.
@@ -421,6 +421,31 @@ pub struct EgressRoute {
     pub methods: Option<Vec<super::MethodCfg>>,
 }
 
+impl Shape for EgressRoute {
+    fn path(&self) -> &PathTemplate {
+        &self.path
+    }
+    fn methods(&self) -> Option<&[MethodCfg]> {
+        self.methods.as_deref()
+    }
+    fn fences(&self) -> bool {
+        true
+    }
+}
+
+/// `egress.routes`.
+pub(super) fn egress_routes<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<EgressRoute>, D::Error> {
+    let mut paths = Paths::new("egress.routes");
+    checked::from_seq_each(
+        d,
+        "an egress route: a mapping with `path` and `lease`",
+        move |earlier: &[EgressRoute], route: &EgressRoute| {
+            uses_captures("lease", &route.lease, &route.path)?;
+            paths.add(earlier, route)
+        },
+    )
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(
     deny_unknown_fields,
@@ -433,7 +458,7 @@ pub struct EgressConfig {
     )]
     pub listen: SocketAddr,
     pub upstream: UpstreamUrl,
-    #[serde(default, deserialize_with = "super::routes::egress_routes")]
+    #[serde(default, deserialize_with = "egress_routes")]
     pub routes: Vec<EgressRoute>,
 }
 

@@ -1,15 +1,15 @@
 //! The checks across the routes of a list (`routes`, `egress.routes`): unique names, captures
 //! that exist, and paths the router can tell apart. Each route is checked against those
-//! before it as it is read, so that an error carries the route's own line and column.
+//! before it as it is read, so that an error carries the route's own line and column. The
+//! egress routes' list ([`super::leases`]) is checked with the same parts.
 
 use serde::Deserializer;
 
 use super::checked;
-use super::leases::EgressRoute;
 use super::{MethodCfg, PathTemplate, ResourceTemplate, RouteConfig};
 
 /// What the checks need of a route, ingress or egress.
-trait Shape {
+pub(super) trait Shape {
     fn path(&self) -> &PathTemplate;
     fn methods(&self) -> Option<&[MethodCfg]>;
     /// `false`: the route fences nothing (`fence: false`), so it shadows no other route.
@@ -25,18 +25,6 @@ impl Shape for RouteConfig {
     }
     fn fences(&self) -> bool {
         self.fence
-    }
-}
-
-impl Shape for EgressRoute {
-    fn path(&self) -> &PathTemplate {
-        &self.path
-    }
-    fn methods(&self) -> Option<&[MethodCfg]> {
-        self.methods.as_deref()
-    }
-    fn fences(&self) -> bool {
-        true
     }
 }
 
@@ -67,21 +55,8 @@ pub(super) fn routes<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<RouteConfig>
     )
 }
 
-/// `egress.routes`.
-pub(super) fn egress_routes<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<EgressRoute>, D::Error> {
-    let mut paths = Paths::new("egress.routes");
-    checked::from_seq_each(
-        d,
-        "an egress route: a mapping with `path` and `lease`",
-        move |earlier: &[EgressRoute], route: &EgressRoute| {
-            uses_captures("lease", &route.lease, &route.path)?;
-            paths.add(earlier, route)
-        },
-    )
-}
-
 /// Every `{capture}` of `template` (the `field` of a route) is one of `path`'s.
-fn uses_captures(
+pub(super) fn uses_captures(
     field: &str,
     template: &ResourceTemplate,
     path: &PathTemplate,
@@ -111,13 +86,13 @@ fn uses_captures(
 }
 
 /// The path templates of one list, in a router as the list is read.
-struct Paths {
+pub(super) struct Paths {
     list: &'static str,
     router: matchit::Router<()>,
 }
 
 impl Paths {
-    fn new(list: &'static str) -> Self {
+    pub(super) fn new(list: &'static str) -> Self {
         Paths {
             list,
             router: matchit::Router::new(),
@@ -125,7 +100,7 @@ impl Paths {
     }
 
     /// Adds the route after `earlier`, or says why the router cannot have it.
-    fn add<R: Shape>(&mut self, earlier: &[R], route: &R) -> Result<(), String> {
+    pub(super) fn add<R: Shape>(&mut self, earlier: &[R], route: &R) -> Result<(), String> {
         let (list, i, path) = (self.list, earlier.len(), route.path());
         let same: Vec<(usize, &R)> = earlier
             .iter()

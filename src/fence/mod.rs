@@ -5,3 +5,4 @@ pub mod method;
 pub mod path;
 pub mod routes;
 pub mod token;
+pub mod verdict;

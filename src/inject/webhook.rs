@@ -28,7 +28,7 @@ use super::{
     inject_label, inject_pod_as, patch, store_dies_with_pod, OptIn, Options, Outcome, DATA_VOLUME,
     INJECT_DISABLED, INJECT_ENABLED, INJECT_LABEL,
 };
-use crate::proxy::body::ProxyBody;
+use crate::body::ProxyBody;
 use crate::server::{serve, ServerSettings};
 
 /// An AdmissionReview carries the pod (and on updates the old one): objects are at most

@@ -18,8 +18,8 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::agent::{AcquireError, Agent, Attempt, Lease};
-use crate::proxy::body::ProxyBody;
-use crate::proxy::problem::{method_not_allowed, Problem};
+use crate::body::ProxyBody;
+use crate::problem::{method_not_allowed, Problem};
 
 /// Largest acquire request body: a holder id and two durations.
 const MAX_BODY: usize = 16 * 1024;

@@ -15,12 +15,10 @@
 //! its capacity behind gets `Lagged` and must treat it as `Lost` immediately followed by `Live`.
 //! One subscription (one connection) per backend serves every receiver.
 
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::sync::broadcast;
 
-use crate::config::{BackendConfig, BackendKind};
 use crate::store::BoxFuture;
 
 /// A granted lease.
@@ -117,117 +115,5 @@ impl GrantEvents {
             live: false,
             events: broadcast::channel(1).1,
         }
-    }
-}
-
-/// How often an event connection proves it is alive (a round trip on that same connection),
-/// and how long the answer may take before the subscription counts as lost.
-pub(super) const HEARTBEAT: Duration = Duration::from_secs(1);
-
-/// How many events a receiver may fall behind before it sees `Lagged`.
-const GRANT_EVENTS_CAPACITY: usize = 4096;
-
-/// The sending side of grant events, shared by a backend and its event task.
-pub(super) struct GrantFeed {
-    tx: broadcast::Sender<GrantEvent>,
-    /// Whether the subscription delivers; also taken while `Lost`/`Live` are sent, so that a
-    /// new receiver's initial state and its first event agree.
-    live: Mutex<bool>,
-}
-
-impl GrantFeed {
-    pub(super) fn new(live: bool) -> Self {
-        GrantFeed {
-            tx: broadcast::channel(GRANT_EVENTS_CAPACITY).0,
-            live: Mutex::new(live),
-        }
-    }
-
-    pub(super) fn subscribe(&self) -> GrantEvents {
-        let live = self.live.lock().unwrap_or_else(|p| p.into_inner());
-        GrantEvents {
-            live: *live,
-            events: self.tx.subscribe(),
-        }
-    }
-
-    /// Announces a (possible) new grant of `resource`.
-    pub(super) fn changed(&self, resource: &str) {
-        if self.tx.receiver_count() > 0 {
-            let _ = self.tx.send(GrantEvent::Changed(resource.to_owned()));
-        }
-    }
-
-    pub(super) fn lost(&self) {
-        let mut live = self.live.lock().unwrap_or_else(|p| p.into_inner());
-        if *live {
-            *live = false;
-            let _ = self.tx.send(GrantEvent::Lost);
-        }
-    }
-
-    pub(super) fn live(&self) {
-        let mut live = self.live.lock().unwrap_or_else(|p| p.into_inner());
-        if !*live {
-            *live = true;
-            let _ = self.tx.send(GrantEvent::Live);
-        }
-    }
-
-    /// Events may have been missed although the subscription is up (an event the backend
-    /// could not attribute to one resource): everything cached must be read again.
-    pub(super) fn resync(&self) {
-        let live = self.live.lock().unwrap_or_else(|p| p.into_inner());
-        if *live {
-            let _ = self.tx.send(GrantEvent::Lost);
-            let _ = self.tx.send(GrantEvent::Live);
-        }
-    }
-}
-
-/// Opens the backend a config names.
-pub async fn open(config: &BackendConfig) -> Result<Arc<dyn LeaseBackend>, LeaseError> {
-    let url = || {
-        config
-            .url
-            .as_ref()
-            .map(|u| u.expose())
-            .ok_or_else(|| LeaseError::Unavailable("this lease backend needs a `url`".into()))
-    };
-    let tls = |alpn: &[&[u8]]| -> Result<Option<Arc<crate::tls::ClientTls>>, LeaseError> {
-        let url_tls = config.url.as_ref().is_some_and(|u| u.is_tls());
-        match (&config.tls, url_tls) {
-            (Some(files), _) => crate::tls::ClientTls::load(files, "leases.backend.tls", alpn),
-            (None, true) => {
-                crate::tls::ClientTls::load(&Default::default(), "leases.backend.tls", alpn)
-            }
-            (None, false) => return Ok(None),
-        }
-        .map(|tls| Some(Arc::new(tls)))
-        .map_err(LeaseError::Unavailable)
-    };
-    match config.kind {
-        BackendKind::Embedded => {
-            let path = config.path.as_deref().ok_or_else(|| {
-                LeaseError::Unavailable("the embedded lease backend needs a `path`".into())
-            })?;
-            Ok(Arc::new(super::embedded::EmbeddedLeases::open(
-                path,
-                &config.prefix,
-            )?))
-        }
-        BackendKind::Redis => Ok(Arc::new(super::redis::RedisLeases::new(
-            url()?,
-            &config.prefix,
-            tls(&[])?,
-        )?)),
-        BackendKind::Postgres => Ok(Arc::new(super::postgres::PostgresLeases::new(
-            url()?,
-            &config.prefix,
-            tls(&[])?,
-        )?)),
-        BackendKind::Etcd => Ok(Arc::new(
-            super::etcd::EtcdLeases::connect(url()?, &config.prefix, tls(&[b"h2"])?).await?,
-        )),
     }
 }

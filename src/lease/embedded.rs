@@ -12,27 +12,21 @@
 //! early or keep it alive late while fencegate runs. The agent is in the same process, so the
 //! backend's clock and the agent's are the same clock.
 //!
-//! Events: a release wakes `changed()` waiters through an in-process [`Notify`]; an expiry wakes
+//! Events: a release wakes `changed()` waiters through an in-process [`Notify`](tokio::sync::Notify); an expiry wakes
 //! them with a timer at the (monotonic) deadline seen when they started waiting. Grant events
 //! are in-process too, so the subscription is always live: a grant is announced after its
 //! commit and before `try_acquire` returns (and so is an acquisition that failed with an error,
 //! since a failed commit may still have reached the disk).
-//!
-//! This file also holds two helpers the networked backends share: [`new_lease_id`] and
-//! [`Waiters`].
 
-use std::collections::hash_map::RandomState;
 use std::collections::HashMap;
-use std::hash::{BuildHasher, Hasher};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
-use tokio::sync::Notify;
 
-use super::backend::{Acquired, Grant, GrantEvents, GrantFeed, LeaseBackend, LeaseError};
+use super::backend::{Acquired, Grant, GrantEvents, LeaseBackend, LeaseError};
+use super::shared::{new_lease_id, GrantFeed, Waiters};
 use crate::store::BoxFuture;
 
 /// `(token, expires_at_unix_ms, lease_id, holder)`; a released lease has expiry 0 and empty
@@ -391,111 +385,9 @@ impl LeaseBackend for EmbeddedLeases {
     }
 }
 
-/// A fresh lease id: 128 bits, hex. Unique (a process-wide counter, the time and the process id
-/// go into it) and not guessable from outside (two hashers with per-process random keys).
-pub(super) fn new_lease_id() -> String {
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos());
-    let half = |salt: u64| {
-        let mut h = RandomState::new().build_hasher();
-        h.write_u64(salt);
-        h.write_u64(n);
-        h.write_u128(nanos);
-        h.write_u32(std::process::id());
-        h.finish()
-    };
-    format!("{:016x}{:016x}", half(1), half(2))
-}
-
-/// Per-resource wake-ups for `changed()`: a waiter registers, then checks the backend, then
-/// waits; the backend's event source wakes every registered waiter of a resource.
-#[derive(Default)]
-pub(super) struct Waiters {
-    map: Mutex<HashMap<String, Arc<Notify>>>,
-}
-
-impl Waiters {
-    pub(super) fn register(&self, resource: &str) -> Registration<'_> {
-        let mut map = self.map.lock().unwrap_or_else(|p| p.into_inner());
-        let notify = Arc::clone(map.entry(resource.to_owned()).or_default());
-        Registration {
-            waiters: self,
-            resource: resource.to_owned(),
-            notify: Some(notify),
-        }
-    }
-
-    /// Wakes the waiters of `resource` registered so far.
-    pub(super) fn wake(&self, resource: &str) {
-        let map = self.map.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(notify) = map.get(resource) {
-            notify.notify_waiters();
-        }
-    }
-
-    /// Wakes every waiter (events may have been lost, e.g. on a reconnect).
-    pub(super) fn wake_all(&self) {
-        let map = self.map.lock().unwrap_or_else(|p| p.into_inner());
-        for notify in map.values() {
-            notify.notify_waiters();
-        }
-    }
-}
-
-/// One waiter's interest in a resource; removes the resource's entry when the last one goes.
-pub(super) struct Registration<'a> {
-    waiters: &'a Waiters,
-    resource: String,
-    notify: Option<Arc<Notify>>,
-}
-
-impl Registration<'_> {
-    /// Create (and `enable`) the `Notified` future before checking the backend.
-    pub(super) fn notify(&self) -> &Notify {
-        self.notify.as_ref().expect("set until drop")
-    }
-}
-
-impl Drop for Registration<'_> {
-    fn drop(&mut self) {
-        let mut map = self.waiters.map.lock().unwrap_or_else(|p| p.into_inner());
-        // Every clone and drop of these Arcs happens under the lock, so the count is exact.
-        drop(self.notify.take());
-        if map
-            .get(&self.resource)
-            .is_some_and(|n| Arc::strong_count(n) == 1)
-        {
-            map.remove(&self.resource);
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn lease_ids_are_distinct_hex() {
-        let ids: std::collections::HashSet<String> = (0..1000).map(|_| new_lease_id()).collect();
-        assert_eq!(ids.len(), 1000);
-        assert!(ids
-            .iter()
-            .all(|id| id.len() == 32 && id.bytes().all(|b| b.is_ascii_hexdigit())));
-    }
-
-    #[test]
-    fn waiters_clean_up() {
-        let waiters = Waiters::default();
-        {
-            let _a = waiters.register("r");
-            let _b = waiters.register("r");
-            assert_eq!(waiters.map.lock().unwrap().len(), 1);
-        }
-        assert!(waiters.map.lock().unwrap().is_empty());
-    }
 
     #[tokio::test]
     async fn survives_reopen() {

@@ -40,9 +40,8 @@ use crate::etcd::{
     TxnOp, TxnOpResponse, WatchClient, WatchFilterType, WatchOptions,
 };
 
-use super::backend::{
-    Acquired, Grant, GrantEvents, GrantFeed, LeaseBackend, LeaseError, HEARTBEAT,
-};
+use super::backend::{Acquired, Grant, GrantEvents, LeaseBackend, LeaseError};
+use super::shared::{GrantFeed, HEARTBEAT};
 use crate::store::BoxFuture;
 use crate::tls::ClientTls;
 

@@ -31,10 +31,8 @@ use tokio::sync::{watch, OnceCell};
 use tokio_postgres::tls::{MakeTlsConnect, TlsConnect};
 use tokio_postgres::{AsyncMessage, NoTls, Socket};
 
-use super::backend::{
-    Acquired, Grant, GrantEvents, GrantFeed, LeaseBackend, LeaseError, HEARTBEAT,
-};
-use super::embedded::{new_lease_id, Waiters};
+use super::backend::{Acquired, Grant, GrantEvents, LeaseBackend, LeaseError};
+use super::shared::{self, new_lease_id, GrantFeed, Waiters, HEARTBEAT};
 use crate::store::{BoxFuture, PgTls};
 use crate::tls::ClientTls;
 
@@ -389,17 +387,9 @@ impl LeaseBackend for PostgresLeases {
     }
 
     fn changed<'a>(&'a self, resource: &'a str) -> BoxFuture<'a, ()> {
-        Box::pin(async move {
-            let mut listening = self.listener().listening.clone();
-            // Not listening (PostgreSQL down?): wait for the listener; backoff wakes meanwhile.
-            if listening.wait_for(|l| *l).await.is_err() {
-                return std::future::pending().await;
-            }
-            // Listening and registered before looking: a release after the look wakes us.
-            let registration = self.waiters.register(resource);
-            let notified = registration.notify().notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
+        // Not listening (PostgreSQL down?): the waiter's backoff wakes it meanwhile.
+        let listening = self.listener().listening.clone();
+        let free = async move {
             let live = async {
                 let client = self.client().await?;
                 let statement = client
@@ -412,11 +402,9 @@ impl LeaseBackend for PostgresLeases {
                     .map_err(|e| unavailable(&crate::store::describe_postgres_error(&e)))?;
                 Ok::<_, LeaseError>(row.is_some())
             };
-            if matches!(live.await, Ok(false)) {
-                return;
-            }
-            notified.await;
-        })
+            matches!(live.await, Ok(false))
+        };
+        Box::pin(shared::changed(listening, &self.waiters, resource, free))
     }
 
     fn grant_events(&self) -> GrantEvents {

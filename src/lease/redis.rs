@@ -35,10 +35,8 @@ use std::time::Duration;
 use redis::{AsyncConnectionConfig, ProtocolVersion, PushInfo, PushKind, Script, Value};
 use tokio::sync::{mpsc, watch};
 
-use super::backend::{
-    Acquired, Grant, GrantEvents, GrantFeed, LeaseBackend, LeaseError, HEARTBEAT,
-};
-use super::embedded::{new_lease_id, Waiters};
+use super::backend::{Acquired, Grant, GrantEvents, LeaseBackend, LeaseError};
+use super::shared::{self, new_lease_id, GrantFeed, Waiters, HEARTBEAT};
 use crate::store::{BoxFuture, RedisConn, RedisTarget};
 use crate::tls::ClientTls;
 
@@ -340,17 +338,9 @@ impl LeaseBackend for RedisLeases {
     }
 
     fn changed<'a>(&'a self, resource: &'a str) -> BoxFuture<'a, ()> {
-        Box::pin(async move {
-            let mut subscribed = self.events().subscribed.clone();
-            // Not subscribed (Redis down?): wait for it; the waiter's backoff wakes it meanwhile.
-            if subscribed.wait_for(|s| *s).await.is_err() {
-                return std::future::pending().await;
-            }
-            // Subscribed and registered before looking: a release after the look wakes us.
-            let registration = self.waiters.register(resource);
-            let notified = registration.notify().notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
+        // Not subscribed (Redis down?): the waiter's backoff wakes it meanwhile.
+        let subscribed = self.events().subscribed.clone();
+        let free = async move {
             let held = match self.conn.get().await {
                 Ok((generation, mut conn)) => {
                     let result = redis::cmd("EXISTS")
@@ -361,11 +351,9 @@ impl LeaseBackend for RedisLeases {
                 }
                 Err(_) => Ok(true),
             };
-            if matches!(held, Ok(false)) {
-                return;
-            }
-            notified.await;
-        })
+            matches!(held, Ok(false))
+        };
+        Box::pin(shared::changed(subscribed, &self.waiters, resource, free))
     }
 
     fn grant_events(&self) -> GrantEvents {

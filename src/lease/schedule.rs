@@ -7,12 +7,6 @@ use tokio::time::Instant;
 
 use crate::config::AcquireConfig;
 
-/// The longest lease TTL, acquisition `wait` and drain timeout accepted, from the config or
-/// from an API request. Far above any sensible lease (a lease is renewed every TTL/3, so a
-/// long TTL only delays the takeover after a crash) and far below what would overflow the
-/// monotonic clock when added to it.
-pub const MAX_LEASE_DURATION: Duration = Duration::from_secs(3600);
-
 /// Renewal delay: TTL/3 with ±15 % jitter, so a fleet's heartbeats spread out. `unit` ∈ [0, 1).
 pub fn renew_delay(ttl: Duration, unit: f64) -> Duration {
     (ttl / 3).mul_f64(0.85 + 0.30 * unit.clamp(0.0, 1.0))

@@ -1,18 +1,21 @@
 //! Refusals: every reason fencegate answers instead of the upstream, mapped to status, problem
 //! type and metric outcome in one exhaustive match (RFC 9457 problem+json bodies, docs/requests.md).
-//!
-//! [`Problem`] and [`method_not_allowed`] give the lease API and the admin listener the same
-//! bodies: `type`, `title`, `status`, `detail`, then what the problem is about.
+//! The body is a [`crate::problem::Problem`], as the lease API's and the admin listener's are.
+//! [`Proxy::refuse`] is the one place a refusal is answered, counted and logged.
 
-use http::header::{HeaderName, HeaderValue, ALLOW, CONTENT_TYPE, RETRY_AFTER};
-use http::{Method, Response, StatusCode};
-use serde_json::{json, Value};
+use http::header::{HeaderName, HeaderValue, RETRY_AFTER};
+use http::{Method, Request, Response, StatusCode, Version};
 
-use super::body::ProxyBody;
+use super::access::{log_access, Access, Subject, Timing};
+use super::Proxy;
+use crate::body::ProxyBody;
 use crate::fence::path::PathError;
 use crate::fence::routes::ResourceError;
+use crate::fence::routes::Route;
 use crate::fence::token::TokenError;
 use crate::metrics::Outcome;
+use crate::metrics::RouteMetrics;
+use crate::problem::Problem;
 
 /// Header carrying the recorded maximum on a stale refusal.
 pub const TOKEN_CURRENT: &str = "fencing-token-current";
@@ -60,14 +63,6 @@ pub enum Refusal {
     // The upstream's.
     UpstreamError(String),
     UpstreamTimeout,
-}
-
-/// What a refusal was about, for the body and the log line.
-#[derive(Debug, Default, Clone, Copy)]
-pub struct Subject<'a> {
-    pub route: Option<&'a str>,
-    pub resource: Option<&'a str>,
-    pub token: Option<u64>,
 }
 
 impl Refusal {
@@ -337,66 +332,6 @@ impl Refusal {
     }
 }
 
-/// A problem+json body (RFC 9457): `type`, `title`, `status`, `detail`, then the members added
-/// with [`Problem::with`], in that order.
-pub struct Problem {
-    status: StatusCode,
-    body: Value,
-}
-
-impl Problem {
-    /// `kind` is the whole type URI (`urn:fencegate:…`); `title` is the same for every
-    /// problem of that type; `detail` says what happened to this request.
-    pub fn new(status: StatusCode, kind: &str, title: &str, detail: impl Into<String>) -> Self {
-        Problem {
-            status,
-            body: json!({
-                "type": kind,
-                "title": title,
-                "status": status.as_u16(),
-                "detail": detail.into(),
-            }),
-        }
-    }
-
-    /// Adds a member after the standard ones (`resource`, `token`, …).
-    pub fn with(mut self, key: &str, value: impl Into<Value>) -> Self {
-        self.body[key] = value.into();
-        self
-    }
-
-    pub fn response(self) -> Response<ProxyBody> {
-        let mut response = Response::new(ProxyBody::local(self.body.to_string()));
-        *response.status_mut() = self.status;
-        response.headers_mut().insert(
-            CONTENT_TYPE,
-            HeaderValue::from_static("application/problem+json"),
-        );
-        response
-    }
-}
-
-/// `405` for a method that `path` (as documented, e.g. `/v1/leases/{resource}`) does not
-/// accept: `Allow` lists the methods it does (RFC 9110 §15.5.6), and so does the detail.
-pub fn method_not_allowed(method: &Method, path: &str, allowed: &[Method]) -> Response<ProxyBody> {
-    let names: Vec<&str> = allowed.iter().map(Method::as_str).collect();
-    let listed = match names.as_slice() {
-        [] => String::new(),
-        [only] => (*only).to_owned(),
-        [init @ .., last] => format!("{} and {last}", init.join(", ")),
-    };
-    let mut response = Problem::new(
-        StatusCode::METHOD_NOT_ALLOWED,
-        "urn:fencegate:method-not-allowed",
-        "Method not allowed",
-        format!("{path} accepts {listed}, not {method}"),
-    )
-    .response();
-    let allow = HeaderValue::from_str(&names.join(", ")).expect("method names are header-safe");
-    response.headers_mut().insert(ALLOW, allow);
-    response
-}
-
 /// A header name as people write it (`Fencing-Token`, `Idempotency-Key`, `X-Fence`): the
 /// configuration keeps names lowercase, as HTTP/2 sends them, and they are case-insensitive.
 pub fn spelled(name: &HeaderName) -> String {
@@ -411,6 +346,76 @@ pub fn spelled(name: &HeaderName) -> String {
         word_start = c == '-';
     }
     out
+}
+
+impl Proxy {
+    /// Counts, logs (one line per refusal, and the access line) and answers.
+    pub(super) fn refuse(
+        &self,
+        refusal: Refusal,
+        route: Option<&Route>,
+        subject: Subject<'_>,
+        method: &Method,
+        path: &str,
+        timing: Timing<'_>,
+    ) -> Response<ProxyBody> {
+        let (status, kind, _, outcome) = refusal.kind();
+        self.metrics_for(route).finish(outcome, timing.took());
+        let current_token = match refusal {
+            Refusal::Stale { current } | Refusal::Superseded { latest: current } => Some(current),
+            Refusal::Unissued { latest } => latest,
+            _ => None,
+        };
+        tracing::warn!(
+            route = subject.route,
+            %method,
+            path,
+            resource = subject.resource,
+            fencing_token = subject.token,
+            current_token,
+            status = status.as_u16(),
+            r#type = kind,
+            detail = refusal.detail(&subject, &self.token_header),
+            "{}",
+            if outcome == Outcome::UpstreamError || outcome == Outcome::UpstreamTimeout {
+                "upstream failed"
+            } else {
+                "write refused"
+            }
+        );
+        if self.access_log {
+            log_access(Access {
+                subject,
+                method,
+                path: timing.received.unwrap_or(path),
+                status: status.as_u16(),
+                outcome,
+                problem: Some(kind),
+                timing,
+            });
+        }
+        refusal.response(&subject, &self.token_header)
+    }
+
+    pub(super) fn metrics_for(&self, route: Option<&Route>) -> &RouteMetrics {
+        let index = route.map_or(self.route_metrics.len() - 1, |r| r.index);
+        &self.route_metrics[index]
+    }
+}
+
+/// RFC 9112 §3.2: more than one `Host`, or an HTTP/1.1 request with neither `Host` nor an
+/// absolute-form target, is a bad request (the upstream and `X-Forwarded-Host` would have to
+/// pick one of two claims).
+pub(super) fn host_problem<B>(req: &Request<B>) -> Option<&'static str> {
+    let mut hosts = req.headers().get_all(http::header::HOST).iter();
+    let first = hosts.next();
+    if hosts.next().is_some() {
+        return Some("more than one Host header (RFC 9112 §3.2)");
+    }
+    if first.is_none() && req.version() == Version::HTTP_11 && req.uri().authority().is_none() {
+        return Some("an HTTP/1.1 request needs a Host header (RFC 9112 §3.2)");
+    }
+    None
 }
 
 #[cfg(test)]
@@ -428,19 +433,5 @@ mod tests {
         ] {
             assert_eq!(spelled(&HeaderName::from_static(name)), want);
         }
-    }
-
-    #[test]
-    fn a_405_lists_the_allowed_methods_in_allow_and_detail() {
-        let r = method_not_allowed(
-            &Method::PUT,
-            "/v1/leases/{resource}",
-            &[Method::GET, Method::POST, Method::DELETE],
-        );
-        assert_eq!(r.status(), StatusCode::METHOD_NOT_ALLOWED);
-        assert_eq!(r.headers()[ALLOW], "GET, POST, DELETE");
-        assert_eq!(r.headers()[CONTENT_TYPE], "application/problem+json");
-        let one = method_not_allowed(&Method::POST, "/v1/leases", &[Method::GET]);
-        assert_eq!(one.headers()[ALLOW], "GET");
     }
 }

@@ -24,8 +24,15 @@ use tokio::time::Instant;
 
 use crate::timer::Kept;
 
-use super::idempotent::UpstreamBody;
-use super::UpstreamClient;
+/// The request body the upstream client sends: the client's, streamed, or one read whole
+/// (an idempotent write's, kept for its fingerprint).
+pub type UpstreamBody = http_body_util::Either<Incoming, http_body_util::Full<bytes::Bytes>>;
+
+/// The shared pool of upstream connections (plain or TLS).
+pub type UpstreamClient = hyper_util::client::legacy::Client<
+    hyper_rustls::HttpsConnector<hyper_util::client::legacy::connect::HttpConnector>,
+    UpstreamBody,
+>;
 
 pub type BoxError = Box<dyn StdError + Send + Sync>;
 
@@ -92,7 +99,7 @@ impl SharedSlot {
         match self.0.forwarded_for.get() {
             Some((ip, value)) if *ip == peer => value.clone(),
             _ => {
-                let value = super::forward::peer_value(peer);
+                let value = super::headers::peer_value(peer);
                 let _ = self.0.forwarded_for.set((peer, value.clone()));
                 value
             }

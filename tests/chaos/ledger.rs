@@ -12,7 +12,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use fencegate::proxy::body::ProxyBody;
+use fencegate::body::ProxyBody;
 use fencegate::server::{serve, ServerSettings};
 use http::{Request, Response, StatusCode};
 use http_body_util::BodyExt;

@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use fencegate::app::Server;
+use fencegate::body::ProxyBody;
 use fencegate::config::Config;
-use fencegate::proxy::body::ProxyBody;
 use fencegate::server::{serve, ServerSettings};
 use http::{HeaderMap, Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};

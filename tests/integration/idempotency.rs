@@ -8,10 +8,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use fencegate::body::ProxyBody;
 use fencegate::config::{Config, EqualTokens};
 use fencegate::idempotency::{AttemptId, Begin, Claim, Fingerprint, Record};
 use fencegate::metrics::Metrics;
-use fencegate::proxy::body::ProxyBody;
 use fencegate::proxy::Proxy;
 use fencegate::server::serve;
 use fencegate::store::{BoxFuture, FenceStore, StoreError, Verdict};

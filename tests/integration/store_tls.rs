@@ -1561,7 +1561,7 @@ async fn etcd_tokens_refused_after_a_restart_are_replaced_without_an_error() {
             Ok(verdict) => {
                 assert_eq!(
                     verdict,
-                    fencegate::store::Verdict::Admitted { previous: Some(1) }
+                    fencegate::fence::verdict::Verdict::Admitted { previous: Some(1) }
                 );
                 break;
             }

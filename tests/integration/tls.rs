@@ -5,8 +5,8 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
+use fencegate::body::ProxyBody;
 use fencegate::config::TlsConfig;
-use fencegate::proxy::body::ProxyBody;
 use fencegate::server::{serve, ServerSettings};
 use http::{Method, Request, Response, StatusCode, Version};
 use http_body_util::{BodyExt, Full};

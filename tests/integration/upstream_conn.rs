@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
-use fencegate::proxy::body::ProxyBody;
+use fencegate::body::ProxyBody;
 use fencegate::server::serve;
 use http::{Request, Response};
 use http_body_util::BodyExt;

@@ -1,4 +1,7 @@
 //! The response body fencegate sends: the upstream's, streamed, or one it wrote itself.
+//!
+//! At crate level because every listener answers with it: the proxy, the lease API, the admin
+//! listener and the injection webhook.
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -18,7 +21,7 @@ pub enum ProxyBody {
         _ticket: Option<Ticket>,
     },
     /// Streamed from the upstream and recorded for idempotent replays.
-    Recording(Box<super::idempotent::Recording>),
+    Recording(Box<crate::proxy::recording::Recording>),
     /// A response fencegate made (refusals, admin pages, replays).
     Local(Full<Bytes>),
     /// A stream fencegate writes as it goes (Server-Sent Events); ends when the sender drops.

@@ -1,0 +1,261 @@
+//! The agent's unit tests: draining, releasing, the held gauge and listed acquisitions.
+
+use super::*;
+use std::sync::atomic::{AtomicBool, Ordering};
+use tokio::sync::Notify;
+
+/// A pause point in the renewal loop, armed by a test for one renewal.
+#[derive(Default)]
+pub(super) struct Pause {
+    armed: AtomicBool,
+    /// Told when an armed renewal has the backend's answer.
+    reached: Notify,
+    /// Lets it go on.
+    resume: Notify,
+}
+
+impl Pause {
+    pub(super) async fn renewed(&self) {
+        if self.armed.swap(false, Ordering::SeqCst) {
+            self.reached.notify_one();
+            self.resume.notified().await;
+        }
+    }
+}
+
+/// The `fencegate_lease_held` series of `resource` and `fencegate_leases_held`, as exported.
+fn gauge(agent: &Agent, resource: &str) -> (Option<String>, String) {
+    let text = agent.metrics.render();
+    let value = |prefix: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(prefix))
+            .map(str::to_owned)
+    };
+    let held = value(&format!("fencegate_lease_held{{resource=\"{resource}\"}} "));
+    let count = value("fencegate_leases_held ").unwrap_or_else(|| panic!("no count in\n{text}"));
+    (held, count)
+}
+
+/// Lets spawned tasks run until `f` holds (no timers involved).
+async fn until(what: &str, f: impl Fn() -> bool) {
+    for _ in 0..10_000 {
+        if f() {
+            return;
+        }
+        tokio::task::yield_now().await;
+    }
+    panic!("never: {what}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_renewal_answered_before_draining_does_not_bring_the_token_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let agent = agent(&dir).await;
+    let mut events = agent.subscribe();
+    let lease = agent
+        .acquire("r", "w1", None, Duration::ZERO)
+        .await
+        .unwrap();
+    assert_eq!(events.recv().await.unwrap().event, "held");
+    // The next renewal stops right after the backend said yes; draining starts there.
+    agent.pause.armed.store(true, Ordering::SeqCst);
+    agent.pause.reached.notified().await;
+    agent.start_draining();
+    assert_eq!(lease.state(), State::Draining);
+    assert_eq!(agent.token_for("r"), None);
+    agent.pause.resume.notify_one();
+    let renewed = events.recv().await.unwrap();
+    assert_eq!((renewed.event, renewed.state), ("renewed", State::Draining));
+    assert_eq!(lease.state(), State::Draining);
+    assert_eq!(agent.token_for("r"), None);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_waiter_at_drain_is_refused_and_nothing_is_left_held() {
+    let dir = tempfile::tempdir().unwrap();
+    let agent = agent(&dir).await;
+    agent
+        .acquire("account:42", "w9", None, Duration::ZERO)
+        .await
+        .unwrap();
+    let waiter = tokio::spawn({
+        let agent = Arc::clone(&agent);
+        async move {
+            agent
+                .acquire("account:42", "w8", None, Duration::from_secs(10))
+                .await
+        }
+    });
+    until("w8 waits", || agent.attempt("account:42").is_some()).await;
+    // SIGTERM, then the end of the drain: w9's release frees the lease w8 waits for.
+    agent.start_draining();
+    agent.release_all().await;
+    let refused = waiter.await.unwrap();
+    assert!(
+        matches!(refused, Err(AcquireError::Draining)),
+        "{:?}",
+        refused.map(|l| l.grant.clone())
+    );
+    assert!(agent.get("account:42").is_none());
+    assert_eq!(agent.token_for("account:42"), None);
+    // Nothing is left held on the backend: the next holder gets it at once.
+    let next = agent
+        .backend()
+        .try_acquire("account:42", "next", Duration::from_secs(30))
+        .await
+        .unwrap();
+    assert!(matches!(next, Acquired::Granted(_)), "{next:?}");
+}
+
+/// The drain's last step cannot run ahead of its first: releasing everything drains too.
+#[tokio::test(start_paused = true)]
+async fn releasing_everything_grants_nothing_more() {
+    let dir = tempfile::tempdir().unwrap();
+    let agent = agent(&dir).await;
+    agent
+        .acquire("r", "w9", None, Duration::ZERO)
+        .await
+        .unwrap();
+    let waiter = tokio::spawn({
+        let agent = Arc::clone(&agent);
+        async move {
+            agent
+                .acquire("r", "w8", None, Duration::from_secs(10))
+                .await
+        }
+    });
+    until("w8 waits", || agent.attempt("r").is_some()).await;
+    agent.release_all().await;
+    let refused = waiter.await.unwrap();
+    assert!(
+        matches!(refused, Err(AcquireError::Draining)),
+        "{:?}",
+        refused.map(|l| l.grant.clone())
+    );
+    assert!(agent.is_draining());
+    assert!(agent.all().is_empty());
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_held_gauge_follows_the_newest_lease_on_a_resource() {
+    let dir = tempfile::tempdir().unwrap();
+    let agent = agent(&dir).await;
+    let old = agent
+        .acquire("r", "w1", None, Duration::ZERO)
+        .await
+        .unwrap();
+    assert_eq!(gauge(&agent, "r"), (Some("1".into()), "1".into()));
+    let mut events = agent.subscribe();
+    // The backend drops w1's lease (an operator, a failover): w2 gets the resource while
+    // w1's renewer still runs.
+    assert!(agent.backend().release(&old.grant).await.unwrap());
+    let new = agent
+        .acquire("r", "w2", None, Duration::from_secs(10))
+        .await
+        .unwrap();
+    assert_eq!(gauge(&agent, "r"), (Some("1".into()), "1".into()));
+    // w1's next renewal finds it gone and declares it lost.
+    loop {
+        let e = events.recv().await.unwrap();
+        if e.event == "lost" {
+            assert_eq!(e.lease_id, old.grant.lease_id);
+            break;
+        }
+    }
+    assert_eq!(old.state(), State::Expired);
+    assert_eq!(new.state(), State::Held);
+    assert_eq!(agent.token_for("r"), Some(new.grant.token));
+    assert_eq!(gauge(&agent, "r"), (Some("1".into()), "1".into()));
+    // And the new lease's own release removes the series (per-job leases would otherwise
+    // leave one series each behind for good).
+    agent.release("r").await.unwrap().unwrap();
+    assert_eq!(gauge(&agent, "r"), (None, "0".into()));
+    // A lease lost on its own removes it too.
+    let lost = agent
+        .acquire("s", "w3", None, Duration::ZERO)
+        .await
+        .unwrap();
+    assert_eq!(gauge(&agent, "s"), (Some("1".into()), "1".into()));
+    assert!(agent.backend().release(&lost.grant).await.unwrap());
+    loop {
+        if events.recv().await.unwrap().event == "lost" {
+            break;
+        }
+    }
+    assert_eq!(gauge(&agent, "s"), (None, "0".into()));
+}
+
+async fn agent(dir: &tempfile::TempDir) -> Arc<Agent> {
+    let config = crate::config::Config::parse(&format!(
+        "upstream: http://127.0.0.1:1\nleases:\n  backend: {{ kind: embedded, path: {} }}\n  ttl: 1500ms\n",
+        dir.path().join("leases.db").display()
+    ))
+    .unwrap();
+    let leases = config.leases.unwrap();
+    let backend = crate::lease::open(&leases.backend).await.unwrap();
+    let metrics = Arc::new(Metrics::new(prometheus::Registry::new()).unwrap());
+    Agent::new(backend, leases.ttl, leases.acquire, metrics)
+}
+
+/// Polls until `f` holds, for at most five seconds.
+async fn eventually(what: &str, f: impl Fn() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !f() {
+        assert!(Instant::now() < deadline, "never: {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test]
+async fn an_acquisition_is_listed_while_it_waits() {
+    let dir = tempfile::tempdir().unwrap();
+    let agent = agent(&dir).await;
+    let held = agent
+        .acquire("r", "w1", None, Duration::ZERO)
+        .await
+        .unwrap();
+    assert!(agent.attempts().is_empty() && agent.attempt("r").is_none());
+
+    let waiter = tokio::spawn({
+        let agent = Arc::clone(&agent);
+        async move {
+            agent
+                .acquire(
+                    "r",
+                    "w2",
+                    Some(Duration::from_secs(3)),
+                    Duration::from_secs(10),
+                )
+                .await
+        }
+    });
+    eventually("w2 is listed", || agent.attempt("r").is_some()).await;
+    let expected = Attempt {
+        resource: "r".into(),
+        holder: "w2".into(),
+        ttl: Duration::from_secs(3),
+    };
+    assert_eq!(agent.attempt("r"), Some(expected.clone()));
+    assert_eq!(agent.attempts(), [expected]);
+    // The lease held here is still what this agent holds.
+    assert_eq!(agent.get("r").unwrap().grant, held.grant);
+
+    agent.release("r").await.unwrap().unwrap();
+    let got = waiter.await.unwrap().unwrap();
+    assert_eq!(got.grant.holder, "w2");
+    assert_eq!(agent.attempt("r"), None);
+    assert!(agent.attempts().is_empty());
+
+    // An acquisition whose request went away is no longer listed.
+    let gone = tokio::spawn({
+        let agent = Arc::clone(&agent);
+        async move {
+            agent
+                .acquire("r", "w3", None, Duration::from_secs(30))
+                .await
+        }
+    });
+    eventually("w3 is listed", || agent.attempt("r").is_some()).await;
+    gone.abort();
+    eventually("w3 is gone", || agent.attempt("r").is_none()).await;
+}

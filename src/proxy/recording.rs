@@ -1,0 +1,380 @@
+//! Recording an executed idempotent attempt's outcome: the [`Attempt`] that writes it exactly
+//! once, and the [`Recording`] body that streams the upstream's response to the client while
+//! keeping a copy (up to `max_response_bytes`) for the record.
+//!
+//! When the upstream's body ends, the record is written before the client sees the end, so a
+//! retry sent after the response never finds the key still in flight. A client that goes away
+//! early does not stop the recording: the rest of the upstream's body is drained and recorded
+//! in the background, and an attempt that ends without an answer to record (never sent, or the
+//! upstream failed) is recorded `unknown`.
+//!
+//! Apart from [`super::idempotent`] (which decides whether a write executes) so that the
+//! response body type ([`crate::body::ProxyBody`]) can hold a recording without importing the
+//! request path that makes one.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use http::{HeaderMap, StatusCode};
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+
+use crate::fence::barrier::Ticket;
+use crate::idempotency::{outcome_unknown, Claim, Phase, Record, StoredResponse};
+use crate::metrics::IdempotencyMetrics;
+use crate::store::{BoxFuture, FenceStore, StoreError};
+
+/// An executed attempt: where and how to record its outcome.
+///
+/// Its outcome is written exactly once: by [`Attempt::record_empty`], [`Attempt::unknown`],
+/// or the [`Recording`] that carries it. An attempt dropped before any of these (its client
+/// went away while it waited for its barrier turn, or the process is shutting down) records
+/// `unknown` on its way out, so that its key does not stay in flight for a whole window.
+pub struct Attempt {
+    /// Taken when the outcome is written.
+    pub(super) writer: Option<Writer>,
+    pub(super) claim: Claim,
+    pub(super) max_response: usize,
+    /// How long the rest of a body is read after its client left.
+    pub(super) drain_limit: Duration,
+}
+
+/// What writing an attempt's outcome needs.
+pub(super) struct Writer {
+    pub(super) store: Arc<dyn FenceStore>,
+    pub(super) resource: String,
+    pub(super) key: String,
+    pub(super) store_timeout: Duration,
+    pub(super) metrics: Arc<crate::metrics::Metrics>,
+}
+
+impl Writer {
+    /// Writes the outcome (bounded by the store timeout). A failure is logged: the record
+    /// then stays `in_flight` (until its window ends; on Redis and PostgreSQL until a retry
+    /// takes it over, an in-flight lifetime after it was first seen), which refuses retries
+    /// (409) rather than risking a second execution.
+    async fn write(self, claim: Claim, record: Record) {
+        let m: &IdempotencyMetrics = &self.metrics.idempotency;
+        if record.phase == Phase::Unknown {
+            m.unknown.inc();
+        }
+        let started = Instant::now();
+        let written = tokio::time::timeout(
+            self.store_timeout,
+            self.store
+                .finish_idempotent(&self.resource, &self.key, &claim, &record),
+        )
+        .await
+        .unwrap_or_else(|_| {
+            Err(StoreError::Unavailable(format!(
+                "no answer within {}",
+                crate::duration::display(self.store_timeout)
+            )))
+        });
+        m.store_finish.observe(started.elapsed().as_secs_f64());
+        match written {
+            Ok(true) => {}
+            Ok(false) => tracing::warn!(
+                resource = %self.resource,
+                fencing_token = claim.token,
+                "idempotency record changed while the attempt ran (expired?); outcome not recorded"
+            ),
+            Err(e) => {
+                self.metrics.store_errors.inc();
+                tracing::error!(
+                    resource = %self.resource,
+                    fencing_token = claim.token,
+                    error = %e,
+                    "idempotency outcome not recorded; the key stays in flight until it expires or is taken over"
+                )
+            }
+        }
+    }
+}
+
+/// The write of an outcome to the store.
+///
+/// Awaited by whoever needs it done (the end of a response waits for it), and finished in the
+/// background if that waiter is dropped first: a client that hangs up must not cancel the
+/// write half-way and leave its key in flight.
+#[must_use = "dropping a Finish writes the outcome in the background; await it to wait for it"]
+pub struct Finish(Option<BoxFuture<'static, ()>>);
+
+impl Finish {
+    fn new(write: impl Future<Output = ()> + Send + 'static) -> Self {
+        Finish(Some(Box::pin(write)))
+    }
+
+    /// Lets the write finish in the background.
+    fn detach(mut self) {
+        if let Some(write) = self.0.take() {
+            background(write);
+        }
+    }
+}
+
+impl Future for Finish {
+    type Output = ();
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        if let Some(write) = &mut self.0 {
+            std::task::ready!(write.as_mut().poll(cx));
+            self.0 = None;
+        }
+        Poll::Ready(())
+    }
+}
+
+impl Drop for Finish {
+    fn drop(&mut self) {
+        if let Some(write) = self.0.take() {
+            background(write);
+        }
+    }
+}
+
+/// Runs `work` on the current runtime without waiting for it. Called from `Drop`, where
+/// `tokio::spawn`'s panic outside a runtime would abort.
+fn background(work: BoxFuture<'static, ()>) {
+    match tokio::runtime::Handle::try_current() {
+        Ok(runtime) => drop(runtime.spawn(work)),
+        Err(_) => tracing::error!(
+            "no runtime left to record an idempotency outcome on; the key stays in flight until it expires or is taken over"
+        ),
+    }
+}
+
+impl Attempt {
+    /// Writes the outcome; see [`Finish`].
+    fn finish(mut self, record: Record) -> Finish {
+        let writer = self
+            .writer
+            .take()
+            .expect("an attempt's outcome is written once, by the call that consumes it");
+        Finish::new(writer.write(self.claim, record))
+    }
+
+    /// The upstream answered without a body.
+    pub fn record_empty(self, status: StatusCode, head: &HeaderMap) -> Finish {
+        let record = self.outcome(status, head, Some(Bytes::new()));
+        self.finish(record)
+    }
+
+    /// The upstream never answered (or we never sent): the write may or may not have happened.
+    pub fn unknown(self) -> Finish {
+        let record = Record::unknown(self.claim.token, self.claim.fingerprint);
+        self.finish(record)
+    }
+
+    fn outcome(&self, status: StatusCode, head: &HeaderMap, body: Option<Bytes>) -> Record {
+        let (token, fingerprint) = (self.claim.token, self.claim.fingerprint);
+        if outcome_unknown(status.as_u16()) {
+            return Record::unknown(token, fingerprint);
+        }
+        let response = body.map(|body| StoredResponse {
+            status: status.as_u16(),
+            headers: head
+                .iter()
+                .map(|(n, v)| (n.as_str().to_owned(), v.as_bytes().to_vec()))
+                .collect(),
+            body,
+        });
+        Record {
+            phase: Phase::Completed,
+            token,
+            fingerprint,
+            status: Some(status.as_u16()),
+            response,
+            attempt: None,
+        }
+    }
+}
+
+impl Drop for Attempt {
+    /// Dropped without an outcome: nothing is known about the write (it may not have been
+    /// sent, or its answer was lost), so a retry may execute it (with a token at least this
+    /// one's), instead of being refused as in flight until the window ends.
+    fn drop(&mut self) {
+        if let Some(writer) = self.writer.take() {
+            let record = Record::unknown(self.claim.token, self.claim.fingerprint);
+            Finish::new(writer.write(self.claim, record)).detach();
+        }
+    }
+}
+
+/// The upstream's body, streamed to the client and copied for the record.
+pub struct Recording {
+    inner: Option<Incoming>,
+    /// Held until the body has ended (or been drained after the client left).
+    ticket: Option<Ticket>,
+    status: StatusCode,
+    head: HeaderMap,
+    /// The copy so far; `None` once it outgrew `max_response`.
+    copy: Option<BytesMut>,
+    attempt: Option<Attempt>,
+    /// Dropped unfinished (the client left), it completes in the background.
+    finishing: Option<Finish>,
+    /// The last frame, held back until the record is written: a server that knows the length
+    /// stops polling after the last byte, so the end must not be waited for.
+    held: Option<Frame<Bytes>>,
+}
+
+impl Recording {
+    pub fn new(
+        inner: Incoming,
+        ticket: Option<Ticket>,
+        status: StatusCode,
+        head: HeaderMap,
+        attempt: Attempt,
+    ) -> Self {
+        Recording {
+            inner: Some(inner),
+            ticket,
+            status,
+            head,
+            copy: Some(BytesMut::new()),
+            attempt: Some(attempt),
+            finishing: None,
+            held: None,
+        }
+    }
+
+    fn keep(copy: &mut Option<BytesMut>, chunk: &Bytes, limit: usize) {
+        if let Some(c) = copy {
+            if c.len() + chunk.len() > limit {
+                *copy = None;
+            } else {
+                c.extend_from_slice(chunk);
+            }
+        }
+    }
+}
+
+impl Body for Recording {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let this = &mut *self;
+        loop {
+            if let Some(finishing) = &mut this.finishing {
+                return match Pin::new(finishing).poll(cx) {
+                    Poll::Ready(()) => {
+                        this.finishing = None;
+                        Poll::Ready(this.held.take().map(Ok))
+                    }
+                    Poll::Pending => Poll::Pending,
+                };
+            }
+            let Some(inner) = &mut this.inner else {
+                return Poll::Ready(None);
+            };
+            match Pin::new(inner).poll_frame(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Some(Ok(frame))) => {
+                    if let (Some(chunk), Some(attempt)) = (frame.data_ref(), &this.attempt) {
+                        Self::keep(&mut this.copy, chunk, attempt.max_response);
+                    }
+                    let last = this.inner.as_ref().is_some_and(|i| i.is_end_stream());
+                    match (last, this.attempt.take()) {
+                        (true, Some(attempt)) => {
+                            this.inner = None;
+                            let body = this.copy.take().map(BytesMut::freeze);
+                            let record = attempt.outcome(this.status, &this.head, body);
+                            this.finishing = Some(attempt.finish(record));
+                            this.held = Some(frame);
+                        }
+                        (_, attempt) => {
+                            this.attempt = attempt;
+                            return Poll::Ready(Some(Ok(frame)));
+                        }
+                    }
+                }
+                Poll::Ready(Some(Err(e))) => {
+                    // The upstream answered, then its body broke: the write happened (or
+                    // not, for a retryable status) but the response cannot be replayed.
+                    this.inner = None;
+                    if let Some(attempt) = this.attempt.take() {
+                        let record = attempt.outcome(this.status, &this.head, None);
+                        attempt.finish(record).detach();
+                    }
+                    return Poll::Ready(Some(Err(e)));
+                }
+                Poll::Ready(None) => {
+                    this.inner = None;
+                    match this.attempt.take() {
+                        Some(attempt) => {
+                            let body = this.copy.take().map(BytesMut::freeze);
+                            let record = attempt.outcome(this.status, &this.head, body);
+                            this.finishing = Some(attempt.finish(record));
+                        }
+                        None => return Poll::Ready(None),
+                    }
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_none()
+            && self.finishing.is_none()
+            && self.attempt.is_none()
+            && self.held.is_none()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match (&self.inner, &self.held) {
+            (Some(inner), _) => inner.size_hint(),
+            (None, Some(frame)) => {
+                SizeHint::with_exact(frame.data_ref().map_or(0, |d| d.len() as u64))
+            }
+            (None, None) => SizeHint::with_exact(0),
+        }
+    }
+}
+
+impl Drop for Recording {
+    /// The client went away before the end (or never started reading): finish recording
+    /// without it. An outcome already being written (`finishing`) completes on its own.
+    fn drop(&mut self) {
+        let (Some(mut inner), Some(attempt)) = (self.inner.take(), self.attempt.take()) else {
+            // No body left to read: the attempt, if still here, records `unknown` as it drops.
+            return;
+        };
+        let (status, head, mut copy) = (
+            self.status,
+            std::mem::take(&mut self.head),
+            self.copy.take(),
+        );
+        let ticket = self.ticket.take();
+        background(Box::pin(async move {
+            let _ticket = ticket;
+            // Bounded: an upstream that stalls mid-body must not hold the barrier ticket (or
+            // this task) forever; past the limit it counts as a broken body.
+            let drained = tokio::time::timeout(attempt.drain_limit, async {
+                while let Some(frame) = inner.frame().await {
+                    let frame = frame.ok()?;
+                    if let Some(chunk) = frame.data_ref() {
+                        Recording::keep(&mut copy, chunk, attempt.max_response);
+                    }
+                }
+                Some(())
+            })
+            .await;
+            let body = match drained {
+                Ok(Some(())) => copy.map(BytesMut::freeze),
+                Ok(None) | Err(_) => None,
+            };
+            let record = attempt.outcome(status, &head, body);
+            attempt.finish(record).await
+        }));
+    }
+}
