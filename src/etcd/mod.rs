@@ -18,7 +18,8 @@
 //!   TCP, then the handshake through [`ClientTls`] (the `tls` mapping's CA, client certificate
 //!   and `server_name`, its files as they are at each new connection, ALPN `h2`). One channel
 //!   connects to one endpoint at a time and, when that connection fails, to the next that
-//!   answers (etcd's own clients also pin one endpoint); `http://` endpoints stay balanced.
+//!   answers (etcd's own clients also pin one endpoint), each endpoint given its share of the
+//!   connect timeout; `http://` endpoints stay balanced.
 //! - Authentication: with a user and password, [`Transport`] gets a token from
 //!   `Auth.Authenticate` before the first call and sends it as the `token` metadata on every
 //!   call. It authenticates again when the token is older than [`TOKEN_REFRESH`] (etcd's
@@ -266,10 +267,14 @@ impl Client {
                         (host, uri.port_u16().unwrap_or(2379))
                     })
                     .collect();
+                let count = u32::try_from(endpoints.len()).unwrap_or(u32::MAX);
                 let connector = TlsConnector {
                     hosts: Arc::new(hosts),
                     next: Arc::new(AtomicUsize::new(0)),
                     tls: Arc::clone(tls),
+                    // Each endpoint gets its share of the channel's connect timeout, so that
+                    // one that hangs leaves time for the next within the same connection.
+                    attempt_timeout: options.connect_timeout.map(|t| t / count),
                 };
                 first.connect_with_connector_lazy(connector)
             }
@@ -336,6 +341,8 @@ struct TlsConnector {
     /// The endpoint to try first.
     next: Arc<AtomicUsize>,
     tls: Arc<ClientTls>,
+    /// How long one endpoint may take (TCP and TLS) before the next is tried.
+    attempt_timeout: Option<Duration>,
 }
 
 type TlsIo = TokioIo<tokio_rustls::client::TlsStream<tokio::net::TcpStream>>;
@@ -358,12 +365,28 @@ impl Service<Uri> for TlsConnector {
             for i in 0..count {
                 let at = (first + i) % count;
                 let (host, port) = &this.hosts[at];
+                // Moved on before the attempt: when the channel's connect timeout cancels this
+                // whole call while an endpoint hangs, the next connection starts past it.
+                this.next.store((at + 1) % count, Ordering::Relaxed);
                 let attempt = async {
                     let tcp = tokio::net::TcpStream::connect((host.as_str(), *port)).await?;
                     let _ = tcp.set_nodelay(true);
                     this.tls.connect(host, tcp).await
                 };
-                match attempt.await {
+                let result = match this.attempt_timeout {
+                    Some(limit) => {
+                        tokio::time::timeout(limit, attempt)
+                            .await
+                            .unwrap_or_else(|_| {
+                                Err(std::io::Error::new(
+                                    std::io::ErrorKind::TimedOut,
+                                    format!("{host}:{port}: no TLS connection within {limit:?}"),
+                                ))
+                            })
+                    }
+                    None => attempt.await,
+                };
+                match result {
                     Ok(stream) => {
                         this.next.store(at, Ordering::Relaxed);
                         return Ok(TokioIo::new(stream));
@@ -371,8 +394,6 @@ impl Service<Uri> for TlsConnector {
                     Err(e) => last = Some(e),
                 }
             }
-            this.next
-                .store((first + 1) % count.max(1), Ordering::Relaxed);
             Err(last.unwrap_or_else(|| std::io::Error::other("no etcd endpoint")))
         })
     }

@@ -1408,6 +1408,26 @@ async fn etcd_over_tls_with_client_certificates_fences_across_two_replicas() {
     assert_eq!(value.trim_start_matches('0'), "7");
 }
 
+/// The first https endpoint takes TCP connections but never answers the TLS handshake (a
+/// listening socket nobody accepts on): each connection moves on to the second, real one
+/// within the connect timeout, so fenced writes go through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_over_tls_moves_past_an_endpoint_that_never_answers() {
+    let pki = Pki::new();
+    let prefix = fresh_prefix();
+    let etcd = TlsEtcd::start(&pki, true, None).await;
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!(
+        "https://{},127.0.0.1:{}",
+        silent.local_addr().unwrap(),
+        etcd.port
+    );
+    let up = Upstream::start().await;
+    let files = tls_files(&pki.ca, &pki.client_cert, &pki.client_key);
+    let store = etcd_store(&url, &prefix, &files);
+    etcd_two_replicas(&pki, &up, &store, &store).await;
+}
+
 async fn etcd_two_replicas(pki: &Pki, up: &Upstream, a: &str, b: &str) {
     let a = Process::start(&fence_config(pki.dir.path(), "a.yaml", up, a)).await;
     let b = Process::start(&fence_config(pki.dir.path(), "b.yaml", up, b)).await;
