@@ -345,6 +345,82 @@ async fn redis_killed_and_back() {
     store_killed_and_back(Kind::Redis).await
 }
 
+/// A TCP proxy to `127.0.0.1:to` that can drop its path silently, as a vanished host or a
+/// dead network path does: [`Silent::cut`] stops forwarding on every open connection (they
+/// stay open, nothing is answered) and on those accepted until [`Silent::restore`].
+struct Silent {
+    port: u16,
+    /// (cuts so far, cut now): a connection forwards while neither changed since its accept.
+    state: tokio::sync::watch::Sender<(u64, bool)>,
+}
+
+impl Silent {
+    async fn start(to: u16) -> Silent {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let (state, _) = tokio::sync::watch::channel((0, false));
+        let states = state.clone();
+        tokio::spawn(async move {
+            loop {
+                let (mut client, _) = listener.accept().await.unwrap();
+                let mut state = states.subscribe();
+                let (cuts, cut) = *state.borrow_and_update();
+                tokio::spawn(async move {
+                    let mut server = tokio::net::TcpStream::connect(("127.0.0.1", to))
+                        .await
+                        .unwrap();
+                    if !cut {
+                        tokio::select! {
+                            _ = tokio::io::copy_bidirectional(&mut client, &mut server) => return,
+                            _ = state.wait_for(|&(n, _)| n != cuts) => {}
+                        }
+                    }
+                    // Silent: both sockets held open, nothing read or written.
+                    std::future::pending::<()>().await;
+                    drop((client, server));
+                });
+            }
+        });
+        Silent { port, state }
+    }
+
+    fn cut(&self) {
+        self.state
+            .send_modify(|(n, cut)| (*n, *cut) = (*n + 1, true));
+    }
+
+    fn restore(&self) {
+        self.state.send_modify(|(_, cut)| *cut = false);
+    }
+}
+
+/// The path to Redis goes silent (its connection stays open, nothing answers): readiness
+/// goes 503; once a path to Redis works again, fencegate drops the silent connection for a
+/// new one and is ready again, without a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_connection_gone_silent_is_replaced() {
+    let up = Upstream::start().await;
+    let path = Silent::start(6379).await;
+    let fg = fencegate(
+        &up.url(),
+        &format!(
+            "store: {{ kind: redis, url: 'redis://127.0.0.1:{}/', prefix: {} }}\n{ACCOUNTS}",
+            path.port,
+            fresh_prefix()
+        ),
+    )
+    .await;
+    wait_ready(fg.admin, 200).await;
+    assert_eq!(put(&fg, "1", "10").await.status, 200);
+
+    path.cut();
+    wait_ready(fg.admin, 503).await;
+    path.restore();
+    wait_ready(fg.admin, 200).await;
+    assert_eq!(put(&fg, "1", "11").await.status, 200);
+    assert_eq!(up.count(), 2);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_killed_and_back() {
     store_killed_and_back(Kind::Postgres).await
