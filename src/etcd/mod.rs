@@ -24,9 +24,10 @@
 //!   `Auth.Authenticate` before the first call and sends it as the `token` metadata on every
 //!   call. It authenticates again when the token is older than [`TOKEN_REFRESH`] (etcd's
 //!   simple tokens expire after 5 minutes unused, JWTs at their TTL), and at once after etcd
-//!   answered `Unauthenticated` (an expired or unknown token, as after an etcd restart); the
-//!   unary calls and stream openings that etcd refused so are sent once more with the new
-//!   token ([`retry_unauthenticated`]).
+//!   refused a token ([`token_refused`]: an expired or unknown token, as after an etcd
+//!   restart, or a JWT issued before a change of users or roles); the unary calls and stream
+//!   openings that etcd refused so are sent once more with the new token
+//!   ([`retry_unauthenticated`]).
 
 mod kv;
 mod lease;
@@ -73,7 +74,7 @@ pub(crate) struct Transport {
 }
 
 /// A user's credentials and its current token.
-struct Auth {
+pub(crate) struct Auth {
     name: String,
     password: String,
     /// The token and when it was obtained; a tokio mutex, so that concurrent calls wait for
@@ -104,10 +105,12 @@ impl Auth {
         Ok(value)
     }
 
-    /// etcd refused a call's token: the next call authenticates again.
-    async fn forget(&self, refused: &HeaderValue) {
+    /// etcd refused the token of a call made at `sent`: the next call authenticates again,
+    /// unless the token was replaced since (etcd sends the status after the response
+    /// headers, so it is seen only by the caller, not by the transport).
+    async fn forget(&self, sent: Instant) {
         let mut token = self.token.lock().await;
-        if token.as_ref().is_some_and(|(value, _)| value == refused) {
+        if token.as_ref().is_some_and(|(_, at)| *at <= sent) {
             *token = None;
         }
     }
@@ -136,31 +139,49 @@ impl Service<http::Request<tonic::body::Body>> for Transport {
                 .token(&channel)
                 .await
                 .map_err(|status| -> BoxError { Box::new(status) })?;
-            request.headers_mut().insert("token", token.clone());
+            request.headers_mut().insert("token", token);
             let response = ready.call(request).await?;
-            // A refused token comes back as a trailers-only response: status in the headers.
-            if response.headers().get("grpc-status").map(|s| s.as_bytes()) == Some(b"16".as_slice())
-            {
-                auth.forget(&token).await;
-            }
             Ok(response)
         })
     }
 }
 
-/// Runs `call`, and once more if etcd answered `Unauthenticated` (the transport has
-/// forgotten the refused token, so the second call authenticates anew). A refused call was
+/// Whether etcd refused a call for its token, before executing it: `Unauthenticated` (an
+/// expired or unknown token), or `InvalidArgument` for a token issued before the last change
+/// of users, roles or permissions (`revision of auth store is old`: every JWT, as their
+/// revision is inside them) or one etcd could not read (`user name is empty`). A new token
+/// gets the call through.
+fn token_refused(code: tonic::Code, message: &[u8]) -> bool {
+    const STALE: [&[u8]; 2] = [b"revision of auth store is old", b"user name is empty"];
+    match code {
+        tonic::Code::Unauthenticated => true,
+        tonic::Code::InvalidArgument => STALE
+            .iter()
+            .any(|stale| message.windows(stale.len()).any(|w| w == *stale)),
+        _ => false,
+    }
+}
+
+/// Runs `call`, and once more if etcd refused its token ([`token_refused`]: the token is
+/// forgotten, so the second call authenticates anew). A refused call was
 /// not executed, so sending it again is safe.
-pub(crate) async fn retry_unauthenticated<T, F, Fut>(mut call: F) -> Result<T, Error>
+pub(crate) async fn retry_unauthenticated<T, F, Fut>(
+    auth: Option<&Auth>,
+    mut call: F,
+) -> Result<T, Error>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<T, Error>>,
 {
-    match call().await {
-        Err(Error::GRpcStatus(status)) if status.code() == tonic::Code::Unauthenticated => {
+    let sent = Instant::now();
+    match (call().await, auth) {
+        (Err(Error::GRpcStatus(status)), Some(auth))
+            if token_refused(status.code(), status.message().as_bytes()) =>
+        {
+            auth.forget(sent).await;
             call().await
         }
-        other => other,
+        (other, _) => other,
     }
 }
 
@@ -422,6 +443,31 @@ mod tests {
         assert_eq!(prefix_end(b"a\xff"), b"b");
         assert_eq!(prefix_end(b"\xff\xff"), b"\0");
         assert_eq!(prefix_end(b""), b"\0");
+    }
+
+    #[test]
+    fn refused_tokens_are_recognised() {
+        use tonic::Code;
+        assert!(token_refused(
+            Code::Unauthenticated,
+            b"etcdserver: invalid auth token"
+        ));
+        assert!(token_refused(
+            Code::InvalidArgument,
+            b"etcdserver: revision of auth store is old"
+        ));
+        assert!(token_refused(
+            Code::InvalidArgument,
+            b"etcdserver: user name is empty"
+        ));
+        assert!(!token_refused(
+            Code::InvalidArgument,
+            b"etcdserver: key is not provided"
+        ));
+        assert!(!token_refused(
+            Code::PermissionDenied,
+            b"etcdserver: permission denied"
+        ));
     }
 
     #[tokio::test]

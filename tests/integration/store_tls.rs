@@ -1194,12 +1194,36 @@ struct TlsEtcd {
     child: Option<Child>,
     dir: tempfile::TempDir,
     peer: u16,
+    /// More etcd arguments.
+    args: Vec<String>,
 }
 
 const ETCD_ROOT_PASSWORD: &str = "root-pw";
 
 impl TlsEtcd {
     async fn start(pki: &Pki, client_certs: bool, auth: Option<(&str, &str)>) -> TlsEtcd {
+        Self::start_with(pki, client_certs, auth, Vec::new()).await
+    }
+
+    /// [`TlsEtcd::start`] with JWT tokens (ES256, a key made here) instead of simple ones.
+    async fn start_jwt(pki: &Pki, auth: (&str, &str)) -> TlsEtcd {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let private = write(pki.dir.path(), "jwt.key", &key.serialize_pem());
+        let public = write(pki.dir.path(), "jwt.pub", &key.public_key_pem());
+        let token = format!(
+            "jwt,pub-key={},priv-key={},sign-method=ES256,ttl=10m",
+            public.display(),
+            private.display()
+        );
+        Self::start_with(pki, false, Some(auth), vec!["--auth-token".into(), token]).await
+    }
+
+    async fn start_with(
+        pki: &Pki,
+        client_certs: bool,
+        auth: Option<(&str, &str)>,
+        args: Vec<String>,
+    ) -> TlsEtcd {
         let mut etcd = TlsEtcd {
             port: 0,
             client_certs,
@@ -1207,6 +1231,7 @@ impl TlsEtcd {
             child: None,
             dir: tempfile::tempdir().unwrap(),
             peer: 0,
+            args,
         };
         for _ in 0..5 {
             etcd.port = free_port();
@@ -1239,7 +1264,8 @@ impl TlsEtcd {
             .arg("--cert-file")
             .arg(&pki.server_cert)
             .arg("--key-file")
-            .arg(&pki.server_key);
+            .arg(&pki.server_key)
+            .args(&self.args);
         if self.client_certs {
             cmd.arg("--client-cert-auth")
                 .arg("--trusted-ca-file")
@@ -1548,6 +1574,50 @@ async fn etcd_with_a_wrong_password_fails_closed_and_recovers_when_the_server_ac
         .unwrap();
     })
     .await;
+}
+
+/// With JWT tokens, every token issued before a change of users or roles is refused
+/// (`revision of auth store is old`): fencegate authenticates again and sends the call once
+/// more, so writes keep passing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_jwt_tokens_outdated_by_a_user_change_are_replaced_without_an_error() {
+    let pki = Pki::new();
+    let prefix = fresh_prefix();
+    let etcd = TlsEtcd::start_jwt(&pki, (&prefix, "etcd-s3cret")).await;
+    let up = Upstream::start().await;
+    let p = Process::start(&fence_config(
+        pki.dir.path(),
+        "f.yaml",
+        &up,
+        &etcd_store(
+            &etcd.url(Some("etcd-s3cret")),
+            &prefix,
+            &format!("ca: {}", pki.ca.display()),
+        ),
+    ))
+    .await;
+    wait_ready(p.admin, 200).await;
+    assert_eq!(put_to(p.proxy, "1", "1").await.status, 200);
+    let root = Some(("root", ETCD_ROOT_PASSWORD));
+    for (i, user) in ["other", "another"].into_iter().enumerate() {
+        etcd.etcdctl(
+            &pki,
+            root,
+            &[
+                "user",
+                "add",
+                user,
+                "--interactive=false",
+                "--new-user-password=pw",
+            ],
+        )
+        .await
+        .unwrap();
+        let token = (i + 2).to_string();
+        let r = put_to(p.proxy, "1", &token).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    assert_eq!(up.count(), 3);
 }
 
 /// etcd forgets its simple tokens when it restarts: the next call is refused with `invalid
