@@ -314,7 +314,9 @@ impl RedisConn {
     }
 
     /// Passes on the result of `command`; when the connection failed (anything but an error
-    /// reply from the server) it is dropped, so the next call dials a new one.
+    /// reply from the server), or the server is no primary any more (`READONLY`: a failover
+    /// made it a replica and kept the connection open; `MASTERDOWN`), it is dropped, so the
+    /// next call dials a new one (to whatever the url's host is now).
     pub(crate) async fn done<T>(
         &self,
         mut command: Command<'_>,
@@ -325,6 +327,7 @@ impl RedisConn {
                 || e.is_timeout()
                 || e.is_io_error()
                 || e.is_connection_dropped()
+                || matches!(e.code(), Some("READONLY" | "MASTERDOWN"))
         });
         command.answered = !failed;
         result

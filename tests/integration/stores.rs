@@ -421,6 +421,61 @@ async fn redis_connection_gone_silent_is_replaced() {
     assert_eq!(up.count(), 2);
 }
 
+/// `redis-cli` against `port`: its output.
+async fn redis_cli(port: u16, args: &[&str]) -> String {
+    let out = tokio::process::Command::new("redis-cli")
+        .args(["-p", &port.to_string()])
+        .args(args)
+        .output()
+        .await
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// Connections the server accepted so far (this look included).
+async fn redis_connections(port: u16) -> u64 {
+    let info = redis_cli(port, &["INFO", "stats"]).await;
+    info.lines()
+        .find_map(|l| l.strip_prefix("total_connections_received:"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// The server fencegate is connected to becomes a replica (a failover that keeps the old
+/// primary's connections open): the write it refuses `READONLY` makes fencegate dial anew,
+/// so that its next command reaches whatever the url names now.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_readonly_reply_makes_a_new_connection() {
+    let service = Service::start(Kind::Redis).await;
+    let config = Config::parse(&format!(
+        "upstream: http://127.0.0.1:1\nstore: {{ kind: redis, url: '{}', prefix: {} }}\n",
+        service.url(),
+        fresh_prefix()
+    ))
+    .unwrap();
+    let store = store::open(&config.store).await.unwrap();
+    assert!(store.compare_and_raise("r", 1, Allow).await.is_ok());
+    let before = redis_connections(service.port).await;
+
+    // A replica of nothing that answers: read-only at once.
+    redis_cli(service.port, &["REPLICAOF", "127.0.0.1", "1"]).await;
+    let refused = store.compare_and_raise("r", 2, Allow).await.unwrap_err();
+    assert!(
+        refused.to_string().contains("read only replica"),
+        "{refused}"
+    );
+    redis_cli(service.port, &["REPLICAOF", "NO", "ONE"]).await;
+    assert_eq!(
+        store.compare_and_raise("r", 2, Allow).await.unwrap(),
+        Verdict::Admitted { previous: Some(1) }
+    );
+    // Three looks by redis-cli, and fencegate's new connection.
+    assert_eq!(redis_connections(service.port).await - before, 4);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_killed_and_back() {
     store_killed_and_back(Kind::Postgres).await
