@@ -280,14 +280,7 @@ impl Client {
         };
         let channel = match &options.tls {
             Some(tls) => {
-                let hosts = endpoints
-                    .iter()
-                    .map(|e| {
-                        let uri = e.uri();
-                        let host = uri.host().unwrap_or_default().to_owned();
-                        (host, uri.port_u16().unwrap_or(2379))
-                    })
-                    .collect();
+                let hosts = endpoints.iter().map(|e| host_port(e.uri())).collect();
                 let count = u32::try_from(endpoints.len()).unwrap_or(u32::MAX);
                 let connector = TlsConnector {
                     hosts: Arc::new(hosts),
@@ -352,6 +345,17 @@ fn endpoint(url: &str, options: &ConnectOptions) -> Result<Endpoint, Error> {
         endpoint = endpoint.connect_timeout(timeout);
     }
     Ok(endpoint)
+}
+
+/// The host to dial and its port: an IPv6 literal without its brackets (`[::1]` in a url is
+/// the address `::1`), the port 2379 if the url names none.
+fn host_port(uri: &Uri) -> (String, u16) {
+    let host = uri.host().unwrap_or_default();
+    let host = host
+        .strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host);
+    (host.to_owned(), uri.port_u16().unwrap_or(2379))
 }
 
 /// Dials `https://` endpoints: TCP, then TLS through [`ClientTls`], to the endpoint that
@@ -443,6 +447,18 @@ mod tests {
         assert_eq!(prefix_end(b"a\xff"), b"b");
         assert_eq!(prefix_end(b"\xff\xff"), b"\0");
         assert_eq!(prefix_end(b""), b"\0");
+    }
+
+    #[test]
+    fn hosts_are_dialled_without_brackets() {
+        let at = |url: &str| host_port(&url.parse().unwrap());
+        // What the url gives, which no resolver takes.
+        let uri: Uri = "https://[::1]:2379".parse().unwrap();
+        assert_eq!(uri.host(), Some("[::1]"));
+        assert_eq!(at("https://[::1]:2379"), ("::1".into(), 2379));
+        assert_eq!(at("https://[fd00::5]"), ("fd00::5".into(), 2379));
+        assert_eq!(at("https://127.0.0.1:32379"), ("127.0.0.1".into(), 32379));
+        assert_eq!(at("https://etcd-0.etcd:2379"), ("etcd-0.etcd".into(), 2379));
     }
 
     #[test]
