@@ -80,7 +80,14 @@ pub(crate) struct Auth {
     /// The token and when it was obtained; a tokio mutex, so that concurrent calls wait for
     /// one `Authenticate`.
     token: tokio::sync::Mutex<Option<(HeaderValue, Instant)>>,
+    /// The last failed `Authenticate` and when it failed: for [`AUTH_RETRY`], calls fail with
+    /// it instead of each authenticating again (a wrong password would otherwise cost etcd
+    /// an `Authenticate`, a password hash, per call).
+    failed: std::sync::Mutex<Option<(tonic::Status, Instant)>>,
 }
+
+/// How long a failed `Authenticate` is answered from memory.
+pub const AUTH_RETRY: Duration = Duration::from_secs(1);
 
 impl Auth {
     /// The current token, authenticating first if there is none or it is old.
@@ -91,16 +98,30 @@ impl Auth {
                 return Ok(value.clone());
             }
         }
+        if let Some((status, at)) = &*self.failed.lock().unwrap() {
+            if at.elapsed() < AUTH_RETRY {
+                return Err(tonic::Status::new(status.code(), status.message()));
+            }
+        }
         let request = pb::etcdserverpb::AuthenticateRequest {
             name: self.name.clone(),
             password: self.password.clone(),
         };
-        let response = pb::etcdserverpb::auth_client::AuthClient::new(channel.clone())
+        let answer = pb::etcdserverpb::auth_client::AuthClient::new(channel.clone())
             .authenticate(request)
-            .await?
-            .into_inner();
-        let value = HeaderValue::from_str(&response.token)
-            .map_err(|_| tonic::Status::internal("etcd returned a token that is no header"))?;
+            .await
+            .and_then(|response| {
+                HeaderValue::from_str(&response.into_inner().token)
+                    .map_err(|_| tonic::Status::internal("etcd returned a token that is no header"))
+            });
+        let failed = answer.as_ref().err().map(|status| {
+            (
+                tonic::Status::new(status.code(), status.message()),
+                Instant::now(),
+            )
+        });
+        *self.failed.lock().unwrap() = failed;
+        let value = answer?;
         *token = Some((value.clone(), Instant::now()));
         Ok(value)
     }
@@ -122,17 +143,23 @@ impl Service<http::Request<tonic::body::Body>> for Transport {
     type Future = Pin<Box<dyn Future<Output = Result<Self::Response, BoxError>> + Send>>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        // With a user, the call itself waits for the channel, once it has its token: a slot
+        // of the channel is not held while waiting for the token (whose `Authenticate` needs
+        // one too).
+        if self.auth.is_some() {
+            return Poll::Ready(Ok(()));
+        }
         self.channel.poll_ready(cx).map_err(Into::into)
     }
 
     fn call(&mut self, mut request: http::Request<tonic::body::Body>) -> Self::Future {
-        // The channel that was made ready makes the call; a clone takes its place.
-        let fresh = self.channel.clone();
-        let mut ready = std::mem::replace(&mut self.channel, fresh);
         let Some(auth) = self.auth.clone() else {
+            // The channel that was made ready makes the call; a clone takes its place.
+            let fresh = self.channel.clone();
+            let mut ready = std::mem::replace(&mut self.channel, fresh);
             return Box::pin(async move { ready.call(request).await.map_err(Into::into) });
         };
-        let channel = self.channel.clone();
+        let mut channel = self.channel.clone();
         Box::pin(async move {
             // Boxed as itself, so that the client reads the status back (code and message).
             let token = auth
@@ -140,7 +167,8 @@ impl Service<http::Request<tonic::body::Body>> for Transport {
                 .await
                 .map_err(|status| -> BoxError { Box::new(status) })?;
             request.headers_mut().insert("token", token);
-            let response = ready.call(request).await?;
+            std::future::poll_fn(|cx| channel.poll_ready(cx)).await?;
+            let response = channel.call(request).await?;
             Ok(response)
         })
     }
@@ -300,6 +328,7 @@ impl Client {
                 name,
                 password,
                 token: tokio::sync::Mutex::new(None),
+                failed: std::sync::Mutex::new(None),
             })
         });
         Ok(Client {

@@ -1576,6 +1576,72 @@ async fn etcd_with_a_wrong_password_fails_closed_and_recovers_when_the_server_ac
     .await;
 }
 
+/// With a wrong password, concurrent calls do not each authenticate: one failed
+/// `Authenticate` answers the calls that come within a second (counted by etcd's own
+/// metrics).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_wrong_password_is_not_tried_again_by_every_call() {
+    let pki = Pki::new();
+    let prefix = fresh_prefix();
+    let metrics = free_port();
+    let etcd = TlsEtcd::start_with(
+        &pki,
+        false,
+        Some((&prefix, "etcd-s3cret")),
+        vec![
+            "--listen-metrics-urls".into(),
+            format!("http://127.0.0.1:{metrics}"),
+        ],
+    )
+    .await;
+    let config = fencegate::config::Config::parse(&format!(
+        "upstream: http://127.0.0.1:1\n{}",
+        etcd_store(
+            &etcd.url(Some("wrong")),
+            &prefix,
+            &format!("ca: {}", pki.ca.display())
+        )
+    ))
+    .unwrap();
+    fencegate::tls::install_default_provider();
+    let store = fencegate::store::open(&config.store).await.unwrap();
+    let authenticates = async || {
+        let text = send(
+            "GET",
+            &format!("http://127.0.0.1:{metrics}/metrics"),
+            &[],
+            "",
+        )
+        .await
+        .text();
+        text.lines()
+            .filter(|l| {
+                l.starts_with("grpc_server_started_total")
+                    && l.contains("grpc_method=\"Authenticate\"")
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>()
+    };
+    let before = authenticates().await;
+    let calls: Vec<_> = (0..50)
+        .map(|i| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                store
+                    .compare_and_raise(&format!("r{i}"), 1, fencegate::config::EqualTokens::Allow)
+                    .await
+            })
+        })
+        .collect();
+    for call in calls {
+        let e = call.await.unwrap().unwrap_err().to_string();
+        assert!(e.contains("invalid user ID or password"), "{e}");
+    }
+    // The calls, and the store's probe.
+    let tried = authenticates().await - before;
+    assert!(tried <= 3.0, "{tried} Authenticate calls for 50 writes");
+}
+
 /// With JWT tokens, every token issued before a change of users or roles is refused
 /// (`revision of auth store is old`): fencegate authenticates again and sends the call once
 /// more, so writes keep passing.
