@@ -251,8 +251,9 @@ pub(crate) struct RedisConn {
     /// The newest generation found broken (a command failed on it, or was abandoned before
     /// its answer): the next [`RedisConn::get`] dials anew if that is the current one.
     broken: AtomicU64,
-    /// For a lease backend: log one line when connecting starts failing and one when it
-    /// works again (a store's health latch logs for the store).
+    /// For a lease backend: log one line when connecting or commands start failing (a wrong
+    /// CA or password, a missing permission) and one when a command works again (a store's
+    /// health latch logs for the store).
     log_as: Option<&'static str>,
     failing: AtomicBool,
 }
@@ -287,20 +288,20 @@ impl RedisConn {
             Ok(conn) => {
                 current.0 += 1;
                 current.1 = Some(conn.clone());
-                if self.failing.swap(false, Ordering::Relaxed) {
-                    if let Some(what) = self.log_as {
-                        tracing::info!(backend = "redis", "{what} reachable again");
-                    }
-                }
                 Ok((self.command(current.0), conn))
             }
             Err(e) => {
-                if !self.failing.swap(true, Ordering::Relaxed) {
-                    if let Some(what) = self.log_as {
-                        tracing::error!(backend = "redis", error = %e, "{what} unavailable");
-                    }
-                }
+                self.failed(&e);
                 Err(e)
+            }
+        }
+    }
+
+    /// For a lease backend, one line when connecting or a command starts failing.
+    fn failed(&self, e: &RedisError) {
+        if !self.failing.swap(true, Ordering::Relaxed) {
+            if let Some(what) = self.log_as {
+                tracing::error!(backend = "redis", error = %e, "{what} unavailable");
             }
         }
     }
@@ -330,6 +331,16 @@ impl RedisConn {
                 || matches!(e.code(), Some("READONLY" | "MASTERDOWN"))
         });
         command.answered = !failed;
+        match &result {
+            Err(e) => self.failed(e),
+            Ok(_) => {
+                if self.failing.swap(false, Ordering::Relaxed) {
+                    if let Some(what) = self.log_as {
+                        tracing::info!(backend = "redis", "{what} reachable again");
+                    }
+                }
+            }
+        }
         result
     }
 }

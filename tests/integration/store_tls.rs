@@ -589,6 +589,45 @@ async fn redis_lease_backend_with_a_wrong_ca_fails_closed_and_recovers() {
     );
 }
 
+/// A lease backend whose user lacks a command its scripts need: acquisitions are refused 503
+/// with one log line naming the missing permission, and succeed once it is granted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_lease_backend_missing_a_permission_logs_it_once_and_recovers() {
+    let pki = Pki::new();
+    let prefix = fresh_prefix();
+    let redis = TlsRedis::start(&pki, &prefix, "s3cret").await;
+    redis
+        .admin(&pki, &["ACL", "SETUSER", "fencegate", "-evalsha"])
+        .await;
+    let files = tls_files(&pki.ca, &pki.client_cert, &pki.client_key);
+    let config = write(
+        pki.dir.path(),
+        "leases.yaml",
+        &format!(
+            "listen: 127.0.0.1:0\nadmin: 127.0.0.1:0\nupstream: http://127.0.0.1:9\nstore: {{ kind: memory }}\n\
+             leases:\n  listen: 127.0.0.1:0\n  backend: {{ kind: redis, url: '{}', prefix: {prefix}, tls: {{ {files} }} }}\n  ttl: 1s\n",
+            redis.url("s3cret")
+        ),
+    );
+    let mut p = Logged::start(&config).await;
+    for _ in 0..3 {
+        let refused = acquire(&p.process, "job:1", "w1").await;
+        assert_eq!(refused.status, 503, "{}", refused.text());
+    }
+    redis
+        .admin(&pki, &["ACL", "SETUSER", "fencegate", "+evalsha"])
+        .await;
+    assert_eq!(lease_acquired_renewed_released(&p.process).await, 1);
+    p.wait("lease backend reachable again").await;
+    let down = p.count("lease backend unavailable");
+    assert_eq!(down.len(), 1, "one line per cause: {down:#?}");
+    let error = down[0]["error"].as_str().unwrap();
+    assert!(
+        error.contains("no permissions to run the 'evalsha'"),
+        "{error}"
+    );
+}
+
 /// Acquires `job:1`, sees it renewed, refused to another holder and released; returns its
 /// token.
 async fn lease_acquired_renewed_released(p: &Process) -> u64 {
