@@ -30,16 +30,16 @@ impl KvClient {
         options: Option<GetOptions>,
     ) -> Result<RangeResponse, Error> {
         let request = options.unwrap_or_default().request(key.into());
-        retry_unauthenticated(self.auth.as_deref(), || {
-            let (mut inner, request) = (self.inner.clone(), request.clone());
+        retry_unauthenticated(self.auth.as_deref(), request, |request| {
+            let mut inner = self.inner.clone();
             async move { Ok(inner.range(request).await?.into_inner()) }
         })
         .await
     }
 
     pub async fn txn(&mut self, txn: Txn) -> Result<TxnResponse, Error> {
-        retry_unauthenticated(self.auth.as_deref(), || {
-            let (mut inner, request) = (self.inner.clone(), txn.request.clone());
+        retry_unauthenticated(self.auth.as_deref(), txn.request, |request| {
+            let mut inner = self.inner.clone();
             async move { Ok(inner.txn(request).await?.into_inner()) }
         })
         .await

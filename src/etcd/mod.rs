@@ -193,23 +193,31 @@ fn token_refused(code: tonic::Code, message: &[u8]) -> bool {
 /// Runs `call`, and once more if etcd refused its token ([`token_refused`]: the token is
 /// forgotten, so the second call authenticates anew). A refused call was
 /// not executed, so sending it again is safe.
-pub(crate) async fn retry_unauthenticated<T, F, Fut>(
+///
+/// `call` takes `request`, cloned for the first call only when a user is configured (without
+/// one, a refused token is not retried and the request is sent as it is).
+pub(crate) async fn retry_unauthenticated<R, T, F, Fut>(
     auth: Option<&Auth>,
+    request: R,
     mut call: F,
 ) -> Result<T, Error>
 where
-    F: FnMut() -> Fut,
+    R: Clone,
+    F: FnMut(R) -> Fut,
     Fut: Future<Output = Result<T, Error>>,
 {
+    let Some(auth) = auth else {
+        return call(request).await;
+    };
     let sent = Instant::now();
-    match (call().await, auth) {
-        (Err(Error::GRpcStatus(status)), Some(auth))
+    match call(request.clone()).await {
+        Err(Error::GRpcStatus(status))
             if token_refused(status.code(), status.message().as_bytes()) =>
         {
             auth.forget(sent).await;
-            call().await
+            call(request).await
         }
-        (other, _) => other,
+        other => other,
     }
 }
 
@@ -476,6 +484,38 @@ mod tests {
         assert_eq!(prefix_end(b"a\xff"), b"b");
         assert_eq!(prefix_end(b"\xff\xff"), b"\0");
         assert_eq!(prefix_end(b""), b"\0");
+    }
+
+    /// A request that must not be cloned.
+    struct Once(Arc<AtomicUsize>);
+
+    impl Clone for Once {
+        fn clone(&self) -> Self {
+            self.0.fetch_add(1, Ordering::Relaxed);
+            Once(Arc::clone(&self.0))
+        }
+    }
+
+    #[tokio::test]
+    async fn requests_are_cloned_for_a_retry_only_with_a_user() {
+        let refused = |_: Once| async { Err::<(), _>(tonic::Status::unauthenticated("x").into()) };
+        let clones = Arc::new(AtomicUsize::new(0));
+        let _ = retry_unauthenticated(None, Once(Arc::clone(&clones)), refused).await;
+        assert_eq!(clones.load(Ordering::Relaxed), 0);
+        let auth = Auth {
+            name: "u".into(),
+            password: "p".into(),
+            token: tokio::sync::Mutex::new(None),
+            failed: std::sync::Mutex::new(None),
+        };
+        let calls = AtomicUsize::new(0);
+        let _ = retry_unauthenticated(Some(&auth), Once(Arc::clone(&clones)), |r| {
+            calls.fetch_add(1, Ordering::Relaxed);
+            refused(r)
+        })
+        .await;
+        assert_eq!(clones.load(Ordering::Relaxed), 1);
+        assert_eq!(calls.load(Ordering::Relaxed), 2);
     }
 
     #[test]

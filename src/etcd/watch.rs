@@ -36,8 +36,8 @@ impl WatchClient {
         options: Option<WatchOptions>,
     ) -> Result<WatchStream, Error> {
         let create = options.unwrap_or_default().request(key.into());
-        retry_unauthenticated(self.auth.as_deref(), || {
-            let (mut inner, create) = (self.inner.clone(), create.clone());
+        retry_unauthenticated(self.auth.as_deref(), create, |create| {
+            let mut inner = self.inner.clone();
             async move {
                 let (sender, receiver) = mpsc::channel(8);
                 sender
