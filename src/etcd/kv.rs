@@ -1,20 +1,24 @@
 //! KV: `Range` and `Txn`.
 
+use std::sync::Arc;
+
 use super::pb::etcdserverpb::{
     compare, kv_client, request_op, response_op, DeleteRangeRequest, PutRequest, RangeRequest,
     RangeResponse, RequestOp, ResponseHeader, TxnRequest, TxnResponse,
 };
 use super::pb::mvccpb::KeyValue;
-use super::{retry_unauthenticated, Error, Transport};
+use super::{retry_unauthenticated, Auth, Error, Transport};
 
 #[derive(Clone)]
 pub struct KvClient {
     inner: kv_client::KvClient<Transport>,
+    auth: Option<Arc<Auth>>,
 }
 
 impl KvClient {
     pub(super) fn new(channel: Transport) -> Self {
         KvClient {
+            auth: channel.auth.clone(),
             inner: kv_client::KvClient::new(channel),
         }
     }
@@ -26,16 +30,16 @@ impl KvClient {
         options: Option<GetOptions>,
     ) -> Result<RangeResponse, Error> {
         let request = options.unwrap_or_default().request(key.into());
-        retry_unauthenticated(|| {
-            let (mut inner, request) = (self.inner.clone(), request.clone());
+        retry_unauthenticated(self.auth.as_deref(), request, |request| {
+            let mut inner = self.inner.clone();
             async move { Ok(inner.range(request).await?.into_inner()) }
         })
         .await
     }
 
     pub async fn txn(&mut self, txn: Txn) -> Result<TxnResponse, Error> {
-        retry_unauthenticated(|| {
-            let (mut inner, request) = (self.inner.clone(), txn.request.clone());
+        retry_unauthenticated(self.auth.as_deref(), txn.request, |request| {
+            let mut inner = self.inner.clone();
             async move { Ok(inner.txn(request).await?.into_inner()) }
         })
         .await

@@ -3,21 +3,25 @@
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
+use std::sync::Arc;
+
 use super::pb::etcdserverpb::{
     lease_client, LeaseGrantRequest, LeaseGrantResponse, LeaseKeepAliveRequest,
     LeaseKeepAliveResponse, LeaseRevokeRequest, LeaseRevokeResponse, LeaseTimeToLiveRequest,
     LeaseTimeToLiveResponse,
 };
-use super::{retry_unauthenticated, Error, Transport};
+use super::{retry_unauthenticated, Auth, Error, Transport};
 
 #[derive(Clone)]
 pub struct LeaseClient {
     inner: lease_client::LeaseClient<Transport>,
+    auth: Option<Arc<Auth>>,
 }
 
 impl LeaseClient {
     pub(super) fn new(channel: Transport) -> Self {
         LeaseClient {
+            auth: channel.auth.clone(),
             inner: lease_client::LeaseClient::new(channel),
         }
     }
@@ -25,7 +29,7 @@ impl LeaseClient {
     /// A new lease of `ttl` seconds (etcd may raise it to its minimum), with an id etcd picks.
     pub async fn grant(&mut self, ttl: i64) -> Result<LeaseGrantResponse, Error> {
         let request = LeaseGrantRequest { ttl, id: 0 };
-        retry_unauthenticated(|| {
+        retry_unauthenticated(self.auth.as_deref(), request, |request| {
             let mut inner = self.inner.clone();
             async move { Ok(inner.lease_grant(request).await?.into_inner()) }
         })
@@ -35,7 +39,7 @@ impl LeaseClient {
     /// Ends the lease now, deleting the keys attached to it.
     pub async fn revoke(&mut self, id: i64) -> Result<LeaseRevokeResponse, Error> {
         let request = LeaseRevokeRequest { id };
-        retry_unauthenticated(|| {
+        retry_unauthenticated(self.auth.as_deref(), request, |request| {
             let mut inner = self.inner.clone();
             async move { Ok(inner.lease_revoke(request).await?.into_inner()) }
         })
@@ -45,7 +49,10 @@ impl LeaseClient {
     /// One keep-alive round trip on a stream of its own: the lease is reset to its granted
     /// TTL. [`Error::LeaseKeepAlive`] when etcd answers that it has expired or never was.
     pub async fn keep_alive(&mut self, id: i64) -> Result<LeaseKeepAliveResponse, Error> {
-        retry_unauthenticated(|| keep_alive(self.inner.clone(), id)).await
+        retry_unauthenticated(self.auth.as_deref(), id, |id| {
+            keep_alive(self.inner.clone(), id)
+        })
+        .await
     }
 
     pub async fn time_to_live(
@@ -57,7 +64,7 @@ impl LeaseClient {
             id,
             keys: options.is_some_and(|o| o.keys),
         };
-        retry_unauthenticated(|| {
+        retry_unauthenticated(self.auth.as_deref(), request, |request| {
             let mut inner = self.inner.clone();
             async move { Ok(inner.lease_time_to_live(request).await?.into_inner()) }
         })

@@ -18,14 +18,16 @@
 //!   TCP, then the handshake through [`ClientTls`] (the `tls` mapping's CA, client certificate
 //!   and `server_name`, its files as they are at each new connection, ALPN `h2`). One channel
 //!   connects to one endpoint at a time and, when that connection fails, to the next that
-//!   answers (etcd's own clients also pin one endpoint); `http://` endpoints stay balanced.
+//!   answers (etcd's own clients also pin one endpoint), each endpoint given its share of the
+//!   connect timeout; `http://` endpoints stay balanced.
 //! - Authentication: with a user and password, [`Transport`] gets a token from
 //!   `Auth.Authenticate` before the first call and sends it as the `token` metadata on every
 //!   call. It authenticates again when the token is older than [`TOKEN_REFRESH`] (etcd's
 //!   simple tokens expire after 5 minutes unused, JWTs at their TTL), and at once after etcd
-//!   answered `Unauthenticated` (an expired or unknown token, as after an etcd restart); the
-//!   unary calls and stream openings that etcd refused so are sent once more with the new
-//!   token ([`retry_unauthenticated`]).
+//!   refused a token ([`token_refused`]: an expired or unknown token, as after an etcd
+//!   restart, or a JWT issued before a change of users or roles); the unary calls and stream
+//!   openings that etcd refused so are sent once more with the new token
+//!   ([`retry_unauthenticated`]).
 
 mod kv;
 mod lease;
@@ -72,13 +74,20 @@ pub(crate) struct Transport {
 }
 
 /// A user's credentials and its current token.
-struct Auth {
+pub(crate) struct Auth {
     name: String,
     password: String,
     /// The token and when it was obtained; a tokio mutex, so that concurrent calls wait for
     /// one `Authenticate`.
     token: tokio::sync::Mutex<Option<(HeaderValue, Instant)>>,
+    /// The last failed `Authenticate` and when it failed: for [`AUTH_RETRY`], calls fail with
+    /// it instead of each authenticating again (a wrong password would otherwise cost etcd
+    /// an `Authenticate`, a password hash, per call).
+    failed: std::sync::Mutex<Option<(tonic::Status, Instant)>>,
 }
+
+/// How long a failed `Authenticate` is answered from memory.
+pub const AUTH_RETRY: Duration = Duration::from_secs(1);
 
 impl Auth {
     /// The current token, authenticating first if there is none or it is old.
@@ -89,24 +98,40 @@ impl Auth {
                 return Ok(value.clone());
             }
         }
+        if let Some((status, at)) = &*self.failed.lock().unwrap() {
+            if at.elapsed() < AUTH_RETRY {
+                return Err(tonic::Status::new(status.code(), status.message()));
+            }
+        }
         let request = pb::etcdserverpb::AuthenticateRequest {
             name: self.name.clone(),
             password: self.password.clone(),
         };
-        let response = pb::etcdserverpb::auth_client::AuthClient::new(channel.clone())
+        let answer = pb::etcdserverpb::auth_client::AuthClient::new(channel.clone())
             .authenticate(request)
-            .await?
-            .into_inner();
-        let value = HeaderValue::from_str(&response.token)
-            .map_err(|_| tonic::Status::internal("etcd returned a token that is no header"))?;
+            .await
+            .and_then(|response| {
+                HeaderValue::from_str(&response.into_inner().token)
+                    .map_err(|_| tonic::Status::internal("etcd returned a token that is no header"))
+            });
+        let failed = answer.as_ref().err().map(|status| {
+            (
+                tonic::Status::new(status.code(), status.message()),
+                Instant::now(),
+            )
+        });
+        *self.failed.lock().unwrap() = failed;
+        let value = answer?;
         *token = Some((value.clone(), Instant::now()));
         Ok(value)
     }
 
-    /// etcd refused a call's token: the next call authenticates again.
-    async fn forget(&self, refused: &HeaderValue) {
+    /// etcd refused the token of a call made at `sent`: the next call authenticates again,
+    /// unless the token was replaced since (etcd sends the status after the response
+    /// headers, so it is seen only by the caller, not by the transport).
+    async fn forget(&self, sent: Instant) {
         let mut token = self.token.lock().await;
-        if token.as_ref().is_some_and(|(value, _)| value == refused) {
+        if token.as_ref().is_some_and(|(_, at)| *at <= sent) {
             *token = None;
         }
     }
@@ -118,46 +143,79 @@ impl Service<http::Request<tonic::body::Body>> for Transport {
     type Future = Pin<Box<dyn Future<Output = Result<Self::Response, BoxError>> + Send>>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        // With a user, the call itself waits for the channel, once it has its token: a slot
+        // of the channel is not held while waiting for the token (whose `Authenticate` needs
+        // one too).
+        if self.auth.is_some() {
+            return Poll::Ready(Ok(()));
+        }
         self.channel.poll_ready(cx).map_err(Into::into)
     }
 
     fn call(&mut self, mut request: http::Request<tonic::body::Body>) -> Self::Future {
-        // The channel that was made ready makes the call; a clone takes its place.
-        let fresh = self.channel.clone();
-        let mut ready = std::mem::replace(&mut self.channel, fresh);
         let Some(auth) = self.auth.clone() else {
+            // The channel that was made ready makes the call; a clone takes its place.
+            let fresh = self.channel.clone();
+            let mut ready = std::mem::replace(&mut self.channel, fresh);
             return Box::pin(async move { ready.call(request).await.map_err(Into::into) });
         };
-        let channel = self.channel.clone();
+        let mut channel = self.channel.clone();
         Box::pin(async move {
             // Boxed as itself, so that the client reads the status back (code and message).
             let token = auth
                 .token(&channel)
                 .await
                 .map_err(|status| -> BoxError { Box::new(status) })?;
-            request.headers_mut().insert("token", token.clone());
-            let response = ready.call(request).await?;
-            // A refused token comes back as a trailers-only response: status in the headers.
-            if response.headers().get("grpc-status").map(|s| s.as_bytes()) == Some(b"16".as_slice())
-            {
-                auth.forget(&token).await;
-            }
+            request.headers_mut().insert("token", token);
+            std::future::poll_fn(|cx| channel.poll_ready(cx)).await?;
+            let response = channel.call(request).await?;
             Ok(response)
         })
     }
 }
 
-/// Runs `call`, and once more if etcd answered `Unauthenticated` (the transport has
-/// forgotten the refused token, so the second call authenticates anew). A refused call was
+/// Whether etcd refused a call for its token, before executing it: `Unauthenticated` (an
+/// expired or unknown token), or `InvalidArgument` for a token issued before the last change
+/// of users, roles or permissions (`revision of auth store is old`: every JWT, as their
+/// revision is inside them) or one etcd could not read (`user name is empty`). A new token
+/// gets the call through.
+fn token_refused(code: tonic::Code, message: &[u8]) -> bool {
+    const STALE: [&[u8]; 2] = [b"revision of auth store is old", b"user name is empty"];
+    match code {
+        tonic::Code::Unauthenticated => true,
+        tonic::Code::InvalidArgument => STALE
+            .iter()
+            .any(|stale| message.windows(stale.len()).any(|w| w == *stale)),
+        _ => false,
+    }
+}
+
+/// Runs `call`, and once more if etcd refused its token ([`token_refused`]: the token is
+/// forgotten, so the second call authenticates anew). A refused call was
 /// not executed, so sending it again is safe.
-pub(crate) async fn retry_unauthenticated<T, F, Fut>(mut call: F) -> Result<T, Error>
+///
+/// `call` takes `request`, cloned for the first call only when a user is configured (without
+/// one, a refused token is not retried and the request is sent as it is).
+pub(crate) async fn retry_unauthenticated<R, T, F, Fut>(
+    auth: Option<&Auth>,
+    request: R,
+    mut call: F,
+) -> Result<T, Error>
 where
-    F: FnMut() -> Fut,
+    R: Clone,
+    F: FnMut(R) -> Fut,
     Fut: Future<Output = Result<T, Error>>,
 {
-    match call().await {
-        Err(Error::GRpcStatus(status)) if status.code() == tonic::Code::Unauthenticated => {
-            call().await
+    let Some(auth) = auth else {
+        return call(request).await;
+    };
+    let sent = Instant::now();
+    match call(request.clone()).await {
+        Err(Error::GRpcStatus(status))
+            if token_refused(status.code(), status.message().as_bytes()) =>
+        {
+            auth.forget(sent).await;
+            call(request).await
         }
         other => other,
     }
@@ -258,18 +316,15 @@ impl Client {
         };
         let channel = match &options.tls {
             Some(tls) => {
-                let hosts = endpoints
-                    .iter()
-                    .map(|e| {
-                        let uri = e.uri();
-                        let host = uri.host().unwrap_or_default().to_owned();
-                        (host, uri.port_u16().unwrap_or(2379))
-                    })
-                    .collect();
+                let hosts = endpoints.iter().map(|e| host_port(e.uri())).collect();
+                let count = u32::try_from(endpoints.len()).unwrap_or(u32::MAX);
                 let connector = TlsConnector {
                     hosts: Arc::new(hosts),
                     next: Arc::new(AtomicUsize::new(0)),
                     tls: Arc::clone(tls),
+                    // Each endpoint gets its share of the channel's connect timeout, so that
+                    // one that hangs leaves time for the next within the same connection.
+                    attempt_timeout: options.connect_timeout.map(|t| t / count),
                 };
                 first.connect_with_connector_lazy(connector)
             }
@@ -281,6 +336,7 @@ impl Client {
                 name,
                 password,
                 token: tokio::sync::Mutex::new(None),
+                failed: std::sync::Mutex::new(None),
             })
         });
         Ok(Client {
@@ -328,6 +384,17 @@ fn endpoint(url: &str, options: &ConnectOptions) -> Result<Endpoint, Error> {
     Ok(endpoint)
 }
 
+/// The host to dial and its port: an IPv6 literal without its brackets (`[::1]` in a url is
+/// the address `::1`), the port 2379 if the url names none.
+fn host_port(uri: &Uri) -> (String, u16) {
+    let host = uri.host().unwrap_or_default();
+    let host = host
+        .strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host);
+    (host.to_owned(), uri.port_u16().unwrap_or(2379))
+}
+
 /// Dials `https://` endpoints: TCP, then TLS through [`ClientTls`], to the endpoint that
 /// answered last, else the next ones in turn.
 #[derive(Clone)]
@@ -336,6 +403,8 @@ struct TlsConnector {
     /// The endpoint to try first.
     next: Arc<AtomicUsize>,
     tls: Arc<ClientTls>,
+    /// How long one endpoint may take (TCP and TLS) before the next is tried.
+    attempt_timeout: Option<Duration>,
 }
 
 type TlsIo = TokioIo<tokio_rustls::client::TlsStream<tokio::net::TcpStream>>;
@@ -358,12 +427,28 @@ impl Service<Uri> for TlsConnector {
             for i in 0..count {
                 let at = (first + i) % count;
                 let (host, port) = &this.hosts[at];
+                // Moved on before the attempt: when the channel's connect timeout cancels this
+                // whole call while an endpoint hangs, the next connection starts past it.
+                this.next.store((at + 1) % count, Ordering::Relaxed);
                 let attempt = async {
                     let tcp = tokio::net::TcpStream::connect((host.as_str(), *port)).await?;
                     let _ = tcp.set_nodelay(true);
                     this.tls.connect(host, tcp).await
                 };
-                match attempt.await {
+                let result = match this.attempt_timeout {
+                    Some(limit) => {
+                        tokio::time::timeout(limit, attempt)
+                            .await
+                            .unwrap_or_else(|_| {
+                                Err(std::io::Error::new(
+                                    std::io::ErrorKind::TimedOut,
+                                    format!("{host}:{port}: no TLS connection within {limit:?}"),
+                                ))
+                            })
+                    }
+                    None => attempt.await,
+                };
+                match result {
                     Ok(stream) => {
                         this.next.store(at, Ordering::Relaxed);
                         return Ok(TokioIo::new(stream));
@@ -371,8 +456,6 @@ impl Service<Uri> for TlsConnector {
                     Err(e) => last = Some(e),
                 }
             }
-            this.next
-                .store((first + 1) % count.max(1), Ordering::Relaxed);
             Err(last.unwrap_or_else(|| std::io::Error::other("no etcd endpoint")))
         })
     }
@@ -401,6 +484,75 @@ mod tests {
         assert_eq!(prefix_end(b"a\xff"), b"b");
         assert_eq!(prefix_end(b"\xff\xff"), b"\0");
         assert_eq!(prefix_end(b""), b"\0");
+    }
+
+    /// A request that must not be cloned.
+    struct Once(Arc<AtomicUsize>);
+
+    impl Clone for Once {
+        fn clone(&self) -> Self {
+            self.0.fetch_add(1, Ordering::Relaxed);
+            Once(Arc::clone(&self.0))
+        }
+    }
+
+    #[tokio::test]
+    async fn requests_are_cloned_for_a_retry_only_with_a_user() {
+        let refused = |_: Once| async { Err::<(), _>(tonic::Status::unauthenticated("x").into()) };
+        let clones = Arc::new(AtomicUsize::new(0));
+        let _ = retry_unauthenticated(None, Once(Arc::clone(&clones)), refused).await;
+        assert_eq!(clones.load(Ordering::Relaxed), 0);
+        let auth = Auth {
+            name: "u".into(),
+            password: "p".into(),
+            token: tokio::sync::Mutex::new(None),
+            failed: std::sync::Mutex::new(None),
+        };
+        let calls = AtomicUsize::new(0);
+        let _ = retry_unauthenticated(Some(&auth), Once(Arc::clone(&clones)), |r| {
+            calls.fetch_add(1, Ordering::Relaxed);
+            refused(r)
+        })
+        .await;
+        assert_eq!(clones.load(Ordering::Relaxed), 1);
+        assert_eq!(calls.load(Ordering::Relaxed), 2);
+    }
+
+    #[test]
+    fn hosts_are_dialled_without_brackets() {
+        let at = |url: &str| host_port(&url.parse().unwrap());
+        // What the url gives, which no resolver takes.
+        let uri: Uri = "https://[::1]:2379".parse().unwrap();
+        assert_eq!(uri.host(), Some("[::1]"));
+        assert_eq!(at("https://[::1]:2379"), ("::1".into(), 2379));
+        assert_eq!(at("https://[fd00::5]"), ("fd00::5".into(), 2379));
+        assert_eq!(at("https://127.0.0.1:32379"), ("127.0.0.1".into(), 32379));
+        assert_eq!(at("https://etcd-0.etcd:2379"), ("etcd-0.etcd".into(), 2379));
+    }
+
+    #[test]
+    fn refused_tokens_are_recognised() {
+        use tonic::Code;
+        assert!(token_refused(
+            Code::Unauthenticated,
+            b"etcdserver: invalid auth token"
+        ));
+        assert!(token_refused(
+            Code::InvalidArgument,
+            b"etcdserver: revision of auth store is old"
+        ));
+        assert!(token_refused(
+            Code::InvalidArgument,
+            b"etcdserver: user name is empty"
+        ));
+        assert!(!token_refused(
+            Code::InvalidArgument,
+            b"etcdserver: key is not provided"
+        ));
+        assert!(!token_refused(
+            Code::PermissionDenied,
+            b"etcdserver: permission denied"
+        ));
     }
 
     #[tokio::test]

@@ -3,23 +3,27 @@
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
+use std::sync::Arc;
+
 use super::pb::etcdserverpb::{
     watch_client, watch_create_request, watch_request, WatchCreateRequest, WatchProgressRequest,
     WatchRequest, WatchResponse,
 };
 use super::pb::mvccpb::{Event, KeyValue};
-use super::{prefix_end, retry_unauthenticated, Error, Transport};
+use super::{prefix_end, retry_unauthenticated, Auth, Error, Transport};
 
 pub use super::pb::mvccpb::event::EventType;
 
 #[derive(Clone)]
 pub struct WatchClient {
     inner: watch_client::WatchClient<Transport>,
+    auth: Option<Arc<Auth>>,
 }
 
 impl WatchClient {
     pub(super) fn new(channel: Transport) -> Self {
         WatchClient {
+            auth: channel.auth.clone(),
             inner: watch_client::WatchClient::new(channel),
         }
     }
@@ -32,8 +36,8 @@ impl WatchClient {
         options: Option<WatchOptions>,
     ) -> Result<WatchStream, Error> {
         let create = options.unwrap_or_default().request(key.into());
-        retry_unauthenticated(|| {
-            let (mut inner, create) = (self.inner.clone(), create.clone());
+        retry_unauthenticated(self.auth.as_deref(), create, |create| {
+            let mut inner = self.inner.clone();
             async move {
                 let (sender, receiver) = mpsc::channel(8);
                 sender

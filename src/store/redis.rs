@@ -31,7 +31,7 @@ use redis::{
     RedisConnectionInfo, RedisError, Script,
 };
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -135,8 +135,16 @@ return 1
 
 /// Connect timeout (TCP, TLS handshake and `AUTH` together) and per-command response
 /// timeout: fail fast, so the caller's deadline, not ours, decides how long a write waits.
+/// The response timeout is below the readiness probe's (1s), so a probe sees a command time
+/// out rather than giving up on it first.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
-const RESPONSE_TIMEOUT: Duration = Duration::from_secs(2);
+const RESPONSE_TIMEOUT: Duration = Duration::from_millis(800);
+
+/// TCP keep-alive on every connection: a peer that vanished without closing (a host gone, a
+/// dropped path) is noticed by the kernel even while no command is waiting.
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(10);
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
+const KEEPALIVE_RETRIES: u32 = 3;
 
 /// Where and how to reach Redis: the url's host, port and settings (user, password,
 /// database, protocol), over TCP or, for `rediss://`, TLS.
@@ -194,6 +202,11 @@ impl RedisTarget {
         let connect = async {
             let tcp = tokio::net::TcpStream::connect((self.host.as_str(), self.port)).await?;
             let _ = tcp.set_nodelay(true);
+            let keepalive = socket2::TcpKeepalive::new()
+                .with_time(KEEPALIVE_IDLE)
+                .with_interval(KEEPALIVE_INTERVAL)
+                .with_retries(KEEPALIVE_RETRIES);
+            let _ = socket2::SockRef::from(&tcp).set_tcp_keepalive(&keepalive);
             match &self.tls {
                 Some(tls) => {
                     let stream = tls.connect(&self.host, tcp).await?;
@@ -235,8 +248,12 @@ pub(crate) struct RedisConn {
     /// The connection and its generation (so that a failure drops only the connection it
     /// happened on).
     current: tokio::sync::Mutex<(u64, Option<MultiplexedConnection>)>,
-    /// For a lease backend: log one line when connecting starts failing and one when it
-    /// works again (a store's health latch logs for the store).
+    /// The newest generation found broken (a command failed on it, or was abandoned before
+    /// its answer): the next [`RedisConn::get`] dials anew if that is the current one.
+    broken: AtomicU64,
+    /// For a lease backend: log one line when connecting or commands start failing (a wrong
+    /// CA or password, a missing permission) and one when a command works again (a store's
+    /// health latch logs for the store).
     log_as: Option<&'static str>,
     failing: AtomicBool,
 }
@@ -246,6 +263,7 @@ impl RedisConn {
         RedisConn {
             target,
             current: tokio::sync::Mutex::new((0, None)),
+            broken: AtomicU64::new(0),
             log_as,
             failing: AtomicBool::new(false),
         }
@@ -255,56 +273,96 @@ impl RedisConn {
         &self.target
     }
 
-    /// The connection, dialled if there is none.
-    pub(crate) async fn get(&self) -> Result<(u64, MultiplexedConnection), RedisError> {
+    /// The connection, dialled if there is none or it was found broken, and the command
+    /// about to run on it: pass that to [`RedisConn::done`] with the command's result.
+    pub(crate) async fn get(&self) -> Result<(Command<'_>, MultiplexedConnection), RedisError> {
         let mut current = self.current.lock().await;
         if let (generation, Some(conn)) = &*current {
-            return Ok((*generation, conn.clone()));
+            if self.broken.load(Ordering::Relaxed) != *generation {
+                return Ok((self.command(*generation), conn.clone()));
+            }
+            current.1 = None;
         }
         let config = AsyncConnectionConfig::new().set_response_timeout(Some(RESPONSE_TIMEOUT));
         match self.target.connect(config).await {
             Ok(conn) => {
                 current.0 += 1;
                 current.1 = Some(conn.clone());
-                if self.failing.swap(false, Ordering::Relaxed) {
-                    if let Some(what) = self.log_as {
-                        tracing::info!(backend = "redis", "{what} reachable again");
-                    }
-                }
-                Ok((current.0, conn))
+                Ok((self.command(current.0), conn))
             }
             Err(e) => {
-                if !self.failing.swap(true, Ordering::Relaxed) {
-                    if let Some(what) = self.log_as {
-                        tracing::error!(backend = "redis", error = %e, "{what} unavailable");
-                    }
-                }
+                self.failed(&e);
                 Err(e)
             }
         }
     }
 
-    /// Passes on the result of a command on the connection of `generation`; when the
-    /// connection failed (anything but an error reply from the server) it is dropped, so the
-    /// next call dials a new one.
+    /// For a lease backend, one line when connecting or a command starts failing.
+    fn failed(&self, e: &RedisError) {
+        if !self.failing.swap(true, Ordering::Relaxed) {
+            if let Some(what) = self.log_as {
+                tracing::error!(backend = "redis", error = %e, "{what} unavailable");
+            }
+        }
+    }
+
+    fn command(&self, generation: u64) -> Command<'_> {
+        Command {
+            conn: self,
+            generation,
+            answered: false,
+        }
+    }
+
+    /// Passes on the result of `command`; when the connection failed (anything but an error
+    /// reply from the server), or the server is no primary any more (`READONLY`: a failover
+    /// made it a replica and kept the connection open; `MASTERDOWN`), it is dropped, so the
+    /// next call dials a new one (to whatever the url's host is now).
     pub(crate) async fn done<T>(
         &self,
-        generation: u64,
+        mut command: Command<'_>,
         result: Result<T, RedisError>,
     ) -> Result<T, RedisError> {
-        if let Err(e) = &result {
-            if e.is_unrecoverable_error()
+        let failed = result.as_ref().is_err_and(|e| {
+            e.is_unrecoverable_error()
                 || e.is_timeout()
                 || e.is_io_error()
                 || e.is_connection_dropped()
-            {
-                let mut current = self.current.lock().await;
-                if current.0 == generation {
-                    current.1 = None;
+                || matches!(e.code(), Some("READONLY" | "MASTERDOWN"))
+        });
+        command.answered = !failed;
+        match &result {
+            Err(e) => self.failed(e),
+            Ok(_) => {
+                if self.failing.swap(false, Ordering::Relaxed) {
+                    if let Some(what) = self.log_as {
+                        tracing::info!(backend = "redis", "{what} reachable again");
+                    }
                 }
             }
         }
         result
+    }
+}
+
+/// A command running on the connection of `generation`. Dropped before [`RedisConn::done`]
+/// saw its answer (the caller gave up at its own deadline: a probe, a write's store timeout,
+/// a lease renewal), the connection is taken as broken: an answer that does not come in time
+/// may never come (a peer gone without closing), and the next command dials anew.
+pub(crate) struct Command<'a> {
+    conn: &'a RedisConn,
+    generation: u64,
+    answered: bool,
+}
+
+impl Drop for Command<'_> {
+    fn drop(&mut self) {
+        if !self.answered {
+            // Generations only grow: the newest broken one is the one that matters.
+            self.conn
+                .broken
+                .fetch_max(self.generation, Ordering::Relaxed);
+        }
     }
 }
 

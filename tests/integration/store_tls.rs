@@ -589,6 +589,45 @@ async fn redis_lease_backend_with_a_wrong_ca_fails_closed_and_recovers() {
     );
 }
 
+/// A lease backend whose user lacks a command its scripts need: acquisitions are refused 503
+/// with one log line naming the missing permission, and succeed once it is granted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_lease_backend_missing_a_permission_logs_it_once_and_recovers() {
+    let pki = Pki::new();
+    let prefix = fresh_prefix();
+    let redis = TlsRedis::start(&pki, &prefix, "s3cret").await;
+    redis
+        .admin(&pki, &["ACL", "SETUSER", "fencegate", "-evalsha"])
+        .await;
+    let files = tls_files(&pki.ca, &pki.client_cert, &pki.client_key);
+    let config = write(
+        pki.dir.path(),
+        "leases.yaml",
+        &format!(
+            "listen: 127.0.0.1:0\nadmin: 127.0.0.1:0\nupstream: http://127.0.0.1:9\nstore: {{ kind: memory }}\n\
+             leases:\n  listen: 127.0.0.1:0\n  backend: {{ kind: redis, url: '{}', prefix: {prefix}, tls: {{ {files} }} }}\n  ttl: 1s\n",
+            redis.url("s3cret")
+        ),
+    );
+    let mut p = Logged::start(&config).await;
+    for _ in 0..3 {
+        let refused = acquire(&p.process, "job:1", "w1").await;
+        assert_eq!(refused.status, 503, "{}", refused.text());
+    }
+    redis
+        .admin(&pki, &["ACL", "SETUSER", "fencegate", "+evalsha"])
+        .await;
+    assert_eq!(lease_acquired_renewed_released(&p.process).await, 1);
+    p.wait("lease backend reachable again").await;
+    let down = p.count("lease backend unavailable");
+    assert_eq!(down.len(), 1, "one line per cause: {down:#?}");
+    let error = down[0]["error"].as_str().unwrap();
+    assert!(
+        error.contains("no permissions to run the 'evalsha'"),
+        "{error}"
+    );
+}
+
 /// Acquires `job:1`, sees it renewed, refused to another holder and released; returns its
 /// token.
 async fn lease_acquired_renewed_released(p: &Process) -> u64 {
@@ -1194,12 +1233,36 @@ struct TlsEtcd {
     child: Option<Child>,
     dir: tempfile::TempDir,
     peer: u16,
+    /// More etcd arguments.
+    args: Vec<String>,
 }
 
 const ETCD_ROOT_PASSWORD: &str = "root-pw";
 
 impl TlsEtcd {
     async fn start(pki: &Pki, client_certs: bool, auth: Option<(&str, &str)>) -> TlsEtcd {
+        Self::start_with(pki, client_certs, auth, Vec::new()).await
+    }
+
+    /// [`TlsEtcd::start`] with JWT tokens (ES256, a key made here) instead of simple ones.
+    async fn start_jwt(pki: &Pki, auth: (&str, &str)) -> TlsEtcd {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let private = write(pki.dir.path(), "jwt.key", &key.serialize_pem());
+        let public = write(pki.dir.path(), "jwt.pub", &key.public_key_pem());
+        let token = format!(
+            "jwt,pub-key={},priv-key={},sign-method=ES256,ttl=10m",
+            public.display(),
+            private.display()
+        );
+        Self::start_with(pki, false, Some(auth), vec!["--auth-token".into(), token]).await
+    }
+
+    async fn start_with(
+        pki: &Pki,
+        client_certs: bool,
+        auth: Option<(&str, &str)>,
+        args: Vec<String>,
+    ) -> TlsEtcd {
         let mut etcd = TlsEtcd {
             port: 0,
             client_certs,
@@ -1207,6 +1270,7 @@ impl TlsEtcd {
             child: None,
             dir: tempfile::tempdir().unwrap(),
             peer: 0,
+            args,
         };
         for _ in 0..5 {
             etcd.port = free_port();
@@ -1239,7 +1303,8 @@ impl TlsEtcd {
             .arg("--cert-file")
             .arg(&pki.server_cert)
             .arg("--key-file")
-            .arg(&pki.server_key);
+            .arg(&pki.server_key)
+            .args(&self.args);
         if self.client_certs {
             cmd.arg("--client-cert-auth")
                 .arg("--trusted-ca-file")
@@ -1408,6 +1473,26 @@ async fn etcd_over_tls_with_client_certificates_fences_across_two_replicas() {
     assert_eq!(value.trim_start_matches('0'), "7");
 }
 
+/// The first https endpoint takes TCP connections but never answers the TLS handshake (a
+/// listening socket nobody accepts on): each connection moves on to the second, real one
+/// within the connect timeout, so fenced writes go through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_over_tls_moves_past_an_endpoint_that_never_answers() {
+    let pki = Pki::new();
+    let prefix = fresh_prefix();
+    let etcd = TlsEtcd::start(&pki, true, None).await;
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!(
+        "https://{},127.0.0.1:{}",
+        silent.local_addr().unwrap(),
+        etcd.port
+    );
+    let up = Upstream::start().await;
+    let files = tls_files(&pki.ca, &pki.client_cert, &pki.client_key);
+    let store = etcd_store(&url, &prefix, &files);
+    etcd_two_replicas(&pki, &up, &store, &store).await;
+}
+
 async fn etcd_two_replicas(pki: &Pki, up: &Upstream, a: &str, b: &str) {
     let a = Process::start(&fence_config(pki.dir.path(), "a.yaml", up, a)).await;
     let b = Process::start(&fence_config(pki.dir.path(), "b.yaml", up, b)).await;
@@ -1528,6 +1613,116 @@ async fn etcd_with_a_wrong_password_fails_closed_and_recovers_when_the_server_ac
         .unwrap();
     })
     .await;
+}
+
+/// With a wrong password, concurrent calls do not each authenticate: one failed
+/// `Authenticate` answers the calls that come within a second (counted by etcd's own
+/// metrics).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_wrong_password_is_not_tried_again_by_every_call() {
+    let pki = Pki::new();
+    let prefix = fresh_prefix();
+    let metrics = free_port();
+    let etcd = TlsEtcd::start_with(
+        &pki,
+        false,
+        Some((&prefix, "etcd-s3cret")),
+        vec![
+            "--listen-metrics-urls".into(),
+            format!("http://127.0.0.1:{metrics}"),
+        ],
+    )
+    .await;
+    let config = fencegate::config::Config::parse(&format!(
+        "upstream: http://127.0.0.1:1\n{}",
+        etcd_store(
+            &etcd.url(Some("wrong")),
+            &prefix,
+            &format!("ca: {}", pki.ca.display())
+        )
+    ))
+    .unwrap();
+    fencegate::tls::install_default_provider();
+    let store = fencegate::store::open(&config.store).await.unwrap();
+    let authenticates = async || {
+        let text = send(
+            "GET",
+            &format!("http://127.0.0.1:{metrics}/metrics"),
+            &[],
+            "",
+        )
+        .await
+        .text();
+        text.lines()
+            .filter(|l| {
+                l.starts_with("grpc_server_started_total")
+                    && l.contains("grpc_method=\"Authenticate\"")
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>()
+    };
+    let before = authenticates().await;
+    let calls: Vec<_> = (0..50)
+        .map(|i| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                store
+                    .compare_and_raise(&format!("r{i}"), 1, fencegate::config::EqualTokens::Allow)
+                    .await
+            })
+        })
+        .collect();
+    for call in calls {
+        let e = call.await.unwrap().unwrap_err().to_string();
+        assert!(e.contains("invalid user ID or password"), "{e}");
+    }
+    // The calls, and the store's probe.
+    let tried = authenticates().await - before;
+    assert!(tried <= 3.0, "{tried} Authenticate calls for 50 writes");
+}
+
+/// With JWT tokens, every token issued before a change of users or roles is refused
+/// (`revision of auth store is old`): fencegate authenticates again and sends the call once
+/// more, so writes keep passing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_jwt_tokens_outdated_by_a_user_change_are_replaced_without_an_error() {
+    let pki = Pki::new();
+    let prefix = fresh_prefix();
+    let etcd = TlsEtcd::start_jwt(&pki, (&prefix, "etcd-s3cret")).await;
+    let up = Upstream::start().await;
+    let p = Process::start(&fence_config(
+        pki.dir.path(),
+        "f.yaml",
+        &up,
+        &etcd_store(
+            &etcd.url(Some("etcd-s3cret")),
+            &prefix,
+            &format!("ca: {}", pki.ca.display()),
+        ),
+    ))
+    .await;
+    wait_ready(p.admin, 200).await;
+    assert_eq!(put_to(p.proxy, "1", "1").await.status, 200);
+    let root = Some(("root", ETCD_ROOT_PASSWORD));
+    for (i, user) in ["other", "another"].into_iter().enumerate() {
+        etcd.etcdctl(
+            &pki,
+            root,
+            &[
+                "user",
+                "add",
+                user,
+                "--interactive=false",
+                "--new-user-password=pw",
+            ],
+        )
+        .await
+        .unwrap();
+        let token = (i + 2).to_string();
+        let r = put_to(p.proxy, "1", &token).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    assert_eq!(up.count(), 3);
 }
 
 /// etcd forgets its simple tokens when it restarts: the next call is refused with `invalid

@@ -345,6 +345,137 @@ async fn redis_killed_and_back() {
     store_killed_and_back(Kind::Redis).await
 }
 
+/// A TCP proxy to `127.0.0.1:to` that can drop its path silently, as a vanished host or a
+/// dead network path does: [`Silent::cut`] stops forwarding on every open connection (they
+/// stay open, nothing is answered) and on those accepted until [`Silent::restore`].
+struct Silent {
+    port: u16,
+    /// (cuts so far, cut now): a connection forwards while neither changed since its accept.
+    state: tokio::sync::watch::Sender<(u64, bool)>,
+}
+
+impl Silent {
+    async fn start(to: u16) -> Silent {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let (state, _) = tokio::sync::watch::channel((0, false));
+        let states = state.clone();
+        tokio::spawn(async move {
+            loop {
+                let (mut client, _) = listener.accept().await.unwrap();
+                let mut state = states.subscribe();
+                let (cuts, cut) = *state.borrow_and_update();
+                tokio::spawn(async move {
+                    let mut server = tokio::net::TcpStream::connect(("127.0.0.1", to))
+                        .await
+                        .unwrap();
+                    if !cut {
+                        tokio::select! {
+                            _ = tokio::io::copy_bidirectional(&mut client, &mut server) => return,
+                            _ = state.wait_for(|&(n, _)| n != cuts) => {}
+                        }
+                    }
+                    // Silent: both sockets held open, nothing read or written.
+                    std::future::pending::<()>().await;
+                    drop((client, server));
+                });
+            }
+        });
+        Silent { port, state }
+    }
+
+    fn cut(&self) {
+        self.state
+            .send_modify(|(n, cut)| (*n, *cut) = (*n + 1, true));
+    }
+
+    fn restore(&self) {
+        self.state.send_modify(|(_, cut)| *cut = false);
+    }
+}
+
+/// The path to Redis goes silent (its connection stays open, nothing answers): readiness
+/// goes 503; once a path to Redis works again, fencegate drops the silent connection for a
+/// new one and is ready again, without a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_connection_gone_silent_is_replaced() {
+    let up = Upstream::start().await;
+    let path = Silent::start(6379).await;
+    let fg = fencegate(
+        &up.url(),
+        &format!(
+            "store: {{ kind: redis, url: 'redis://127.0.0.1:{}/', prefix: {} }}\n{ACCOUNTS}",
+            path.port,
+            fresh_prefix()
+        ),
+    )
+    .await;
+    wait_ready(fg.admin, 200).await;
+    assert_eq!(put(&fg, "1", "10").await.status, 200);
+
+    path.cut();
+    wait_ready(fg.admin, 503).await;
+    path.restore();
+    wait_ready(fg.admin, 200).await;
+    assert_eq!(put(&fg, "1", "11").await.status, 200);
+    assert_eq!(up.count(), 2);
+}
+
+/// `redis-cli` against `port`: its output.
+async fn redis_cli(port: u16, args: &[&str]) -> String {
+    let out = tokio::process::Command::new("redis-cli")
+        .args(["-p", &port.to_string()])
+        .args(args)
+        .output()
+        .await
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// Connections the server accepted so far (this look included).
+async fn redis_connections(port: u16) -> u64 {
+    let info = redis_cli(port, &["INFO", "stats"]).await;
+    info.lines()
+        .find_map(|l| l.strip_prefix("total_connections_received:"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// The server fencegate is connected to becomes a replica (a failover that keeps the old
+/// primary's connections open): the write it refuses `READONLY` makes fencegate dial anew,
+/// so that its next command reaches whatever the url names now.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_readonly_reply_makes_a_new_connection() {
+    let service = Service::start(Kind::Redis).await;
+    let config = Config::parse(&format!(
+        "upstream: http://127.0.0.1:1\nstore: {{ kind: redis, url: '{}', prefix: {} }}\n",
+        service.url(),
+        fresh_prefix()
+    ))
+    .unwrap();
+    let store = store::open(&config.store).await.unwrap();
+    assert!(store.compare_and_raise("r", 1, Allow).await.is_ok());
+    let before = redis_connections(service.port).await;
+
+    // A replica of nothing that answers: read-only at once.
+    redis_cli(service.port, &["REPLICAOF", "127.0.0.1", "1"]).await;
+    let refused = store.compare_and_raise("r", 2, Allow).await.unwrap_err();
+    assert!(
+        refused.to_string().contains("read only replica"),
+        "{refused}"
+    );
+    redis_cli(service.port, &["REPLICAOF", "NO", "ONE"]).await;
+    assert_eq!(
+        store.compare_and_raise("r", 2, Allow).await.unwrap(),
+        Verdict::Admitted { previous: Some(1) }
+    );
+    // Three looks by redis-cli, and fencegate's new connection.
+    assert_eq!(redis_connections(service.port).await - before, 4);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_killed_and_back() {
     store_killed_and_back(Kind::Postgres).await
