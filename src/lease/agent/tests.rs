@@ -70,23 +70,32 @@ async fn a_renewal_answered_before_draining_does_not_bring_the_token_back() {
     assert_eq!(agent.token_for("r"), None);
 }
 
+/// `resource` held by w9, and w8 waiting for it (up to 10 s) in a task of its own.
+async fn held_and_waited_for(
+    agent: &Arc<Agent>,
+    resource: &'static str,
+) -> tokio::task::JoinHandle<Result<Arc<Lease>, AcquireError>> {
+    agent
+        .acquire(resource, "w9", None, Duration::ZERO)
+        .await
+        .unwrap();
+    let waiter = tokio::spawn({
+        let agent = Arc::clone(agent);
+        async move {
+            agent
+                .acquire(resource, "w8", None, Duration::from_secs(10))
+                .await
+        }
+    });
+    until("w8 waits", || agent.attempt(resource).is_some()).await;
+    waiter
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_waiter_at_drain_is_refused_and_nothing_is_left_held() {
     let dir = tempfile::tempdir().unwrap();
     let agent = agent(&dir).await;
-    agent
-        .acquire("account:42", "w9", None, Duration::ZERO)
-        .await
-        .unwrap();
-    let waiter = tokio::spawn({
-        let agent = Arc::clone(&agent);
-        async move {
-            agent
-                .acquire("account:42", "w8", None, Duration::from_secs(10))
-                .await
-        }
-    });
-    until("w8 waits", || agent.attempt("account:42").is_some()).await;
+    let waiter = held_and_waited_for(&agent, "account:42").await;
     // SIGTERM, then the end of the drain: w9's release frees the lease w8 waits for.
     agent.start_draining();
     agent.release_all().await;
@@ -112,19 +121,7 @@ async fn a_waiter_at_drain_is_refused_and_nothing_is_left_held() {
 async fn releasing_everything_grants_nothing_more() {
     let dir = tempfile::tempdir().unwrap();
     let agent = agent(&dir).await;
-    agent
-        .acquire("r", "w9", None, Duration::ZERO)
-        .await
-        .unwrap();
-    let waiter = tokio::spawn({
-        let agent = Arc::clone(&agent);
-        async move {
-            agent
-                .acquire("r", "w8", None, Duration::from_secs(10))
-                .await
-        }
-    });
-    until("w8 waits", || agent.attempt("r").is_some()).await;
+    let waiter = held_and_waited_for(&agent, "r").await;
     agent.release_all().await;
     let refused = waiter.await.unwrap();
     assert!(
