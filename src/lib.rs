@@ -28,6 +28,9 @@
 //!   lease API ([`lease::api`]).
 //! - [`store`]: recorded maxima behind one trait: `memory`, `embedded` (redb, fsync'd,
 //!   group commit), Redis, PostgreSQL, etcd; each also keeps the idempotency records.
+//! - [`conn`]: what the stores and the lease backends share to reach their systems: the
+//!   `BoxFuture` their traits answer with, Redis connections ([`conn::redis`]), PostgreSQL
+//!   pools and TLS ([`conn::postgres`]), etcd clients ([`conn::etcd`]).
 //! - `etcd`: the small etcd v3 client the etcd store and lease backend share, over committed
 //!   generated gRPC code.
 //! - [`idempotency`]: records of writes carrying an `Idempotency-Key`, and the pure decision
@@ -50,6 +53,7 @@ pub mod app;
 pub mod body;
 pub mod cli;
 pub mod config;
+pub mod conn;
 pub mod demo;
 pub mod duration;
 mod etcd;

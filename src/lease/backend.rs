@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use tokio::sync::broadcast;
 
-use crate::store::BoxFuture;
+use crate::conn::BoxFuture;
 
 /// A granted lease.
 #[derive(Debug, Clone, PartialEq, Eq)]

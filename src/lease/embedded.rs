@@ -27,7 +27,7 @@ use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 
 use super::backend::{Acquired, Grant, GrantEvents, LeaseBackend, LeaseError};
 use super::shared::{new_lease_id, GrantFeed, Waiters};
-use crate::store::BoxFuture;
+use crate::conn::BoxFuture;
 
 /// `(token, expires_at_unix_ms, lease_id, holder)`; a released lease has expiry 0 and empty
 /// lease id and holder.

@@ -42,7 +42,7 @@ use crate::etcd::{
 
 use super::backend::{Acquired, Grant, GrantEvents, LeaseBackend, LeaseError};
 use super::shared::{GrantFeed, HEARTBEAT};
-use crate::store::BoxFuture;
+use crate::conn::BoxFuture;
 use crate::tls::ClientTls;
 
 pub struct EtcdLeases {
@@ -72,7 +72,7 @@ impl EtcdLeases {
         prefix: &str,
         tls: Option<Arc<ClientTls>>,
     ) -> Result<Self, LeaseError> {
-        let client = crate::store::etcd_client(url, tls)
+        let client = crate::conn::etcd::client(url, tls)
             .await
             .map_err(LeaseError::Unavailable)?;
         Ok(EtcdLeases {

@@ -214,9 +214,9 @@ mod tests {
     use tokio::sync::{broadcast, Notify};
 
     use super::*;
+    use crate::conn::BoxFuture;
     use crate::lease::backend::GrantEvents;
     use crate::lease::{Acquired, Grant};
-    use crate::store::BoxFuture;
 
     /// An in-memory backend whose events the test sends, and whose reads can be held after
     /// they took their snapshot of the token.

@@ -37,7 +37,8 @@ use tokio::sync::{mpsc, watch};
 
 use super::backend::{Acquired, Grant, GrantEvents, LeaseBackend, LeaseError};
 use super::shared::{self, new_lease_id, GrantFeed, Waiters, HEARTBEAT};
-use crate::store::{BoxFuture, RedisConn, RedisTarget};
+use crate::conn::redis::{RedisConn, RedisTarget};
+use crate::conn::BoxFuture;
 use crate::tls::ClientTls;
 
 /// KEYS[1] = lease, KEYS[2] = counter; ARGV[1] = lease id, ARGV[2] = holder, ARGV[3] = ttl ms,

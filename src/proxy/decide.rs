@@ -185,7 +185,7 @@ impl Proxy {
 /// cached refusal) skip the timer: arming and disarming it costs more than they do.
 async fn bounded<T>(
     limit: std::time::Duration,
-    mut answer: crate::store::BoxFuture<'_, Result<T, StoreError>>,
+    mut answer: crate::conn::BoxFuture<'_, Result<T, StoreError>>,
 ) -> Result<T, StoreError> {
     let first = {
         let mut cx = std::task::Context::from_waker(std::task::Waker::noop());

@@ -10,26 +10,19 @@ mod postgres;
 mod redis;
 pub mod shared;
 
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
 
 #[cfg(test)]
 pub(crate) use embedded::parks_here;
 pub use embedded::{defer_wakes_to_park, EmbeddedStore};
-pub(crate) use etcd::client as etcd_client;
 pub use memory::MemoryStore;
-pub(crate) use postgres::describe as describe_postgres_error;
-pub(crate) use postgres::pool as postgres_pool;
-pub use postgres::PgTls;
-pub(crate) use redis::{RedisConn, RedisTarget};
 
 use crate::config::{EqualTokens, StoreConfig, StoreKind};
 // The backends apply the decision; they import it from here.
 pub use crate::fence::verdict::{decide, Verdict};
 use crate::idempotency::{Begin, Claim, Record};
 
-pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+pub use crate::conn::BoxFuture;
 
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
