@@ -43,6 +43,8 @@
 //!   [`fence::barrier`] the `ordering: serialize` in-flight barrier.
 //! - [`tls`]: server and client TLS from the configured files.
 //! - [`config`]: the YAML schema, parsed into validated types (errors with line and column).
+//! - [`maxima`]: a bounded cache of maxima that only rise, which the fence stores and the
+//!   lease grant cache keep.
 //! - [`metrics`]: the metric definitions; [`ttl`]: TTL derivation and lease duration limits;
 //!   [`duration`]: the duration syntax of the config, the lease API and the CLI; [`timer`]:
 //!   the timers a connection keeps from request to request.
@@ -61,6 +63,7 @@ pub mod fence;
 pub mod idempotency;
 pub mod inject;
 pub mod lease;
+pub mod maxima;
 pub mod metrics;
 pub mod problem;
 pub mod proxy;

@@ -39,7 +39,7 @@ use tokio::sync::broadcast::error::TryRecvError;
 use tokio::sync::broadcast::Receiver;
 
 use super::backend::{GrantEvent, LeaseBackend, LeaseError};
-use crate::store::shared::BoundedMaxima;
+use crate::maxima::BoundedMaxima;
 
 /// The latest grant per resource, from the cache when trusted, else from the backend.
 pub struct GrantCache {

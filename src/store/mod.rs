@@ -2,7 +2,6 @@
 //! compare-and-raise; the decision itself is the pure [`decide`] (in [`crate::fence::verdict`]),
 //! shared by all of them.
 
-mod cache;
 mod embedded;
 mod etcd;
 mod memory;

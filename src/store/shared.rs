@@ -19,10 +19,10 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-pub use super::cache::BoundedMaxima;
 use super::{decide, BoxFuture, FenceStore, StoreError, Verdict};
 use crate::config::EqualTokens;
 use crate::idempotency::{AttemptId, Begin, Claim, Record};
+use crate::maxima::BoundedMaxima;
 
 /// The monotonic clock in-flight records are timed by: `Instant::now` but in tests.
 pub type Clock = Arc<dyn Fn() -> Instant + Send + Sync>;

@@ -54,10 +54,10 @@ use arc_swap::ArcSwapOption;
 use redb::{Database, ReadableDatabase, ReadableTable, Table, TableDefinition};
 use tokio::sync::oneshot;
 
-use super::cache::BoundedMaxima;
 use super::{decide, record_key, BoxFuture, FenceStore, StoreError, Verdict};
 use crate::config::EqualTokens;
 use crate::idempotency::{self, AttemptId, Begin, Claim, Phase, Record};
+use crate::maxima::BoundedMaxima;
 
 /// Upper bound on operations per transaction, so one batch cannot hold the queue for long.
 const MAX_BATCH: usize = 4096;
