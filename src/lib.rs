@@ -28,6 +28,8 @@
 //!   lease API ([`lease::api`]).
 //! - [`store`]: recorded maxima behind one trait: `memory`, `embedded` (redb, fsync'd,
 //!   group commit), Redis, PostgreSQL, etcd; each also keeps the idempotency records.
+//!   [`store::StoreError`] and [`lease::LeaseError`] name what failed (unreachable, timeout,
+//!   refused, corrupt, …) and whose fault it is.
 //! - [`conn`]: what the stores and the lease backends share to reach their systems: the
 //!   `BoxFuture` their traits answer with, Redis connections ([`conn::redis`]), PostgreSQL
 //!   pools and TLS ([`conn::postgres`]), etcd clients ([`conn::etcd`]).
@@ -43,6 +45,7 @@
 //!   [`fence::barrier`] the `ordering: serialize` in-flight barrier.
 //! - [`tls`]: server and client TLS from the configured files.
 //! - [`config`]: the YAML schema, parsed into validated types (errors with line and column).
+//! - [`fault`]: whose fault a failure is (the client's, ours, the upstream's, the store's).
 //! - [`maxima`]: a bounded cache of maxima that only rise, which the fence stores and the
 //!   lease grant cache keep.
 //! - [`metrics`]: the metric definitions; [`ttl`]: TTL derivation and lease duration limits;
@@ -59,6 +62,7 @@ pub mod conn;
 pub mod demo;
 pub mod duration;
 mod etcd;
+pub mod fault;
 pub mod fence;
 pub mod idempotency;
 pub mod inject;

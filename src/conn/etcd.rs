@@ -4,7 +4,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::etcd::{Client, ConnectOptions};
+use super::Failure;
+use crate::etcd::{Client, ConnectOptions, Error};
 use crate::tls::ClientTls;
 
 /// An etcd url: `etcd://` or `http://` (plaintext) or `https://` (TLS) and comma-separated
@@ -80,6 +81,40 @@ pub(crate) async fn client(url: &str, tls: Option<Arc<ClientTls>>) -> Result<Cli
         .map_err(|e| format!("etcd: {e}"))
 }
 
+/// How an etcd call failed. By the gRPC status: a deadline (etcd's `request timed out`, or
+/// the client's request timeout, which tonic reports as cancelled) is a timeout; what etcd
+/// refuses to do (authentication, permissions, a full database, a lease it does not have) is
+/// refused; a connection that failed or broke is unreachable. A value that is no UTF-8 is
+/// corrupt.
+pub(crate) fn failure(e: &Error) -> Failure {
+    use tonic::Code;
+    match e {
+        Error::GRpcStatus(status) => match status.code() {
+            Code::DeadlineExceeded => Failure::Timeout,
+            Code::Cancelled if status.message().contains("Timeout expired") => Failure::Timeout,
+            Code::Unauthenticated
+            | Code::PermissionDenied
+            | Code::InvalidArgument
+            | Code::FailedPrecondition
+            | Code::ResourceExhausted
+            | Code::NotFound
+            | Code::AlreadyExists
+            | Code::OutOfRange
+            | Code::Unimplemented => Failure::Refused,
+            Code::Ok
+            | Code::Cancelled
+            | Code::Unknown
+            | Code::Aborted
+            | Code::Internal
+            | Code::Unavailable
+            | Code::DataLoss => Failure::Unreachable,
+        },
+        Error::LeaseKeepAlive(_) => Failure::Refused,
+        Error::Utf8(_) => Failure::Corrupt,
+        Error::InvalidArgs(_) | Error::Transport(_) | Error::Stream(_) => Failure::Unreachable,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -105,5 +140,31 @@ mod tests {
         assert!(parse_url("redis://x").is_err());
         assert!(parse_url("https://user@a:2379").is_err());
         assert!(parse_url("https://:pw@a:2379").is_err());
+    }
+
+    #[test]
+    fn failures_are_told_apart() {
+        let status = |code, message| failure(&Error::GRpcStatus(tonic::Status::new(code, message)));
+        use tonic::Code;
+        assert_eq!(
+            status(Code::DeadlineExceeded, "etcdserver: request timed out"),
+            Failure::Timeout
+        );
+        assert_eq!(status(Code::Cancelled, "Timeout expired"), Failure::Timeout);
+        assert_eq!(
+            status(Code::Unavailable, "tcp connect error"),
+            Failure::Unreachable
+        );
+        assert_eq!(
+            status(
+                Code::ResourceExhausted,
+                "etcdserver: mvcc: database space exceeded"
+            ),
+            Failure::Refused
+        );
+        assert_eq!(
+            status(Code::PermissionDenied, "etcdserver: permission denied"),
+            Failure::Refused
+        );
     }
 }

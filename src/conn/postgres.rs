@@ -11,7 +11,7 @@ use tokio_postgres::config::SslMode;
 use tokio_postgres::tls::{ChannelBinding, MakeTlsConnect, TlsConnect};
 use tokio_postgres::{NoTls, Socket};
 
-use super::BoxFuture;
+use super::{BoxFuture, Failure};
 use crate::tls::ClientTls;
 
 /// A connection pool for `url` (at most 16 connections), the same for the store and the lease
@@ -168,6 +168,29 @@ pub(crate) fn describe(e: &dyn std::error::Error) -> String {
     text
 }
 
+/// How a PostgreSQL call failed, from the error and its causes: the server's own error
+/// (authentication, permissions, a read-only transaction, a full disk, a constraint) is
+/// refused; the pool's wait or a connect attempt that timed out is a timeout; anything else
+/// (connecting, TLS, a connection that closed) unreachable.
+pub(crate) fn failure(e: &(dyn std::error::Error + 'static)) -> Failure {
+    let mut next = Some(e);
+    while let Some(e) = next {
+        if e.is::<tokio_postgres::error::DbError>() {
+            return Failure::Refused;
+        }
+        if let Some(deadpool_postgres::PoolError::Timeout(_)) = e.downcast_ref() {
+            return Failure::Timeout;
+        }
+        if e.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::TimedOut)
+        {
+            return Failure::Timeout;
+        }
+        next = e.source();
+    }
+    Failure::Unreachable
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -190,5 +213,17 @@ mod tests {
         assert_eq!(config.get_ssl_mode(), SslMode::Require);
         let (_, config) = pool("postgres://u@h/db", None).unwrap();
         assert_eq!(config.get_ssl_mode(), SslMode::Prefer);
+    }
+
+    #[test]
+    fn failures_are_told_apart() {
+        let waited = deadpool_postgres::PoolError::Timeout(deadpool_postgres::TimeoutType::Wait);
+        assert_eq!(failure(&waited), Failure::Timeout);
+        let timed_out = std::io::Error::new(std::io::ErrorKind::TimedOut, "x");
+        assert_eq!(failure(&timed_out), Failure::Timeout);
+        assert_eq!(
+            failure(&deadpool_postgres::PoolError::Closed),
+            Failure::Unreachable
+        );
     }
 }

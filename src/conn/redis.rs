@@ -9,7 +9,7 @@
 
 use redis::aio::MultiplexedConnection;
 use redis::{
-    AsyncConnectionConfig, ConnectionAddr, IntoConnectionInfo, ProtocolVersion,
+    AsyncConnectionConfig, ConnectionAddr, ErrorKind, IntoConnectionInfo, ProtocolVersion,
     RedisConnectionInfo, RedisError,
 };
 
@@ -17,6 +17,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::Failure;
 use crate::tls::ClientTls;
 
 /// Connect timeout (TCP, TLS handshake and `AUTH` together) and per-command response
@@ -252,6 +253,22 @@ impl Drop for Command<'_> {
     }
 }
 
+/// How a Redis call failed: timed out (ours, the connect or response timeout), an error reply
+/// or a failed `AUTH` (refused), an answer of the wrong type (corrupt), else unreachable.
+pub(crate) fn failure(e: &RedisError) -> Failure {
+    if e.is_timeout() {
+        return Failure::Timeout;
+    }
+    match e.kind() {
+        ErrorKind::Server(_)
+        | ErrorKind::Extension
+        | ErrorKind::AuthenticationFailed
+        | ErrorKind::RESP3NotSupported => Failure::Refused,
+        ErrorKind::UnexpectedReturnType => Failure::Corrupt,
+        _ => Failure::Unreachable,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -275,5 +292,19 @@ mod tests {
         assert!(RedisTarget::new("rediss://127.0.0.1/#insecure", Some(tls.clone())).is_err());
         assert!(RedisTarget::new("redis://127.0.0.1/", Some(tls)).is_err());
         assert!(RedisTarget::new("rediss://127.0.0.1/", None).is_err());
+    }
+
+    #[test]
+    fn failures_are_told_apart() {
+        let io = |kind| RedisError::from(std::io::Error::new(kind, "x"));
+        assert_eq!(failure(&io(std::io::ErrorKind::TimedOut)), Failure::Timeout);
+        assert_eq!(
+            failure(&io(std::io::ErrorKind::ConnectionRefused)),
+            Failure::Unreachable
+        );
+        let auth = RedisError::from((ErrorKind::AuthenticationFailed, "WRONGPASS"));
+        assert_eq!(failure(&auth), Failure::Refused);
+        let wrong = RedisError::from((ErrorKind::UnexpectedReturnType, "not a string"));
+        assert_eq!(failure(&wrong), Failure::Corrupt);
     }
 }

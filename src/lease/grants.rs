@@ -293,7 +293,7 @@ mod tests {
             Box::pin(async move {
                 self.reads.fetch_add(1, Ordering::SeqCst);
                 if self.fail.load(Ordering::SeqCst) {
-                    return Err(LeaseError::Unavailable("down".into()));
+                    return Err(LeaseError::Unreachable("down".into()));
                 }
                 let snapshot = self.tokens.lock().unwrap().get(resource).copied();
                 if self.hold.load(Ordering::SeqCst) {

@@ -10,7 +10,7 @@ use tokio::time::Instant;
 
 use super::access::Timing;
 use super::forwarding::Answering;
-use super::problem::Refusal;
+use super::problem::{Refusal, Unavailable};
 use super::{Proxy, Write};
 use crate::body::ProxyBody;
 use crate::config::Ordering;
@@ -103,7 +103,7 @@ impl Proxy {
                 self.route_metrics[route.index].stale.inc();
                 Err(Refusal::Stale { current })
             }
-            Err(StoreError::Unavailable(e)) => Err(Refusal::StoreUnavailable(e)),
+            Err(e) => Err(Refusal::StoreUnavailable(Unavailable::Store(e))),
         }
     }
 
@@ -131,13 +131,12 @@ impl Proxy {
             Ok(Ok(None)) => Some(Refusal::Unissued { latest: None }),
             Ok(Err(e)) => {
                 self.metrics.store_errors.inc();
-                Some(Refusal::StoreUnavailable(e.to_string()))
+                Some(Refusal::StoreUnavailable(Unavailable::Leases(e)))
             }
             Err(_) => {
                 self.metrics.store_errors.inc();
-                Some(Refusal::StoreUnavailable(format!(
-                    "the lease backend did not answer within {}",
-                    crate::duration::display(self.timeouts.store)
+                Some(Refusal::StoreUnavailable(Unavailable::LeasesSilent(
+                    self.timeouts.store,
                 )))
             }
         }
@@ -196,10 +195,5 @@ async fn bounded<T>(
     }
     tokio::time::timeout(limit, answer)
         .await
-        .unwrap_or_else(|_| {
-            Err(StoreError::Unavailable(format!(
-                "no answer within {}",
-                crate::duration::display(limit)
-            )))
-        })
+        .unwrap_or_else(|_| Err(StoreError::no_answer_within(limit)))
 }

@@ -26,7 +26,7 @@ use crate::etcd::{
 use super::shared::{Claimed, Remote};
 use super::{decide, record_key, StoreError, Verdict};
 use crate::config::EqualTokens;
-use crate::conn::etcd::client;
+use crate::conn::etcd::{client, failure};
 use crate::conn::BoxFuture;
 use crate::idempotency::{self, AttemptId, Begin, Claim, Record};
 use crate::tls::ClientTls;
@@ -49,7 +49,7 @@ impl EtcdRemote {
         prefix: &str,
         tls: Option<Arc<ClientTls>>,
     ) -> Result<Self, StoreError> {
-        let client = client(url, tls).await.map_err(StoreError::Unavailable)?;
+        let client = client(url, tls).await.map_err(StoreError::Config)?;
         Ok(EtcdRemote {
             kv: client.kv_client(),
             lease: client.lease_client(),
@@ -101,7 +101,7 @@ impl EtcdRemote {
             _ => None,
         });
         let (Some(record), Some(maximum)) = (gets.next(), gets.next()) else {
-            return Err(StoreError::Unavailable(
+            return Err(StoreError::Corrupt(
                 "etcd: malformed transaction answer".into(),
             ));
         };
@@ -168,7 +168,7 @@ impl EtcdRemote {
             }
         }
         self.release(lease);
-        Err(StoreError::Unavailable(format!(
+        Err(StoreError::Contended(format!(
             "etcd: the idempotency record of {resource} changed under {ATTEMPTS} attempts"
         )))
     }
@@ -221,7 +221,7 @@ impl EtcdRemote {
             }
         }
         self.release(lease);
-        Err(StoreError::Unavailable(format!(
+        Err(StoreError::Contended(format!(
             "etcd: the idempotency record of {resource} changed under {ATTEMPTS} attempts"
         )))
     }
@@ -245,11 +245,11 @@ fn lease_ttl(window: Duration) -> i64 {
 }
 
 fn decode(value: &[u8]) -> Result<Record, StoreError> {
-    Record::decode(value).map_err(|e| StoreError::Unavailable(format!("etcd: {e}")))
+    Record::decode(value).map_err(|e| StoreError::Corrupt(format!("etcd: {e}")))
 }
 
 fn unavailable(e: crate::etcd::Error) -> StoreError {
-    StoreError::Unavailable(format!("etcd: {e}"))
+    StoreError::new(failure(&e), format!("etcd: {e}"))
 }
 
 fn padded(token: u64) -> String {
@@ -260,7 +260,7 @@ fn parse(value: &[u8]) -> Result<u64, StoreError> {
     std::str::from_utf8(value)
         .ok()
         .and_then(|s| s.parse().ok())
-        .ok_or_else(|| StoreError::Unavailable("etcd holds a non-token maximum".into()))
+        .ok_or_else(|| StoreError::Corrupt("etcd holds a non-token maximum".into()))
 }
 
 /// The value read by the first `Get` among transaction responses.
@@ -305,9 +305,7 @@ impl Remote for EtcdRemote {
                     TxnOpResponse::Txn(inner) => Some(inner),
                     _ => None,
                 })
-                .ok_or_else(|| {
-                    StoreError::Unavailable("etcd: malformed transaction answer".into())
-                })?;
+                .ok_or_else(|| StoreError::Corrupt("etcd: malformed transaction answer".into()))?;
             let current = read_value(&inner.op_responses())?;
             if inner.succeeded() {
                 Ok(Verdict::Admitted { previous: current })

@@ -3,6 +3,7 @@
 //! shared by all of them.
 
 mod embedded;
+mod error;
 mod etcd;
 mod memory;
 mod postgres;
@@ -14,6 +15,7 @@ use std::sync::Arc;
 #[cfg(test)]
 pub(crate) use embedded::parks_here;
 pub use embedded::{defer_wakes_to_park, EmbeddedStore};
+pub use error::StoreError;
 pub use memory::MemoryStore;
 
 use crate::config::{EqualTokens, StoreConfig, StoreKind};
@@ -22,12 +24,6 @@ pub use crate::fence::verdict::{decide, Verdict};
 use crate::idempotency::{Begin, Claim, Record};
 
 pub use crate::conn::BoxFuture;
-
-#[derive(Debug, Clone, thiserror::Error)]
-pub enum StoreError {
-    #[error("the fence store is unavailable: {0}")]
-    Unavailable(String),
-}
 
 /// A place that records, per resource, the highest admitted token.
 pub trait FenceStore: Send + Sync + 'static {
@@ -120,7 +116,7 @@ pub async fn open_with_clock(
             (None, false) => return Ok(None),
         }
         .map(|tls| Some(Arc::new(tls)))
-        .map_err(StoreError::Unavailable)
+        .map_err(StoreError::Config)
     };
     match config.kind {
         StoreKind::Memory => Ok(Arc::new(MemoryStore::new())),

@@ -39,7 +39,7 @@ use tokio_postgres::Row;
 use super::shared::{Claimed, Owner, Remote};
 use super::{decide, record_key, StoreError, Verdict};
 use crate::config::EqualTokens;
-use crate::conn::postgres::{describe, pool};
+use crate::conn::postgres::{describe, failure, pool};
 use crate::conn::BoxFuture;
 use crate::idempotency::{self, AttemptId, Begin, Claim, Record};
 use crate::tls::ClientTls;
@@ -130,7 +130,7 @@ impl IdempotencySql {
 impl PostgresRemote {
     /// `prefix` is validated as an SQL identifier when the config is loaded.
     pub fn new(url: &str, prefix: &str, tls: Option<Arc<ClientTls>>) -> Result<Self, StoreError> {
-        let (pool, _) = pool(url, tls).map_err(StoreError::Unavailable)?;
+        let (pool, _) = pool(url, tls).map_err(StoreError::Config)?;
         let table = format!("{prefix}_fences");
         let records = format!("{prefix}_idempotency");
         Ok(PostgresRemote {
@@ -152,11 +152,7 @@ impl PostgresRemote {
     }
 
     async fn client(&self) -> Result<deadpool_postgres::Object, StoreError> {
-        let client = self
-            .pool
-            .get()
-            .await
-            .map_err(|e| unavailable(&describe(&e)))?;
+        let client = self.pool.get().await.map_err(|e| failed(&e))?;
         self.schema
             .get_or_try_init(|| async {
                 let (table, records) = (&self.table, &self.records);
@@ -191,12 +187,12 @@ impl PostgresRemote {
                     .map_err(|e| {
                         // The server's message, not only tokio-postgres's "db error".
                         match e.as_db_error() {
-                            Some(db) => unavailable(&format_args!(
-                                "creating the tables: {} ({})",
+                            Some(db) => StoreError::Refused(format!(
+                                "postgres: creating the tables: {} ({})",
                                 db.message(),
                                 db.code().code()
                             )),
-                            None => unavailable(&describe(&e)),
+                            None => failed(&e),
                         }
                     })
             })
@@ -216,10 +212,7 @@ impl PostgresRemote {
     ) -> Result<Option<Claimed>, StoreError> {
         let sql = &self.idem;
         let token = signed(claim.token)?;
-        let tx = Tx(client
-            .transaction()
-            .await
-            .map_err(|e| unavailable(&describe(&e)))?);
+        let tx = Tx(client.transaction().await.map_err(|e| failed(&e))?);
         // Serialises claims of one key, also while no row exists for it yet.
         let lock = format!("{}\u{1f}{}", self.records, record_key(resource, key));
         tx.execute(&sql.lock, &[&lock]).await?;
@@ -238,7 +231,7 @@ impl PostgresRemote {
             .as_ref()
             .map(|row| {
                 Record::decode(row.get::<_, &str>(0).as_bytes())
-                    .map_err(|e| StoreError::Unavailable(format!("postgres holds a {e}")))
+                    .map_err(|e| StoreError::Corrupt(format!("postgres holds a {e}")))
             })
             .transpose()?;
         // Locked, so no other raise moves the maximum between this read and the raise below.
@@ -267,9 +260,7 @@ impl PostgresRemote {
                 None => {
                     let inserted = tx.query_opt(&sql.insert_max, &[&resource, &token]).await?;
                     if inserted.is_none() {
-                        tx.0.rollback()
-                            .await
-                            .map_err(|e| unavailable(&describe(&e)))?;
+                        tx.0.rollback().await.map_err(|e| failed(&e))?;
                         return Ok(None);
                     }
                 }
@@ -292,9 +283,7 @@ impl PostgresRemote {
             ];
             tx.execute(&sql.write, &params).await?;
         }
-        tx.0.commit()
-            .await
-            .map_err(|e| unavailable(&describe(&e)))?;
+        tx.0.commit().await.map_err(|e| failed(&e))?;
         Ok(Some(Claimed {
             begin,
             owner,
@@ -326,15 +315,11 @@ struct Tx<'a>(deadpool_postgres::Transaction<'a>);
 
 impl Tx<'_> {
     async fn execute(&self, sql: &str, params: &[&(dyn ToSql + Sync)]) -> Result<u64, StoreError> {
-        let statement = self
-            .0
-            .prepare_cached(sql)
-            .await
-            .map_err(|e| unavailable(&describe(&e)))?;
+        let statement = self.0.prepare_cached(sql).await.map_err(|e| failed(&e))?;
         self.0
             .execute(&statement, params)
             .await
-            .map_err(|e| unavailable(&describe(&e)))
+            .map_err(|e| failed(&e))
     }
 
     async fn query_opt(
@@ -342,28 +327,24 @@ impl Tx<'_> {
         sql: &str,
         params: &[&(dyn ToSql + Sync)],
     ) -> Result<Option<Row>, StoreError> {
-        let statement = self
-            .0
-            .prepare_cached(sql)
-            .await
-            .map_err(|e| unavailable(&describe(&e)))?;
+        let statement = self.0.prepare_cached(sql).await.map_err(|e| failed(&e))?;
         self.0
             .query_opt(&statement, params)
             .await
-            .map_err(|e| unavailable(&describe(&e)))
+            .map_err(|e| failed(&e))
     }
 }
 
 /// Deletes expired records batch by batch: each batch's row ids come from the `expires_at`
 /// index, and a row renewed meanwhile fails the outer re-check and stays.
 async fn purge(pool: &Pool, sql: &str) -> Result<u64, StoreError> {
-    let client = pool.get().await.map_err(|e| unavailable(&describe(&e)))?;
+    let client = pool.get().await.map_err(|e| failed(&e))?;
     let mut deleted = 0;
     loop {
         let n = client
             .execute(sql, &[&PURGE_BATCH])
             .await
-            .map_err(|e| unavailable(&describe(&e)))?;
+            .map_err(|e| failed(&e))?;
         deleted += n;
         if n < PURGE_BATCH as u64 {
             return Ok(deleted);
@@ -371,12 +352,18 @@ async fn purge(pool: &Pool, sql: &str) -> Result<u64, StoreError> {
     }
 }
 
-fn unavailable(e: &dyn std::fmt::Display) -> StoreError {
-    StoreError::Unavailable(format!("postgres: {e}"))
+/// A failed call, with the error's causes ([`describe`]).
+fn failed(e: &(dyn std::error::Error + 'static)) -> StoreError {
+    StoreError::new(failure(e), format!("postgres: {}", describe(e)))
+}
+
+/// Tokens are `BIGINT`; the token grammar keeps them below 2^63, so this is a guard.
+fn too_large() -> StoreError {
+    StoreError::Refused("postgres: token above 2^63-1".into())
 }
 
 fn signed(token: u64) -> Result<i64, StoreError> {
-    i64::try_from(token).map_err(|_| unavailable(&"token above 2^63-1"))
+    i64::try_from(token).map_err(|_| too_large())
 }
 
 fn encoded(record: &Record) -> String {
@@ -385,7 +372,7 @@ fn encoded(record: &Record) -> String {
 
 fn token_of(v: i64) -> Result<u64, StoreError> {
     u64::try_from(v)
-        .map_err(|_| StoreError::Unavailable(format!("postgres holds a negative maximum {v}")))
+        .map_err(|_| StoreError::Corrupt(format!("postgres holds a negative maximum {v}")))
 }
 
 impl Remote for PostgresRemote {
@@ -397,15 +384,15 @@ impl Remote for PostgresRemote {
     ) -> BoxFuture<'a, Result<Verdict, StoreError>> {
         Box::pin(async move {
             let client = self.client().await?;
-            let signed = i64::try_from(token).map_err(|_| unavailable(&"token above 2^63-1"))?;
+            let signed = i64::try_from(token).map_err(|_| too_large())?;
             let statement = client
                 .prepare_cached(&self.raise_sql)
                 .await
-                .map_err(|e| unavailable(&describe(&e)))?;
+                .map_err(|e| failed(&e))?;
             let raised = client
                 .query_opt(&statement, &[&resource, &signed])
                 .await
-                .map_err(|e| unavailable(&describe(&e)))?;
+                .map_err(|e| failed(&e))?;
             if let Some(row) = raised {
                 let previous: Option<i64> = row.get(0);
                 return Ok(Verdict::Admitted {
@@ -415,11 +402,11 @@ impl Remote for PostgresRemote {
             let statement = client
                 .prepare_cached(&self.get_sql)
                 .await
-                .map_err(|e| unavailable(&describe(&e)))?;
+                .map_err(|e| failed(&e))?;
             let row = client
                 .query_one(&statement, &[&resource])
                 .await
-                .map_err(|e| unavailable(&describe(&e)))?;
+                .map_err(|e| failed(&e))?;
             Ok(decide(Some(token_of(row.get(0))?), token, equal))
         })
     }
@@ -430,7 +417,7 @@ impl Remote for PostgresRemote {
             let row = client
                 .query_opt(&self.get_sql, &[&resource])
                 .await
-                .map_err(|e| unavailable(&describe(&e)))?;
+                .map_err(|e| failed(&e))?;
             row.map(|r| token_of(r.get(0))).transpose()
         })
     }
@@ -441,7 +428,7 @@ impl Remote for PostgresRemote {
             client
                 .simple_query("SELECT 1")
                 .await
-                .map_err(|e| unavailable(&describe(&e)))?;
+                .map_err(|e| failed(&e))?;
             Ok(())
         })
     }
@@ -464,8 +451,8 @@ impl Remote for PostgresRemote {
                     return Ok(claimed);
                 }
             }
-            Err(unavailable(
-                &"the maximum kept appearing under an idempotent claim",
+            Err(StoreError::Contended(
+                "postgres: the maximum kept appearing under an idempotent claim".into(),
             ))
         })
     }
@@ -482,7 +469,7 @@ impl Remote for PostgresRemote {
             let statement = client
                 .prepare_cached(&self.idem.finish)
                 .await
-                .map_err(|e| unavailable(&describe(&e)))?;
+                .map_err(|e| failed(&e))?;
             let written = client
                 .execute(
                     &statement,
@@ -500,7 +487,7 @@ impl Remote for PostgresRemote {
                     ],
                 )
                 .await
-                .map_err(|e| unavailable(&describe(&e)))?;
+                .map_err(|e| failed(&e))?;
             Ok(written == 1)
         })
     }

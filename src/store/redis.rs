@@ -30,7 +30,7 @@ use std::time::Duration;
 use super::shared::{Claimed, Owner, Remote};
 use super::{decide, StoreError, Verdict};
 use crate::config::EqualTokens;
-use crate::conn::redis::{RedisConn, RedisTarget};
+use crate::conn::redis::{failure, RedisConn, RedisTarget};
 use crate::conn::BoxFuture;
 use crate::idempotency::{AttemptId, Begin, Claim, Record};
 use crate::tls::ClientTls;
@@ -137,7 +137,7 @@ pub struct RedisRemote {
 
 impl RedisRemote {
     pub fn new(url: &str, prefix: &str, tls: Option<Arc<ClientTls>>) -> Result<Self, StoreError> {
-        let target = RedisTarget::new(url, tls).map_err(StoreError::Unavailable)?;
+        let target = RedisTarget::new(url, tls).map_err(StoreError::Config)?;
         Ok(RedisRemote {
             conn: RedisConn::new(target, None),
             script: Script::new(RAISE),
@@ -158,12 +158,12 @@ impl RedisRemote {
 }
 
 fn unavailable(e: redis::RedisError) -> StoreError {
-    StoreError::Unavailable(format!("redis: {e}"))
+    StoreError::new(failure(&e), format!("redis: {e}"))
 }
 
 fn parse(raw: &str) -> Result<u64, StoreError> {
     raw.parse()
-        .map_err(|_| StoreError::Unavailable(format!("redis holds a non-token maximum `{raw}`")))
+        .map_err(|_| StoreError::Corrupt(format!("redis holds a non-token maximum `{raw}`")))
 }
 
 fn flag(on: bool) -> &'static str {
@@ -183,7 +183,7 @@ fn window_ms(claim: &Claim) -> u64 {
 }
 
 fn bad_reply(what: &str) -> StoreError {
-    StoreError::Unavailable(format!("redis: unexpected idempotency reply: {what}"))
+    StoreError::Corrupt(format!("redis: unexpected idempotency reply: {what}"))
 }
 
 /// The begin script's reply as a [`Claimed`].
@@ -223,7 +223,7 @@ fn begin_reply(reply: &[Vec<u8>]) -> Result<Claimed, StoreError> {
         "completed" => {
             let raw = reply.get(2).ok_or_else(|| bad_reply("no record"))?;
             let record = Record::decode(raw)
-                .map_err(|e| StoreError::Unavailable(format!("redis holds a {e}")))?;
+                .map_err(|e| StoreError::Corrupt(format!("redis holds a {e}")))?;
             Begin::Completed(record)
         }
         other => return Err(bad_reply(other)),

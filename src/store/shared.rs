@@ -283,7 +283,12 @@ impl Health {
             (UNKNOWN, None) => tracing::info!(store = self.kind, "fence store reachable"),
             (_, None) => tracing::info!(store = self.kind, "fence store reachable again"),
             (_, Some(e)) => {
-                tracing::error!(store = self.kind, error = %e, "fence store unavailable")
+                tracing::error!(
+                    store = self.kind,
+                    error = %e,
+                    store_error = e.label(),
+                    "fence store unavailable"
+                )
             }
         }
     }
@@ -301,7 +306,7 @@ async fn probe<R: Remote>(remote: Arc<R>, health: Arc<Health>) {
         let error = match tokio::time::timeout(PROBE_TIMEOUT, remote.ping()).await {
             Ok(Ok(())) => None,
             Ok(Err(e)) => Some(e),
-            Err(_) => Some(StoreError::Unavailable(format!(
+            Err(_) => Some(StoreError::Timeout(format!(
                 "no answer to a probe within {}ms",
                 PROBE_TIMEOUT.as_millis()
             ))),

@@ -265,7 +265,7 @@ impl EmbeddedStore {
         poll: Duration,
     ) -> Result<Self, StoreError> {
         let fail = |what: &str, e: &dyn std::fmt::Display| {
-            StoreError::Unavailable(format!("{what} {}: {e}", path.display()))
+            StoreError::Unreachable(format!("{what} {}: {e}", path.display()))
         };
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(|e| fail("cannot create the directory of", &e))?;
@@ -352,10 +352,10 @@ impl EmbeddedStore {
             None => Err(()),
         };
         Box::pin(async move {
-            sent.map_err(|_| StoreError::Unavailable("the store writer has stopped".into()))?;
+            sent.map_err(|_| StoreError::Internal("the store writer has stopped".into()))?;
             answer
                 .await
-                .map_err(|_| StoreError::Unavailable("the store writer has stopped".into()))?
+                .map_err(|_| StoreError::Internal("the store writer has stopped".into()))?
         })
     }
 
@@ -376,7 +376,7 @@ impl EmbeddedStore {
         batch: usize,
     ) -> Result<u64, StoreError> {
         let fail = |e: &dyn std::fmt::Display| {
-            StoreError::Unavailable(format!("cannot fill {}: {e}", path.display()))
+            StoreError::Unreachable(format!("cannot fill {}: {e}", path.display()))
         };
         let db = open_file(path).map_err(|e| fail(&e))?;
         let names = Names::new(prefix);
@@ -414,7 +414,7 @@ impl EmbeddedStore {
     /// cached as a lower bound).
     fn read_maximum(&self, resource: &str) -> Result<Option<u64>, StoreError> {
         let Some(db) = self.shared.db.load_full() else {
-            return Err(StoreError::Unavailable(format!(
+            return Err(StoreError::Unreachable(format!(
                 "{} is being reopened after a failed write",
                 self.shared.path.display()
             )));
@@ -426,7 +426,7 @@ impl EmbeddedStore {
             Ok(value)
         };
         let durable = read().map_err(|e| {
-            StoreError::Unavailable(format!("cannot read {}: {e}", self.shared.path.display()))
+            StoreError::Unreachable(format!("cannot read {}: {e}", self.shared.path.display()))
         })?;
         if let Some(value) = durable {
             self.shared.cache.observe(resource, value);

@@ -16,7 +16,7 @@ pub(super) fn read_record(
     };
     let (at, bytes) = guard.value();
     Ok(Record::decode(bytes).map(|r| Some((at, r))).map_err(|e| {
-        StoreError::Unavailable(format!("the idempotency record {key:?} is unreadable: {e}"))
+        StoreError::Corrupt(format!("the idempotency record {key:?} is unreadable: {e}"))
     }))
 }
 
