@@ -560,7 +560,7 @@ impl Names {
 #[cfg(test)]
 mod properties;
 mod records;
-use records::{purge, read_record, write_record};
+use records::{purge, write_record, Found};
 #[cfg(test)]
 mod tests;
 mod writer;
