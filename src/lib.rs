@@ -30,9 +30,9 @@
 //!   group commit), Redis, PostgreSQL, etcd; each also keeps the idempotency records.
 //!   [`store::StoreError`] and [`lease::LeaseError`] name what failed (unreachable, timeout,
 //!   refused, corrupt, …) and whose fault it is.
-//! - [`conn`]: what the stores and the lease backends share to reach their systems: the
-//!   `BoxFuture` their traits answer with, Redis connections ([`conn::redis`]), PostgreSQL
-//!   pools and TLS ([`conn::postgres`]), etcd clients ([`conn::etcd`]).
+//! - `conn`: what the stores and the lease backends share to reach their systems: the
+//!   `BoxFuture` their traits answer with, Redis connections (`conn::redis`), PostgreSQL pools
+//!   and TLS (`conn::postgres`), etcd clients (`conn::etcd`), and how a call failed.
 //! - `etcd`: the small etcd v3 client the etcd store and lease backend share, over committed
 //!   generated gRPC code.
 //! - [`idempotency`]: records of writes carrying an `Idempotency-Key`, and the pure decision
@@ -58,7 +58,7 @@ pub mod app;
 pub mod body;
 pub mod cli;
 pub mod config;
-pub mod conn;
+mod conn;
 pub mod demo;
 pub mod duration;
 mod etcd;

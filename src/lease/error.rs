@@ -31,8 +31,8 @@ pub enum LeaseError {
 
 impl LeaseError {
     /// The error of a failed call to the backend, as its client's error classifies
-    /// ([`crate::conn`]).
-    pub fn new(failure: Failure, detail: impl Into<String>) -> Self {
+    /// (`conn`).
+    pub(crate) fn new(failure: Failure, detail: impl Into<String>) -> Self {
         let detail = detail.into();
         match failure {
             Failure::Unreachable => LeaseError::Unreachable(detail),

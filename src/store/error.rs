@@ -34,8 +34,8 @@ pub enum StoreError {
 
 impl StoreError {
     /// The error of a failed call to the store, as its client's error classifies
-    /// ([`crate::conn`]).
-    pub fn new(failure: Failure, detail: impl Into<String>) -> Self {
+    /// (`conn`).
+    pub(crate) fn new(failure: Failure, detail: impl Into<String>) -> Self {
         let detail = detail.into();
         match failure {
             Failure::Unreachable => StoreError::Unreachable(detail),

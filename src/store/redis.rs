@@ -19,8 +19,7 @@
 //! in-flight lifetime on fencegate's monotonic clock ([`super::shared`]), in the script, only
 //! while the record still names that attempt.
 //!
-//! Connections are fencegate's own ([`crate::conn::redis`]), shared with the Redis lease
-//! backend.
+//! Connections are fencegate's own (`conn::redis`), shared with the Redis lease backend.
 
 use redis::Script;
 

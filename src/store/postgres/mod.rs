@@ -25,7 +25,7 @@
 //! [`crate::idempotency::decide`] here, and on execute the raise and the `in_flight` row. An outcome
 //! is one conditional `UPDATE` ([`records`]).
 //!
-//! Connections come from [`crate::conn::postgres`], shared with the PostgreSQL lease backend;
+//! Connections come from `conn::postgres`, shared with the PostgreSQL lease backend;
 //! with the `tls` mapping, they are TLS only.
 
 mod records;
