@@ -85,6 +85,7 @@ impl Writer {
                     resource = %self.resource,
                     fencing_token = claim.token,
                     error = %e,
+                    store_error = e.label(),
                     "idempotency outcome not recorded; the key stays in flight until it expires or is taken over"
                 )
             }
