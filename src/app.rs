@@ -98,6 +98,9 @@ impl Server {
         let store = store::open(&config.store)
             .await
             .map_err(|e| e.to_string())?;
+        if let Some(period) = config.fence.retention {
+            store.forget_after(period).map_err(|e| e.to_string())?;
+        }
         let metrics =
             Arc::new(Metrics::new(prometheus::Registry::new()).map_err(|e| e.to_string())?);
         // One lease backend for the agent and, in authoritative mode, for the fence.

@@ -163,6 +163,7 @@ fn restart_only_changes(running: &Config, new: &Config) -> Vec<&'static str> {
                 || url(a.store.url.as_ref()) != url(b.store.url.as_ref()),
         ),
         ("fence.authority", a.fence.authority != b.fence.authority),
+        ("fence.retention", a.fence.retention != b.fence.retention),
         (
             "leases",
             debug(&a.leases) != debug(&b.leases)

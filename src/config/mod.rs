@@ -294,10 +294,64 @@ impl TryFrom<RawStore> for StoreConfig {
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, expecting = "a mapping with `authority`")]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a mapping with `authority` and `retention`"
+)]
 pub struct FenceConfig {
     #[serde(default)]
     pub authority: Authority,
+    /// Forget a resource's maximum once it has not been raised for this long (see
+    /// [`check_retention`]); `None`: keep every maximum for good.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        with = "crate::duration::option"
+    )]
+    pub retention: Option<Duration>,
+}
+
+/// The shortest `fence.retention`: far above the delay of the lease backend's grant events
+/// (up to about two seconds), which is what the authority's check relies on.
+pub const MIN_RETENTION: Duration = Duration::from_secs(3600);
+
+/// Whether forgetting maxima is safe with this config: only when every fenced write's token is
+/// also checked against the lease backend's latest grant, which never forgets, and only with
+/// a store that can forget.
+fn check_retention(fence: &FenceConfig, store: StoreKind) -> Result<(), String> {
+    let Some(period) = fence.retention else {
+        return Ok(());
+    };
+    let shown = crate::duration::display(period);
+    if fence.authority != Authority::Leases {
+        return Err(format!(
+            "fence.retention: {shown} is safe only with `fence.authority: leases`: without it a \
+             forgotten maximum is the only thing between a stale token and the upstream, and a \
+             writer that wakes more than {shown} after its last write would be admitted; with \
+             it, the lease backend refuses every token below its latest grant whatever the \
+             store remembers"
+        ));
+    }
+    if period < MIN_RETENTION {
+        return Err(format!(
+            "fence.retention must be at least 1h (it is {shown}): a maximum may be forgotten \
+             only long after the grant of its token is known to every fencegate"
+        ));
+    }
+    match store {
+        StoreKind::Embedded | StoreKind::Redis | StoreKind::Postgres => Ok(()),
+        StoreKind::Memory => Err(
+            "fence.retention is not offered by the `memory` store (tests and demos: it \
+             forgets everything when the process ends); use `embedded`, `redis` or `postgres`"
+                .into(),
+        ),
+        StoreKind::Etcd => Err(
+            "fence.retention is not offered by the `etcd` store; use `embedded`, `redis` or \
+             `postgres`, or keep the maxima and size etcd for them (see the docs' Memory and \
+             sizing)"
+                .into(),
+        ),
+    }
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
@@ -646,6 +700,7 @@ impl Config {
                     .into(),
             );
         }
+        check_retention(&self.fence, self.store.kind)?;
         if self.egress.is_some() && self.leases.is_none() {
             return Err("egress: attaching tokens needs the `leases` section".into());
         }

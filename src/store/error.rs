@@ -24,7 +24,8 @@ pub enum StoreError {
     /// Racing writers kept changing what a write depends on, past its retries.
     #[error("the fence store is unavailable: {0}")]
     Contended(String),
-    /// The configuration does not make a store: its url, its TLS files.
+    /// The configuration does not make a store: its url, its TLS files, a setting the store
+    /// cannot honour (`fence.retention`).
     #[error("the fence store is unavailable: {0}")]
     Config(String),
     /// fencegate's own part of the store stopped (the embedded store's writer: a bug).

@@ -25,10 +25,13 @@
 //! [`crate::idempotency::decide`] here, and on execute the raise and the `in_flight` row. An outcome
 //! is one conditional `UPDATE` ([`records`]).
 //!
+//! With `fence.retention`, maxima not raised for the period are forgotten ([`retention`]).
+//!
 //! Connections come from `conn::postgres`, shared with the PostgreSQL lease backend;
 //! with the `tls` mapping, they are TLS only.
 
 mod records;
+mod retention;
 
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -45,6 +48,7 @@ use crate::idempotency::{AttemptId, Claim, Record};
 use crate::tls::ClientTls;
 
 use records::IdempotencySql;
+use retention::Forget;
 
 pub struct PostgresRemote {
     pool: Pool,
@@ -57,6 +61,8 @@ pub struct PostgresRemote {
     idem: IdempotencySql,
     /// When the last purge of expired records started.
     last_purge: Mutex<Option<Instant>>,
+    /// Forgetting maxima past `fence.retention` ([`retention`]).
+    forget: Forget,
 }
 
 impl PostgresRemote {
@@ -69,12 +75,15 @@ impl PostgresRemote {
             pool,
             schema: OnceCell::new(),
             raise_sql: format!(
-                "INSERT INTO {table} AS f (resource, max_token, prev_token) VALUES ($1, $2, NULL) \
+                "INSERT INTO {table} AS f (resource, max_token, prev_token, raised_at) \
+                 VALUES ($1, $2, NULL, CASE WHEN $3 THEN now() END) \
                  ON CONFLICT (resource) DO UPDATE \
-                 SET max_token = EXCLUDED.max_token, prev_token = f.max_token \
+                 SET max_token = EXCLUDED.max_token, prev_token = f.max_token, \
+                     raised_at = EXCLUDED.raised_at \
                  WHERE f.max_token < EXCLUDED.max_token \
                  RETURNING prev_token"
             ),
+            forget: Forget::new(&table),
             get_sql: format!("SELECT max_token FROM {table} WHERE resource = $1"),
             idem: IdempotencySql::new(&table, &records),
             table,
@@ -98,7 +107,9 @@ impl PostgresRemote {
                          CREATE TABLE IF NOT EXISTS {table} (\
                            resource TEXT PRIMARY KEY, \
                            max_token BIGINT NOT NULL CHECK (max_token >= 0), \
-                           prev_token BIGINT); \
+                           prev_token BIGINT, \
+                           raised_at TIMESTAMPTZ); \
+                         ALTER TABLE {table} ADD COLUMN IF NOT EXISTS raised_at TIMESTAMPTZ; \
                          CREATE TABLE IF NOT EXISTS {records} (\
                            resource TEXT NOT NULL, \
                            idem_key TEXT NOT NULL, \
@@ -171,7 +182,7 @@ impl Remote for PostgresRemote {
                 .await
                 .map_err(|e| failed(&e))?;
             let raised = client
-                .query_opt(&statement, &[&resource, &signed])
+                .query_opt(&statement, &[&resource, &signed, &self.aging()])
                 .await
                 .map_err(|e| failed(&e))?;
             if let Some(row) = raised {
@@ -210,6 +221,7 @@ impl Remote for PostgresRemote {
                 .simple_query("SELECT 1")
                 .await
                 .map_err(|e| failed(&e))?;
+            self.maybe_forget(false);
             Ok(())
         })
     }
@@ -235,5 +247,10 @@ impl Remote for PostgresRemote {
 
     fn kind(&self) -> &'static str {
         "postgres"
+    }
+
+    fn forget_after(&self, period: std::time::Duration) -> Result<(), StoreError> {
+        PostgresRemote::forget_after(self, period);
+        Ok(())
     }
 }

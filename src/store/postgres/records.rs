@@ -15,10 +15,11 @@ use crate::store::record_key;
 use crate::store::shared::{Claimed, Owner};
 use crate::store::StoreError;
 
-/// How often a claim may start a purge of expired records.
-const PURGE_EVERY: Duration = Duration::from_secs(60);
+/// How often a claim may start a purge of expired records (and the health probe a pass
+/// forgetting maxima, [`super::retention`]).
+pub(super) const PURGE_EVERY: Duration = Duration::from_secs(60);
 /// Rows one purge statement deletes at most, so no purge holds many row locks for long.
-const PURGE_BATCH: i64 = 1000;
+pub(super) const PURGE_BATCH: i64 = 1000;
 /// Claims retried when a racing first raise created the maximum between read and insert.
 const CLAIM_ATTEMPTS: usize = 3;
 
@@ -49,11 +50,13 @@ impl IdempotencySql {
             ),
             lock_max: format!("SELECT max_token FROM {fences} WHERE resource = $1 FOR UPDATE"),
             insert_max: format!(
-                "INSERT INTO {fences} (resource, max_token, prev_token) VALUES ($1, $2, NULL) \
+                "INSERT INTO {fences} (resource, max_token, prev_token, raised_at) \
+                 VALUES ($1, $2, NULL, CASE WHEN $3 THEN now() END) \
                  ON CONFLICT (resource) DO NOTHING RETURNING max_token"
             ),
             update_max: format!(
-                "UPDATE {fences} SET max_token = $2, prev_token = max_token \
+                "UPDATE {fences} SET max_token = $2, prev_token = max_token, \
+                   raised_at = CASE WHEN $3 THEN now() END \
                  WHERE resource = $1 AND max_token < $2"
             ),
             write: format!(
@@ -202,14 +205,17 @@ impl PostgresRemote {
         if let Begin::Execute { .. } = begin {
             match current {
                 None => {
-                    let inserted = tx.query_opt(&sql.insert_max, &[&resource, &token]).await?;
+                    let inserted = tx
+                        .query_opt(&sql.insert_max, &[&resource, &token, &self.aging()])
+                        .await?;
                     if inserted.is_none() {
                         tx.0.rollback().await.map_err(|e| failed(&e))?;
                         return Ok(None);
                     }
                 }
                 Some(c) if claim.token > c => {
-                    tx.execute(&sql.update_max, &[&resource, &token]).await?;
+                    tx.execute(&sql.update_max, &[&resource, &token, &self.aging()])
+                        .await?;
                 }
                 Some(_) => {}
             }
