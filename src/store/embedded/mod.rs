@@ -82,32 +82,6 @@ fn open_file(path: &Path) -> Result<Database, redb::DatabaseError> {
 /// and then goes idle if it found nothing.
 const POLL: Duration = Duration::from_millis(1);
 
-thread_local! {
-    /// This thread runs a runtime whose park hook wakes the writers ([`defer_wakes_to_park`]).
-    static PARKS_HERE: Cell<bool> = const { Cell::new(false) };
-    /// Writers to wake when this thread's runtime parks.
-    static DEFERRED: RefCell<Vec<Thread>> = const { RefCell::new(Vec::new()) };
-}
-
-/// Sets up `builder`'s runtime so that raises queued from its threads wake the embedded
-/// store's writer when the runtime runs out of work, not one by one (see the module comment).
-pub fn defer_wakes_to_park(builder: &mut tokio::runtime::Builder) {
-    builder.on_thread_park(|| {
-        PARKS_HERE.set(true);
-        DEFERRED.with_borrow_mut(|writers| {
-            for writer in writers.drain(..) {
-                writer.unpark();
-            }
-        });
-    });
-}
-
-/// Whether this thread's runtime was set up with [`defer_wakes_to_park`] and has parked since.
-#[cfg(test)]
-pub(crate) fn parks_here() -> bool {
-    PARKS_HERE.get()
-}
-
 /// Record key to `(expires_ms, encoded record)`.
 type Records<'a> = TableDefinition<'a, &'static str, (u64, &'static [u8])>;
 /// `(expires_ms, record key)` for every record, in expiry order.
@@ -335,21 +309,9 @@ impl EmbeddedStore {
     /// parks (see the module comment).
     fn wake(&self) {
         // Present until the store is dropped, and nothing is sent after that.
-        let Some(writer) = self.writer.as_ref().map(|w| w.thread()) else {
-            return;
-        };
-        // Pairs with the fence in `writer` between marking itself idle and a last look at the
-        // queue: either it sees this operation, or this sees it idle.
-        fence(Ordering::SeqCst);
-        if !PARKS_HERE.get() || self.shared.idle.load(Ordering::Relaxed) {
-            writer.unpark();
-            return;
+        if let Some(writer) = &self.writer {
+            park::wake(writer.thread(), &self.shared.idle);
         }
-        DEFERRED.with_borrow_mut(|writers| {
-            if !writers.iter().any(|w| w.id() == writer.id()) {
-                writers.push(writer.clone());
-            }
-        });
     }
 
     fn send<T>(
@@ -584,8 +546,12 @@ impl Names {
     }
 }
 
+mod park;
 #[cfg(test)]
 mod properties;
+pub use park::defer_wakes_to_park;
+#[cfg(test)]
+pub(crate) use park::parks_here;
 mod records;
 use records::{purge, write_record, Found};
 mod retention;
