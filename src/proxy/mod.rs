@@ -15,6 +15,7 @@ mod access;
 mod build;
 mod decide;
 mod forwarding;
+pub mod grpc;
 pub mod headers;
 pub mod idempotent;
 pub mod problem;
@@ -63,6 +64,8 @@ pub struct Proxy {
     /// on no route.
     route_metrics: Vec<RouteMetrics>,
     client: UpstreamClient,
+    /// The pool for gRPC calls: HTTP/2 (prior knowledge for `http`, ALPN `h2` for `https`).
+    grpc_client: UpstreamClient,
     /// Egress mode: instead of checking the token against the store, attach the token of the
     /// lease this sidecar holds on the resource (docs/leases.md, `egress`).
     attach: Option<Arc<Agent>>,
@@ -167,7 +170,20 @@ impl Proxy {
     /// times, whole, and an `async fn` doing all of this would be about 2 KiB large. What has
     /// to wait before the send (an authority, an ordering barrier, a store that answers later,
     /// an idempotency key) continues in a boxed future.
+    ///
+    /// A refusal of a gRPC call is answered in gRPC form ([`grpc`]).
     pub fn handle_on(
+        self: Arc<Self>,
+        req: Request<Incoming>,
+        peer: SocketAddr,
+        own: Option<upstream::SharedSlot>,
+    ) -> grpc::Answered<Handling<impl Future<Output = Response<ProxyBody>> + Send + 'static>> {
+        let grpc = grpc::is_call(req.version(), req.headers());
+        grpc::Answered::new(self.handling(req, peer, own), grpc)
+    }
+
+    /// [`Proxy::handle_on`], refusals in problem+json form.
+    fn handling(
         self: Arc<Self>,
         req: Request<Incoming>,
         peer: SocketAddr,

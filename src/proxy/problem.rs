@@ -295,7 +295,8 @@ impl Refusal {
         token_header: &HeaderName,
     ) -> Response<ProxyBody> {
         let (status, kind, title, _) = self.kind();
-        let mut problem = Problem::new(status, kind, title, self.detail(subject, token_header));
+        let detail = self.detail(subject, token_header);
+        let mut problem = Problem::new(status, kind, title, detail.clone());
         if let Some(resource) = subject.resource {
             problem = problem.with("resource", resource);
         }
@@ -328,6 +329,7 @@ impl Refusal {
             }
             _ => {}
         }
+        super::grpc::mark(&mut response, self, detail);
         response
     }
 }
