@@ -8,6 +8,7 @@ mod authority;
 mod concurrency;
 mod fence;
 mod grants;
+mod grpc;
 mod hostile;
 mod idempotency;
 mod idempotency_stores;
