@@ -21,7 +21,8 @@
 //!   `build`, `decide` (authority, compare-and-raise, barrier), [`proxy::idempotent`] and
 //!   [`proxy::recording`] (writes with an `Idempotency-Key`), `forwarding` over
 //!   [`proxy::upstream`] with [`proxy::headers`] (header surgery), [`proxy::problem`]
-//!   (refusals), `access` (the access log).
+//!   (refusals), [`proxy::grpc`] (refusals of gRPC calls as gRPC statuses), `access` (the
+//!   access log).
 //! - [`lease`]: the lease agent ([`lease::agent`]): backends behind one trait
 //!   ([`lease::backend`]; embedded, Redis, PostgreSQL, etcd, with `lease::shared` helpers),
 //!   renewal timing ([`lease::schedule`]), the grant cache ([`lease::grants`]) and the local

@@ -8,8 +8,8 @@
 //! [`build`] makes a `Proxy`; [`decide`] is the fence decision (authority, compare-and-raise,
 //! verdict, barrier); [`idempotent`] handles writes with an `Idempotency-Key` and
 //! [`recording`] records their outcome; [`forwarding`] sends and answers, over [`upstream`]
-//! with [`headers`]' header surgery; [`problem`] answers refusals; [`access`] writes the
-//! access log.
+//! with [`headers`]' header surgery; [`problem`] answers refusals, in gRPC form for gRPC
+//! calls ([`grpc`]); [`access`] writes the access log.
 
 mod access;
 mod build;
