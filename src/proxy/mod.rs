@@ -15,12 +15,13 @@ mod access;
 mod build;
 mod decide;
 mod forwarding;
-pub mod grpc;
 pub mod headers;
 pub mod idempotent;
 pub mod problem;
 pub mod recording;
 pub mod upstream;
+
+pub use problem::grpc;
 
 use std::convert::Infallible;
 use std::future::Future;

@@ -3,6 +3,8 @@
 //! The body is a [`crate::problem::Problem`], as the lease API's and the admin listener's are.
 //! [`Proxy::refuse`] is the one place a refusal is answered, counted and logged.
 
+pub mod grpc;
+
 use http::header::{HeaderName, HeaderValue, RETRY_AFTER};
 use http::{Method, Request, Response, StatusCode, Version};
 
@@ -329,7 +331,7 @@ impl Refusal {
             }
             _ => {}
         }
-        super::grpc::mark(&mut response, self, detail);
+        grpc::mark(&mut response, self, detail);
         response
     }
 }

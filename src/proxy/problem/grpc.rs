@@ -18,7 +18,7 @@ use http::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_LENGTH, CONTENT_T
 use http::{Response, StatusCode, Version};
 use percent_encoding::{AsciiSet, CONTROLS};
 
-use super::problem::Refusal;
+use super::Refusal;
 use crate::body::ProxyBody;
 
 /// gRPC status codes fencegate answers with (grpc/doc/statuscodes.md).
