@@ -37,20 +37,15 @@ use http::{Request, Response};
 use hyper::body::Incoming;
 
 use crate::body::ProxyBody;
-use crate::config::{
-    EqualTokens, IdempotencyConfig, MissingToken, Ordering, Timeouts, Unmatched, UpstreamUrl,
-};
+use crate::config::{EqualTokens, IdempotencyConfig, Timeouts, UpstreamUrl};
 use crate::fence::barrier::Barriers;
-use crate::fence::method::method_override;
-use crate::fence::path;
-use crate::fence::routes::{Matched, Route, RouteTable};
-use crate::fence::token::{connection_nominates, token_from_headers, TokenError};
+use crate::fence::routes::{Route, RouteTable};
 use crate::lease::agent::Agent;
 use crate::metrics::{Metrics, Outcome, RouteMetrics};
 use crate::store::FenceStore;
 use access::{Subject, Timing};
+pub(crate) use decide::{Decision, Fenced, Pass, Refused};
 use forwarding::{set_token, Answering};
-use problem::{host_problem, Refusal};
 use upstream::UpstreamClient;
 
 /// Everything a request needs, built once per configuration.
@@ -183,7 +178,8 @@ impl Proxy {
         grpc::Answered::new(self.handling(req, peer, own), grpc)
     }
 
-    /// [`Proxy::handle_on`], refusals in problem+json form.
+    /// [`Proxy::handle_on`], refusals in problem+json form: the fence's [`Decision`], then
+    /// the send (or the wait before it).
     fn handling(
         self: Arc<Self>,
         req: Request<Incoming>,
@@ -193,146 +189,68 @@ impl Proxy {
         // End to end: from here, where the request's head has been read, to the response's
         // head (`fencegate_request_duration_seconds`, the access log).
         let started = Instant::now();
-        // Every refusal is answered, counted and logged the same way, with the request's method
-        // and path as it came.
-        let refused = |refusal: Refusal, route: Option<&Route>, subject: Subject<'_>| {
-            let (method, path) = (req.method(), req.uri().path());
-            let timing = Timing::without_upstream(started);
-            Handling::done(self.refuse(refusal, route, subject, method, path, timing))
-        };
-        if let Some(problem) = host_problem(&req) {
-            return refused(
-                Refusal::InvalidRequest(problem.into()),
-                None,
-                Subject::default(),
-            );
-        }
-        let normalised = match path::normalise(req.uri().path()) {
-            Ok(p) => p.into_owned(),
-            Err(e) => return refused(Refusal::InvalidPath(e), None, Subject::default()),
-        };
-        let matched =
-            self.table
-                .lookup(req.method(), &normalised, req.uri().query(), req.headers());
-        // A method override header makes many frameworks treat the request as the method it
-        // names: on a route, the request is fenced as that method when that method is fenced
-        // (and as its own otherwise), and a malformed or repeated override is refused.
-        let matched = match matched {
-            Ok(found @ (Matched::Pass(route) | Matched::Fence { route, .. })) => {
-                match method_override(req.headers()) {
-                    Ok(None) => Ok(found),
-                    Ok(Some(named)) => {
-                        let query = req.uri().query();
-                        match self.table.lookup(&named, &normalised, query, req.headers()) {
-                            fenced @ (Ok(Matched::Fence { .. }) | Err(_)) => fenced,
-                            Ok(_) => Ok(found),
-                        }
-                    }
-                    Err(e) => {
-                        let subject = Subject {
-                            route: Some(&route.name),
-                            ..Subject::default()
-                        };
-                        let refusal = Refusal::InvalidRequest(e.to_string());
-                        return refused(refusal, Some(route), subject);
-                    }
-                }
-            }
-            other => other,
-        };
-        let (route, resource) = match matched {
-            Err((route, e)) => {
+        match self.decide(&req) {
+            Decision::Refuse(refused) => {
+                // Answered, counted and logged with the request's method and path as it came.
+                let (method, path) = (req.method(), req.uri().path());
+                let timing = Timing::without_upstream(started);
+                let Refused {
+                    refusal,
+                    route,
+                    resource,
+                    token,
+                } = refused;
+                let route = route.map(|i| &self.table.routes()[i]);
                 let subject = Subject {
                     route: route.map(|r| r.name.as_str()),
-                    ..Subject::default()
+                    resource: resource.as_deref(),
+                    token,
                 };
-                return refused(Refusal::InvalidResource(e), route, subject);
+                Handling::done(self.refuse(refusal, route, subject, method, path, timing))
             }
-            Ok(Matched::None) if self.table.unmatched == Unmatched::Reject => {
-                return refused(Refusal::NoRoute, None, Subject::default())
-            }
-            Ok(Matched::None) => {
-                let answering = Answering::unfenced(None, Outcome::Forwarded, started);
-                return self.forwarding(req, normalised, answering, peer, own);
-            }
-            Ok(Matched::Pass(route)) => {
-                let answering = Answering::unfenced(Some(route.index), Outcome::Forwarded, started);
-                return self.forwarding(req, normalised, answering, peer, own);
-            }
-            Ok(Matched::Fence { route, resource }) => (route, resource),
-        };
-        let index = route.index;
-        let subject = Subject {
-            route: Some(&route.name),
-            resource: Some(&resource),
-            token: None,
-        };
-        if let Some(agent) = &self.attach {
-            // Hop-by-hop headers go before the send: a token header the app nominated in
-            // `Connection` would go with them, and the write would leave without a token.
-            if connection_nominates(req.headers(), &self.token_header) {
-                let refusal = Refusal::InvalidToken(TokenError::ConnectionNominated);
-                return refused(refusal, Some(route), subject);
-            }
-            let Some(token) = agent.token_for(&resource) else {
-                return refused(Refusal::LeaseNotHeld, Some(route), subject);
-            };
-            let mut req = req;
-            set_token(req.headers_mut(), &self.token_header, token);
-            let answering =
-                Answering::fenced(index, resource, Some(token), Outcome::Admitted, started);
-            return self.forwarding(req, normalised, answering, peer, own);
-        }
-        let token = match token_from_headers(req.headers(), &self.token_header) {
-            Err(e) => return refused(Refusal::InvalidToken(e), Some(route), subject),
-            Ok(None) if route.missing_token == MissingToken::Allow => {
-                let answering =
-                    Answering::fenced(index, resource, None, Outcome::Forwarded, started);
-                return self.forwarding(req, normalised, answering, peer, own);
-            }
-            Ok(None) => return refused(Refusal::TokenRequired, Some(route), subject),
-            Ok(Some(token)) => token,
-        };
-        let subject = Subject {
-            token: Some(token),
-            ..subject
-        };
-        let key = match (&self.idempotency, self.idempotent[index]) {
-            (Some(settings), true) => {
-                match idempotent::key_from_headers(req.headers(), &settings.header.0) {
-                    Ok(key) => key,
-                    Err(e) => {
-                        return refused(Refusal::InvalidIdempotencyKey(e), Some(route), subject)
+            Decision::Forward(Pass {
+                normalised,
+                route,
+                fenced,
+            }) => {
+                let mut req = req;
+                let answering = match fenced {
+                    None => Answering::unfenced(route, Outcome::Forwarded, started),
+                    Some(Fenced {
+                        resource,
+                        token,
+                        attach,
+                    }) => {
+                        if attach {
+                            let token = token.expect("an attached write has its lease's token");
+                            set_token(req.headers_mut(), &self.token_header, token);
+                        }
+                        let outcome = if token.is_some() {
+                            Outcome::Admitted
+                        } else {
+                            Outcome::Forwarded
+                        };
+                        let index = route.expect("a fenced request is on a route");
+                        Answering::fenced(index, resource, token, outcome, started)
                     }
+                };
+                self.forwarding(req, normalised, answering, peer, own)
+            }
+            Decision::Later(later) => {
+                let write = Write {
+                    route: later.route,
+                    resource: later.resource,
+                    token: later.token,
+                    normalised: later.normalised,
+                    peer,
+                    own,
+                    started,
+                };
+                Handling::Later {
+                    future: Box::pin(self.fence_later(req, write, later.key)),
                 }
             }
-            _ => None,
-        };
-        // The common case decides here: no key, no authority, no barrier, and a store that
-        // answers at once.
-        let at_once = match (&key, &self.authority, route.ordering) {
-            (None, None, Ordering::None) => self.raise_at_once(&resource, token),
-            _ => None,
-        };
-        let Some(answer) = at_once else {
-            let write = Write {
-                route: index,
-                resource,
-                token,
-                normalised,
-                peer,
-                own,
-                started,
-            };
-            return Handling::Later {
-                future: Box::pin(self.fence_later(req, write, key)),
-            };
-        };
-        if let Err(refusal) = self.on_verdict(route, token, answer) {
-            return refused(refusal, Some(route), subject);
         }
-        let answering = Answering::fenced(index, resource, Some(token), Outcome::Admitted, started);
-        self.forwarding(req, normalised, answering, peer, own)
     }
 }
 
