@@ -33,6 +33,26 @@ impl Proxy {
         ))
     }
 
+    /// The fence alone, for the in-process layer ([`crate::layer`]): what is let through goes
+    /// to the layer's inner service, never upstream (the clients are made but never used), and
+    /// idempotency keys are not handled.
+    pub(crate) fn in_process(
+        config: &Config,
+        store: Arc<dyn FenceStore>,
+        metrics: Arc<Metrics>,
+    ) -> Result<Self, String> {
+        let mut config = config.clone();
+        config.idempotency = None;
+        let clients = upstream_clients(None, config.timeouts.upstream)?;
+        Ok(Self::build(
+            &config,
+            store,
+            Barriers::new(),
+            metrics,
+            clients,
+        ))
+    }
+
     /// Checks tokens against the lease backend too (`fence.authority: leases`).
     pub fn with_authority(mut self, backend: Arc<dyn LeaseBackend>) -> Self {
         self.authority = Some(Arc::new(crate::lease::grants::GrantCache::new(

@@ -11,7 +11,7 @@ use http::{Request, Response};
 use hyper::body::Incoming;
 use tokio::time::Instant;
 
-use super::access::Timing;
+use super::access::{Subject, Timing};
 use super::forwarding::Answering;
 use super::problem::{host_problem, Refusal};
 use super::{idempotent, Proxy, Write};
@@ -203,6 +203,52 @@ impl Proxy {
             return refuse(refusal, resource, Some(token));
         }
         send(normalised, resource, Some(token), false)
+    }
+
+    /// A refused request's response: counted, logged and answered (problem+json) with the
+    /// request's method and path as it came.
+    pub(crate) fn answer_refused<B>(
+        &self,
+        refused: Refused,
+        req: &Request<B>,
+        started: Instant,
+    ) -> Response<ProxyBody> {
+        let Refused {
+            refusal,
+            route,
+            resource,
+            token,
+        } = refused;
+        let route = route.map(|i| &self.table.routes()[i]);
+        let subject = Subject {
+            route: route.map(|r| r.name.as_str()),
+            resource: resource.as_deref(),
+            token,
+        };
+        let (method, path) = (req.method(), req.uri().path());
+        let timing = Timing::without_upstream(started);
+        self.refuse(refusal, route, subject, method, path, timing)
+    }
+
+    /// [`Proxy::admit`] for a write [`Proxy::decide`] left to wait; a refusal comes back with
+    /// what it is about.
+    pub(crate) async fn admit_later(&self, later: Later) -> Result<Option<Ticket>, Refused> {
+        let route = &self.table.routes()[later.route];
+        self.admit(route, &later.resource, later.token)
+            .await
+            .map_err(|refusal| Refused {
+                refusal,
+                route: Some(later.route),
+                resource: Some(later.resource),
+                token: Some(later.token),
+            })
+    }
+
+    /// Counts a request answered by whatever the fence let it through to (the in-process
+    /// layer's inner service), as the proxy counts the upstream's answers.
+    pub(crate) fn answered(&self, route: Option<usize>, outcome: Outcome, started: Instant) {
+        let metrics = &self.route_metrics[route.unwrap_or(self.route_metrics.len() - 1)];
+        metrics.finish(outcome, started.elapsed());
     }
 
     /// The rest of a fenced write that has to wait before its send (without an idempotency

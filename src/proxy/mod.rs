@@ -43,8 +43,8 @@ use crate::fence::routes::{Route, RouteTable};
 use crate::lease::agent::Agent;
 use crate::metrics::{Metrics, Outcome, RouteMetrics};
 use crate::store::FenceStore;
-use access::{Subject, Timing};
-pub(crate) use decide::{Decision, Fenced, Pass, Refused};
+use access::Subject;
+pub(crate) use decide::{Decision, Fenced, Pass};
 use forwarding::{set_token, Answering};
 use upstream::UpstreamClient;
 
@@ -191,22 +191,7 @@ impl Proxy {
         let started = Instant::now();
         match self.decide(&req) {
             Decision::Refuse(refused) => {
-                // Answered, counted and logged with the request's method and path as it came.
-                let (method, path) = (req.method(), req.uri().path());
-                let timing = Timing::without_upstream(started);
-                let Refused {
-                    refusal,
-                    route,
-                    resource,
-                    token,
-                } = refused;
-                let route = route.map(|i| &self.table.routes()[i]);
-                let subject = Subject {
-                    route: route.map(|r| r.name.as_str()),
-                    resource: resource.as_deref(),
-                    token,
-                };
-                Handling::done(self.refuse(refusal, route, subject, method, path, timing))
+                Handling::done(self.answer_refused(refused, &req, started))
             }
             Decision::Forward(Pass {
                 normalised,
