@@ -27,7 +27,7 @@ use fencegate::layer::FenceLayer;
 
 /// The fence when no `--config` is given: `PUT /accounts/{id}` fenced as `account:{id}`, the
 /// maxima in memory. `upstream` is the sidecar's setting, unused in-process.
-const DEFAULT_CONFIG: &str = "\
+pub const DEFAULT_CONFIG: &str = "\
 upstream: http://unused.invalid
 store: { kind: memory }
 routes:
@@ -60,6 +60,15 @@ async fn balance(
     balance.map(|b| b + "\n").ok_or(StatusCode::NOT_FOUND)
 }
 
+/// The ledger's routes behind `fence`.
+pub fn app(fence: FenceLayer) -> Router {
+    Router::new()
+        .route("/accounts/{id}", put(store).get(balance))
+        .with_state(Ledger::default())
+        // The fence in front of every route: its own routes say which requests it fences.
+        .layer(fence)
+}
+
 struct Args {
     listen: SocketAddr,
     config: Option<PathBuf>,
@@ -76,9 +85,7 @@ fn args() -> Result<Args, String> {
         match arg.as_str() {
             "--listen" => {
                 let addr = value()?;
-                args.listen = addr
-                    .parse()
-                    .map_err(|e| format!("--listen {addr}: {e}"))?;
+                args.listen = addr.parse().map_err(|e| format!("--listen {addr}: {e}"))?;
             }
             "--config" => args.config = Some(PathBuf::from(value()?)),
             other => return Err(format!("unknown argument {other}")),
@@ -111,11 +118,7 @@ async fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let app = Router::new()
-        .route("/accounts/{id}", put(store).get(balance))
-        .with_state(Ledger::default())
-        // The fence in front of every route: its own routes say which requests it fences.
-        .layer(fence);
+    let app = app(fence);
     let listener = match tokio::net::TcpListener::bind(args.listen).await {
         Ok(listener) => listener,
         Err(e) => {

@@ -13,6 +13,7 @@ mod hostile;
 mod idempotency;
 mod idempotency_stores;
 mod inject;
+mod layer;
 mod lease_acquiring;
 mod lease_agent;
 mod lease_e2e;
