@@ -5,8 +5,8 @@
 //! into a response in one place ([`Proxy::refuse`]), where it is also counted and logged.
 //!
 //! Along the request's way: [`Proxy::handle_on`] (here) checks what needs no waiting;
-//! [`build`] makes a `Proxy`; [`decide`] is the fence decision (authority, compare-and-raise,
-//! verdict, barrier); [`idempotent`] handles writes with an `Idempotency-Key` and
+//! [`build`] makes a `Proxy`; [`decide`] is the fence decision (route, token, authority,
+//! compare-and-raise, verdict, barrier), shared with the in-process [`crate::layer`]; [`idempotent`] handles writes with an `Idempotency-Key` and
 //! [`recording`] records their outcome; [`forwarding`] sends and answers, over [`upstream`]
 //! with [`headers`]' header surgery; [`problem`] answers refusals, in gRPC form for gRPC
 //! calls ([`grpc`]); [`access`] writes the access log.
