@@ -412,3 +412,62 @@ async fn a_server_stream_is_proxied_intact_over_tls_both_ways() {
     assert_eq!(calls[1].token.as_deref(), Some("5"));
     server.shutdown();
 }
+
+/// The ledger's gRPC server with the fence in-process ([`fencegate::layer::FenceLayer`]) in
+/// front of it, on h2c: no sidecar.
+async fn fenced_ledger() -> (Ledger, SocketAddr) {
+    use tower::ServiceExt;
+    use tower_layer::Layer;
+
+    let yaml = format!("upstream: http://unused.invalid\nstore: {{ kind: memory }}\n{ROUTES}");
+    let config = fencegate::config::Config::parse(&yaml).unwrap();
+    let fence = fencegate::layer::FenceLayer::open(&config).await.unwrap();
+    let ledger = Ledger::default();
+    let handler = ledger.clone();
+    let service = fence.layer(tower::service_fn(move |req: Request<Incoming>| {
+        handler.clone().handle(req)
+    }));
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let (tcp, _) = listener.accept().await.unwrap();
+            let service = service.clone();
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(move |req| service.clone().oneshot(req));
+                let h2 = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+                let _ = h2.serve_connection(TokioIo::new(tcp), service).await;
+            });
+        }
+    });
+    (ledger, addr)
+}
+
+#[tokio::test]
+async fn the_layer_fences_a_tonic_service_in_process() {
+    let (ledger, addr) = fenced_ledger().await;
+    let mut grpc = client(addr, false).await;
+
+    let fresh = deposit(&mut grpc, "l1", Some("7")).await.unwrap();
+    assert_eq!(fresh.get_ref().amount, 105);
+    let stale = deposit(&mut grpc, "l1", Some("6")).await.unwrap_err();
+    assert_eq!(stale.code(), Code::Aborted);
+    assert_eq!(
+        stale.message(),
+        "token 6 is below 7, the highest token recorded for account:l1; the lease was granted \
+         to a newer holder"
+    );
+    assert_eq!(metadata(&stale, "fencing-token-current"), Some("7"));
+    let missing = deposit(&mut grpc, "l1", None).await.unwrap_err();
+    assert_eq!(missing.code(), Code::InvalidArgument);
+
+    // Streams pass the layer intact too, trailers included.
+    let failing = History {
+        count: 2,
+        fail: true,
+    };
+    let (entries, end) = history(&mut grpc, "l2", "1", failing).await.unwrap();
+    assert_eq!(entries.len(), 2);
+    assert_eq!(end.unwrap_err().message(), "end of history: 100% read");
+    assert_eq!(ledger.calls().len(), 2);
+}
