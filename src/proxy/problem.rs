@@ -4,6 +4,8 @@
 //! The body is a [`crate::problem::Problem`], as the lease API's and the admin listener's are.
 //! [`Proxy::refuse`] is the one place a refusal is answered, counted and logged.
 
+pub mod grpc;
+
 use std::time::Duration;
 
 use http::header::{HeaderName, HeaderValue, RETRY_AFTER};
@@ -400,8 +402,9 @@ impl Refusal {
         self.respond(self.problem(subject, token_header))
     }
 
-    /// `problem` (this refusal's) as the response.
+    /// `problem` (this refusal's) as the response, its gRPC status noted ([`grpc::mark`]).
     fn respond(&self, problem: Problem) -> Response<ProxyBody> {
+        let detail = problem.detail().to_owned();
         let mut response = problem.response();
         let headers = response.headers_mut();
         match self {
@@ -416,6 +419,7 @@ impl Refusal {
             }
             _ => {}
         }
+        grpc::mark(&mut response, self, detail);
         response
     }
 }
