@@ -289,7 +289,7 @@ impl LeaseBackend for Link {
 impl Link {
     fn check(&self) -> Result<(), LeaseError> {
         if self.cut.load(std::sync::atomic::Ordering::SeqCst) {
-            Err(LeaseError::Unavailable("network partition".into()))
+            Err(LeaseError::Unreachable("network partition".into()))
         } else {
             Ok(())
         }

@@ -31,6 +31,11 @@
 //!   lease API ([`lease::api`]).
 //! - [`store`]: recorded maxima behind one trait: `memory`, `embedded` (redb, fsync'd,
 //!   group commit), Redis, PostgreSQL, etcd; each also keeps the idempotency records.
+//!   [`store::StoreError`] and [`lease::LeaseError`] name what failed (unreachable, timeout,
+//!   refused, corrupt, …) and whose fault it is.
+//! - `conn`: what the stores and the lease backends share to reach their systems: the
+//!   `BoxFuture` their traits answer with, Redis connections (`conn::redis`), PostgreSQL pools
+//!   and TLS (`conn::postgres`), etcd clients (`conn::etcd`), and how a call failed.
 //! - `etcd`: the small etcd v3 client the etcd store and lease backend share, over committed
 //!   generated gRPC code.
 //! - [`idempotency`]: records of writes carrying an `Idempotency-Key`, and the pure decision
@@ -43,6 +48,9 @@
 //!   [`fence::barrier`] the `ordering: serialize` in-flight barrier.
 //! - [`tls`]: server and client TLS from the configured files.
 //! - [`config`]: the YAML schema, parsed into validated types (errors with line and column).
+//! - [`fault`]: whose fault a failure is (the client's, ours, the upstream's, the store's).
+//! - [`maxima`]: a bounded cache of maxima that only rise, which the fence stores and the
+//!   lease grant cache keep.
 //! - [`metrics`]: the metric definitions; [`ttl`]: TTL derivation and lease duration limits;
 //!   [`duration`]: the duration syntax of the config, the lease API and the CLI; [`timer`]:
 //!   the timers a connection keeps from request to request.
@@ -53,14 +61,17 @@ pub mod app;
 pub mod body;
 pub mod cli;
 pub mod config;
+mod conn;
 pub mod demo;
 pub mod duration;
 mod etcd;
+pub mod fault;
 pub mod fence;
 pub mod idempotency;
 pub mod inject;
 pub mod layer;
 pub mod lease;
+pub mod maxima;
 pub mod metrics;
 pub mod problem;
 pub mod proxy;

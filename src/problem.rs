@@ -30,6 +30,19 @@ impl Problem {
         }
     }
 
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+
+    /// The type URI.
+    pub fn kind(&self) -> &str {
+        self.body["type"].as_str().unwrap_or_default()
+    }
+
+    pub fn detail(&self) -> &str {
+        self.body["detail"].as_str().unwrap_or_default()
+    }
+
     /// Adds a member after the standard ones (`resource`, `token`, …).
     pub fn with(mut self, key: &str, value: impl Into<Value>) -> Self {
         self.body[key] = value.into();

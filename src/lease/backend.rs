@@ -19,7 +19,8 @@ use std::time::Duration;
 
 use tokio::sync::broadcast;
 
-use crate::store::BoxFuture;
+pub use super::error::LeaseError;
+use crate::conn::BoxFuture;
 
 /// A granted lease.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -39,12 +40,6 @@ pub enum Acquired {
     Held {
         holder: Option<String>,
     },
-}
-
-#[derive(Debug, Clone, thiserror::Error)]
-pub enum LeaseError {
-    #[error("the lease backend is unavailable: {0}")]
-    Unavailable(String),
 }
 
 /// One coordination system's leases. Every method is one atomic step on the backend; none

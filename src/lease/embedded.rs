@@ -27,7 +27,7 @@ use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 
 use super::backend::{Acquired, Grant, GrantEvents, LeaseBackend, LeaseError};
 use super::shared::{new_lease_id, GrantFeed, Waiters};
-use crate::store::BoxFuture;
+use crate::conn::BoxFuture;
 
 /// `(token, expires_at_unix_ms, lease_id, holder)`; a released lease has expiry 0 and empty
 /// lease id and holder.
@@ -59,7 +59,7 @@ impl EmbeddedLeases {
     /// Opens (creating if needed) the database and its table.
     pub fn open(path: &Path, prefix: &str) -> Result<Self, LeaseError> {
         let fail = |what: &str, e: &dyn std::fmt::Display| {
-            LeaseError::Unavailable(format!("{what} {}: {e}", path.display()))
+            LeaseError::Unreachable(format!("{what} {}: {e}", path.display()))
         };
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(|e| fail("cannot create the directory of", &e))?;
@@ -122,7 +122,7 @@ impl Inner {
         let state = &mut *state;
         if state.db.is_none() {
             state.db = Some(Database::create(&self.path).map_err(|e| {
-                LeaseError::Unavailable(format!("cannot reopen {}: {e}", self.path.display()))
+                LeaseError::Unreachable(format!("cannot reopen {}: {e}", self.path.display()))
             })?);
             // A failed commit may or may not have reached the disk: read deadlines afresh.
             state.deadlines.clear();
@@ -134,7 +134,7 @@ impl Inner {
                 // Drop the handle: after an I/O error redb wants a fresh one.
                 state.db = None;
                 tracing::error!(path = %self.path.display(), error = %e, "lease database failed");
-                Err(LeaseError::Unavailable(format!(
+                Err(LeaseError::Unreachable(format!(
                     "lease database {}: {e}",
                     self.path.display()
                 )))
@@ -316,7 +316,7 @@ async fn blocking<T: Send + 'static>(
     let inner = Arc::clone(inner);
     tokio::task::spawn_blocking(move || f(&inner))
         .await
-        .map_err(|e| LeaseError::Unavailable(format!("lease database task failed: {e}")))?
+        .map_err(|e| LeaseError::Internal(format!("lease database task failed: {e}")))?
 }
 
 impl LeaseBackend for EmbeddedLeases {

@@ -42,7 +42,7 @@ use crate::etcd::{
 
 use super::backend::{Acquired, Grant, GrantEvents, LeaseBackend, LeaseError};
 use super::shared::{GrantFeed, HEARTBEAT};
-use crate::store::BoxFuture;
+use crate::conn::BoxFuture;
 use crate::tls::ClientTls;
 
 pub struct EtcdLeases {
@@ -72,9 +72,9 @@ impl EtcdLeases {
         prefix: &str,
         tls: Option<Arc<ClientTls>>,
     ) -> Result<Self, LeaseError> {
-        let client = crate::store::etcd_client(url, tls)
+        let client = crate::conn::etcd::client(url, tls)
             .await
-            .map_err(LeaseError::Unavailable)?;
+            .map_err(LeaseError::Config)?;
         Ok(EtcdLeases {
             kv: client.kv_client(),
             lease: client.lease_client(),
@@ -162,7 +162,7 @@ async fn watch_grants(watch: WatchClient, prefix: String, grants: Arc<GrantFeed>
 }
 
 fn unavailable(e: crate::etcd::Error) -> LeaseError {
-    LeaseError::Unavailable(format!("etcd: {e}"))
+    LeaseError::new(crate::conn::etcd::failure(&e), format!("etcd: {e}"))
 }
 
 /// Whole seconds, rounded up, at least one.
@@ -175,7 +175,7 @@ fn token_of(revision: i64) -> Result<u64, LeaseError> {
     u64::try_from(revision)
         .ok()
         .filter(|&t| t > 0)
-        .ok_or_else(|| LeaseError::Unavailable(format!("etcd answered revision {revision}")))
+        .ok_or_else(|| LeaseError::Corrupt(format!("etcd answered revision {revision}")))
 }
 
 impl LeaseBackend for EtcdLeases {
@@ -258,7 +258,7 @@ impl LeaseBackend for EtcdLeases {
                 return Ok(false);
             }
             if status.granted_ttl() < ttl_secs(ttl) {
-                return Err(LeaseError::Unavailable(format!(
+                return Err(LeaseError::Refused(format!(
                     "the etcd lease was granted for {}s and cannot be renewed for {ttl:?}",
                     status.granted_ttl()
                 )));

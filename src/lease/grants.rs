@@ -39,7 +39,7 @@ use tokio::sync::broadcast::error::TryRecvError;
 use tokio::sync::broadcast::Receiver;
 
 use super::backend::{GrantEvent, LeaseBackend, LeaseError};
-use crate::store::shared::BoundedMaxima;
+use crate::maxima::BoundedMaxima;
 
 /// The latest grant per resource, from the cache when trusted, else from the backend.
 pub struct GrantCache {
@@ -214,9 +214,9 @@ mod tests {
     use tokio::sync::{broadcast, Notify};
 
     use super::*;
+    use crate::conn::BoxFuture;
     use crate::lease::backend::GrantEvents;
     use crate::lease::{Acquired, Grant};
-    use crate::store::BoxFuture;
 
     /// An in-memory backend whose events the test sends, and whose reads can be held after
     /// they took their snapshot of the token.
@@ -293,7 +293,7 @@ mod tests {
             Box::pin(async move {
                 self.reads.fetch_add(1, Ordering::SeqCst);
                 if self.fail.load(Ordering::SeqCst) {
-                    return Err(LeaseError::Unavailable("down".into()));
+                    return Err(LeaseError::Unreachable("down".into()));
                 }
                 let snapshot = self.tokens.lock().unwrap().get(resource).copied();
                 if self.hold.load(Ordering::SeqCst) {

@@ -12,6 +12,7 @@ pub mod agent;
 pub mod api;
 pub mod backend;
 mod embedded;
+mod error;
 mod etcd;
 pub mod grants;
 mod postgres;
@@ -32,7 +33,7 @@ pub async fn open(config: &BackendConfig) -> Result<Arc<dyn LeaseBackend>, Lease
             .url
             .as_ref()
             .map(|u| u.expose())
-            .ok_or_else(|| LeaseError::Unavailable("this lease backend needs a `url`".into()))
+            .ok_or_else(|| LeaseError::Config("this lease backend needs a `url`".into()))
     };
     let tls = |alpn: &[&[u8]]| -> Result<Option<Arc<crate::tls::ClientTls>>, LeaseError> {
         let url_tls = config.url.as_ref().is_some_and(|u| u.is_tls());
@@ -44,12 +45,12 @@ pub async fn open(config: &BackendConfig) -> Result<Arc<dyn LeaseBackend>, Lease
             (None, false) => return Ok(None),
         }
         .map(|tls| Some(Arc::new(tls)))
-        .map_err(LeaseError::Unavailable)
+        .map_err(LeaseError::Config)
     };
     match config.kind {
         BackendKind::Embedded => {
             let path = config.path.as_deref().ok_or_else(|| {
-                LeaseError::Unavailable("the embedded lease backend needs a `path`".into())
+                LeaseError::Config("the embedded lease backend needs a `path`".into())
             })?;
             Ok(Arc::new(embedded::EmbeddedLeases::open(
                 path,

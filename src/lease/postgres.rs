@@ -33,7 +33,8 @@ use tokio_postgres::{AsyncMessage, NoTls, Socket};
 
 use super::backend::{Acquired, Grant, GrantEvents, LeaseBackend, LeaseError};
 use super::shared::{self, new_lease_id, GrantFeed, Waiters, HEARTBEAT};
-use crate::store::{BoxFuture, PgTls};
+use crate::conn::postgres::{describe, failure, pool, PgTls};
+use crate::conn::BoxFuture;
 use crate::tls::ClientTls;
 
 /// Payloads are limited to 8000 bytes; a longer resource wakes every waiter instead.
@@ -75,8 +76,7 @@ impl Drop for Listener {
 impl PostgresLeases {
     /// `prefix` is validated as an SQL identifier when the config is loaded.
     pub fn new(url: &str, prefix: &str, tls: Option<Arc<ClientTls>>) -> Result<Self, LeaseError> {
-        let (pool, config) =
-            crate::store::postgres_pool(url, tls.clone()).map_err(LeaseError::Unavailable)?;
+        let (pool, config) = pool(url, tls.clone()).map_err(LeaseError::Config)?;
         let table = format!("{prefix}_leases");
         // Unquoted identifiers fold to lower case; channel names given as strings do not.
         let channel = table.to_ascii_lowercase();
@@ -138,11 +138,7 @@ impl PostgresLeases {
     }
 
     async fn client(&self) -> Result<deadpool_postgres::Object, LeaseError> {
-        let client = self
-            .pool
-            .get()
-            .await
-            .map_err(|e| unavailable(&crate::store::describe_postgres_error(&e)))?;
+        let client = self.pool.get().await.map_err(|e| failed(&e))?;
         self.schema
             .get_or_try_init(|| async {
                 client
@@ -157,7 +153,7 @@ impl PostgresLeases {
                         self.table
                     ))
                     .await
-                    .map_err(|e| unavailable(&crate::store::describe_postgres_error(&e)))
+                    .map_err(|e| failed(&e))
             })
             .await?;
         Ok(client)
@@ -277,13 +273,14 @@ async fn listen<T>(
     }
 }
 
-fn unavailable(e: &dyn std::fmt::Display) -> LeaseError {
-    LeaseError::Unavailable(format!("postgres: {e}"))
+/// A failed call, with the error's causes ([`describe`]).
+fn failed(e: &(dyn std::error::Error + 'static)) -> LeaseError {
+    LeaseError::new(failure(e), format!("postgres: {}", describe(e)))
 }
 
 fn token_of(v: i64) -> Result<u64, LeaseError> {
     u64::try_from(v)
-        .map_err(|_| LeaseError::Unavailable(format!("postgres holds a negative token {v}")))
+        .map_err(|_| LeaseError::Corrupt(format!("postgres holds a negative token {v}")))
 }
 
 fn ttl_ms(ttl: Duration) -> f64 {
@@ -302,12 +299,12 @@ impl LeaseBackend for PostgresLeases {
             let statement = client
                 .prepare_cached(&self.acquire_sql)
                 .await
-                .map_err(|e| unavailable(&crate::store::describe_postgres_error(&e)))?;
+                .map_err(|e| failed(&e))?;
             let lease_id = new_lease_id();
             let row = client
                 .query_opt(&statement, &[&resource, &holder, &lease_id, &ttl_ms(ttl)])
                 .await
-                .map_err(|e| unavailable(&crate::store::describe_postgres_error(&e)))?;
+                .map_err(|e| failed(&e))?;
             let Some(row) = row else {
                 // Held by a row committed after this statement's snapshot.
                 return Ok(Acquired::Held { holder: None });
@@ -338,14 +335,14 @@ impl LeaseBackend for PostgresLeases {
             let statement = client
                 .prepare_cached(&self.renew_sql)
                 .await
-                .map_err(|e| unavailable(&crate::store::describe_postgres_error(&e)))?;
+                .map_err(|e| failed(&e))?;
             let n = client
                 .execute(
                     &statement,
                     &[&grant.resource, &grant.lease_id, &token, &ttl_ms(ttl)],
                 )
                 .await
-                .map_err(|e| unavailable(&crate::store::describe_postgres_error(&e)))?;
+                .map_err(|e| failed(&e))?;
             Ok(n == 1)
         })
     }
@@ -359,11 +356,11 @@ impl LeaseBackend for PostgresLeases {
             let statement = client
                 .prepare_cached(&self.release_sql)
                 .await
-                .map_err(|e| unavailable(&crate::store::describe_postgres_error(&e)))?;
+                .map_err(|e| failed(&e))?;
             let rows = client
                 .query(&statement, &[&grant.resource, &grant.lease_id, &token])
                 .await
-                .map_err(|e| unavailable(&crate::store::describe_postgres_error(&e)))?;
+                .map_err(|e| failed(&e))?;
             Ok(rows.len() == 1)
         })
     }
@@ -377,11 +374,11 @@ impl LeaseBackend for PostgresLeases {
             let statement = client
                 .prepare_cached(&self.latest_sql)
                 .await
-                .map_err(|e| unavailable(&crate::store::describe_postgres_error(&e)))?;
+                .map_err(|e| failed(&e))?;
             let row = client
                 .query_opt(&statement, &[&resource])
                 .await
-                .map_err(|e| unavailable(&crate::store::describe_postgres_error(&e)))?;
+                .map_err(|e| failed(&e))?;
             row.map(|r| token_of(r.get(0))).transpose()
         })
     }
@@ -395,11 +392,11 @@ impl LeaseBackend for PostgresLeases {
                 let statement = client
                     .prepare_cached(&self.live_sql)
                     .await
-                    .map_err(|e| unavailable(&crate::store::describe_postgres_error(&e)))?;
+                    .map_err(|e| failed(&e))?;
                 let row = client
                     .query_opt(&statement, &[&resource])
                     .await
-                    .map_err(|e| unavailable(&crate::store::describe_postgres_error(&e)))?;
+                    .map_err(|e| failed(&e))?;
                 Ok::<_, LeaseError>(row.is_some())
             };
             matches!(live.await, Ok(false))

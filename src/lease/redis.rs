@@ -37,7 +37,8 @@ use tokio::sync::{mpsc, watch};
 
 use super::backend::{Acquired, Grant, GrantEvents, LeaseBackend, LeaseError};
 use super::shared::{self, new_lease_id, GrantFeed, Waiters, HEARTBEAT};
-use crate::store::{BoxFuture, RedisConn, RedisTarget};
+use crate::conn::redis::{failure, RedisConn, RedisTarget};
+use crate::conn::BoxFuture;
 use crate::tls::ClientTls;
 
 /// KEYS[1] = lease, KEYS[2] = counter; ARGV[1] = lease id, ARGV[2] = holder, ARGV[3] = ttl ms,
@@ -104,7 +105,7 @@ impl Drop for Events {
 
 impl RedisLeases {
     pub fn new(url: &str, prefix: &str, tls: Option<Arc<ClientTls>>) -> Result<Self, LeaseError> {
-        let target = RedisTarget::new(url, tls).map_err(LeaseError::Unavailable)?;
+        let target = RedisTarget::new(url, tls).map_err(LeaseError::Config)?;
         Ok(RedisLeases {
             conn: RedisConn::new(target, Some("lease backend")),
             events: OnceLock::new(),
@@ -224,12 +225,12 @@ fn dispatch(push: &PushInfo, head: &str, waiters: &Waiters, grants: &GrantFeed) 
 }
 
 fn unavailable(e: redis::RedisError) -> LeaseError {
-    LeaseError::Unavailable(format!("redis: {e}"))
+    LeaseError::new(failure(&e), format!("redis: {e}"))
 }
 
 fn parse_token(raw: &str) -> Result<u64, LeaseError> {
     raw.parse()
-        .map_err(|_| LeaseError::Unavailable(format!("redis holds a non-token counter `{raw}`")))
+        .map_err(|_| LeaseError::Corrupt(format!("redis holds a non-token counter `{raw}`")))
 }
 
 fn ttl_ms(ttl: Duration) -> u64 {

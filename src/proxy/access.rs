@@ -59,7 +59,7 @@ pub(super) struct Access<'a> {
     pub(super) status: u16,
     pub(super) outcome: Outcome,
     /// The problem type fencegate answered with; `None` for the upstream's answer.
-    pub(super) problem: Option<&'static str>,
+    pub(super) problem: Option<&'a str>,
     pub(super) timing: Timing<'a>,
 }
 

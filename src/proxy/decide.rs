@@ -13,7 +13,7 @@ use tokio::time::Instant;
 
 use super::access::{Subject, Timing};
 use super::forwarding::Answering;
-use super::problem::{host_problem, Refusal};
+use super::problem::{host_problem, Refusal, Unavailable};
 use super::{idempotent, Proxy, Write};
 use crate::body::ProxyBody;
 use crate::config::{MissingToken, Ordering, Unmatched};
@@ -341,7 +341,7 @@ impl Proxy {
                 self.route_metrics[route.index].stale.inc();
                 Err(Refusal::Stale { current })
             }
-            Err(StoreError::Unavailable(e)) => Err(Refusal::StoreUnavailable(e)),
+            Err(e) => Err(Refusal::StoreUnavailable(Unavailable::Store(e))),
         }
     }
 
@@ -369,13 +369,12 @@ impl Proxy {
             Ok(Ok(None)) => Some(Refusal::Unissued { latest: None }),
             Ok(Err(e)) => {
                 self.metrics.store_errors.inc();
-                Some(Refusal::StoreUnavailable(e.to_string()))
+                Some(Refusal::StoreUnavailable(Unavailable::Leases(e)))
             }
             Err(_) => {
                 self.metrics.store_errors.inc();
-                Some(Refusal::StoreUnavailable(format!(
-                    "the lease backend did not answer within {}",
-                    crate::duration::display(self.timeouts.store)
+                Some(Refusal::StoreUnavailable(Unavailable::LeasesSilent(
+                    self.timeouts.store,
                 )))
             }
         }
@@ -423,7 +422,7 @@ impl Proxy {
 /// cached refusal) skip the timer: arming and disarming it costs more than they do.
 async fn bounded<T>(
     limit: std::time::Duration,
-    mut answer: crate::store::BoxFuture<'_, Result<T, StoreError>>,
+    mut answer: crate::conn::BoxFuture<'_, Result<T, StoreError>>,
 ) -> Result<T, StoreError> {
     let first = {
         let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
@@ -434,10 +433,5 @@ async fn bounded<T>(
     }
     tokio::time::timeout(limit, answer)
         .await
-        .unwrap_or_else(|_| {
-            Err(StoreError::Unavailable(format!(
-                "no answer within {}",
-                crate::duration::display(limit)
-            )))
-        })
+        .unwrap_or_else(|_| Err(StoreError::no_answer_within(limit)))
 }

@@ -13,7 +13,7 @@ use http_body_util::{BodyExt, Either, Full, Limited};
 use hyper::body::Incoming;
 
 use super::access::{log_access, Access, Timing};
-use super::problem::Refusal;
+use super::problem::{Refusal, Unavailable};
 use super::recording::{Attempt, Writer};
 use super::{Proxy, Write};
 use crate::body::ProxyBody;
@@ -159,16 +159,11 @@ impl Proxy {
             self.store.begin_idempotent(resource, &key, &claim),
         )
         .await
-        .unwrap_or_else(|_| {
-            Err(StoreError::Unavailable(format!(
-                "no answer within {}",
-                crate::duration::display(self.timeouts.store)
-            )))
-        });
+        .unwrap_or_else(|_| Err(StoreError::no_answer_within(self.timeouts.store)));
         m.store_begin.observe(asked.elapsed().as_secs_f64());
         let route_metrics = &self.route_metrics[route.index];
         match begin {
-            Err(StoreError::Unavailable(e)) => {
+            Err(e) => {
                 self.metrics.store_errors.inc();
                 // The claim may have landed before the answer was lost: mark it unknown so
                 // retries are not refused as in flight for nothing. Only a record carrying
@@ -182,7 +177,7 @@ impl Proxy {
                     let release = store.finish_idempotent(&resource, &key, &claim, &outcome);
                     let _ = tokio::time::timeout(limit, release).await;
                 });
-                refuse(Refusal::StoreUnavailable(e))
+                refuse(Refusal::StoreUnavailable(Unavailable::Store(e)))
             }
             Ok(Begin::Stale { current }) => {
                 route_metrics.stale.inc();

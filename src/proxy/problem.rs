@@ -1,9 +1,12 @@
-//! Refusals: every reason fencegate answers instead of the upstream, mapped to status, problem
-//! type and metric outcome in one exhaustive match (RFC 9457 problem+json bodies, docs/requests.md).
+//! Refusals: every reason fencegate answers instead of the upstream, each mapped in one
+//! exhaustive match to its problem (status, type and title: RFC 9457 problem+json bodies,
+//! docs/requests.md), in another to its metric outcome, and in a third to whose fault it is.
 //! The body is a [`crate::problem::Problem`], as the lease API's and the admin listener's are.
 //! [`Proxy::refuse`] is the one place a refusal is answered, counted and logged.
 
 pub mod grpc;
+
+use std::time::Duration;
 
 use http::header::{HeaderName, HeaderValue, RETRY_AFTER};
 use http::{Method, Request, Response, StatusCode, Version};
@@ -11,13 +14,16 @@ use http::{Method, Request, Response, StatusCode, Version};
 use super::access::{log_access, Access, Subject, Timing};
 use super::Proxy;
 use crate::body::ProxyBody;
+use crate::fault::Fault;
 use crate::fence::path::PathError;
 use crate::fence::routes::ResourceError;
 use crate::fence::routes::Route;
 use crate::fence::token::TokenError;
+use crate::lease::LeaseError;
 use crate::metrics::Outcome;
 use crate::metrics::RouteMetrics;
 use crate::problem::Problem;
+use crate::store::StoreError;
 
 /// Header carrying the recorded maximum on a stale refusal.
 pub const TOKEN_CURRENT: &str = "fencing-token-current";
@@ -58,7 +64,7 @@ pub enum Refusal {
         status: Option<u16>,
     },
     // Ours (or our store's): retry later.
-    StoreUnavailable(String),
+    StoreUnavailable(Unavailable),
     BarrierTimeout,
     /// Egress: no locally valid lease for the write's resource.
     LeaseNotHeld,
@@ -67,119 +73,214 @@ pub enum Refusal {
     UpstreamTimeout,
 }
 
-impl Refusal {
-    /// Status, problem type, title and metric outcome.
-    pub fn kind(&self) -> (StatusCode, &'static str, &'static str, Outcome) {
+/// Why the store of record (the fence store, or with `fence.authority: leases` the lease
+/// backend) did not answer a fenced write.
+#[derive(Debug)]
+pub enum Unavailable {
+    /// The fence store failed, or did not answer within `timeouts.store`.
+    Store(StoreError),
+    /// The lease backend failed.
+    Leases(LeaseError),
+    /// The lease backend did not answer within `timeouts.store` (this long).
+    LeasesSilent(Duration),
+}
+
+impl Unavailable {
+    pub fn fault(&self) -> Fault {
         match self {
-            Refusal::InvalidToken(_) => (
+            Unavailable::Store(e) => e.fault(),
+            Unavailable::Leases(e) => e.fault(),
+            Unavailable::LeasesSilent(_) => Fault::Store,
+        }
+    }
+
+    /// What happened, by the error's variant (`timeout`, `unreachable`, `refused`, …).
+    pub fn label(&self) -> &'static str {
+        match self {
+            Unavailable::Store(e) => e.label(),
+            Unavailable::Leases(e) => e.label(),
+            Unavailable::LeasesSilent(_) => "timeout",
+        }
+    }
+
+    /// The end of the refusal's detail: the store's own words, the lease backend's error.
+    fn detail(&self) -> String {
+        match self {
+            Unavailable::Store(e) => e.detail().to_owned(),
+            Unavailable::Leases(e) => e.to_string(),
+            Unavailable::LeasesSilent(limit) => format!(
+                "the lease backend did not answer within {}",
+                crate::duration::display(*limit)
+            ),
+        }
+    }
+}
+
+impl Refusal {
+    /// Whose fault the refusal is; a store's failure says whose itself.
+    pub fn fault(&self) -> Fault {
+        match self {
+            Refusal::InvalidToken(_)
+            | Refusal::InvalidPath(_)
+            | Refusal::InvalidResource(_)
+            | Refusal::TokenRequired
+            | Refusal::Stale { .. }
+            | Refusal::Superseded { .. }
+            | Refusal::Unissued { .. }
+            | Refusal::NoRoute
+            | Refusal::InvalidIdempotencyKey(_)
+            | Refusal::RequestTooLarge { .. }
+            | Refusal::InvalidRequest(_)
+            | Refusal::IdempotencyInFlight
+            | Refusal::IdempotencyKeyReused
+            | Refusal::NotReplayable { .. } => Fault::Client,
+            Refusal::StoreUnavailable(e) => e.fault(),
+            Refusal::BarrierTimeout | Refusal::LeaseNotHeld => Fault::Ours,
+            Refusal::UpstreamError(_) | Refusal::UpstreamTimeout => Fault::Upstream,
+        }
+    }
+
+    /// The metric outcome.
+    pub fn outcome(&self) -> Outcome {
+        match self {
+            Refusal::InvalidToken(_) => Outcome::InvalidToken,
+            Refusal::InvalidPath(_) => Outcome::InvalidPath,
+            Refusal::InvalidResource(_) => Outcome::InvalidResource,
+            Refusal::TokenRequired => Outcome::TokenRequired,
+            Refusal::Stale { .. } | Refusal::Superseded { .. } => Outcome::Stale,
+            Refusal::Unissued { .. } => Outcome::Unissued,
+            Refusal::NoRoute => Outcome::NoRoute,
+            Refusal::InvalidIdempotencyKey(_)
+            | Refusal::RequestTooLarge { .. }
+            | Refusal::InvalidRequest(_) => Outcome::InvalidRequest,
+            Refusal::IdempotencyInFlight => Outcome::IdempotencyInFlight,
+            Refusal::IdempotencyKeyReused => Outcome::IdempotencyKeyReused,
+            Refusal::NotReplayable { .. } => Outcome::NotReplayable,
+            Refusal::StoreUnavailable(_) => Outcome::StoreUnavailable,
+            Refusal::LeaseNotHeld => Outcome::LeaseNotHeld,
+            Refusal::BarrierTimeout => Outcome::BarrierTimeout,
+            Refusal::UpstreamError(_) => Outcome::UpstreamError,
+            Refusal::UpstreamTimeout => Outcome::UpstreamTimeout,
+        }
+    }
+
+    /// The problem: status, type and title by the refusal's kind, `detail` from
+    /// [`Refusal::detail`], then what it is about (resource, token, the current token or the
+    /// recorded status).
+    pub fn problem(&self, subject: &Subject<'_>, token_header: &HeaderName) -> Problem {
+        let detail = self.detail(subject, token_header);
+        let problem = |status, kind, title| Problem::new(status, kind, title, detail);
+        let mut problem = match self {
+            Refusal::InvalidToken(_) => problem(
                 StatusCode::BAD_REQUEST,
                 "urn:fencegate:invalid-token",
                 "Invalid fencing token",
-                Outcome::InvalidToken,
             ),
-            Refusal::InvalidPath(_) => (
+            Refusal::InvalidPath(_) => problem(
                 StatusCode::BAD_REQUEST,
                 "urn:fencegate:invalid-path",
                 "Invalid request path",
-                Outcome::InvalidPath,
             ),
-            Refusal::InvalidResource(_) => (
+            Refusal::InvalidResource(_) => problem(
                 StatusCode::BAD_REQUEST,
                 "urn:fencegate:invalid-resource",
                 "Cannot tell which resource this write is for",
-                Outcome::InvalidResource,
             ),
-            Refusal::TokenRequired => (
+            Refusal::TokenRequired => problem(
                 StatusCode::PRECONDITION_REQUIRED,
                 "urn:fencegate:token-required",
                 "Fencing token required",
-                Outcome::TokenRequired,
             ),
-            Refusal::Stale { .. } | Refusal::Superseded { .. } => (
+            Refusal::Stale { .. } | Refusal::Superseded { .. } => problem(
                 StatusCode::CONFLICT,
                 "urn:fencegate:stale-token",
                 "Stale fencing token",
-                Outcome::Stale,
             ),
-            Refusal::Unissued { .. } => (
+            Refusal::Unissued { .. } => problem(
                 StatusCode::CONFLICT,
                 "urn:fencegate:unissued-token",
                 "Fencing token was never issued",
-                Outcome::Unissued,
             ),
-            Refusal::NoRoute => (
+            Refusal::NoRoute => problem(
                 StatusCode::NOT_FOUND,
                 "urn:fencegate:no-route",
                 "No route for this request",
-                Outcome::NoRoute,
             ),
-            Refusal::InvalidIdempotencyKey(_) => (
+            Refusal::InvalidIdempotencyKey(_) => problem(
                 StatusCode::BAD_REQUEST,
                 "urn:fencegate:invalid-idempotency-key",
                 "Invalid idempotency key",
-                Outcome::InvalidRequest,
             ),
-            Refusal::RequestTooLarge { .. } => (
+            Refusal::RequestTooLarge { .. } => problem(
                 StatusCode::PAYLOAD_TOO_LARGE,
                 "urn:fencegate:request-too-large",
                 "Request body too large for an idempotent write",
-                Outcome::InvalidRequest,
             ),
-            Refusal::InvalidRequest(_) => (
+            Refusal::InvalidRequest(_) => problem(
                 StatusCode::BAD_REQUEST,
                 "urn:fencegate:invalid-request",
                 "Invalid request",
-                Outcome::InvalidRequest,
             ),
-            Refusal::IdempotencyInFlight => (
+            Refusal::IdempotencyInFlight => problem(
                 StatusCode::CONFLICT,
                 "urn:fencegate:idempotency-in-flight",
                 "A request with this idempotency key is still being processed",
-                Outcome::IdempotencyInFlight,
             ),
-            Refusal::IdempotencyKeyReused => (
+            Refusal::IdempotencyKeyReused => problem(
                 StatusCode::UNPROCESSABLE_ENTITY,
                 "urn:fencegate:idempotency-key-reused",
                 "Idempotency key reused for a different request",
-                Outcome::IdempotencyKeyReused,
             ),
-            Refusal::NotReplayable { .. } => (
+            Refusal::NotReplayable { .. } => problem(
                 StatusCode::CONFLICT,
                 "urn:fencegate:idempotency-not-replayable",
                 "The request with this idempotency key completed; its response was not kept",
-                Outcome::NotReplayable,
             ),
-            Refusal::StoreUnavailable(_) => (
+            Refusal::StoreUnavailable(_) => problem(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "urn:fencegate:store-unavailable",
                 "Fence store unavailable",
-                Outcome::StoreUnavailable,
             ),
-            Refusal::LeaseNotHeld => (
+            Refusal::LeaseNotHeld => problem(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "urn:fencegate:lease-not-held",
                 "Lease not held",
-                Outcome::LeaseNotHeld,
             ),
-            Refusal::BarrierTimeout => (
+            Refusal::BarrierTimeout => problem(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "urn:fencegate:barrier-timeout",
                 "Earlier writes to this resource are still in flight",
-                Outcome::BarrierTimeout,
             ),
-            Refusal::UpstreamError(_) => (
+            Refusal::UpstreamError(_) => problem(
                 StatusCode::BAD_GATEWAY,
                 "urn:fencegate:upstream-error",
                 "Upstream failed",
-                Outcome::UpstreamError,
             ),
-            Refusal::UpstreamTimeout => (
+            Refusal::UpstreamTimeout => problem(
                 StatusCode::GATEWAY_TIMEOUT,
                 "urn:fencegate:upstream-timeout",
                 "Upstream timed out",
-                Outcome::UpstreamTimeout,
             ),
+        };
+        if let Some(resource) = subject.resource {
+            problem = problem.with("resource", resource);
         }
+        if let Some(token) = subject.token {
+            problem = problem.with("token", token);
+        }
+        match self {
+            Refusal::Stale { current } | Refusal::Superseded { latest: current } => {
+                problem = problem.with("current_token", *current)
+            }
+            Refusal::Unissued {
+                latest: Some(latest),
+            } => problem = problem.with("current_token", *latest),
+            Refusal::NotReplayable {
+                status: Some(status),
+            } => problem = problem.with("recorded_status", *status),
+            _ => {}
+        }
+        problem
     }
 
     /// The `detail` sentence. `token_header` is the configured token header, named wherever
@@ -267,9 +368,10 @@ impl Refusal {
                 status.map(|s| format!(" with status {s}")).unwrap_or_default()
             )
             }
-            Refusal::StoreUnavailable(e) => {
-                format!("the write was not forwarded because it could not be checked: {e}")
-            }
+            Refusal::StoreUnavailable(e) => format!(
+                "the write was not forwarded because it could not be checked: {}",
+                e.detail()
+            ),
             Refusal::LeaseNotHeld => format!(
                 "this sidecar holds no valid lease on {}: it was never acquired, was released, \
                  or passed its local validity deadline; the write was not sent",
@@ -290,33 +392,19 @@ impl Refusal {
         }
     }
 
-    /// The problem+json response.
+    /// The problem+json response, with `Fencing-Token-Current` or `Retry-After` where they
+    /// apply.
     pub fn response(
         &self,
         subject: &Subject<'_>,
         token_header: &HeaderName,
     ) -> Response<ProxyBody> {
-        let (status, kind, title, _) = self.kind();
-        let detail = self.detail(subject, token_header);
-        let mut problem = Problem::new(status, kind, title, detail.clone());
-        if let Some(resource) = subject.resource {
-            problem = problem.with("resource", resource);
-        }
-        if let Some(token) = subject.token {
-            problem = problem.with("token", token);
-        }
-        match self {
-            Refusal::Stale { current } | Refusal::Superseded { latest: current } => {
-                problem = problem.with("current_token", *current)
-            }
-            Refusal::Unissued {
-                latest: Some(latest),
-            } => problem = problem.with("current_token", *latest),
-            Refusal::NotReplayable {
-                status: Some(status),
-            } => problem = problem.with("recorded_status", *status),
-            _ => {}
-        }
+        self.respond(self.problem(subject, token_header))
+    }
+
+    /// `problem` (this refusal's) as the response, its gRPC status noted ([`grpc::mark`]).
+    fn respond(&self, problem: Problem) -> Response<ProxyBody> {
+        let detail = problem.detail().to_owned();
         let mut response = problem.response();
         let headers = response.headers_mut();
         match self {
@@ -363,11 +451,17 @@ impl Proxy {
         path: &str,
         timing: Timing<'_>,
     ) -> Response<ProxyBody> {
-        let (status, kind, _, outcome) = refusal.kind();
+        let outcome = refusal.outcome();
         self.metrics_for(route).finish(outcome, timing.took());
+        let problem = refusal.problem(&subject, &self.token_header);
         let current_token = match refusal {
             Refusal::Stale { current } | Refusal::Superseded { latest: current } => Some(current),
             Refusal::Unissued { latest } => latest,
+            _ => None,
+        };
+        let fault = refusal.fault();
+        let store_error = match &refusal {
+            Refusal::StoreUnavailable(e) => Some(e.label()),
             _ => None,
         };
         tracing::warn!(
@@ -377,11 +471,13 @@ impl Proxy {
             resource = subject.resource,
             fencing_token = subject.token,
             current_token,
-            status = status.as_u16(),
-            r#type = kind,
-            detail = refusal.detail(&subject, &self.token_header),
+            status = problem.status().as_u16(),
+            r#type = problem.kind(),
+            detail = problem.detail(),
+            fault = fault.label(),
+            store_error,
             "{}",
-            if outcome == Outcome::UpstreamError || outcome == Outcome::UpstreamTimeout {
+            if fault == Fault::Upstream {
                 "upstream failed"
             } else {
                 "write refused"
@@ -392,13 +488,13 @@ impl Proxy {
                 subject,
                 method,
                 path: timing.received.unwrap_or(path),
-                status: status.as_u16(),
+                status: problem.status().as_u16(),
                 outcome,
-                problem: Some(kind),
+                problem: Some(problem.kind()),
                 timing,
             });
         }
-        refusal.response(&subject, &self.token_header)
+        refusal.respond(problem)
     }
 
     pub(super) fn metrics_for(&self, route: Option<&Route>) -> &RouteMetrics {
@@ -437,5 +533,47 @@ mod tests {
         ] {
             assert_eq!(spelled(&HeaderName::from_static(name)), want);
         }
+    }
+
+    #[test]
+    fn a_store_that_failed_is_the_stores_fault_in_its_own_words() {
+        let header = HeaderName::from_static("fencing-token");
+        let subject = Subject {
+            resource: Some("account:42"),
+            token: Some(7),
+            ..Subject::default()
+        };
+        let limit = Duration::from_millis(300);
+        let silent =
+            Refusal::StoreUnavailable(Unavailable::Store(StoreError::no_answer_within(limit)));
+        let problem = silent.problem(&subject, &header);
+        assert_eq!(problem.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(problem.kind(), "urn:fencegate:store-unavailable");
+        assert_eq!(
+            problem.detail(),
+            "the write was not forwarded because it could not be checked: no answer within 300ms"
+        );
+        assert_eq!(silent.fault(), Fault::Store);
+        assert_eq!(silent.outcome(), Outcome::StoreUnavailable);
+        assert_eq!(
+            silent.response(&subject, &header).headers()[RETRY_AFTER],
+            "1"
+        );
+        let leases = Refusal::StoreUnavailable(Unavailable::Leases(LeaseError::Refused(
+            "etcd: permission denied".into(),
+        )));
+        assert_eq!(
+            leases.detail(&subject, &header),
+            "the write was not forwarded because it could not be checked: the lease backend is \
+             unavailable: etcd: permission denied"
+        );
+        let leases_silent = Unavailable::LeasesSilent(limit);
+        assert_eq!(leases_silent.label(), "timeout");
+        assert_eq!(
+            leases_silent.detail(),
+            "the lease backend did not answer within 300ms"
+        );
+        assert_eq!(Refusal::UpstreamTimeout.fault(), Fault::Upstream);
+        assert_eq!(Refusal::TokenRequired.fault(), Fault::Client);
     }
 }

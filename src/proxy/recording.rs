@@ -70,12 +70,7 @@ impl Writer {
                 .finish_idempotent(&self.resource, &self.key, &claim, &record),
         )
         .await
-        .unwrap_or_else(|_| {
-            Err(StoreError::Unavailable(format!(
-                "no answer within {}",
-                crate::duration::display(self.store_timeout)
-            )))
-        });
+        .unwrap_or_else(|_| Err(StoreError::no_answer_within(self.store_timeout)));
         m.store_finish.observe(started.elapsed().as_secs_f64());
         match written {
             Ok(true) => {}
@@ -90,6 +85,7 @@ impl Writer {
                     resource = %self.resource,
                     fencing_token = claim.token,
                     error = %e,
+                    store_error = e.label(),
                     "idempotency outcome not recorded; the key stays in flight until it expires or is taken over"
                 )
             }

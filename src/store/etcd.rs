@@ -20,13 +20,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::etcd::{
-    Client, Compare, CompareOp, ConnectOptions, KvClient, LeaseClient, PutOptions, Txn, TxnOp,
-    TxnOpResponse,
+    Compare, CompareOp, KvClient, LeaseClient, PutOptions, Txn, TxnOp, TxnOpResponse,
 };
 
 use super::shared::{Claimed, Remote};
-use super::{decide, record_key, BoxFuture, StoreError, Verdict};
+use super::{decide, record_key, StoreError, Verdict};
 use crate::config::EqualTokens;
+use crate::conn::etcd::{client, failure};
+use crate::conn::BoxFuture;
 use crate::idempotency::{self, AttemptId, Begin, Claim, Record};
 use crate::tls::ClientTls;
 
@@ -42,13 +43,13 @@ pub struct EtcdRemote {
 }
 
 impl EtcdRemote {
-    /// `url`: see [`parse_url`].
+    /// `url`: see [`crate::conn::etcd::parse_url`].
     pub async fn connect(
         url: &str,
         prefix: &str,
         tls: Option<Arc<ClientTls>>,
     ) -> Result<Self, StoreError> {
-        let client = client(url, tls).await.map_err(StoreError::Unavailable)?;
+        let client = client(url, tls).await.map_err(StoreError::Config)?;
         Ok(EtcdRemote {
             kv: client.kv_client(),
             lease: client.lease_client(),
@@ -100,7 +101,7 @@ impl EtcdRemote {
             _ => None,
         });
         let (Some(record), Some(maximum)) = (gets.next(), gets.next()) else {
-            return Err(StoreError::Unavailable(
+            return Err(StoreError::Corrupt(
                 "etcd: malformed transaction answer".into(),
             ));
         };
@@ -167,7 +168,7 @@ impl EtcdRemote {
             }
         }
         self.release(lease);
-        Err(StoreError::Unavailable(format!(
+        Err(StoreError::Contended(format!(
             "etcd: the idempotency record of {resource} changed under {ATTEMPTS} attempts"
         )))
     }
@@ -220,7 +221,7 @@ impl EtcdRemote {
             }
         }
         self.release(lease);
-        Err(StoreError::Unavailable(format!(
+        Err(StoreError::Contended(format!(
             "etcd: the idempotency record of {resource} changed under {ATTEMPTS} attempts"
         )))
     }
@@ -244,86 +245,11 @@ fn lease_ttl(window: Duration) -> i64 {
 }
 
 fn decode(value: &[u8]) -> Result<Record, StoreError> {
-    Record::decode(value).map_err(|e| StoreError::Unavailable(format!("etcd: {e}")))
-}
-
-/// `etcd://host:port[,host:port...]` or `http://...`, as endpoint URLs. Shared with the etcd
-/// lease backend, so both accept the same forms.
-/// An etcd url: `etcd://` or `http://` (plaintext) or `https://` (TLS) and comma-separated
-/// `host:port` endpoints, with `user:password@` (percent-encoded) before the first to
-/// authenticate as that user.
-#[derive(Debug, PartialEq, Eq)]
-pub(crate) struct EtcdUrl {
-    pub endpoints: Vec<String>,
-    pub user: Option<(String, String)>,
-}
-
-pub(crate) fn parse_url(url: &str) -> Result<EtcdUrl, String> {
-    let (scheme, rest) = if let Some(rest) = url.strip_prefix("https://") {
-        ("https", rest)
-    } else if let Some(rest) = url
-        .strip_prefix("etcd://")
-        .or_else(|| url.strip_prefix("http://"))
-    {
-        ("http", rest)
-    } else {
-        return Err(format!(
-            "etcd url must start with etcd://, http:// or https://: {url}"
-        ));
-    };
-    let decode = |s: &str| {
-        percent_encoding::percent_decode_str(s)
-            .decode_utf8()
-            .map(|s| s.into_owned())
-            .map_err(|_| "the etcd user and password are UTF-8 (percent-encoded)".to_owned())
-    };
-    // Hosts have no `@`: the last one ends the user information.
-    let (user, rest) = match rest.rsplit_once('@') {
-        Some((userinfo, rest)) => {
-            let Some((name, password)) = userinfo.split_once(':') else {
-                return Err("an etcd user needs its password: user:password@host:port".into());
-            };
-            if name.is_empty() {
-                return Err("the etcd user name is empty".into());
-            }
-            (Some((decode(name)?, decode(password)?)), rest)
-        }
-        None => (None, rest),
-    };
-    let endpoints: Vec<String> = rest
-        .trim_end_matches('/')
-        .split(',')
-        .filter(|e| !e.is_empty())
-        .map(|e| format!("{scheme}://{e}"))
-        .collect();
-    if endpoints.is_empty() {
-        return Err("etcd url names no endpoint".into());
-    }
-    Ok(EtcdUrl { endpoints, user })
-}
-
-/// A client for `url` (TLS with `tls`, which an `https://` url has), as the store and the
-/// lease backend use it: fail fast (1s to connect, 2s per request) and keep-alive pings, so
-/// the caller's deadline decides how long to wait.
-pub(crate) async fn client(url: &str, tls: Option<Arc<ClientTls>>) -> Result<Client, String> {
-    let url = parse_url(url)?;
-    let mut options = ConnectOptions::new()
-        .with_connect_timeout(Duration::from_secs(1))
-        .with_timeout(Duration::from_secs(2))
-        .with_keep_alive(Duration::from_secs(5), Duration::from_secs(2));
-    if let Some(tls) = tls {
-        options = options.with_tls(tls);
-    }
-    if let Some((name, password)) = url.user {
-        options = options.with_user(name, password);
-    }
-    Client::connect(url.endpoints, Some(options))
-        .await
-        .map_err(|e| format!("etcd: {e}"))
+    Record::decode(value).map_err(|e| StoreError::Corrupt(format!("etcd: {e}")))
 }
 
 fn unavailable(e: crate::etcd::Error) -> StoreError {
-    StoreError::Unavailable(format!("etcd: {e}"))
+    StoreError::new(failure(&e), format!("etcd: {e}"))
 }
 
 fn padded(token: u64) -> String {
@@ -334,7 +260,7 @@ fn parse(value: &[u8]) -> Result<u64, StoreError> {
     std::str::from_utf8(value)
         .ok()
         .and_then(|s| s.parse().ok())
-        .ok_or_else(|| StoreError::Unavailable("etcd holds a non-token maximum".into()))
+        .ok_or_else(|| StoreError::Corrupt("etcd holds a non-token maximum".into()))
 }
 
 /// The value read by the first `Get` among transaction responses.
@@ -379,9 +305,7 @@ impl Remote for EtcdRemote {
                     TxnOpResponse::Txn(inner) => Some(inner),
                     _ => None,
                 })
-                .ok_or_else(|| {
-                    StoreError::Unavailable("etcd: malformed transaction answer".into())
-                })?;
+                .ok_or_else(|| StoreError::Corrupt("etcd: malformed transaction answer".into()))?;
             let current = read_value(&inner.op_responses())?;
             if inner.succeeded() {
                 Ok(Verdict::Admitted { previous: current })
@@ -468,28 +392,5 @@ mod tests {
         assert_eq!(lease_ttl(Duration::from_secs(1)), 1);
         assert_eq!(lease_ttl(Duration::from_millis(1001)), 2);
         assert_eq!(lease_ttl(Duration::from_secs(86_400)), 86_400);
-    }
-
-    #[test]
-    fn url_forms() {
-        let endpoints = |url| parse_url(url).unwrap().endpoints;
-        assert_eq!(
-            endpoints("etcd://a:2379,b:2379"),
-            ["http://a:2379", "http://b:2379"]
-        );
-        assert_eq!(
-            endpoints("http://127.0.0.1:2379/"),
-            ["http://127.0.0.1:2379"]
-        );
-        assert_eq!(
-            parse_url("https://fence%40gate:p%3Ass@a:2379,b:2379").unwrap(),
-            EtcdUrl {
-                endpoints: vec!["https://a:2379".into(), "https://b:2379".into()],
-                user: Some(("fence@gate".into(), "p:ss".into())),
-            }
-        );
-        assert!(parse_url("redis://x").is_err());
-        assert!(parse_url("https://user@a:2379").is_err());
-        assert!(parse_url("https://:pw@a:2379").is_err());
     }
 }

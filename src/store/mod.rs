@@ -2,40 +2,28 @@
 //! compare-and-raise; the decision itself is the pure [`decide`] (in [`crate::fence::verdict`]),
 //! shared by all of them.
 
-mod cache;
 mod embedded;
+mod error;
 mod etcd;
 mod memory;
 mod postgres;
 mod redis;
 pub mod shared;
 
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
 
 #[cfg(test)]
 pub(crate) use embedded::parks_here;
 pub use embedded::{defer_wakes_to_park, EmbeddedStore};
-pub(crate) use etcd::client as etcd_client;
+pub use error::StoreError;
 pub use memory::MemoryStore;
-pub(crate) use postgres::describe as describe_postgres_error;
-pub(crate) use postgres::pool as postgres_pool;
-pub use postgres::PgTls;
-pub(crate) use redis::{RedisConn, RedisTarget};
 
 use crate::config::{EqualTokens, StoreConfig, StoreKind};
 // The backends apply the decision; they import it from here.
 pub use crate::fence::verdict::{decide, Verdict};
 use crate::idempotency::{Begin, Claim, Record};
 
-pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
-
-#[derive(Debug, Clone, thiserror::Error)]
-pub enum StoreError {
-    #[error("the fence store is unavailable: {0}")]
-    Unavailable(String),
-}
+pub use crate::conn::BoxFuture;
 
 /// A place that records, per resource, the highest admitted token.
 pub trait FenceStore: Send + Sync + 'static {
@@ -72,7 +60,7 @@ pub trait FenceStore: Send + Sync + 'static {
     /// this; the others refuse).
     fn forget_after(&self, period: std::time::Duration) -> Result<(), StoreError> {
         let _ = period;
-        Err(StoreError::Unavailable(format!(
+        Err(StoreError::Config(format!(
             "the {} store cannot forget maxima (fence.retention)",
             self.kind()
         )))
@@ -139,7 +127,7 @@ pub async fn open_with_clock(
             (None, false) => return Ok(None),
         }
         .map(|tls| Some(Arc::new(tls)))
-        .map_err(StoreError::Unavailable)
+        .map_err(StoreError::Config)
     };
     match config.kind {
         StoreKind::Memory => Ok(Arc::new(MemoryStore::new())),

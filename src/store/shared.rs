@@ -19,10 +19,10 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-pub use super::cache::BoundedMaxima;
 use super::{decide, BoxFuture, FenceStore, StoreError, Verdict};
 use crate::config::EqualTokens;
 use crate::idempotency::{AttemptId, Begin, Claim, Record};
+use crate::maxima::BoundedMaxima;
 
 /// The monotonic clock in-flight records are timed by: `Instant::now` but in tests.
 pub type Clock = Arc<dyn Fn() -> Instant + Send + Sync>;
@@ -105,7 +105,7 @@ pub trait Remote: Send + Sync + 'static {
     /// See [`FenceStore::forget_after`]; the default refuses.
     fn forget_after(&self, period: std::time::Duration) -> Result<(), StoreError> {
         let _ = period;
-        Err(StoreError::Unavailable(format!(
+        Err(StoreError::Config(format!(
             "the {} store cannot forget maxima (fence.retention)",
             self.kind()
         )))
@@ -292,7 +292,12 @@ impl Health {
             (UNKNOWN, None) => tracing::info!(store = self.kind, "fence store reachable"),
             (_, None) => tracing::info!(store = self.kind, "fence store reachable again"),
             (_, Some(e)) => {
-                tracing::error!(store = self.kind, error = %e, "fence store unavailable")
+                tracing::error!(
+                    store = self.kind,
+                    error = %e,
+                    store_error = e.label(),
+                    "fence store unavailable"
+                )
             }
         }
     }
@@ -310,7 +315,7 @@ async fn probe<R: Remote>(remote: Arc<R>, health: Arc<Health>) {
         let error = match tokio::time::timeout(PROBE_TIMEOUT, remote.ping()).await {
             Ok(Ok(())) => None,
             Ok(Err(e)) => Some(e),
-            Err(_) => Some(StoreError::Unavailable(format!(
+            Err(_) => Some(StoreError::Timeout(format!(
                 "no answer to a probe within {}ms",
                 PROBE_TIMEOUT.as_millis()
             ))),

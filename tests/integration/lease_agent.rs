@@ -36,7 +36,7 @@ impl LeaseBackend for Partitionable {
     ) -> BoxFuture<'a, Result<bool, LeaseError>> {
         self.renewals.lock().unwrap().push(Instant::now());
         if self.cut.load(Ordering::SeqCst) {
-            return Box::pin(std::future::ready(Err(LeaseError::Unavailable(
+            return Box::pin(std::future::ready(Err(LeaseError::Unreachable(
                 "partitioned".into(),
             ))));
         }

@@ -191,6 +191,8 @@ mod tests {
     use super::*;
     use crate::fence::token::TokenError;
     use crate::proxy::access::Subject;
+    use crate::proxy::problem::Unavailable;
+    use crate::store::StoreError;
 
     fn headers(content_type: &str) -> HeaderMap {
         let mut h = HeaderMap::new();
@@ -257,7 +259,12 @@ mod tests {
             (Refusal::TokenRequired, 3),
             (Refusal::IdempotencyKeyReused, 9),
             (Refusal::LeaseNotHeld, 9),
-            (Refusal::StoreUnavailable("down".into()), 14),
+            (
+                Refusal::StoreUnavailable(Unavailable::Store(StoreError::Unreachable(
+                    "down".into(),
+                ))),
+                14,
+            ),
             (Refusal::BarrierTimeout, 14),
             (Refusal::UpstreamError("reset".into()), 14),
             (Refusal::UpstreamTimeout, 4),

@@ -58,10 +58,10 @@ use arc_swap::ArcSwapOption;
 use redb::{Database, ReadableDatabase, ReadableTable, Table, TableDefinition};
 use tokio::sync::oneshot;
 
-use super::cache::BoundedMaxima;
 use super::{decide, record_key, BoxFuture, FenceStore, StoreError, Verdict};
 use crate::config::EqualTokens;
 use crate::idempotency::{self, AttemptId, Begin, Claim, Phase, Record};
+use crate::maxima::BoundedMaxima;
 
 /// Upper bound on operations per transaction, so one batch cannot hold the queue for long.
 const MAX_BATCH: usize = 4096;
@@ -81,32 +81,6 @@ fn open_file(path: &Path) -> Result<Database, redb::DatabaseError> {
 /// How long the writer, after a commit, waits for a wake before it looks at the queue again,
 /// and then goes idle if it found nothing.
 const POLL: Duration = Duration::from_millis(1);
-
-thread_local! {
-    /// This thread runs a runtime whose park hook wakes the writers ([`defer_wakes_to_park`]).
-    static PARKS_HERE: Cell<bool> = const { Cell::new(false) };
-    /// Writers to wake when this thread's runtime parks.
-    static DEFERRED: RefCell<Vec<Thread>> = const { RefCell::new(Vec::new()) };
-}
-
-/// Sets up `builder`'s runtime so that raises queued from its threads wake the embedded
-/// store's writer when the runtime runs out of work, not one by one (see the module comment).
-pub fn defer_wakes_to_park(builder: &mut tokio::runtime::Builder) {
-    builder.on_thread_park(|| {
-        PARKS_HERE.set(true);
-        DEFERRED.with_borrow_mut(|writers| {
-            for writer in writers.drain(..) {
-                writer.unpark();
-            }
-        });
-    });
-}
-
-/// Whether this thread's runtime was set up with [`defer_wakes_to_park`] and has parked since.
-#[cfg(test)]
-pub(crate) fn parks_here() -> bool {
-    PARKS_HERE.get()
-}
 
 /// Record key to `(expires_ms, encoded record)`.
 type Records<'a> = TableDefinition<'a, &'static str, (u64, &'static [u8])>;
@@ -277,7 +251,7 @@ impl EmbeddedStore {
         poll: Duration,
     ) -> Result<Self, StoreError> {
         let fail = |what: &str, e: &dyn std::fmt::Display| {
-            StoreError::Unavailable(format!("{what} {}: {e}", path.display()))
+            StoreError::Unreachable(format!("{what} {}: {e}", path.display()))
         };
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(|e| fail("cannot create the directory of", &e))?;
@@ -335,21 +309,9 @@ impl EmbeddedStore {
     /// parks (see the module comment).
     fn wake(&self) {
         // Present until the store is dropped, and nothing is sent after that.
-        let Some(writer) = self.writer.as_ref().map(|w| w.thread()) else {
-            return;
-        };
-        // Pairs with the fence in `writer` between marking itself idle and a last look at the
-        // queue: either it sees this operation, or this sees it idle.
-        fence(Ordering::SeqCst);
-        if !PARKS_HERE.get() || self.shared.idle.load(Ordering::Relaxed) {
-            writer.unpark();
-            return;
+        if let Some(writer) = &self.writer {
+            park::wake(writer.thread(), &self.shared.idle);
         }
-        DEFERRED.with_borrow_mut(|writers| {
-            if !writers.iter().any(|w| w.id() == writer.id()) {
-                writers.push(writer.clone());
-            }
-        });
     }
 
     fn send<T>(
@@ -365,10 +327,10 @@ impl EmbeddedStore {
             None => Err(()),
         };
         Box::pin(async move {
-            sent.map_err(|_| StoreError::Unavailable("the store writer has stopped".into()))?;
+            sent.map_err(|_| StoreError::Internal("the store writer has stopped".into()))?;
             answer
                 .await
-                .map_err(|_| StoreError::Unavailable("the store writer has stopped".into()))?
+                .map_err(|_| StoreError::Internal("the store writer has stopped".into()))?
         })
     }
 
@@ -389,7 +351,7 @@ impl EmbeddedStore {
         batch: usize,
     ) -> Result<u64, StoreError> {
         let fail = |e: &dyn std::fmt::Display| {
-            StoreError::Unavailable(format!("cannot fill {}: {e}", path.display()))
+            StoreError::Unreachable(format!("cannot fill {}: {e}", path.display()))
         };
         let db = open_file(path).map_err(|e| fail(&e))?;
         let names = Names::new(prefix);
@@ -427,7 +389,7 @@ impl EmbeddedStore {
     /// cached as a lower bound).
     fn read_maximum(&self, resource: &str) -> Result<Option<u64>, StoreError> {
         let Some(db) = self.shared.db.load_full() else {
-            return Err(StoreError::Unavailable(format!(
+            return Err(StoreError::Unreachable(format!(
                 "{} is being reopened after a failed write",
                 self.shared.path.display()
             )));
@@ -439,7 +401,7 @@ impl EmbeddedStore {
             Ok(value)
         };
         let durable = read().map_err(|e| {
-            StoreError::Unavailable(format!("cannot read {}: {e}", self.shared.path.display()))
+            StoreError::Unreachable(format!("cannot read {}: {e}", self.shared.path.display()))
         })?;
         if let Some(value) = durable {
             self.shared.cache.observe(resource, value);
@@ -584,10 +546,14 @@ impl Names {
     }
 }
 
+mod park;
 #[cfg(test)]
 mod properties;
+pub use park::defer_wakes_to_park;
+#[cfg(test)]
+pub(crate) use park::parks_here;
 mod records;
-use records::{purge, read_record, write_record};
+use records::{purge, write_record, Found};
 mod retention;
 #[cfg(test)]
 mod tests;

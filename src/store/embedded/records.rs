@@ -2,22 +2,49 @@
 
 use super::*;
 
-/// A record as stored: when it expires (ms since the Unix epoch), and the record.
-pub(super) type Stored = Option<(u64, Record)>;
+/// The record of `(resource, key)`, as a claim or an outcome write finds it.
+pub(super) struct Found {
+    /// Its key in the table.
+    pub(super) key: String,
+    /// When what is stored under it expires (ms since the Unix epoch), expired or not: its
+    /// entry in the expiry index.
+    pub(super) expires: Option<u64>,
+    /// The stored record if it is live: unexpired at `now`, or the `in_flight` record of an
+    /// attempt still running here ([`running`]).
+    pub(super) live: Option<Record>,
+}
 
-/// The stored record under `key` with its expiry, expired or not. The inner error is a record
-/// that does not decode: it fails the one operation, not the batch.
-pub(super) fn read_record(
-    records: &Table<&'static str, (u64, &'static [u8])>,
-    key: &str,
-) -> Result<Result<Stored, StoreError>, redb::Error> {
-    let Some(guard) = records.get(key)? else {
-        return Ok(Ok(None));
-    };
-    let (at, bytes) = guard.value();
-    Ok(Record::decode(bytes).map(|r| Some((at, r))).map_err(|e| {
-        StoreError::Unavailable(format!("the idempotency record {key:?} is unreadable: {e}"))
-    }))
+impl Found {
+    /// Reads the record of `(resource, key)`. The inner error is a record that does not
+    /// decode: it fails the one operation, not the batch.
+    pub(super) fn read(
+        records: &Table<&'static str, (u64, &'static [u8])>,
+        running_here: &Running,
+        (resource, key): (&str, &str),
+        now: u64,
+        monotonic: Instant,
+    ) -> Result<Result<Found, StoreError>, redb::Error> {
+        let key = record_key(resource, key);
+        let stored = match records.get(key.as_str())? {
+            Some(guard) => {
+                let (at, bytes) = guard.value();
+                match Record::decode(bytes) {
+                    Ok(record) => Some((at, record)),
+                    Err(e) => {
+                        return Ok(Err(StoreError::Corrupt(format!(
+                            "the idempotency record {key:?} is unreadable: {e}"
+                        ))))
+                    }
+                }
+            }
+            None => None,
+        };
+        let expires = stored.as_ref().map(|(at, _)| *at);
+        let live = stored
+            .filter(|(at, r)| *at > now || running(running_here, &key, r, monotonic))
+            .map(|(_, r)| r);
+        Ok(Ok(Found { key, expires, live }))
+    }
 }
 
 /// Writes `record` under `key` to expire at `at`, moving its entry in the expiry index from

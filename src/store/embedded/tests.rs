@@ -400,7 +400,7 @@ async fn a_lower_bound_in_the_cache_admits_nothing_below_the_durable_maximum() {
         store.shared.cache.observe("r", 3);
         assert_eq!(
             store.shared.cache.entry("r"),
-            Some(crate::store::cache::Cached {
+            Some(crate::maxima::Cached {
                 value: 3,
                 exact: false
             })
@@ -439,7 +439,7 @@ async fn the_writer_keeps_exact_values_exact() {
         .compare_and_raise("r", 4, EqualTokens::Allow)
         .await
         .unwrap();
-    let exact = |value| Some(crate::store::cache::Cached { value, exact: true });
+    let exact = |value| Some(crate::maxima::Cached { value, exact: true });
     assert_eq!(store.shared.cache.entry("r"), exact(4));
     let seen = Arc::new(std::sync::Mutex::new(None));
     let saw = Arc::clone(&seen);
@@ -453,7 +453,7 @@ async fn the_writer_keeps_exact_values_exact() {
     // While the raise to 6 committed, 4 was a lower bound only.
     assert_eq!(
         *seen.lock().unwrap(),
-        Some(crate::store::cache::Cached {
+        Some(crate::maxima::Cached {
             value: 4,
             exact: false
         })

@@ -141,7 +141,7 @@ pub(super) fn writer(
                 db = None;
                 tracing::error!(path = %path.display(), error = %e, "fence store commit failed");
                 for op in batch.drain(..) {
-                    op.reply(Err(StoreError::Unavailable(e.clone())));
+                    op.reply(Err(StoreError::Unreachable(e.clone())));
                 }
             }
         }
@@ -320,31 +320,26 @@ fn commit_batch(
                     ..
                 } => {
                     let (records, expiries) = idempotency.as_mut().expect("opened for keys");
-                    let k = record_key(resource, key);
-                    let existing = match read_record(records, &k)? {
-                        Ok(existing) => existing,
-                        Err(e) => {
-                            answers.push(Answer::Failed(e));
+                    let found = match Found::read(records, live, (resource, key), now, monotonic)? {
+                        Ok(found) => found,
+                        Err(unreadable) => {
+                            answers.push(Answer::Failed(unreadable));
                             continue;
                         }
                     };
-                    let record = existing
-                        .as_ref()
-                        .filter(|(at, r)| *at > now || running(live, &k, r, monotonic))
-                        .map(|(_, r)| r);
                     let current = maximum(&fences, &mut maxima, resource)?;
-                    let begin = idempotency::decide(record, current, claim);
+                    let begin = idempotency::decide(found.live.as_ref(), current, claim);
                     if let Begin::Execute { .. } = begin {
                         if current.is_none_or(|c| claim.token > c) {
                             raise(&mut fences, &mut ages, &mut maxima, resource, claim.token)?;
                         }
                         let record = claim.in_flight();
-                        let old = existing.map(|(at, _)| at);
                         let at = expiry_ms(now, claim.window);
-                        write_record(records, expiries, &k, old, at, &record)?;
+                        write_record(records, expiries, &found.key, found.expires, at, &record)?;
                         // Kept even if this batch fails to commit: it names an attempt whose
                         // record then does not exist, and it goes at its deadline.
-                        live.insert(k, (claim.attempt, monotonic.checked_add(claim.window)));
+                        let deadline = monotonic.checked_add(claim.window);
+                        live.insert(found.key, (claim.attempt, deadline));
                         wrote = true;
                     }
                     Answer::Begin(begin)
@@ -357,26 +352,19 @@ fn commit_batch(
                     ..
                 } => {
                     let (records, expiries) = idempotency.as_mut().expect("opened for keys");
-                    let k = record_key(resource, key);
-                    let existing = match read_record(records, &k)? {
-                        Ok(existing) => existing,
-                        Err(e) => {
-                            answers.push(Answer::Failed(e));
+                    let found = match Found::read(records, live, (resource, key), now, monotonic)? {
+                        Ok(found) => found,
+                        Err(unreadable) => {
+                            answers.push(Answer::Failed(unreadable));
                             continue;
                         }
                     };
-                    let ours = match existing {
-                        Some((at, record))
-                            if (at > now || running(live, &k, &record, monotonic))
-                                && record.owned_by(claim) =>
-                        {
-                            let next = expiry_ms(now, claim.window);
-                            write_record(records, expiries, &k, Some(at), next, outcome)?;
-                            live.remove(&k);
-                            true
-                        }
-                        _ => false,
-                    };
+                    let ours = found.live.is_some_and(|record| record.owned_by(claim));
+                    if ours {
+                        let next = expiry_ms(now, claim.window);
+                        write_record(records, expiries, &found.key, found.expires, next, outcome)?;
+                        live.remove(&found.key);
+                    }
                     wrote |= ours;
                     Answer::Finished(ours)
                 }

@@ -1,0 +1,310 @@
+//! Connections to Redis, as the fence store and the lease backend make them: fencegate's own
+//! TCP, or TLS through [`ClientTls`] for a `rediss://` url (so the ring provider, the `tls`
+//! mapping's CA, client certificate and `server_name`, and certificate rotation apply as to
+//! every store), with the redis crate speaking the protocol over them (`AUTH` with the url's
+//! user and password, `SELECT`, `HELLO`).
+//!
+//! [`RedisTarget`] says where and how to connect; [`RedisConn`] is one shared connection,
+//! dialled on first use and again after it broke.
+
+use redis::aio::MultiplexedConnection;
+use redis::{
+    AsyncConnectionConfig, ConnectionAddr, ErrorKind, IntoConnectionInfo, ProtocolVersion,
+    RedisConnectionInfo, RedisError,
+};
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::Failure;
+use crate::tls::ClientTls;
+
+/// Connect timeout (TCP, TLS handshake and `AUTH` together) and per-command response
+/// timeout: fail fast, so the caller's deadline, not ours, decides how long a write waits.
+/// The response timeout is below the readiness probe's (1s), so a probe sees a command time
+/// out rather than giving up on it first.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+const RESPONSE_TIMEOUT: Duration = Duration::from_millis(800);
+
+/// TCP keep-alive on every connection: a peer that vanished without closing (a host gone, a
+/// dropped path) is noticed by the kernel even while no command is waiting.
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(10);
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
+const KEEPALIVE_RETRIES: u32 = 3;
+
+/// Where and how to reach Redis: the url's host, port and settings (user, password,
+/// database, protocol), over TCP or, for `rediss://`, TLS.
+#[derive(Clone)]
+pub(crate) struct RedisTarget {
+    host: String,
+    port: u16,
+    settings: RedisConnectionInfo,
+    tls: Option<Arc<ClientTls>>,
+}
+
+impl RedisTarget {
+    /// `tls` is given exactly when the url is `rediss://` (the config checks that).
+    pub(crate) fn new(url: &str, tls: Option<Arc<ClientTls>>) -> Result<Self, String> {
+        if url.contains('#') {
+            // The redis crate reads `#insecure` as "do not verify": never.
+            return Err("a redis url has no `#` fragment".into());
+        }
+        // The TLS is ours: the redis crate parses the rest like a redis:// url.
+        let (plain, is_tls) = match url.strip_prefix("rediss://") {
+            Some(rest) => (format!("redis://{rest}"), true),
+            None => (url.to_owned(), false),
+        };
+        if is_tls != tls.is_some() {
+            return Err("a rediss:// url goes with TLS settings, a redis:// url without".into());
+        }
+        let info = plain
+            .as_str()
+            .into_connection_info()
+            .map_err(|e| format!("bad redis url: {e}"))?;
+        let ConnectionAddr::Tcp(host, port) = info.addr().clone() else {
+            return Err("a redis url names a host and port".into());
+        };
+        Ok(RedisTarget {
+            host,
+            port,
+            settings: info.redis_settings().clone(),
+            tls,
+        })
+    }
+
+    /// The same server, speaking `protocol` (push messages need RESP3).
+    pub(crate) fn with_protocol(&self, protocol: ProtocolVersion) -> Self {
+        let mut target = self.clone();
+        target.settings = target.settings.set_protocol(protocol);
+        target
+    }
+
+    /// A new connection (TLS handshake with the TLS files as they are now), set up and
+    /// authenticated, with its driver task running; within [`CONNECT_TIMEOUT`].
+    pub(crate) async fn connect(
+        &self,
+        config: AsyncConnectionConfig,
+    ) -> Result<MultiplexedConnection, RedisError> {
+        let connect = async {
+            let tcp = tokio::net::TcpStream::connect((self.host.as_str(), self.port)).await?;
+            let _ = tcp.set_nodelay(true);
+            let keepalive = socket2::TcpKeepalive::new()
+                .with_time(KEEPALIVE_IDLE)
+                .with_interval(KEEPALIVE_INTERVAL)
+                .with_retries(KEEPALIVE_RETRIES);
+            let _ = socket2::SockRef::from(&tcp).set_tcp_keepalive(&keepalive);
+            match &self.tls {
+                Some(tls) => {
+                    let stream = tls.connect(&self.host, tcp).await?;
+                    self.set_up(stream, config).await
+                }
+                None => self.set_up(tcp, config).await,
+            }
+        };
+        tokio::time::timeout(CONNECT_TIMEOUT, connect)
+            .await
+            .unwrap_or_else(|_| {
+                Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("no connection within {}ms", CONNECT_TIMEOUT.as_millis()),
+                )
+                .into())
+            })
+    }
+
+    async fn set_up<S>(
+        &self,
+        stream: S,
+        config: AsyncConnectionConfig,
+    ) -> Result<MultiplexedConnection, RedisError>
+    where
+        S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    {
+        let (conn, driver) =
+            MultiplexedConnection::new_with_config(&self.settings, stream, config).await?;
+        // Ends when the last handle of the connection is dropped, or the connection breaks.
+        tokio::spawn(driver);
+        Ok(conn)
+    }
+}
+
+/// One shared connection, dialled on first use and again after it broke.
+pub(crate) struct RedisConn {
+    target: RedisTarget,
+    /// The connection and its generation (so that a failure drops only the connection it
+    /// happened on).
+    current: tokio::sync::Mutex<(u64, Option<MultiplexedConnection>)>,
+    /// The newest generation found broken (a command failed on it, or was abandoned before
+    /// its answer): the next [`RedisConn::get`] dials anew if that is the current one.
+    broken: AtomicU64,
+    /// For a lease backend: log one line when connecting or commands start failing (a wrong
+    /// CA or password, a missing permission) and one when a command works again (a store's
+    /// health latch logs for the store).
+    log_as: Option<&'static str>,
+    failing: AtomicBool,
+}
+
+impl RedisConn {
+    pub(crate) fn new(target: RedisTarget, log_as: Option<&'static str>) -> Self {
+        RedisConn {
+            target,
+            current: tokio::sync::Mutex::new((0, None)),
+            broken: AtomicU64::new(0),
+            log_as,
+            failing: AtomicBool::new(false),
+        }
+    }
+
+    pub(crate) fn target(&self) -> &RedisTarget {
+        &self.target
+    }
+
+    /// The connection, dialled if there is none or it was found broken, and the command
+    /// about to run on it: pass that to [`RedisConn::done`] with the command's result.
+    pub(crate) async fn get(&self) -> Result<(Command<'_>, MultiplexedConnection), RedisError> {
+        let mut current = self.current.lock().await;
+        if let (generation, Some(conn)) = &*current {
+            if self.broken.load(Ordering::Relaxed) != *generation {
+                return Ok((self.command(*generation), conn.clone()));
+            }
+            current.1 = None;
+        }
+        let config = AsyncConnectionConfig::new().set_response_timeout(Some(RESPONSE_TIMEOUT));
+        match self.target.connect(config).await {
+            Ok(conn) => {
+                current.0 += 1;
+                current.1 = Some(conn.clone());
+                Ok((self.command(current.0), conn))
+            }
+            Err(e) => {
+                self.failed(&e);
+                Err(e)
+            }
+        }
+    }
+
+    /// For a lease backend, one line when connecting or a command starts failing.
+    fn failed(&self, e: &RedisError) {
+        if !self.failing.swap(true, Ordering::Relaxed) {
+            if let Some(what) = self.log_as {
+                tracing::error!(backend = "redis", error = %e, "{what} unavailable");
+            }
+        }
+    }
+
+    fn command(&self, generation: u64) -> Command<'_> {
+        Command {
+            conn: self,
+            generation,
+            answered: false,
+        }
+    }
+
+    /// Passes on the result of `command`; when the connection failed (anything but an error
+    /// reply from the server), or the server is no primary any more (`READONLY`: a failover
+    /// made it a replica and kept the connection open; `MASTERDOWN`), it is dropped, so the
+    /// next call dials a new one (to whatever the url's host is now).
+    pub(crate) async fn done<T>(
+        &self,
+        mut command: Command<'_>,
+        result: Result<T, RedisError>,
+    ) -> Result<T, RedisError> {
+        let failed = result.as_ref().is_err_and(|e| {
+            e.is_unrecoverable_error()
+                || e.is_timeout()
+                || e.is_io_error()
+                || e.is_connection_dropped()
+                || matches!(e.code(), Some("READONLY" | "MASTERDOWN"))
+        });
+        command.answered = !failed;
+        match &result {
+            Err(e) => self.failed(e),
+            Ok(_) => {
+                if self.failing.swap(false, Ordering::Relaxed) {
+                    if let Some(what) = self.log_as {
+                        tracing::info!(backend = "redis", "{what} reachable again");
+                    }
+                }
+            }
+        }
+        result
+    }
+}
+
+/// A command running on the connection of `generation`. Dropped before [`RedisConn::done`]
+/// saw its answer (the caller gave up at its own deadline: a probe, a write's store timeout,
+/// a lease renewal), the connection is taken as broken: an answer that does not come in time
+/// may never come (a peer gone without closing), and the next command dials anew.
+pub(crate) struct Command<'a> {
+    conn: &'a RedisConn,
+    generation: u64,
+    answered: bool,
+}
+
+impl Drop for Command<'_> {
+    fn drop(&mut self) {
+        if !self.answered {
+            // Generations only grow: the newest broken one is the one that matters.
+            self.conn
+                .broken
+                .fetch_max(self.generation, Ordering::Relaxed);
+        }
+    }
+}
+
+/// How a Redis call failed: timed out (ours, the connect or response timeout), an error reply
+/// or a failed `AUTH` (refused), an answer of the wrong type (corrupt), else unreachable.
+pub(crate) fn failure(e: &RedisError) -> Failure {
+    if e.is_timeout() {
+        return Failure::Timeout;
+    }
+    match e.kind() {
+        ErrorKind::Server(_)
+        | ErrorKind::Extension
+        | ErrorKind::AuthenticationFailed
+        | ErrorKind::RESP3NotSupported => Failure::Refused,
+        ErrorKind::UnexpectedReturnType => Failure::Corrupt,
+        _ => Failure::Unreachable,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_become_targets() {
+        let tls = Arc::new(ClientTls::load(&Default::default(), "store.tls", &[]).unwrap());
+        let target = RedisTarget::new("rediss://app:pw@redis.internal:6380/2", Some(tls)).unwrap();
+        assert_eq!(
+            (target.host.as_str(), target.port),
+            ("redis.internal", 6380)
+        );
+        assert_eq!(target.settings.username(), Some("app"));
+        assert_eq!(target.settings.password(), Some("pw"));
+        assert_eq!(target.settings.db(), 2);
+        let plain = RedisTarget::new("redis://127.0.0.1/", None).unwrap();
+        assert_eq!(plain.port, 6379);
+        assert!(plain.tls.is_none());
+        // Never without verification, and never TLS settings on a plaintext url.
+        let tls = Arc::new(ClientTls::load(&Default::default(), "store.tls", &[]).unwrap());
+        assert!(RedisTarget::new("rediss://127.0.0.1/#insecure", Some(tls.clone())).is_err());
+        assert!(RedisTarget::new("redis://127.0.0.1/", Some(tls)).is_err());
+        assert!(RedisTarget::new("rediss://127.0.0.1/", None).is_err());
+    }
+
+    #[test]
+    fn failures_are_told_apart() {
+        let io = |kind| RedisError::from(std::io::Error::new(kind, "x"));
+        assert_eq!(failure(&io(std::io::ErrorKind::TimedOut)), Failure::Timeout);
+        assert_eq!(
+            failure(&io(std::io::ErrorKind::ConnectionRefused)),
+            Failure::Unreachable
+        );
+        let auth = RedisError::from((ErrorKind::AuthenticationFailed, "WRONGPASS"));
+        assert_eq!(failure(&auth), Failure::Refused);
+        let wrong = RedisError::from((ErrorKind::UnexpectedReturnType, "not a string"));
+        assert_eq!(failure(&wrong), Failure::Corrupt);
+    }
+}

@@ -1,0 +1,256 @@
+//! Maxima in PostgreSQL: one conditional upsert per compare-and-raise.
+//!
+//! `INSERT ... ON CONFLICT DO UPDATE ... WHERE max < token RETURNING prev` raises atomically
+//! (the row lock serialises racing raises, and the WHERE is re-checked against the latest row
+//! version). When it returns no row the token did not raise the maximum; the follow-up read
+//! then decides between "equal, admitted" and "stale", which is correct at the time of that
+//! read because maxima only grow. The tables are created on first use if missing.
+//!
+//! Idempotency records live in `<prefix>_idempotency`, one row per `(resource, key)`: the phase
+//! code, token, fingerprint and (`in_flight` rows only) attempt id and in-flight lifetime as
+//! columns (for the conditional outcome write and the takeover; these columns are added to
+//! tables created without them, and a row without an attempt belongs to no attempt) and the
+//! encoded record, with an `expires_at` in server time. Rows past it are absent to every
+//! statement and are deleted in bounded batches through the index on `expires_at`, at most
+//! once a minute.
+//!
+//! An outcome's `expires_at` is `now()` plus the window, on the server's wall clock. An
+//! `in_flight` row's is `infinity`: compared with `now()`, a forward step of the server's clock
+//! would end a running attempt's claim. A claim instead takes over the row of an attempt seen
+//! in flight for a whole in-flight lifetime on fencegate's monotonic clock
+//! ([`super::shared`]), in its transaction, only while the row still names that attempt.
+//!
+//! A claim is one transaction: an advisory lock on `(resource, key)`, the takeover if any (a
+//! conditional `DELETE`), then the record, the maximum's row locked `FOR UPDATE`,
+//! [`crate::idempotency::decide`] here, and on execute the raise and the `in_flight` row. An outcome
+//! is one conditional `UPDATE` ([`records`]).
+//!
+//! With `fence.retention`, maxima not raised for the period are forgotten ([`retention`]).
+//!
+//! Connections come from `conn::postgres`, shared with the PostgreSQL lease backend;
+//! with the `tls` mapping, they are TLS only.
+
+mod records;
+mod retention;
+
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use deadpool_postgres::Pool;
+use tokio::sync::OnceCell;
+
+use super::shared::{Claimed, Remote};
+use super::{decide, StoreError, Verdict};
+use crate::config::EqualTokens;
+use crate::conn::postgres::{describe, failure, pool};
+use crate::conn::BoxFuture;
+use crate::idempotency::{AttemptId, Claim, Record};
+use crate::tls::ClientTls;
+
+use records::IdempotencySql;
+use retention::Forget;
+
+pub struct PostgresRemote {
+    pool: Pool,
+    /// Table created (idempotently) before the first statement.
+    schema: OnceCell<()>,
+    table: String,
+    raise_sql: String,
+    get_sql: String,
+    records: String,
+    idem: IdempotencySql,
+    /// When the last purge of expired records started.
+    last_purge: Mutex<Option<Instant>>,
+    /// Forgetting maxima past `fence.retention` ([`retention`]).
+    forget: Forget,
+}
+
+impl PostgresRemote {
+    /// `prefix` is validated as an SQL identifier when the config is loaded.
+    pub fn new(url: &str, prefix: &str, tls: Option<Arc<ClientTls>>) -> Result<Self, StoreError> {
+        let (pool, _) = pool(url, tls).map_err(StoreError::Config)?;
+        let table = format!("{prefix}_fences");
+        let records = format!("{prefix}_idempotency");
+        Ok(PostgresRemote {
+            pool,
+            schema: OnceCell::new(),
+            raise_sql: format!(
+                "INSERT INTO {table} AS f (resource, max_token, prev_token, raised_at) \
+                 VALUES ($1, $2, NULL, CASE WHEN $3 THEN now() END) \
+                 ON CONFLICT (resource) DO UPDATE \
+                 SET max_token = EXCLUDED.max_token, prev_token = f.max_token, \
+                     raised_at = EXCLUDED.raised_at \
+                 WHERE f.max_token < EXCLUDED.max_token \
+                 RETURNING prev_token"
+            ),
+            forget: Forget::new(&table),
+            get_sql: format!("SELECT max_token FROM {table} WHERE resource = $1"),
+            idem: IdempotencySql::new(&table, &records),
+            table,
+            records,
+            last_purge: Mutex::new(None),
+        })
+    }
+
+    async fn client(&self) -> Result<deadpool_postgres::Object, StoreError> {
+        let client = self.pool.get().await.map_err(|e| failed(&e))?;
+        self.schema
+            .get_or_try_init(|| async {
+                let (table, records) = (&self.table, &self.records);
+                // One transaction under an advisory lock: sidecars that start together on a
+                // new prefix would otherwise race `CREATE … IF NOT EXISTS` into a unique
+                // violation on the catalog.
+                client
+                    .batch_execute(&format!(
+                        "BEGIN; \
+                         SELECT pg_advisory_xact_lock(hashtextextended('fencegate schema {table}', 0)); \
+                         CREATE TABLE IF NOT EXISTS {table} (\
+                           resource TEXT PRIMARY KEY, \
+                           max_token BIGINT NOT NULL CHECK (max_token >= 0), \
+                           prev_token BIGINT, \
+                           raised_at TIMESTAMPTZ); \
+                         ALTER TABLE {table} ADD COLUMN IF NOT EXISTS raised_at TIMESTAMPTZ; \
+                         CREATE TABLE IF NOT EXISTS {records} (\
+                           resource TEXT NOT NULL, \
+                           idem_key TEXT NOT NULL, \
+                           phase TEXT NOT NULL CHECK (phase IN ('i', 'u', 'c')), \
+                           token BIGINT NOT NULL CHECK (token >= 0), \
+                           fingerprint TEXT NOT NULL, \
+                           record TEXT NOT NULL, \
+                           expires_at TIMESTAMPTZ NOT NULL, \
+                           attempt TEXT, \
+                           in_flight_ms BIGINT, \
+                           PRIMARY KEY (resource, idem_key)); \
+                         ALTER TABLE {records} ADD COLUMN IF NOT EXISTS attempt TEXT; \
+                         ALTER TABLE {records} ADD COLUMN IF NOT EXISTS in_flight_ms BIGINT; \
+                         CREATE INDEX IF NOT EXISTS {records}_expiry ON {records} (expires_at); \
+                         COMMIT"
+                    ))
+                    .await
+                    .map_err(|e| {
+                        // The server's message, not only tokio-postgres's "db error".
+                        match e.as_db_error() {
+                            Some(db) => StoreError::Refused(format!(
+                                "postgres: creating the tables: {} ({})",
+                                db.message(),
+                                db.code().code()
+                            )),
+                            None => failed(&e),
+                        }
+                    })
+            })
+            .await?;
+        Ok(client)
+    }
+}
+
+/// A failed call, with the error's causes ([`describe`]).
+fn failed(e: &(dyn std::error::Error + 'static)) -> StoreError {
+    StoreError::new(failure(e), format!("postgres: {}", describe(e)))
+}
+
+/// Tokens are `BIGINT`; the token grammar keeps them below 2^63, so this is a guard.
+fn too_large() -> StoreError {
+    StoreError::Refused("postgres: token above 2^63-1".into())
+}
+
+fn signed(token: u64) -> Result<i64, StoreError> {
+    i64::try_from(token).map_err(|_| too_large())
+}
+
+fn encoded(record: &Record) -> String {
+    String::from_utf8(record.encode()).expect("a record encodes as JSON, which is UTF-8")
+}
+
+fn token_of(v: i64) -> Result<u64, StoreError> {
+    u64::try_from(v)
+        .map_err(|_| StoreError::Corrupt(format!("postgres holds a negative maximum {v}")))
+}
+
+impl Remote for PostgresRemote {
+    fn raise<'a>(
+        &'a self,
+        resource: &'a str,
+        token: u64,
+        equal: EqualTokens,
+    ) -> BoxFuture<'a, Result<Verdict, StoreError>> {
+        Box::pin(async move {
+            let client = self.client().await?;
+            let signed = i64::try_from(token).map_err(|_| too_large())?;
+            let statement = client
+                .prepare_cached(&self.raise_sql)
+                .await
+                .map_err(|e| failed(&e))?;
+            let raised = client
+                .query_opt(&statement, &[&resource, &signed, &self.aging()])
+                .await
+                .map_err(|e| failed(&e))?;
+            if let Some(row) = raised {
+                let previous: Option<i64> = row.get(0);
+                return Ok(Verdict::Admitted {
+                    previous: previous.map(token_of).transpose()?,
+                });
+            }
+            let statement = client
+                .prepare_cached(&self.get_sql)
+                .await
+                .map_err(|e| failed(&e))?;
+            let row = client
+                .query_one(&statement, &[&resource])
+                .await
+                .map_err(|e| failed(&e))?;
+            Ok(decide(Some(token_of(row.get(0))?), token, equal))
+        })
+    }
+
+    fn get<'a>(&'a self, resource: &'a str) -> BoxFuture<'a, Result<Option<u64>, StoreError>> {
+        Box::pin(async move {
+            let client = self.client().await?;
+            let row = client
+                .query_opt(&self.get_sql, &[&resource])
+                .await
+                .map_err(|e| failed(&e))?;
+            row.map(|r| token_of(r.get(0))).transpose()
+        })
+    }
+
+    fn ping(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(async move {
+            let client = self.client().await?;
+            client
+                .simple_query("SELECT 1")
+                .await
+                .map_err(|e| failed(&e))?;
+            self.maybe_forget(false);
+            Ok(())
+        })
+    }
+    fn begin_idempotent<'a>(
+        &'a self,
+        resource: &'a str,
+        key: &'a str,
+        claim: &'a Claim,
+        takeover: Option<AttemptId>,
+    ) -> BoxFuture<'a, Result<Claimed, StoreError>> {
+        Box::pin(self.begin(resource, key, claim, takeover))
+    }
+
+    fn finish_idempotent<'a>(
+        &'a self,
+        resource: &'a str,
+        key: &'a str,
+        claim: &'a Claim,
+        outcome: &'a Record,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(self.finish(resource, key, claim, outcome))
+    }
+
+    fn kind(&self) -> &'static str {
+        "postgres"
+    }
+
+    fn forget_after(&self, period: std::time::Duration) -> Result<(), StoreError> {
+        PostgresRemote::forget_after(self, period);
+        Ok(())
+    }
+}

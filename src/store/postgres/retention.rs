@@ -1,0 +1,105 @@
+//! Forgetting maxima not raised for `fence.retention`: every raise sets `raised_at` while it
+//! is on (`NULL` while off: such maxima are kept), and a pass every [`PURGE_EVERY`], started
+//! by the health probe, deletes the rows raised before the period, [`PURGE_BATCH`] at a time.
+//! A row raised meanwhile is a new row version, which the `ctid` re-check leaves alone.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use deadpool_postgres::Pool;
+
+use super::records::{PURGE_BATCH, PURGE_EVERY};
+use super::{failed, PostgresRemote};
+use crate::store::StoreError;
+
+/// The statements and state of forgetting.
+pub(super) struct Forget {
+    /// The index of `raised_at`, created (without blocking writes) before the first pass.
+    index: String,
+    delete: String,
+    /// The period in ms; 0: keep every maximum.
+    retention_ms: AtomicU64,
+    /// When the last pass started.
+    last: Mutex<Option<Instant>>,
+}
+
+impl Forget {
+    /// Off until [`PostgresRemote::forget_after`] turns it on.
+    pub(super) fn new(table: &str) -> Self {
+        Forget {
+            index: format!(
+                "CREATE INDEX CONCURRENTLY IF NOT EXISTS {table}_raised ON {table} (raised_at)"
+            ),
+            delete: format!(
+                "DELETE FROM {table} \
+                 WHERE ctid = ANY (ARRAY(\
+                   SELECT ctid FROM {table} \
+                   WHERE raised_at < now() - make_interval(secs => $1) LIMIT $2)) \
+                   AND raised_at < now() - make_interval(secs => $1)"
+            ),
+            retention_ms: AtomicU64::new(0),
+            last: Mutex::new(None),
+        }
+    }
+}
+
+impl PostgresRemote {
+    /// Whether raises record when they happened (`fence.retention` is on).
+    pub(super) fn aging(&self) -> bool {
+        self.forget.retention_ms.load(Ordering::Relaxed) > 0
+    }
+
+    /// Turns forgetting on, and starts a pass at once (the health probe starts the next ones).
+    pub(super) fn forget_after(&self, period: Duration) {
+        let ms = u64::try_from(period.as_millis()).unwrap_or(u64::MAX).max(1);
+        self.forget.retention_ms.store(ms, Ordering::Relaxed);
+        self.maybe_forget(true);
+    }
+
+    /// Starts a pass forgetting maxima past the retention in the background, if retention is
+    /// on and none started within [`PURGE_EVERY`] (or ever, with `now`).
+    pub(super) fn maybe_forget(&self, now: bool) {
+        let ms = self.forget.retention_ms.load(Ordering::Relaxed);
+        if ms == 0 {
+            return;
+        }
+        {
+            let mut last = self.forget.last.lock().expect("forget clock poisoned");
+            if !now && last.is_some_and(|at| at.elapsed() < PURGE_EVERY) {
+                return;
+            }
+            *last = Some(Instant::now());
+        }
+        let pool = self.pool.clone();
+        let (index, delete) = (self.forget.index.clone(), self.forget.delete.clone());
+        let secs = ms as f64 / 1000.0;
+        tokio::spawn(async move {
+            match forget(&pool, &index, &delete, secs).await {
+                Ok(0) => {}
+                Ok(n) => tracing::info!(forgotten = n, "forgot maxima past fence.retention"),
+                Err(e) => {
+                    tracing::warn!(error = %e, "forgetting maxima past fence.retention failed")
+                }
+            }
+        });
+    }
+}
+
+/// Deletes the maxima raised more than `secs` ago, creating the index of `raised_at` first if
+/// it is missing. Returns how many it deleted.
+async fn forget(pool: &Pool, index: &str, delete: &str, secs: f64) -> Result<u64, StoreError> {
+    let client = pool.get().await.map_err(|e| failed(&e))?;
+    client.batch_execute(index).await.map_err(|e| failed(&e))?;
+    let mut deleted = 0;
+    loop {
+        let n = client
+            .execute(delete, &[&secs, &PURGE_BATCH])
+            .await
+            .map_err(|e| failed(&e))?;
+        deleted += n;
+        if n < PURGE_BATCH as u64 {
+            return Ok(deleted);
+        }
+    }
+}
