@@ -156,7 +156,7 @@ impl Server {
             drain: config
                 .leases
                 .as_ref()
-                .map_or(settings.drain, |l| l.drain_timeout()),
+                .map_or(settings.drain, |l| l.drain_timeout),
             ..settings.clone()
         };
         let (stop, stopped) = watch::channel(false);
@@ -213,7 +213,7 @@ impl Server {
             leases = lease_addrs.map(|(api, _)| api.to_string()),
             egress = lease_addrs.and_then(|(_, e)| e).map(|e| e.to_string()),
             store = store.kind(),
-            store_url = config.store.url.as_ref().map(|u| u.to_string()),
+            store_url = config.store.remote().map(|r| r.url.to_string()),
             "fencegate started"
         );
         Ok(Server {

@@ -190,7 +190,7 @@ pub fn main() -> ExitCode {
                         crate::duration::display(ttl.minimum),
                         crate::duration::display(ttl.renew_every()),
                         crate::duration::display(ttl.drift_buffer),
-                        crate::duration::display(leases.drain_timeout()),
+                        crate::duration::display(leases.drain_timeout),
                         ttl.p99_work
                             .map(|w| format!(", dedup window {}", crate::duration::display(ttl.ttl + w)))
                             .unwrap_or_default()
@@ -269,7 +269,7 @@ pub fn main() -> ExitCode {
             for warning in config.warnings() {
                 tracing::warn!(warning, "configuration warning");
             }
-            let embedded = config.store.kind == crate::config::StoreKind::Embedded;
+            let embedded = matches!(config.store, crate::config::StoreConfig::Embedded { .. });
             runtime(embedded).block_on(run(config, path))
         }
         Command::Demo => runtime(false).block_on(crate::demo::run()),

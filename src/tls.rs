@@ -11,7 +11,7 @@ use rustls::{ClientConfig, RootCertStore, ServerConfig};
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 
-use crate::config::{ClientTlsConfig, Config, TlsConfig};
+use crate::config::{ClientTlsConfig, Config, Remote, TlsConfig};
 
 /// The one crypto provider, named explicitly so no feature flag elsewhere can swap it.
 pub fn provider() -> Arc<CryptoProvider> {
@@ -255,13 +255,33 @@ fn build(files: &ClientTlsConfig, field: &str, alpn: &[Vec<u8>]) -> Result<Clien
 
 /// Reads every store and lease backend TLS file a config names, as `run` does at start.
 pub fn check_client_files(config: &Config) -> Result<(), String> {
-    if let Some(tls) = &config.store.tls {
+    if let Some(tls) = config.store.remote().and_then(|r| r.tls.as_ref()) {
         build(tls, "store.tls", &[])?;
     }
-    if let Some(tls) = config.leases.as_ref().and_then(|l| l.backend.tls.as_ref()) {
+    let backend = config.leases.as_ref().and_then(|l| l.backend.remote());
+    if let Some(tls) = backend.and_then(|r| r.tls.as_ref()) {
         build(tls, "leases.backend.tls", &[])?;
     }
     Ok(())
+}
+
+impl ClientTls {
+    /// The TLS of a connection to `remote`: its `tls` files; without them, the public web
+    /// roots for a TLS URL (`rediss://`, `https://`), and none for a plaintext one. `field`
+    /// names the config field in messages.
+    pub fn for_remote(
+        remote: &Remote,
+        field: &'static str,
+        alpn: &[&[u8]],
+    ) -> Result<Option<Arc<ClientTls>>, String> {
+        let web_roots = ClientTlsConfig::default();
+        let files = match (&remote.tls, remote.url.is_tls()) {
+            (Some(files), _) => files,
+            (None, true) => &web_roots,
+            (None, false) => return Ok(None),
+        };
+        ClientTls::load(files, field, alpn).map(|tls| Some(Arc::new(tls)))
+    }
 }
 
 #[cfg(test)]

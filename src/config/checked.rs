@@ -33,18 +33,28 @@ where
     R: Deserialize<'de>,
     T: TryFrom<R, Error = String>,
 {
-    struct V<R, T>(PhantomData<(R, T)>);
+    from_map_expecting(d, "a mapping")
+}
+
+/// [`from_map`], saying what the mapping holds when the value is not one.
+pub fn from_map_expecting<'de, D, R, T>(d: D, expecting: &'static str) -> Result<T, D::Error>
+where
+    D: Deserializer<'de>,
+    R: Deserialize<'de>,
+    T: TryFrom<R, Error = String>,
+{
+    struct V<R, T>(&'static str, PhantomData<(R, T)>);
     impl<'de, R: Deserialize<'de>, T: TryFrom<R, Error = String>> Visitor<'de> for V<R, T> {
         type Value = T;
         fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-            f.write_str("a mapping")
+            f.write_str(self.0)
         }
         fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<T, A::Error> {
             let raw = R::deserialize(de::value::MapAccessDeserializer::new(map))?;
             T::try_from(raw).map_err(de::Error::custom)
         }
     }
-    d.deserialize_map(V(PhantomData))
+    d.deserialize_map(V(expecting, PhantomData))
 }
 
 /// Parses a list of mappings `E`, checking each against those before it while it is read, so

@@ -9,7 +9,11 @@ use serde::{Deserialize, Deserializer, Serialize};
 
 use super::checked;
 use super::routes::{uses_captures, Paths, Shape};
-use super::{ClientTlsConfig, MethodCfg, PathTemplate, ResourceTemplate, SecretUrl, UpstreamUrl};
+use super::store::{check_prefix, default_prefix};
+use super::{
+    ClientTlsConfig, MethodCfg, PathTemplate, Remote, RemoteKind, ResourceTemplate, SecretUrl,
+    UpstreamUrl,
+};
 use crate::duration::display;
 use crate::ttl::{derive, TtlInputs, MAX_LEASE_DURATION, MIN_TTL};
 
@@ -43,28 +47,28 @@ fn at_most_max(ttl: Duration) -> Result<Duration, String> {
     Ok(ttl)
 }
 
+/// Where leases are granted, with its defaults filled in.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BackendConfig {
+    /// Leases in a local redb file: for one process, or tests.
+    Embedded {
+        path: PathBuf,
+        /// The redb table's name, checked like the store's.
+        prefix: String,
+    },
+    Redis(Remote),
+    Postgres(Remote),
+    Etcd(Remote),
+}
+
+/// `kind:` as written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
-pub enum BackendKind {
+enum BackendKind {
     Embedded,
     Redis,
     Postgres,
     Etcd,
-}
-
-/// Where leases are granted.
-#[derive(Debug, Clone, Serialize)]
-pub struct BackendConfig {
-    pub kind: BackendKind,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub url: Option<SecretUrl>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub path: Option<PathBuf>,
-    /// Key / table namespace, validated like the store's.
-    pub prefix: String,
-    /// TLS to a Redis, PostgreSQL or etcd backend (docs/stores.md).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub tls: Option<ClientTlsConfig>,
 }
 
 #[derive(Deserialize)]
@@ -78,46 +82,40 @@ struct RawBackend {
     tls: Option<ClientTlsConfig>,
 }
 
-fn default_prefix() -> String {
-    "fencegate".into()
-}
-
 const DEFAULT_LEASE_PATH: &str = "/var/lib/fencegate/leases.db";
 
 impl TryFrom<RawBackend> for BackendConfig {
     type Error = String;
     fn try_from(raw: RawBackend) -> Result<Self, String> {
-        super::check_prefix(&raw.prefix)?;
-        let store_kind = match raw.kind {
-            BackendKind::Embedded => None,
-            BackendKind::Redis => Some(super::StoreKind::Redis),
-            BackendKind::Postgres => Some(super::StoreKind::Postgres),
-            BackendKind::Etcd => Some(super::StoreKind::Etcd),
+        check_prefix(&raw.prefix)?;
+        let remote = |kind: RemoteKind, raw: RawBackend| -> Result<Remote, String> {
+            let Some(url) = raw.url else {
+                return Err("this backend kind needs a `url`".into());
+            };
+            if raw.path.is_some() {
+                return Err("`path` is for the embedded backend".into());
+            }
+            url.check(kind, raw.tls.as_ref())?;
+            Ok(Remote {
+                url,
+                tls: raw.tls,
+                prefix: raw.prefix,
+            })
         };
-        match (store_kind, &raw.url, &raw.path) {
-            (None, Some(_), _) => Err("`url` is for the redis, postgres and etcd backends".into()),
-            (None, None, _) if raw.tls.is_some() => {
+        match raw.kind {
+            BackendKind::Embedded if raw.url.is_some() => {
+                Err("`url` is for the redis, postgres and etcd backends".into())
+            }
+            BackendKind::Embedded if raw.tls.is_some() => {
                 Err("`tls` is for the redis, postgres and etcd backends".into())
             }
-            (None, None, path) => Ok(BackendConfig {
-                kind: raw.kind,
-                url: None,
-                path: Some(path.clone().unwrap_or_else(|| DEFAULT_LEASE_PATH.into())),
+            BackendKind::Embedded => Ok(BackendConfig::Embedded {
+                path: raw.path.unwrap_or_else(|| DEFAULT_LEASE_PATH.into()),
                 prefix: raw.prefix,
-                tls: None,
             }),
-            (Some(_), None, _) => Err("this backend kind needs a `url`".into()),
-            (Some(_), _, Some(_)) => Err("`path` is for the embedded backend".into()),
-            (Some(kind), Some(url), None) => {
-                url.check(kind, raw.tls.as_ref())?;
-                Ok(BackendConfig {
-                    kind: raw.kind,
-                    url: raw.url,
-                    path: None,
-                    prefix: raw.prefix,
-                    tls: raw.tls,
-                })
-            }
+            BackendKind::Redis => remote(RemoteKind::Redis, raw).map(BackendConfig::Redis),
+            BackendKind::Postgres => remote(RemoteKind::Postgres, raw).map(BackendConfig::Postgres),
+            BackendKind::Etcd => remote(RemoteKind::Etcd, raw).map(BackendConfig::Etcd),
         }
     }
 }
@@ -125,6 +123,61 @@ impl TryFrom<RawBackend> for BackendConfig {
 impl<'de> Deserialize<'de> for BackendConfig {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         checked::from_map::<D, RawBackend, BackendConfig>(d)
+    }
+}
+
+/// Printed as written: `kind` and the fields it uses.
+#[derive(Serialize)]
+struct PrintedBackend<'a> {
+    kind: BackendKind,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    url: Option<&'a SecretUrl>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    path: Option<&'a PathBuf>,
+    prefix: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tls: Option<&'a ClientTlsConfig>,
+}
+
+impl<'a> PrintedBackend<'a> {
+    fn remote(kind: BackendKind, remote: &'a Remote) -> Self {
+        PrintedBackend {
+            kind,
+            url: Some(&remote.url),
+            path: None,
+            prefix: &remote.prefix,
+            tls: remote.tls.as_ref(),
+        }
+    }
+}
+
+impl Serialize for BackendConfig {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let printed = match self {
+            BackendConfig::Embedded { path, prefix } => PrintedBackend {
+                kind: BackendKind::Embedded,
+                url: None,
+                path: Some(path),
+                prefix,
+                tls: None,
+            },
+            BackendConfig::Redis(r) => PrintedBackend::remote(BackendKind::Redis, r),
+            BackendConfig::Postgres(r) => PrintedBackend::remote(BackendKind::Postgres, r),
+            BackendConfig::Etcd(r) => PrintedBackend::remote(BackendKind::Etcd, r),
+        };
+        printed.serialize(s)
+    }
+}
+
+impl BackendConfig {
+    /// The networked backend's server, if it is one.
+    pub fn remote(&self) -> Option<&Remote> {
+        match self {
+            BackendConfig::Embedded { .. } => None,
+            BackendConfig::Redis(remote)
+            | BackendConfig::Postgres(remote)
+            | BackendConfig::Etcd(remote) => Some(remote),
+        }
     }
 }
 
@@ -339,34 +392,63 @@ fn default_jitter() -> Duration {
     Duration::from_millis(100)
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, expecting = "a mapping with `backend` and `ttl`")]
+#[derive(Debug, Clone, Serialize)]
 pub struct LeasesConfig {
     /// The local lease API; loopback by default so only the pod's app can use it.
+    pub listen: SocketAddr,
+    pub backend: BackendConfig,
+    pub ttl: LeaseTtl,
+    pub acquire: AcquireConfig,
+    /// SIGTERM: in-flight work gets this long before leases are released; as written, or
+    /// 2 × ttl.
+    #[serde(skip)]
+    pub drain_timeout: Duration,
+    /// `drain_timeout` as written. A default is shown on `check`'s `# leases:` line only, so
+    /// that the printed config keeps following the TTL.
+    #[serde(
+        rename = "drain_timeout",
+        serialize_with = "crate::duration::option::serialize",
+        skip_serializing_if = "Option::is_none"
+    )]
+    written_drain_timeout: Option<Duration>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawLeases {
     #[serde(
         default = "default_lease_listen",
         deserialize_with = "super::values::address"
     )]
-    pub listen: SocketAddr,
-    pub backend: BackendConfig,
-    pub ttl: LeaseTtl,
+    listen: SocketAddr,
+    backend: BackendConfig,
+    ttl: LeaseTtl,
     #[serde(default)]
-    pub acquire: AcquireConfig,
-    /// SIGTERM: in-flight work gets this long before leases are released, as written. Default
-    /// 2 × ttl ([`LeasesConfig::drain_timeout`]), which `check` shows on its `# leases:` line
-    /// only, so that the printed config keeps following the TTL.
-    #[serde(
-        default,
-        deserialize_with = "drain_timeout",
-        serialize_with = "crate::duration::option::serialize",
-        skip_serializing_if = "Option::is_none"
-    )]
-    pub drain_timeout: Option<Duration>,
+    acquire: AcquireConfig,
+    #[serde(default, deserialize_with = "drain_timeout")]
+    drain_timeout: Option<Duration>,
 }
 
-impl LeasesConfig {
-    pub fn drain_timeout(&self) -> Duration {
-        self.drain_timeout.unwrap_or(self.ttl.ttl.saturating_mul(2))
+impl TryFrom<RawLeases> for LeasesConfig {
+    type Error = String;
+    fn try_from(raw: RawLeases) -> Result<Self, String> {
+        Ok(LeasesConfig {
+            drain_timeout: raw.drain_timeout.unwrap_or(raw.ttl.ttl.saturating_mul(2)),
+            written_drain_timeout: raw.drain_timeout,
+            listen: raw.listen,
+            backend: raw.backend,
+            ttl: raw.ttl,
+            acquire: raw.acquire,
+        })
+    }
+}
+
+impl<'de> Deserialize<'de> for LeasesConfig {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        checked::from_map_expecting::<D, RawLeases, LeasesConfig>(
+            d,
+            "a mapping with `backend` and `ttl`",
+        )
     }
 }
 
@@ -515,14 +597,14 @@ mod tests {
         )
         .unwrap();
         let leases = c.leases.as_ref().unwrap();
-        assert_eq!(leases.drain_timeout(), super::MAX_DRAIN_TIMEOUT);
+        assert_eq!(leases.drain_timeout, super::MAX_DRAIN_TIMEOUT);
         let c = Config::parse(
             "upstream: http://a:1\nleases:\n  backend: { kind: embedded }\n  ttl: 1h\n  drain_timeout: 2h\n",
         )
         .unwrap();
-        assert_eq!(
-            c.leases.unwrap().drain_timeout,
-            Some(super::MAX_DRAIN_TIMEOUT)
-        );
+        let leases = c.leases.unwrap();
+        assert_eq!(leases.drain_timeout, super::MAX_DRAIN_TIMEOUT);
+        let printed = serde_yaml::to_string(&leases).unwrap();
+        assert!(printed.contains("drain_timeout: 2h"), "{printed}");
     }
 }

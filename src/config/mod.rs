@@ -6,6 +6,7 @@
 pub(crate) mod checked;
 mod leases;
 mod routes;
+mod store;
 mod store_tls;
 mod types;
 mod values;
@@ -16,9 +17,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Deserializer, Serialize};
 
-pub use leases::{
-    AcquireConfig, BackendConfig, BackendKind, EgressConfig, EgressRoute, LeaseTtl, LeasesConfig,
-};
+pub use leases::{AcquireConfig, BackendConfig, EgressConfig, EgressRoute, LeaseTtl, LeasesConfig};
+pub use store::{Remote, RemoteKind, StoreConfig};
 pub use store_tls::ClientTlsConfig;
 pub use types::{
     HeaderNameCfg, MethodCfg, PathTemplate, ResourcePart, ResourceTemplate, SecretUrl, UpstreamUrl,
@@ -162,135 +162,6 @@ pub enum EqualTokens {
     #[default]
     Allow,
     Reject,
-}
-
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum StoreKind {
-    Memory,
-    #[default]
-    Embedded,
-    Redis,
-    Postgres,
-    Etcd,
-}
-
-#[derive(Debug, Clone, Serialize)]
-pub struct StoreConfig {
-    pub kind: StoreKind,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub path: Option<PathBuf>,
-    /// Printed and logged with its password masked.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub url: Option<SecretUrl>,
-    pub prefix: String,
-    /// Embedded and networked stores: how many resources' maxima are kept in memory (the
-    /// recently used ones). Networked stores answer refusals from them without a round trip;
-    /// the embedded store reads the others from its file.
-    pub cache_size: usize,
-    /// TLS to a Redis, PostgreSQL or etcd store (docs/stores.md).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub tls: Option<ClientTlsConfig>,
-}
-
-impl Default for StoreConfig {
-    fn default() -> Self {
-        StoreConfig {
-            kind: StoreKind::Embedded,
-            path: Some(PathBuf::from(DEFAULT_STORE_PATH)),
-            url: None,
-            prefix: default_prefix(),
-            cache_size: DEFAULT_CACHE_SIZE,
-            tls: None,
-        }
-    }
-}
-
-const DEFAULT_CACHE_SIZE: usize = 100_000;
-
-impl<'de> Deserialize<'de> for StoreConfig {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        checked::from_map::<D, RawStore, StoreConfig>(d)
-    }
-}
-
-const DEFAULT_STORE_PATH: &str = "/var/lib/fencegate/fences.db";
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RawStore {
-    #[serde(default)]
-    kind: StoreKind,
-    path: Option<PathBuf>,
-    url: Option<SecretUrl>,
-    #[serde(default = "default_prefix")]
-    prefix: String,
-    #[serde(
-        default = "default_cache_size",
-        deserialize_with = "values::Count::<100000>::de"
-    )]
-    cache_size: usize,
-    tls: Option<ClientTlsConfig>,
-}
-
-fn default_cache_size() -> usize {
-    DEFAULT_CACHE_SIZE
-}
-
-impl TryFrom<RawStore> for StoreConfig {
-    type Error = String;
-
-    fn try_from(raw: RawStore) -> Result<Self, Self::Error> {
-        match raw.kind {
-            StoreKind::Memory | StoreKind::Embedded => {
-                if raw.url.is_some() {
-                    return Err("`url` is for the redis, postgres and etcd stores".into());
-                }
-                if raw.tls.is_some() {
-                    return Err("`tls` is for the redis, postgres and etcd stores".into());
-                }
-            }
-            StoreKind::Redis | StoreKind::Postgres | StoreKind::Etcd => {
-                let Some(url) = &raw.url else {
-                    return Err("this store kind needs a `url`".into());
-                };
-                url.check(raw.kind, raw.tls.as_ref())?;
-                if raw.path.is_some() {
-                    return Err("`path` is for the embedded store".into());
-                }
-            }
-        }
-        if raw.kind == StoreKind::Memory && raw.path.is_some() {
-            return Err("`path` is for the embedded store".into());
-        }
-        let identifier = raw.prefix.len() <= 40
-            && raw
-                .prefix
-                .starts_with(|c: char| c.is_ascii_alphabetic() || c == '_')
-            && raw
-                .prefix
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || c == '_');
-        if !identifier {
-            // It names a PostgreSQL table, a redb table and Redis/etcd key prefixes.
-            return Err(format!(
-                "`prefix` `{}` must be 1-40 letters, digits or `_`, not starting with a digit",
-                raw.prefix
-            ));
-        }
-        let path = match raw.kind {
-            StoreKind::Embedded => Some(raw.path.unwrap_or_else(|| DEFAULT_STORE_PATH.into())),
-            _ => None,
-        };
-        Ok(StoreConfig {
-            kind: raw.kind,
-            path,
-            url: raw.url,
-            prefix: raw.prefix,
-            cache_size: raw.cache_size,
-            tls: raw.tls,
-        })
-    }
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -723,22 +594,6 @@ pub fn expand_env(text: &str, lookup: impl Fn(&str) -> Option<String>) -> Result
     Ok(out)
 }
 
-/// A prefix names PostgreSQL and redb tables and Redis/etcd key prefixes: keep it an identifier.
-fn check_prefix(prefix: &str) -> Result<(), String> {
-    let identifier = prefix.len() <= 40
-        && prefix.starts_with(|c: char| c.is_ascii_alphabetic() || c == '_')
-        && prefix
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || c == '_');
-    if identifier {
-        Ok(())
-    } else {
-        Err(format!(
-            "`prefix` `{prefix}` must be 1-40 letters, digits or `_`, not starting with a digit"
-        ))
-    }
-}
-
 fn default_listen() -> SocketAddr {
     SocketAddr::from(([0, 0, 0, 0], 7440))
 }
@@ -749,10 +604,6 @@ fn default_admin() -> SocketAddr {
 
 fn default_token_header() -> HeaderNameCfg {
     HeaderNameCfg(http::header::HeaderName::from_static("fencing-token"))
-}
-
-fn default_prefix() -> String {
-    "fencegate".to_owned()
 }
 
 /// The longest timeout (`timeouts.*`, `barrier_timeout`) a config may set. Every duration

@@ -13,8 +13,14 @@ fn minimal_config_gets_spec_defaults() {
     assert_eq!(c.admin.to_string(), "0.0.0.0:7441");
     assert_eq!(c.token.header.0.as_str(), "fencing-token");
     assert_eq!(c.token.equal, EqualTokens::Allow);
-    assert_eq!(c.store.kind, StoreKind::Embedded);
-    assert_eq!(c.store.path.as_deref(), Some(Path::new(DEFAULT_STORE_PATH)));
+    assert_eq!(
+        c.store,
+        StoreConfig::Embedded {
+            path: PathBuf::from(store::DEFAULT_STORE_PATH),
+            prefix: "fencegate".into(),
+            cache_size: 100_000,
+        }
+    );
     assert_eq!(c.unmatched, Unmatched::Forward);
     assert!(c.routes.is_empty());
 }
@@ -262,7 +268,7 @@ fn values_that_follow_the_ttl_are_printed_only_when_written() {
     .unwrap();
     let leases = c.leases.as_ref().unwrap();
     assert_eq!(leases.ttl.ttl, Duration::from_millis(1500));
-    assert_eq!(leases.drain_timeout(), Duration::from_secs(3));
+    assert_eq!(leases.drain_timeout, Duration::from_secs(3));
     assert_eq!(
         c.idempotency.as_ref().unwrap().window(),
         Duration::from_millis(2300)
@@ -298,7 +304,7 @@ access_log: false
     let edited = Config::parse(&printed.replace("p99_work: 800ms", "p99_work: 1800ms")).unwrap();
     let leases = edited.leases.as_ref().unwrap();
     assert_eq!(leases.ttl.ttl, Duration::from_millis(2500));
-    assert_eq!(leases.drain_timeout(), Duration::from_secs(5));
+    assert_eq!(leases.drain_timeout, Duration::from_secs(5));
     assert_eq!(
         edited.idempotency.as_ref().unwrap().window(),
         Duration::from_millis(4300)
@@ -322,7 +328,7 @@ fn store_urls_never_print_their_password() {
         "upstream: http://a:1\nstore: { kind: postgres, url: 'postgres://app:s3cret@db:5432/fences' }\n",
     )
     .unwrap();
-    let url = c.store.url.as_ref().unwrap();
+    let url = &c.store.remote().unwrap().url;
     assert_eq!(url.expose(), "postgres://app:s3cret@db:5432/fences");
     assert_eq!(url.to_string(), "postgres://app:****@db:5432/fences");
     assert_eq!(format!("{url:?}"), "postgres://app:****@db:5432/fences");
@@ -374,7 +380,7 @@ fn leases_and_egress_sections() {
     assert_eq!(leases.ttl.ttl, Duration::from_millis(1500));
     assert_eq!(leases.ttl.drift_buffer, Duration::from_millis(100));
     assert_eq!(leases.ttl.renew_every(), Duration::from_millis(500));
-    assert_eq!(leases.drain_timeout(), Duration::from_secs(3));
+    assert_eq!(leases.drain_timeout, Duration::from_secs(3));
     assert_eq!(leases.listen.to_string(), "127.0.0.1:7442");
     assert_eq!(
         c.egress.as_ref().unwrap().listen.to_string(),
@@ -883,16 +889,15 @@ fn store_tls_prints_back_and_loads_again() {
          leases: { backend: { kind: etcd, url: 'https://e:2379', tls: { ca: /etc/ca.pem } }, ttl: 1s }\n",
     )
     .unwrap();
-    let tls = c.store.tls.as_ref().unwrap();
+    let tls = c.store.remote().unwrap().tls.as_ref().unwrap();
     assert_eq!(tls.server_name.as_deref(), Some("redis.internal"));
     assert_eq!(tls.key.as_deref(), Some(Path::new("/k.pem")));
     let yaml = c.to_yaml();
     assert!(yaml.contains("rediss://app:****@r:6380/0"), "{yaml}");
     assert!(!yaml.contains("pw"), "{yaml}");
     let again = Config::parse(&yaml).unwrap();
-    assert_eq!(again.store.tls, c.store.tls);
-    assert_eq!(
-        again.leases.unwrap().backend.tls,
-        c.leases.unwrap().backend.tls
-    );
+    let tls = |store: &StoreConfig| store.remote().unwrap().tls.clone();
+    assert_eq!(tls(&again.store), tls(&c.store));
+    let tls = |leases: Option<LeasesConfig>| leases.unwrap().backend.remote().unwrap().tls.clone();
+    assert_eq!(tls(again.leases), tls(c.leases));
 }

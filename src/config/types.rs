@@ -6,6 +6,7 @@
 use std::fmt;
 
 use super::checked::checked_from_str;
+use super::RemoteKind;
 
 use http::header::HeaderName;
 use http::{Method, Uri};
@@ -442,29 +443,27 @@ impl SecretUrl {
     /// mapping), so that no config asks for TLS and gets plaintext.
     pub fn check(
         &self,
-        kind: super::StoreKind,
+        kind: RemoteKind,
         tls: Option<&super::ClientTlsConfig>,
     ) -> Result<(), String> {
-        use super::StoreKind;
         let (ok, name, example) = match kind {
-            StoreKind::Redis => (
+            RemoteKind::Redis => (
                 self.0.starts_with("redis://") || self.0.starts_with("rediss://"),
                 "redis",
                 "redis://127.0.0.1:6379/",
             ),
-            StoreKind::Postgres => (
+            RemoteKind::Postgres => (
                 self.0.starts_with("postgres://") || self.0.starts_with("postgresql://"),
                 "postgres",
                 "postgres://user:password@127.0.0.1:5432/database",
             ),
-            StoreKind::Etcd => (
+            RemoteKind::Etcd => (
                 self.0.starts_with("etcd://")
                     || self.0.starts_with("http://")
                     || self.0.starts_with("https://"),
                 "etcd",
                 "etcd://127.0.0.1:2379",
             ),
-            StoreKind::Memory | StoreKind::Embedded => (false, "", ""),
         };
         if !ok {
             // Not printed: without a scheme it cannot be told where a password would be.
@@ -473,13 +472,13 @@ impl SecretUrl {
             ));
         }
         match kind {
-            StoreKind::Redis if tls.is_some() && !self.0.starts_with("rediss://") => Err(format!(
+            RemoteKind::Redis if tls.is_some() && !self.0.starts_with("rediss://") => Err(format!(
                 "`tls` needs a rediss:// url (`{self}` would connect in plaintext)"
             )),
-            StoreKind::Etcd if tls.is_some() && !self.0.starts_with("https://") => Err(format!(
+            RemoteKind::Etcd if tls.is_some() && !self.0.starts_with("https://") => Err(format!(
                 "`tls` needs an https:// url (`{self}` would connect in plaintext)"
             )),
-            StoreKind::Postgres => {
+            RemoteKind::Postgres => {
                 let sslmode = self.query_param("sslmode");
                 match (tls, sslmode) {
                     (Some(_), Some("disable" | "allow" | "prefer")) => Err(format!(

@@ -7,7 +7,7 @@ use std::net::SocketAddr;
 
 use serde_json::{json, Value};
 
-use crate::config::{Config, StoreKind};
+use crate::config::{Config, StoreConfig};
 
 /// The variable the injector itself sets on the sidecar, from the pod's
 /// `fencegate.io/upstream-port` annotation.
@@ -69,7 +69,7 @@ impl SidecarConfig {
             text: text.to_owned(),
             lease_api: config.leases.as_ref().map(|l| local_url(l.listen)),
             egress_url: config.egress.as_ref().map(|e| local_url(e.listen)),
-            embedded_store: config.store.kind == StoreKind::Embedded,
+            embedded_store: matches!(config.store, StoreConfig::Embedded { .. }),
         })
     }
 
