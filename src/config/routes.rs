@@ -1,12 +1,87 @@
-//! The checks across the routes of a list (`routes`, `egress.routes`): unique names, captures
-//! that exist, and paths the router can tell apart. Each route is checked against those
-//! before it as it is read, so that an error carries the route's own line and column. The
-//! egress routes' list ([`super::leases`]) is checked with the same parts.
+//! The `routes:` and `unmatched:` sections, and the checks across the routes of a list
+//! (`routes`, `egress.routes`): unique names, captures that exist, and paths the router can
+//! tell apart. Each route is checked against those before it as it is read, so that an error
+//! carries the route's own line and column. The egress routes' list ([`super::egress`]) is
+//! checked with the same parts.
 
-use serde::Deserializer;
+use std::time::Duration;
 
-use super::checked;
-use super::{MethodCfg, PathTemplate, ResourceTemplate, RouteConfig};
+use serde::{Deserialize, Deserializer, Serialize};
+
+use super::{checked, values};
+use super::{IdempotencyConfig, MethodCfg, PathTemplate, ResourceTemplate};
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteConfig {
+    pub name: String,
+    pub path: PathTemplate,
+    /// Fenced methods; `None` means every method except GET, HEAD and OPTIONS.
+    #[serde(
+        default,
+        deserialize_with = "values::methods",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub methods: Option<Vec<MethodCfg>>,
+    /// Resource id template; `None` means the normalised request path.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resource: Option<ResourceTemplate>,
+    #[serde(default)]
+    pub missing_token: MissingToken,
+    #[serde(default)]
+    pub ordering: Ordering,
+    #[serde(default = "default_barrier_timeout", with = "crate::duration")]
+    pub barrier_timeout: Duration,
+    #[serde(default = "default_true", deserialize_with = "values::flag")]
+    pub fence: bool,
+    /// `false`: no idempotency keys on this route even though the `idempotency` section is
+    /// there; `true`: requires that section. Absent: follow the section.
+    #[serde(
+        default,
+        deserialize_with = "values::optional_flag",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub idempotency: Option<bool>,
+}
+
+impl RouteConfig {
+    /// Whether idempotency keys apply to this route under `section`.
+    pub fn idempotent(&self, section: Option<&IdempotencyConfig>) -> bool {
+        self.fence && section.is_some() && self.idempotency != Some(false)
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MissingToken {
+    #[default]
+    Reject,
+    Allow,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Ordering {
+    #[default]
+    None,
+    Serialize,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Unmatched {
+    #[default]
+    Forward,
+    Reject,
+}
+
+fn default_barrier_timeout() -> Duration {
+    Duration::from_secs(5)
+}
+
+fn default_true() -> bool {
+    true
+}
 
 /// What the checks need of a route, ingress or egress.
 pub(super) trait Shape {

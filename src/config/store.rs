@@ -1,12 +1,12 @@
 //! The `store:` section (docs/stores.md): where recorded maxima live, one variant per kind
-//! with exactly the fields that kind uses, and what a networked store shares with a networked
-//! lease backend ([`Remote`]): its URL, TLS files and key prefix.
+//! with exactly the fields that kind uses. A networked store is a [`Remote`], as a networked
+//! lease backend is.
 
 use std::path::PathBuf;
 
 use serde::{Deserialize, Deserializer, Serialize};
 
-use super::{checked, values, ClientTlsConfig, SecretUrl};
+use super::{checked, values, ClientTlsConfig, Remote, RemoteKind, SecretUrl};
 
 /// The fence store, with its defaults filled in.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -39,26 +39,6 @@ pub enum StoreConfig {
         /// As for [`StoreConfig::Redis`].
         cache_size: usize,
     },
-}
-
-/// A Redis, PostgreSQL or etcd server: a networked store or lease backend.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Remote {
-    /// Printed and logged with its password masked; its scheme fits the kind and says
-    /// whether the connection uses TLS ([`SecretUrl::check`]).
-    pub url: SecretUrl,
-    /// TLS files (docs/stores.md); without them, a TLS URL trusts the public web roots.
-    pub tls: Option<ClientTlsConfig>,
-    /// Key / table namespace ([`check_prefix`]).
-    pub prefix: String,
-}
-
-/// The kinds of [`Remote`], for checking a URL against the kind it was written for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RemoteKind {
-    Redis,
-    Postgres,
-    Etcd,
 }
 
 impl StoreConfig {
