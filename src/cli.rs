@@ -1,13 +1,15 @@
 //! The command line (README.md, Commands). Exit codes: 0 ok, 1 invalid config or failure, 2 usage error.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 
 use crate::app::Server;
-use crate::config::Config;
+use crate::config::{Config, ConfigError};
+use crate::inject::SidecarConfigError;
+use crate::tls::TlsError;
 use crate::ttl::{self, TtlInputs};
 
 #[derive(Parser)]
@@ -106,20 +108,42 @@ struct SidecarArgs {
     env_from_secret: Option<String>,
 }
 
+/// Why the sidecar config given to `inject` or `webhook` cannot be used.
+#[derive(Debug, thiserror::Error)]
+enum SidecarFileError {
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path}: {source}")]
+    Invalid {
+        path: PathBuf,
+        source: SidecarConfigError,
+    },
+}
+
 impl SidecarArgs {
     /// The injection options; the error names the config file.
     fn options(
         self,
         image: Option<String>,
         classic: bool,
-    ) -> Result<crate::inject::Options, String> {
+    ) -> Result<crate::inject::Options, SidecarFileError> {
         let config = match &self.config {
             None => None,
             Some(path) => {
-                let text = std::fs::read_to_string(path)
-                    .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-                let config = crate::inject::SidecarConfig::parse(&text)
-                    .map_err(|e| format!("{}: {e}", path.display()))?;
+                let text =
+                    std::fs::read_to_string(path).map_err(|source| SidecarFileError::Read {
+                        path: path.clone(),
+                        source,
+                    })?;
+                let config = crate::inject::SidecarConfig::parse(&text).map_err(|source| {
+                    SidecarFileError::Invalid {
+                        path: path.clone(),
+                        source,
+                    }
+                })?;
                 Some(config)
             }
         };
@@ -133,12 +157,64 @@ impl SidecarArgs {
     }
 }
 
-fn k8s_name(s: &str) -> Result<String, String> {
+/// A command-line value that is not a Kubernetes object name.
+#[derive(Debug, thiserror::Error)]
+#[error("a Kubernetes object name: lowercase letters, digits, `-` and `.`")]
+struct NotAnObjectName;
+
+fn k8s_name(s: &str) -> Result<String, NotAnObjectName> {
     if crate::inject::is_dns_subdomain(s) {
         Ok(s.to_owned())
     } else {
-        Err("a Kubernetes object name: lowercase letters, digits, `-` and `.`".to_owned())
+        Err(NotAnObjectName)
     }
+}
+
+/// Why `check` refuses a config file.
+#[derive(Debug, thiserror::Error)]
+enum CheckError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// A file that `tls` or `upstream_ca` names.
+    #[error("{path}: {field}: {source}")]
+    File {
+        path: PathBuf,
+        field: &'static str,
+        source: Box<TlsError>,
+    },
+    /// A file of the store's or the lease backend's `tls` mapping (the error names the field).
+    #[error("{path}: {source}")]
+    ClientFile {
+        path: PathBuf,
+        source: Box<TlsError>,
+    },
+}
+
+/// Loads a config as `run` would, and reads the files it names as `run` does before it
+/// listens.
+fn check(path: &Path) -> Result<Config, CheckError> {
+    let config = Config::load(path)?;
+    let file = |field| {
+        move |source| CheckError::File {
+            path: path.to_owned(),
+            field,
+            source: Box::new(source),
+        }
+    };
+    // TLS files are part of the config: a missing key should fail here, not at start.
+    if let Some(tls) = &config.tls {
+        crate::tls::server_config(tls).map_err(file("tls"))?;
+    }
+    // So is the upstream's CA bundle: `run` reads it before it listens.
+    if let Some(ca) = &config.upstream_ca {
+        crate::tls::client_config(Some(ca)).map_err(file("upstream_ca"))?;
+    }
+    // And the store's and the lease backend's TLS files.
+    crate::tls::check_client_files(&config).map_err(|source| CheckError::ClientFile {
+        path: path.to_owned(),
+        source: Box::new(source),
+    })?;
+    Ok(config)
 }
 
 fn duration(s: &str) -> Result<Duration, String> {
@@ -148,34 +224,7 @@ fn duration(s: &str) -> Result<Duration, String> {
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
-        Command::Check { config } => match Config::load(&config).and_then(|c| {
-            // TLS files are part of the config: a missing key should fail here, not at start.
-            if let Some(tls) = &c.tls {
-                crate::tls::server_config(tls).map_err(|message| {
-                    crate::config::ConfigError::Invalid {
-                        path: config.clone(),
-                        message: format!("tls: {message}"),
-                    }
-                })?;
-            }
-            // So is the upstream's CA bundle: `run` reads it before it listens.
-            if let Some(ca) = &c.upstream_ca {
-                crate::tls::client_config(Some(ca)).map_err(|message| {
-                    crate::config::ConfigError::Invalid {
-                        path: config.clone(),
-                        message: format!("upstream_ca: {message}"),
-                    }
-                })?;
-            }
-            // And the store's and the lease backend's TLS files.
-            crate::tls::check_client_files(&c).map_err(|message| {
-                crate::config::ConfigError::Invalid {
-                    path: config.clone(),
-                    message,
-                }
-            })?;
-            Ok(c)
-        }) {
+        Command::Check { config } => match check(&config) {
             Ok(c) => {
                 for warning in c.warnings() {
                     eprintln!("warning: {}: {warning}", config.display());

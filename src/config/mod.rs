@@ -6,6 +6,7 @@
 pub(crate) mod checked;
 mod egress;
 mod env;
+mod error;
 mod idempotency;
 mod lease_backend;
 mod lease_ttl;
@@ -25,12 +26,12 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 pub use egress::{EgressConfig, EgressRoute};
-pub use env::expand_env;
+pub use env::{expand_env, EnvError};
+pub use error::{ConfigError, ParseError, SectionsError};
 pub use idempotency::IdempotencyConfig;
 pub use lease_backend::BackendConfig;
 pub use lease_ttl::LeaseTtl;
 pub use leases::{AcquireConfig, LeasesConfig};
-use limits::MAX_TIMEOUT_TEXT;
 pub use limits::{Limits, Timeouts, MAX_TIMEOUT};
 pub use remote::{Remote, RemoteKind, SecretUrl};
 pub use routes::{MissingToken, Ordering, RouteConfig, Unmatched};
@@ -156,18 +157,6 @@ impl TryFrom<String> for Authority {
     }
 }
 
-/// A configuration error, displayed with its location when it has one.
-#[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
-    #[error("cannot read {path}: {source}")]
-    Read {
-        path: PathBuf,
-        source: std::io::Error,
-    },
-    #[error("{path}: {message}")]
-    Invalid { path: PathBuf, message: String },
-}
-
 impl Config {
     /// Reads and validates a configuration file.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
@@ -175,17 +164,18 @@ impl Config {
             path: path.to_owned(),
             source,
         })?;
-        let invalid = |message| ConfigError::Invalid {
+        let invalid = |source| ConfigError::Invalid {
             path: path.to_owned(),
-            message,
+            source,
         };
-        let text = expand_env(&text, |name| std::env::var(name).ok()).map_err(invalid)?;
+        let text = expand_env(&text, |name| std::env::var(name).ok())
+            .map_err(|e| invalid(ParseError::Env(e)))?;
         Config::parse(&text).map_err(invalid)
     }
 
     /// Parses configuration text; the error names line, column and field path.
-    pub fn parse(text: &str) -> Result<Config, String> {
-        let mut config = serde_yaml::from_str::<Config>(text).map_err(|e| e.to_string())?;
+    pub fn parse(text: &str) -> Result<Config, ParseError> {
+        let mut config = serde_yaml::from_str::<Config>(text)?;
         config.check_sections()?;
         let derived_window = config
             .leases
@@ -194,58 +184,41 @@ impl Config {
         if let Some(idempotency) = &mut config.idempotency {
             idempotency.resolved_window = match (idempotency.window, derived_window) {
                 (Some(w), _) if w.is_zero() => {
-                    return Err("idempotency.window must be greater than zero".into())
+                    return Err(SectionsError::ZeroIdempotencyWindow.into())
                 }
                 (Some(w), _) if w > MAX_WINDOW => {
-                    return Err(format!(
-                        "idempotency.window must be at most {MAX_WINDOW_TEXT}"
-                    ))
+                    return Err(SectionsError::IdempotencyWindowTooLong.into())
                 }
                 (Some(w), _) | (None, Some(w)) => w,
-                (None, None) => {
-                    return Err(
-                        "idempotency.window is required when no `leases` section gives \
-                         a TTL to derive it from (ttl + p99_work)"
-                            .into(),
-                    )
-                }
+                (None, None) => return Err(SectionsError::NoIdempotencyWindow.into()),
             };
         }
         Ok(config)
     }
 
     /// Checks across sections (no single value is wrong, so there is no line to point at).
-    fn check_sections(&self) -> Result<(), String> {
-        for (i, route) in self.routes.iter().enumerate() {
-            if route.barrier_timeout > MAX_TIMEOUT {
-                return Err(format!(
-                    "routes[{i}].barrier_timeout must be at most {MAX_TIMEOUT_TEXT}"
-                ));
+    fn check_sections(&self) -> Result<(), SectionsError> {
+        for (route, config) in self.routes.iter().enumerate() {
+            if config.barrier_timeout > MAX_TIMEOUT {
+                return Err(SectionsError::BarrierTimeoutTooLong { route });
             }
-            if route.idempotency == Some(true) && (self.idempotency.is_none() || !route.fence) {
-                return Err(format!(
-                    "routes[{i}].idempotency: true needs the top-level `idempotency` section \
-                     and a fenced route (`fence: true`)"
-                ));
+            if config.idempotency == Some(true) && (self.idempotency.is_none() || !config.fence) {
+                return Err(SectionsError::IdempotentRouteWithoutSection { route });
             }
         }
         if let Some(idempotency) = &self.idempotency {
             if idempotency.header.0 == self.token.header.0 {
-                return Err("idempotency.header and token.header must differ".into());
+                return Err(SectionsError::IdempotencyHeaderIsTokenHeader);
             }
             if idempotency.max_request_bytes == 0 {
-                return Err("idempotency.max_request_bytes must be greater than zero".into());
+                return Err(SectionsError::NoIdempotentRequestBytes);
             }
         }
         if self.fence.authority == Authority::Leases && self.leases.is_none() {
-            return Err(
-                "fence.authority: leases checks tokens against the lease backend configured \
-                 in the `leases` section, which is missing"
-                    .into(),
-            );
+            return Err(SectionsError::AuthorityWithoutLeases);
         }
         if self.egress.is_some() && self.leases.is_none() {
-            return Err("egress: attaching tokens needs the `leases` section".into());
+            return Err(SectionsError::EgressWithoutLeases);
         }
         let ports = [
             Some(("listen", self.listen)),
@@ -259,7 +232,11 @@ impl Config {
                 continue;
             }
             if let Some((b, _)) = ports[..i].iter().find(|(_, other)| other == addr) {
-                return Err(format!("`{a}` and `{b}` are both {addr}"));
+                return Err(SectionsError::SharedAddress {
+                    first: a,
+                    second: b,
+                    address: *addr,
+                });
             }
         }
         Ok(())
@@ -293,7 +270,6 @@ fn default_token_header() -> HeaderNameCfg {
 
 /// The longest idempotency window.
 pub const MAX_WINDOW: Duration = Duration::from_secs(30 * 24 * 3600);
-const MAX_WINDOW_TEXT: &str = "30days";
 
 #[cfg(test)]
 mod tests;

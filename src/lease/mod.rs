@@ -30,7 +30,7 @@ pub async fn open(config: &BackendConfig) -> Result<Arc<dyn LeaseBackend>, Lease
     // TLS files are read now, so that a bad one stops `run` with the field's name.
     let tls = |remote, alpn| {
         crate::tls::ClientTls::for_remote(remote, "leases.backend.tls", alpn)
-            .map_err(LeaseError::Unavailable)
+            .map_err(|e| LeaseError::Unavailable(e.to_string()))
     };
     match config {
         BackendConfig::Embedded { path, prefix } => {

@@ -114,7 +114,7 @@ pub async fn open_with_clock(
     // TLS files are read now, so that a bad one stops `run` with the field's name.
     let tls = |remote, alpn| {
         crate::tls::ClientTls::for_remote(remote, "store.tls", alpn)
-            .map_err(StoreError::Unavailable)
+            .map_err(|e| StoreError::Unavailable(e.to_string()))
     };
     match config {
         StoreConfig::Memory => Ok(Arc::new(MemoryStore::new())),

@@ -17,14 +17,25 @@ fn environment_variables_expand_in_config_files() {
     let c = Config::parse(&expanded).unwrap();
     assert_eq!(c.upstream.to_string(), "http://127.0.0.1:9090");
     let e = expand_env("upstream: x\nlisten: ${MISSING}\n", env).unwrap_err();
-    assert!(
-        e.contains("line 2") && e.contains("MISSING is not set"),
-        "{e}"
+    assert_eq!(
+        e,
+        EnvError::Unset {
+            line: 2,
+            name: "MISSING".into()
+        }
     );
-    assert!(expand_env("a: ${lower}", env).unwrap_err().contains("A-Z"));
-    assert!(expand_env("a: ${OPEN", env)
-        .unwrap_err()
-        .contains("closing"));
+    assert_eq!(
+        e.to_string(),
+        "line 2: environment variable MISSING is not set (write ${MISSING:-default} for a default)"
+    );
+    assert_eq!(
+        expand_env("a: ${lower}", env).unwrap_err().to_string(),
+        "line 1: `${lower}`: environment variable names are A-Z, 0-9 and _"
+    );
+    assert_eq!(
+        expand_env("a: ${OPEN", env).unwrap_err().to_string(),
+        "line 1: `${` without a closing `}`"
+    );
     assert_eq!(
         expand_env("no variables: {id}", env).unwrap(),
         "no variables: {id}"

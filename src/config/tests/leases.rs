@@ -94,6 +94,7 @@ fn refused(leases: &str) -> String {
         "upstream: http://a:1\nleases:\n  backend: {{ kind: embedded }}\n{leases}"
     ))
     .expect_err("config should be refused")
+    .to_string()
 }
 
 #[test]

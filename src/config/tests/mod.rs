@@ -9,7 +9,9 @@ mod values;
 const MINIMAL: &str = "upstream: http://127.0.0.1:8080\n";
 
 fn err(yaml: &str) -> String {
-    Config::parse(yaml).expect_err("config should be refused")
+    Config::parse(yaml)
+        .expect_err("config should be refused")
+        .to_string()
 }
 
 #[test]

@@ -32,7 +32,7 @@ fn absurd_timeouts_and_windows_are_refused() {
         ),
     ];
     for (yaml, path, message) in cases {
-        let e = Config::parse(yaml).expect_err(yaml);
+        let e = Config::parse(yaml).expect_err(yaml).to_string();
         assert!(e.contains(path) && e.contains(message), "{yaml}: {e}");
     }
     let longest = "upstream: http://a:1\ntimeouts: { upstream: 24h, shutdown: 24h, store: 24h, header_read: 24h }\nidempotency: { window: 30days }\nroutes: [{ name: a, path: /a, barrier_timeout: 24h }]\n";
