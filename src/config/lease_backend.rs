@@ -6,8 +6,9 @@ use std::path::PathBuf;
 use serde::{Deserialize, Deserializer, Serialize};
 
 use super::checked;
-use super::store::{check_prefix, default_prefix};
-use super::{ClientTlsConfig, Remote, RemoteKind, SecretUrl};
+use super::remote::{check_prefix, Holder};
+use super::store::default_prefix;
+use super::{ClientTlsConfig, KindError, Remote, RemoteKind, SecretUrl};
 
 /// Where leases are granted, with its defaults filled in.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -47,15 +48,16 @@ struct RawBackend {
 const DEFAULT_LEASE_PATH: &str = "/var/lib/fencegate/leases.db";
 
 impl TryFrom<RawBackend> for BackendConfig {
-    type Error = String;
-    fn try_from(raw: RawBackend) -> Result<Self, String> {
+    type Error = KindError;
+    fn try_from(raw: RawBackend) -> Result<Self, KindError> {
+        let holder = Holder::LeaseBackend;
         check_prefix(&raw.prefix)?;
-        let remote = |kind: RemoteKind, raw: RawBackend| -> Result<Remote, String> {
+        let remote = |kind: RemoteKind, raw: RawBackend| -> Result<Remote, KindError> {
             let Some(url) = raw.url else {
-                return Err("this backend kind needs a `url`".into());
+                return Err(KindError::NoUrl { holder });
             };
             if raw.path.is_some() {
-                return Err("`path` is for the embedded backend".into());
+                return Err(KindError::PathWithServer { holder });
             }
             url.check(kind, raw.tls.as_ref())?;
             Ok(Remote {
@@ -66,10 +68,10 @@ impl TryFrom<RawBackend> for BackendConfig {
         };
         match raw.kind {
             BackendKind::Embedded if raw.url.is_some() => {
-                Err("`url` is for the redis, postgres and etcd backends".into())
+                Err(KindError::UrlWithoutServer { holder })
             }
             BackendKind::Embedded if raw.tls.is_some() => {
-                Err("`tls` is for the redis, postgres and etcd backends".into())
+                Err(KindError::TlsWithoutServer { holder })
             }
             BackendKind::Embedded => Ok(BackendConfig::Embedded {
                 path: raw.path.unwrap_or_else(|| DEFAULT_LEASE_PATH.into()),

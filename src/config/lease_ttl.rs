@@ -8,28 +8,46 @@ use serde::{Deserialize, Deserializer, Serialize};
 use crate::duration::display;
 use crate::ttl::{derive, TtlInputs, MAX_LEASE_DURATION, MIN_TTL};
 
+/// A `leases.ttl` that cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TtlError {
+    #[error(
+        "a lease ttl of {} is below the {} floor, under which a lease cannot be renewed \
+         reliably: write {} or more",
+        display(*ttl),
+        display(MIN_TTL),
+        display(MIN_TTL)
+    )]
+    BelowFloor { ttl: Duration },
+    #[error(
+        "a lease ttl above {} is not supported (got {})",
+        display(MAX_LEASE_DURATION),
+        display(*ttl)
+    )]
+    AboveMax { ttl: Duration },
+    #[error(
+        "ttl {} is below the derived minimum {}",
+        display(*ttl),
+        display(*derived)
+    )]
+    BelowDerived { ttl: Duration, derived: Duration },
+    /// The latency budgets do not add up to a TTL.
+    #[error("{0}")]
+    Derivation(String),
+}
+
 /// Refuses a TTL written below [`MIN_TTL`] (a derived one is raised to it instead).
-fn below_floor(ttl: Duration) -> Result<(), String> {
+fn below_floor(ttl: Duration) -> Result<(), TtlError> {
     if ttl < MIN_TTL {
-        return Err(format!(
-            "a lease ttl of {} is below the {} floor, under which a lease cannot be renewed \
-             reliably: write {} or more",
-            display(ttl),
-            display(MIN_TTL),
-            display(MIN_TTL)
-        ));
+        return Err(TtlError::BelowFloor { ttl });
     }
     Ok(())
 }
 
 /// Refuses a TTL above [`MAX_LEASE_DURATION`].
-fn at_most_max(ttl: Duration) -> Result<Duration, String> {
+fn at_most_max(ttl: Duration) -> Result<Duration, TtlError> {
     if ttl > MAX_LEASE_DURATION {
-        return Err(format!(
-            "a lease ttl above {} is not supported (got {})",
-            crate::duration::display(MAX_LEASE_DURATION),
-            crate::duration::display(ttl)
-        ));
+        return Err(TtlError::AboveMax { ttl });
     }
     Ok(ttl)
 }
@@ -110,8 +128,8 @@ fn default_round_to() -> Duration {
 }
 
 impl TryFrom<RawTtl> for LeaseTtl {
-    type Error = String;
-    fn try_from(raw: RawTtl) -> Result<Self, String> {
+    type Error = TtlError;
+    fn try_from(raw: RawTtl) -> Result<Self, TtlError> {
         match raw {
             RawTtl::Plain(ttl) => {
                 below_floor(ttl)?;
@@ -134,16 +152,16 @@ impl TryFrom<RawTtl> for LeaseTtl {
                     safety_margin: d.safety_margin,
                     drift_buffer: d.drift_buffer,
                     round_to: d.round_to,
-                })?;
+                })
+                .map_err(TtlError::Derivation)?;
                 let (ttl, warning) = match d.ttl {
                     Some(ttl) => {
                         below_floor(ttl)?;
                         if ttl < derived.ttl {
-                            return Err(format!(
-                                "ttl {} is below the derived minimum {}",
-                                crate::duration::display(ttl),
-                                crate::duration::display(derived.ttl)
-                            ));
+                            return Err(TtlError::BelowDerived {
+                                ttl,
+                                derived: derived.ttl,
+                            });
                         }
                         (ttl, None)
                     }

@@ -86,17 +86,16 @@ struct RawLeases {
     drain_timeout: Option<Duration>,
 }
 
-impl TryFrom<RawLeases> for LeasesConfig {
-    type Error = String;
-    fn try_from(raw: RawLeases) -> Result<Self, String> {
-        Ok(LeasesConfig {
+impl From<RawLeases> for LeasesConfig {
+    fn from(raw: RawLeases) -> Self {
+        LeasesConfig {
             drain_timeout: raw.drain_timeout.unwrap_or(raw.ttl.ttl.saturating_mul(2)),
             written_drain_timeout: raw.drain_timeout,
             listen: raw.listen,
             backend: raw.backend,
             ttl: raw.ttl,
             acquire: raw.acquire,
-        })
+        }
     }
 }
 

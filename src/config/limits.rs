@@ -102,16 +102,32 @@ impl<'de> Deserialize<'de> for Limits {
     }
 }
 
+/// A `timeouts` or `limits` value out of its range; `name` is the field's.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BoundError {
+    #[error("`{name}` must be greater than zero")]
+    ZeroTimeout { name: &'static str },
+    #[error("`{name}` must be at most {}", MAX_TIMEOUT_TEXT)]
+    TimeoutTooLong { name: &'static str },
+    #[error("`max_header_bytes` must be at least {}", MIN_HEADER_BYTES)]
+    HeaderBytesTooFew,
+    #[error("`{name}` must be at least 1")]
+    ZeroLimit { name: &'static str },
+}
+
+/// hyper's HTTP/1 read buffer cannot be smaller.
+const MIN_HEADER_BYTES: usize = 8192;
+
 impl TryFrom<RawTimeouts> for Timeouts {
-    type Error = String;
-    fn try_from(raw: RawTimeouts) -> Result<Self, String> {
+    type Error = BoundError;
+    fn try_from(raw: RawTimeouts) -> Result<Self, BoundError> {
         for (name, value) in [
             ("header_read", raw.header_read),
             ("upstream", raw.upstream),
             ("store", raw.store),
         ] {
             if value.is_zero() {
-                return Err(format!("`{name}` must be greater than zero"));
+                return Err(BoundError::ZeroTimeout { name });
             }
         }
         for (name, value) in [
@@ -121,7 +137,7 @@ impl TryFrom<RawTimeouts> for Timeouts {
             ("store", raw.store),
         ] {
             if value > MAX_TIMEOUT {
-                return Err(format!("`{name}` must be at most {MAX_TIMEOUT_TEXT}"));
+                return Err(BoundError::TimeoutTooLong { name });
             }
         }
         Ok(Timeouts {
@@ -159,11 +175,10 @@ impl Default for RawLimits {
 }
 
 impl TryFrom<RawLimits> for Limits {
-    type Error = String;
-    fn try_from(raw: RawLimits) -> Result<Self, String> {
-        if raw.max_header_bytes < 8192 {
-            // hyper's HTTP/1 read buffer cannot be smaller.
-            return Err("`max_header_bytes` must be at least 8192".into());
+    type Error = BoundError;
+    fn try_from(raw: RawLimits) -> Result<Self, BoundError> {
+        if raw.max_header_bytes < MIN_HEADER_BYTES {
+            return Err(BoundError::HeaderBytesTooFew);
         }
         for (name, value) in [
             ("max_headers", raw.max_headers),
@@ -171,7 +186,7 @@ impl TryFrom<RawLimits> for Limits {
             ("max_resource_bytes", raw.max_resource_bytes),
         ] {
             if value == 0 {
-                return Err(format!("`{name}` must be at least 1"));
+                return Err(BoundError::ZeroLimit { name });
             }
         }
         Ok(Limits {

@@ -12,6 +12,7 @@ mod lease_backend;
 mod lease_ttl;
 mod leases;
 mod limits;
+mod path;
 mod remote;
 mod routes;
 mod store;
@@ -30,15 +31,17 @@ pub use env::{expand_env, EnvError};
 pub use error::{ConfigError, ParseError, SectionsError};
 pub use idempotency::IdempotencyConfig;
 pub use lease_backend::BackendConfig;
-pub use lease_ttl::LeaseTtl;
+pub use lease_ttl::{LeaseTtl, TtlError};
 pub use leases::{AcquireConfig, LeasesConfig};
-pub use limits::{Limits, Timeouts, MAX_TIMEOUT};
-pub use remote::{Remote, RemoteKind, SecretUrl};
-pub use routes::{MissingToken, Ordering, RouteConfig, Unmatched};
+pub use limits::{BoundError, Limits, Timeouts, MAX_TIMEOUT};
+pub use path::{PathError, PathTemplate};
+pub use remote::{Holder, KindError, PrefixError, Remote, RemoteKind, SecretUrl, UrlError};
+pub use routes::{MissingToken, Ordering, RouteConfig, RouteError, Unmatched};
 pub use store::StoreConfig;
-pub use store_tls::ClientTlsConfig;
+pub use store_tls::{ClientTlsConfig, ClientTlsError};
 pub use types::{
-    HeaderNameCfg, MethodCfg, PathTemplate, ResourcePart, ResourceTemplate, UpstreamUrl,
+    HeaderNameCfg, HeaderNameError, MethodCfg, MethodError, ResourcePart, ResourceTemplate,
+    ResourceTemplateError, UpstreamUrl, UpstreamUrlError,
 };
 
 /// The whole configuration file.
@@ -144,15 +147,18 @@ pub enum Authority {
 
 checked::checked_from_str!(Authority);
 
+/// A `fence.authority` that is neither `none` nor `leases`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown authority `{0}`, expected `none` or `leases`")]
+pub struct UnknownAuthority(String);
+
 impl TryFrom<String> for Authority {
-    type Error = String;
+    type Error = UnknownAuthority;
     fn try_from(raw: String) -> Result<Self, Self::Error> {
         match raw.as_str() {
             "none" => Ok(Authority::None),
             "leases" => Ok(Authority::Leases),
-            other => Err(format!(
-                "unknown authority `{other}`, expected `none` or `leases`"
-            )),
+            _ => Err(UnknownAuthority(raw)),
         }
     }
 }

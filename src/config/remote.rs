@@ -16,7 +16,7 @@ pub struct Remote {
     pub url: SecretUrl,
     /// TLS files (docs/stores.md); without them, a TLS URL trusts the public web roots.
     pub tls: Option<ClientTlsConfig>,
-    /// Key / table namespace ([`check_prefix`]).
+    /// Key / table namespace, an identifier ([`check_prefix`]).
     pub prefix: String,
 }
 
@@ -26,6 +26,115 @@ pub enum RemoteKind {
     Redis,
     Postgres,
     Etcd,
+}
+
+impl RemoteKind {
+    /// As `kind:` writes it.
+    fn name(self) -> &'static str {
+        match self {
+            RemoteKind::Redis => "redis",
+            RemoteKind::Postgres => "postgres",
+            RemoteKind::Etcd => "etcd",
+        }
+    }
+
+    /// A URL of this kind, for messages.
+    fn example(self) -> &'static str {
+        match self {
+            RemoteKind::Redis => "redis://127.0.0.1:6379/",
+            RemoteKind::Postgres => "postgres://user:password@127.0.0.1:5432/database",
+            RemoteKind::Etcd => "etcd://127.0.0.1:2379",
+        }
+    }
+
+    /// The scheme that asks for TLS, where the scheme says it.
+    fn tls_scheme(self) -> &'static str {
+        match self {
+            RemoteKind::Redis => "a rediss://",
+            RemoteKind::Postgres | RemoteKind::Etcd => "an https://",
+        }
+    }
+}
+
+/// Which mapping holds a store's or lease backend's fields, for messages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Holder {
+    Store,
+    LeaseBackend,
+}
+
+impl Holder {
+    fn noun(self) -> &'static str {
+        match self {
+            Holder::Store => "store",
+            Holder::LeaseBackend => "backend",
+        }
+    }
+}
+
+/// A `store` or `leases.backend` mapping whose fields do not fit its `kind`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KindError {
+    #[error("`url` is for the redis, postgres and etcd {}s", holder.noun())]
+    UrlWithoutServer { holder: Holder },
+    #[error("`tls` is for the redis, postgres and etcd {}s", holder.noun())]
+    TlsWithoutServer { holder: Holder },
+    #[error("`path` is for the embedded {}", holder.noun())]
+    PathWithServer { holder: Holder },
+    #[error("this {} kind needs a `url`", holder.noun())]
+    NoUrl { holder: Holder },
+    #[error(transparent)]
+    Url(#[from] UrlError),
+    #[error(transparent)]
+    Prefix(#[from] PrefixError),
+}
+
+/// A `prefix` that is not an identifier.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("`prefix` `{0}` must be 1-40 letters, digits or `_`, not starting with a digit")]
+pub struct PrefixError(String);
+
+/// A prefix names PostgreSQL and redb tables and Redis/etcd key prefixes: keep it an identifier.
+pub(super) fn check_prefix(prefix: &str) -> Result<(), PrefixError> {
+    let identifier = prefix.len() <= 40
+        && prefix.starts_with(|c: char| c.is_ascii_alphabetic() || c == '_')
+        && prefix
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_');
+    if identifier {
+        Ok(())
+    } else {
+        Err(PrefixError(prefix.to_owned()))
+    }
+}
+
+/// A store's or lease backend's `url` that is malformed, or does not fit its kind or `tls`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum UrlError {
+    #[error("a store url is non-empty and has no spaces")]
+    Malformed,
+    #[error(
+        "the `url` does not fit kind {}: write one like {}",
+        kind.name(),
+        kind.example()
+    )]
+    DoesNotFitKind { kind: RemoteKind },
+    /// `url` is masked.
+    #[error(
+        "`tls` needs {} url (`{url}` would connect in plaintext)",
+        kind.tls_scheme()
+    )]
+    TlsOverPlaintext { kind: RemoteKind, url: SecretUrl },
+    #[error(
+        "`tls` always requires TLS with a verified certificate; remove `sslmode={mode}` from \
+         the url"
+    )]
+    SslmodeWeakerThanTls { mode: String },
+    #[error(
+        "`sslmode={mode}` needs the `tls` mapping (`tls: {{}}` for the public web roots, or \
+         `tls: {{ ca: FILE }}`)"
+    )]
+    SslmodeWithoutTls { mode: String },
 }
 
 /// A store URL. It may carry a password, so it displays and serialises masked.
@@ -42,59 +151,43 @@ impl SecretUrl {
     /// Checks the scheme against the store kind, and against `tls` (TLS is on exactly when
     /// the scheme says so: `rediss://`, `https://`, or a PostgreSQL URL with the `tls`
     /// mapping), so that no config asks for TLS and gets plaintext.
-    pub fn check(
-        &self,
-        kind: RemoteKind,
-        tls: Option<&super::ClientTlsConfig>,
-    ) -> Result<(), String> {
-        let (ok, name, example) = match kind {
-            RemoteKind::Redis => (
-                self.0.starts_with("redis://") || self.0.starts_with("rediss://"),
-                "redis",
-                "redis://127.0.0.1:6379/",
-            ),
-            RemoteKind::Postgres => (
-                self.0.starts_with("postgres://") || self.0.starts_with("postgresql://"),
-                "postgres",
-                "postgres://user:password@127.0.0.1:5432/database",
-            ),
-            RemoteKind::Etcd => (
+    pub fn check(&self, kind: RemoteKind, tls: Option<&ClientTlsConfig>) -> Result<(), UrlError> {
+        let fits = match kind {
+            RemoteKind::Redis => self.0.starts_with("redis://") || self.0.starts_with("rediss://"),
+            RemoteKind::Postgres => {
+                self.0.starts_with("postgres://") || self.0.starts_with("postgresql://")
+            }
+            RemoteKind::Etcd => {
                 self.0.starts_with("etcd://")
                     || self.0.starts_with("http://")
-                    || self.0.starts_with("https://"),
-                "etcd",
-                "etcd://127.0.0.1:2379",
-            ),
-        };
-        if !ok {
-            // Not printed: without a scheme it cannot be told where a password would be.
-            return Err(format!(
-                "the `url` does not fit kind {name}: write one like {example}"
-            ));
-        }
-        match kind {
-            RemoteKind::Redis if tls.is_some() && !self.0.starts_with("rediss://") => Err(format!(
-                "`tls` needs a rediss:// url (`{self}` would connect in plaintext)"
-            )),
-            RemoteKind::Etcd if tls.is_some() && !self.0.starts_with("https://") => Err(format!(
-                "`tls` needs an https:// url (`{self}` would connect in plaintext)"
-            )),
-            RemoteKind::Postgres => {
-                let sslmode = self.query_param("sslmode");
-                match (tls, sslmode) {
-                    (Some(_), Some("disable" | "allow" | "prefer")) => Err(format!(
-                        "`tls` always requires TLS with a verified certificate; remove \
-                         `sslmode={}` from the url",
-                        sslmode.unwrap_or_default()
-                    )),
-                    (None, Some(mode @ ("require" | "verify-ca" | "verify-full"))) => Err(format!(
-                        "`sslmode={mode}` needs the `tls` mapping (`tls: {{}}` for the public \
-                         web roots, or `tls: {{ ca: FILE }}`)"
-                    )),
-                    _ => Ok(()),
-                }
+                    || self.0.starts_with("https://")
             }
-            _ => Ok(()),
+        };
+        if !fits {
+            // Not printed: without a scheme it cannot be told where a password would be.
+            return Err(UrlError::DoesNotFitKind { kind });
+        }
+        let plaintext = || UrlError::TlsOverPlaintext {
+            kind,
+            url: self.clone(),
+        };
+        match kind {
+            RemoteKind::Redis if tls.is_some() && !self.0.starts_with("rediss://") => {
+                Err(plaintext())
+            }
+            RemoteKind::Etcd if tls.is_some() && !self.0.starts_with("https://") => {
+                Err(plaintext())
+            }
+            RemoteKind::Redis | RemoteKind::Etcd => Ok(()),
+            RemoteKind::Postgres => match (tls, self.query_param("sslmode")) {
+                (Some(_), Some(mode @ ("disable" | "allow" | "prefer"))) => {
+                    Err(UrlError::SslmodeWeakerThanTls { mode: mode.into() })
+                }
+                (None, Some(mode @ ("require" | "verify-ca" | "verify-full"))) => {
+                    Err(UrlError::SslmodeWithoutTls { mode: mode.into() })
+                }
+                _ => Ok(()),
+            },
         }
     }
 
@@ -115,10 +208,10 @@ impl SecretUrl {
 }
 
 impl TryFrom<String> for SecretUrl {
-    type Error = String;
+    type Error = UrlError;
     fn try_from(raw: String) -> Result<Self, Self::Error> {
         if raw.is_empty() || raw.chars().any(char::is_whitespace) {
-            return Err("a store url is non-empty and has no spaces".into());
+            return Err(UrlError::Malformed);
         }
         Ok(SecretUrl(raw))
     }

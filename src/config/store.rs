@@ -6,7 +6,8 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Deserializer, Serialize};
 
-use super::{checked, values, ClientTlsConfig, Remote, RemoteKind, SecretUrl};
+use super::remote::{check_prefix, Holder};
+use super::{checked, values, ClientTlsConfig, KindError, Remote, RemoteKind, SecretUrl};
 
 /// The fence store, with its defaults filled in.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -106,18 +107,19 @@ pub(super) fn default_prefix() -> String {
 }
 
 impl TryFrom<RawStore> for StoreConfig {
-    type Error = String;
+    type Error = KindError;
 
     fn try_from(raw: RawStore) -> Result<Self, Self::Error> {
+        let holder = Holder::Store;
         // The checks run in this order so that a config with several faults is told the
         // same first one as ever.
-        let remote = |kind: RemoteKind, raw: RawStore| -> Result<(Remote, usize), String> {
+        let remote = |kind: RemoteKind, raw: RawStore| -> Result<(Remote, usize), KindError> {
             let Some(url) = raw.url else {
-                return Err("this store kind needs a `url`".into());
+                return Err(KindError::NoUrl { holder });
             };
             url.check(kind, raw.tls.as_ref())?;
             if raw.path.is_some() {
-                return Err("`path` is for the embedded store".into());
+                return Err(KindError::PathWithServer { holder });
             }
             check_prefix(&raw.prefix)?;
             let remote = Remote {
@@ -129,14 +131,12 @@ impl TryFrom<RawStore> for StoreConfig {
         };
         match raw.kind {
             StoreKind::Memory | StoreKind::Embedded if raw.url.is_some() => {
-                Err("`url` is for the redis, postgres and etcd stores".into())
+                Err(KindError::UrlWithoutServer { holder })
             }
             StoreKind::Memory | StoreKind::Embedded if raw.tls.is_some() => {
-                Err("`tls` is for the redis, postgres and etcd stores".into())
+                Err(KindError::TlsWithoutServer { holder })
             }
-            StoreKind::Memory if raw.path.is_some() => {
-                Err("`path` is for the embedded store".into())
-            }
+            StoreKind::Memory if raw.path.is_some() => Err(KindError::PathWithServer { holder }),
             StoreKind::Memory => {
                 check_prefix(&raw.prefix)?;
                 Ok(StoreConfig::Memory)
@@ -237,21 +237,5 @@ impl Serialize for StoreConfig {
             } => PrintedStore::remote(StoreKind::Etcd, r, *cache_size),
         };
         printed.serialize(s)
-    }
-}
-
-/// A prefix names PostgreSQL and redb tables and Redis/etcd key prefixes: keep it an identifier.
-pub(super) fn check_prefix(prefix: &str) -> Result<(), String> {
-    let identifier = prefix.len() <= 40
-        && prefix.starts_with(|c: char| c.is_ascii_alphabetic() || c == '_')
-        && prefix
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || c == '_');
-    if identifier {
-        Ok(())
-    } else {
-        Err(format!(
-            "`prefix` `{prefix}` must be 1-40 letters, digits or `_`, not starting with a digit"
-        ))
     }
 }
