@@ -160,6 +160,9 @@ impl Server {
     ) -> Result<Server, StartError> {
         crate::tls::install_default_provider();
         let store = store::open(&config.store).await?;
+        if let Some(period) = config.fence.retention {
+            store.forget_after(period)?;
+        }
         let metrics = Arc::new(Metrics::new(prometheus::Registry::new())?);
         // One lease backend for the agent and, in authoritative mode, for the fence.
         let backend = match &config.leases {

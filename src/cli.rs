@@ -237,7 +237,7 @@ pub fn main() -> ExitCode {
                         "# leases: ttl {} (minimum {}), renew every {}, local deadline ttl - {}, drain timeout {}{}\n",
                         crate::duration::display(ttl.ttl),
                         crate::duration::display(ttl.minimum),
-                        crate::duration::display(ttl.renew_every()),
+                        crate::duration::display_ms(ttl.renew_every()),
                         crate::duration::display(ttl.drift_buffer),
                         crate::duration::display(leases.drain_timeout),
                         ttl.p99_work

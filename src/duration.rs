@@ -35,6 +35,16 @@ pub fn display(d: Duration) -> Display {
     Display(d)
 }
 
+/// [`display`] of `d` rounded to the nearest millisecond (durations under half a millisecond
+/// as they are), for derived values such as `ttl / 3` that rarely fall on a whole unit.
+pub fn display_ms(d: Duration) -> Display {
+    let ms = (d.as_nanos() + 500_000) / 1_000_000;
+    match u64::try_from(ms) {
+        Ok(0) | Err(_) => Display(d),
+        Ok(ms) => Display(Duration::from_millis(ms)),
+    }
+}
+
 /// See [`display`].
 #[derive(Clone, Copy)]
 pub struct Display(Duration);
@@ -149,6 +159,16 @@ pub mod option {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn derived_values_print_to_the_millisecond() {
+        let third = |ms: u64| display_ms(Duration::from_millis(ms) / 3).to_string();
+        assert_eq!(third(5000), "1667ms");
+        assert_eq!(third(1500), "500ms");
+        assert_eq!(third(3000), "1s");
+        assert_eq!(display_ms(Duration::from_micros(300)).to_string(), "300us");
+        assert_eq!(display_ms(Duration::ZERO).to_string(), "0s");
+    }
 
     #[test]
     fn parses_the_documented_forms() {

@@ -164,6 +164,7 @@ fn restart_only_changes(running: &Config, new: &Config) -> Vec<&'static str> {
             debug(&a.store) != debug(&b.store) || store_url(a) != store_url(b),
         ),
         ("fence.authority", a.fence.authority != b.fence.authority),
+        ("fence.retention", a.fence.retention != b.fence.retention),
         (
             "leases",
             debug(&a.leases) != debug(&b.leases) || backend_url(a) != backend_url(b),

@@ -3,9 +3,11 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::time::Duration;
 
 use super::env::EnvError;
 use super::limits::MAX_TIMEOUT_TEXT;
+use crate::duration::display;
 
 /// A configuration file that cannot be used, displayed with its path.
 #[derive(Debug, thiserror::Error)]
@@ -63,6 +65,32 @@ pub enum SectionsError {
     AuthorityWithoutLeases,
     #[error("egress: attaching tokens needs the `leases` section")]
     EgressWithoutLeases,
+    #[error(
+        "fence.retention: {shown} is safe only with `fence.authority: leases`: without it a \
+         forgotten maximum is the only thing between a stale token and the upstream, and a \
+         writer that wakes more than {shown} after its last write would be admitted; with it, \
+         the lease backend refuses every token below its latest grant whatever the store \
+         remembers",
+        shown = display(*period)
+    )]
+    RetentionWithoutAuthority { period: Duration },
+    #[error(
+        "fence.retention must be at least 1h (it is {}): a maximum may be forgotten only long \
+         after the grant of its token is known to every fencegate",
+        display(*period)
+    )]
+    RetentionTooShort { period: Duration },
+    #[error(
+        "fence.retention is not offered by the `memory` store (tests and demos: it forgets \
+         everything when the process ends); use `embedded`, `redis` or `postgres`"
+    )]
+    RetentionOnMemory,
+    #[error(
+        "fence.retention is not offered by the `etcd` store; use `embedded`, `redis` or \
+         `postgres`, or keep the maxima and size etcd for them (see the docs' Memory and \
+         sizing)"
+    )]
+    RetentionOnEtcd,
     #[error("`{first}` and `{second}` are both {address}")]
     SharedAddress {
         first: &'static str,

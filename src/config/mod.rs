@@ -131,10 +131,47 @@ pub enum EqualTokens {
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, expecting = "a mapping with `authority`")]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a mapping with `authority` and `retention`"
+)]
 pub struct FenceConfig {
     #[serde(default)]
     pub authority: Authority,
+    /// Forget a resource's maximum once it has not been raised for this long (see
+    /// [`check_retention`]); `None`: keep every maximum for good.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        with = "crate::duration::option"
+    )]
+    pub retention: Option<Duration>,
+}
+
+/// The shortest `fence.retention`: far above the delay of the lease backend's grant events
+/// (up to about two seconds), which is what the authority's check relies on.
+pub const MIN_RETENTION: Duration = Duration::from_secs(3600);
+
+/// Whether forgetting maxima is safe with this config: only when every fenced write's token is
+/// also checked against the lease backend's latest grant, which never forgets, and only with
+/// a store that can forget.
+fn check_retention(fence: &FenceConfig, store: &StoreConfig) -> Result<(), SectionsError> {
+    let Some(period) = fence.retention else {
+        return Ok(());
+    };
+    if fence.authority != Authority::Leases {
+        return Err(SectionsError::RetentionWithoutAuthority { period });
+    }
+    if period < MIN_RETENTION {
+        return Err(SectionsError::RetentionTooShort { period });
+    }
+    match store {
+        StoreConfig::Embedded { .. } | StoreConfig::Redis { .. } | StoreConfig::Postgres { .. } => {
+            Ok(())
+        }
+        StoreConfig::Memory => Err(SectionsError::RetentionOnMemory),
+        StoreConfig::Etcd { .. } => Err(SectionsError::RetentionOnEtcd),
+    }
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
@@ -223,6 +260,7 @@ impl Config {
         if self.fence.authority == Authority::Leases && self.leases.is_none() {
             return Err(SectionsError::AuthorityWithoutLeases);
         }
+        check_retention(&self.fence, &self.store)?;
         if self.egress.is_some() && self.leases.is_none() {
             return Err(SectionsError::EgressWithoutLeases);
         }

@@ -182,6 +182,13 @@ impl BoundedMaxima {
         }
     }
 
+    /// Drops `resource` from the cache (its store forgot its maximum).
+    pub fn forget(&self, resource: &str) {
+        let mut shard = self.shard(resource);
+        shard.young.remove(resource);
+        shard.old.remove(resource);
+    }
+
     /// How many resources are cached.
     pub fn len(&self) -> usize {
         self.shards

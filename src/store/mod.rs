@@ -67,6 +67,17 @@ pub trait FenceStore: Send + Sync + 'static {
 
     fn kind(&self) -> &'static str;
 
+    /// Starts forgetting each maximum not raised for `period` (`fence.retention`, which the
+    /// config allows only with `fence.authority: leases` and on the stores that implement
+    /// this; the others refuse).
+    fn forget_after(&self, period: std::time::Duration) -> Result<(), StoreError> {
+        let _ = period;
+        Err(StoreError::Unavailable(format!(
+            "the {} store cannot forget maxima (fence.retention)",
+            self.kind()
+        )))
+    }
+
     /// Idempotency, one atomic step: look up the live record of `(resource, key)`, run
     /// [`crate::idempotency::decide`] against it and the resource's maximum, and on
     /// [`Begin::Execute`] raise the maximum and write [`Claim::in_flight`] (living

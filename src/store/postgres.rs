@@ -28,6 +28,7 @@
 //! With the `tls` mapping, connections are TLS only ([`pool`], [`PgTls`]).
 
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -65,6 +66,21 @@ pub struct PostgresRemote {
     idem: IdempotencySql,
     /// When the last purge of expired records started.
     last_purge: Mutex<Option<Instant>>,
+    forget: Forget,
+}
+
+/// Forgetting maxima not raised for `fence.retention`: every raise sets `raised_at` while it
+/// is on (`NULL` while off: such maxima are kept), and a pass every [`PURGE_EVERY`], started
+/// by the health probe, deletes the rows raised before the period, [`PURGE_BATCH`] at a time.
+/// A row raised meanwhile is a new row version, which the `ctid` re-check leaves alone.
+struct Forget {
+    /// The index of `raised_at`, created (without blocking writes) before the first pass.
+    index: String,
+    delete: String,
+    /// The period in ms; 0: keep every maximum.
+    retention_ms: AtomicU64,
+    /// When the last pass started.
+    last: Mutex<Option<Instant>>,
 }
 
 /// The statements of idempotency records.
@@ -94,11 +110,13 @@ impl IdempotencySql {
             ),
             lock_max: format!("SELECT max_token FROM {fences} WHERE resource = $1 FOR UPDATE"),
             insert_max: format!(
-                "INSERT INTO {fences} (resource, max_token, prev_token) VALUES ($1, $2, NULL) \
+                "INSERT INTO {fences} (resource, max_token, prev_token, raised_at) \
+                 VALUES ($1, $2, NULL, CASE WHEN $3 THEN now() END) \
                  ON CONFLICT (resource) DO NOTHING RETURNING max_token"
             ),
             update_max: format!(
-                "UPDATE {fences} SET max_token = $2, prev_token = max_token \
+                "UPDATE {fences} SET max_token = $2, prev_token = max_token, \
+                   raised_at = CASE WHEN $3 THEN now() END \
                  WHERE resource = $1 AND max_token < $2"
             ),
             write: format!(
@@ -140,12 +158,28 @@ impl PostgresRemote {
             pool,
             schema: OnceCell::new(),
             raise_sql: format!(
-                "INSERT INTO {table} AS f (resource, max_token, prev_token) VALUES ($1, $2, NULL) \
+                "INSERT INTO {table} AS f (resource, max_token, prev_token, raised_at) \
+                 VALUES ($1, $2, NULL, CASE WHEN $3 THEN now() END) \
                  ON CONFLICT (resource) DO UPDATE \
-                 SET max_token = EXCLUDED.max_token, prev_token = f.max_token \
+                 SET max_token = EXCLUDED.max_token, prev_token = f.max_token, \
+                     raised_at = EXCLUDED.raised_at \
                  WHERE f.max_token < EXCLUDED.max_token \
                  RETURNING prev_token"
             ),
+            forget: Forget {
+                index: format!(
+                    "CREATE INDEX CONCURRENTLY IF NOT EXISTS {table}_raised ON {table} (raised_at)"
+                ),
+                delete: format!(
+                    "DELETE FROM {table} \
+                     WHERE ctid = ANY (ARRAY(\
+                       SELECT ctid FROM {table} \
+                       WHERE raised_at < now() - make_interval(secs => $1) LIMIT $2)) \
+                       AND raised_at < now() - make_interval(secs => $1)"
+                ),
+                retention_ms: AtomicU64::new(0),
+                last: Mutex::new(None),
+            },
             get_sql: format!("SELECT max_token FROM {table} WHERE resource = $1"),
             idem: IdempotencySql::new(&table, &records),
             table,
@@ -173,7 +207,9 @@ impl PostgresRemote {
                          CREATE TABLE IF NOT EXISTS {table} (\
                            resource TEXT PRIMARY KEY, \
                            max_token BIGINT NOT NULL CHECK (max_token >= 0), \
-                           prev_token BIGINT); \
+                           prev_token BIGINT, \
+                           raised_at TIMESTAMPTZ); \
+                         ALTER TABLE {table} ADD COLUMN IF NOT EXISTS raised_at TIMESTAMPTZ; \
                          CREATE TABLE IF NOT EXISTS {records} (\
                            resource TEXT NOT NULL, \
                            idem_key TEXT NOT NULL, \
@@ -268,7 +304,9 @@ impl PostgresRemote {
         if let Begin::Execute { .. } = begin {
             match current {
                 None => {
-                    let inserted = tx.query_opt(&sql.insert_max, &[&resource, &token]).await?;
+                    let inserted = tx
+                        .query_opt(&sql.insert_max, &[&resource, &token, &self.aging()])
+                        .await?;
                     if inserted.is_none() {
                         tx.0.rollback()
                             .await
@@ -277,7 +315,8 @@ impl PostgresRemote {
                     }
                 }
                 Some(c) if claim.token > c => {
-                    tx.execute(&sql.update_max, &[&resource, &token]).await?;
+                    tx.execute(&sql.update_max, &[&resource, &token, &self.aging()])
+                        .await?;
                 }
                 Some(_) => {}
             }
@@ -303,6 +342,39 @@ impl PostgresRemote {
             owner,
             took_over,
         }))
+    }
+
+    /// Whether raises record when they happened (`fence.retention` is on).
+    fn aging(&self) -> bool {
+        self.forget.retention_ms.load(Ordering::Relaxed) > 0
+    }
+
+    /// Starts a pass forgetting maxima past the retention in the background, if retention is
+    /// on and none started within [`PURGE_EVERY`] (or ever, with `now`).
+    fn maybe_forget(&self, now: bool) {
+        let ms = self.forget.retention_ms.load(Ordering::Relaxed);
+        if ms == 0 {
+            return;
+        }
+        {
+            let mut last = self.forget.last.lock().expect("forget clock poisoned");
+            if !now && last.is_some_and(|at| at.elapsed() < PURGE_EVERY) {
+                return;
+            }
+            *last = Some(Instant::now());
+        }
+        let pool = self.pool.clone();
+        let (index, delete) = (self.forget.index.clone(), self.forget.delete.clone());
+        let secs = ms as f64 / 1000.0;
+        tokio::spawn(async move {
+            match forget(&pool, &index, &delete, secs).await {
+                Ok(0) => {}
+                Ok(n) => tracing::info!(forgotten = n, "forgot maxima past fence.retention"),
+                Err(e) => {
+                    tracing::warn!(error = %e, "forgetting maxima past fence.retention failed")
+                }
+            }
+        });
     }
 
     /// Starts a purge of expired records in the background, at most once per [`PURGE_EVERY`].
@@ -365,6 +437,27 @@ async fn purge(pool: &Pool, sql: &str) -> Result<u64, StoreError> {
     loop {
         let n = client
             .execute(sql, &[&PURGE_BATCH])
+            .await
+            .map_err(|e| unavailable(&describe(&e)))?;
+        deleted += n;
+        if n < PURGE_BATCH as u64 {
+            return Ok(deleted);
+        }
+    }
+}
+
+/// Deletes the maxima raised more than `secs` ago, creating the index of `raised_at` first if
+/// it is missing. Returns how many it deleted.
+async fn forget(pool: &Pool, index: &str, delete: &str, secs: f64) -> Result<u64, StoreError> {
+    let client = pool.get().await.map_err(|e| unavailable(&describe(&e)))?;
+    client
+        .batch_execute(index)
+        .await
+        .map_err(|e| unavailable(&describe(&e)))?;
+    let mut deleted = 0;
+    loop {
+        let n = client
+            .execute(delete, &[&secs, &PURGE_BATCH])
             .await
             .map_err(|e| unavailable(&describe(&e)))?;
         deleted += n;
@@ -560,7 +653,7 @@ impl Remote for PostgresRemote {
                 .await
                 .map_err(|e| unavailable(&describe(&e)))?;
             let raised = client
-                .query_opt(&statement, &[&resource, &signed])
+                .query_opt(&statement, &[&resource, &signed, &self.aging()])
                 .await
                 .map_err(|e| unavailable(&describe(&e)))?;
             if let Some(row) = raised {
@@ -599,6 +692,7 @@ impl Remote for PostgresRemote {
                 .simple_query("SELECT 1")
                 .await
                 .map_err(|e| unavailable(&describe(&e)))?;
+            self.maybe_forget(false);
             Ok(())
         })
     }
@@ -664,6 +758,14 @@ impl Remote for PostgresRemote {
 
     fn kind(&self) -> &'static str {
         "postgres"
+    }
+
+    /// Also starts a pass at once (the health probe starts the next ones).
+    fn forget_after(&self, period: Duration) -> Result<(), StoreError> {
+        let ms = u64::try_from(period.as_millis()).unwrap_or(u64::MAX).max(1);
+        self.forget.retention_ms.store(ms, Ordering::Relaxed);
+        self.maybe_forget(true);
+        Ok(())
     }
 }
 

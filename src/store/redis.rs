@@ -42,7 +42,8 @@ use super::{decide, BoxFuture, StoreError, Verdict};
 use crate::config::EqualTokens;
 use crate::idempotency::{AttemptId, Begin, Claim, Record};
 
-/// KEYS[1] = maximum key, ARGV[1] = token (canonical decimal).
+/// KEYS[1] = maximum key, ARGV[1] = token (canonical decimal), ARGV[2] = `fence.retention` in
+/// milliseconds ('0': none): a raised maximum expires that long after its raise.
 /// Returns the previous maximum ('' if none) and whether the token raised it.
 const RAISE: &str = r"
 local current = redis.call('GET', KEYS[1])
@@ -52,7 +53,11 @@ if current then
     return {current, 0}
   end
 end
-redis.call('SET', KEYS[1], token)
+if ARGV[2] ~= '0' then
+  redis.call('SET', KEYS[1], token, 'PX', ARGV[2])
+else
+  redis.call('SET', KEYS[1], token)
+end
 return {current or '', 1}
 ";
 
@@ -61,13 +66,21 @@ return {current or '', 1}
 /// tokens are allowed, ARGV[4] = '1' when the attempt may execute, ARGV[5] = the in-flight
 /// lifetime in milliseconds, ARGV[6] = the encoded in_flight record to write on execute,
 /// ARGV[7] = the attempt id (hex), ARGV[8] = the attempt whose in_flight record to take over
-/// ('' for none): such a record counts as absent, and is deleted unless replaced.
+/// ('' for none): such a record counts as absent, and is deleted unless replaced; ARGV[9] =
+/// `fence.retention` in milliseconds ('0': none), as in [`RAISE`].
 /// Returns {kind, '1' if it took over else '0', ...}: {'execute', _, previous or ''},
 /// {'stale', _, current}, {'inflight', _, attempt or '', lifetime or ''}, {'reused', _},
 /// {'completed', _, encoded record} or {'refused', _}.
 const BEGIN: &str = r"
 local function below(a, b)
   return #a < #b or (#a == #b and a < b)
+end
+local function raise(token)
+  if ARGV[9] ~= '0' then
+    redis.call('SET', KEYS[1], token, 'PX', ARGV[9])
+  else
+    redis.call('SET', KEYS[1], token)
+  end
 end
 local token = ARGV[1]
 local current = redis.call('GET', KEYS[1])
@@ -107,10 +120,10 @@ if current then
     return {'stale', took, current}
   end
   if below(current, token) then
-    redis.call('SET', KEYS[1], token)
+    raise(token)
   end
 else
-  redis.call('SET', KEYS[1], token)
+  raise(token)
 end
 redis.call('HSET', KEYS[2], 'p', 'i', 't', token, 'f', ARGV[2], 'a', ARGV[7], 'w', ARGV[5], 'r', ARGV[6])
 redis.call('PERSIST', KEYS[2])
@@ -373,6 +386,8 @@ pub struct RedisRemote {
     begin: Script,
     finish: Script,
     prefix: String,
+    /// `fence.retention` in ms (0: none), the expiry of every maximum raised.
+    retention_ms: AtomicU64,
 }
 
 impl RedisRemote {
@@ -384,6 +399,7 @@ impl RedisRemote {
             begin: Script::new(BEGIN),
             finish: Script::new(FINISH),
             prefix: prefix.to_owned(),
+            retention_ms: AtomicU64::new(0),
         })
     }
 
@@ -488,6 +504,7 @@ impl Remote for RedisRemote {
                 .script
                 .key(self.key(resource))
                 .arg(token.to_string())
+                .arg(self.retention_ms.load(Ordering::Relaxed))
                 .invoke_async(&mut conn)
                 .await;
             let (previous, raised): (String, u8) = self
@@ -558,6 +575,7 @@ impl Remote for RedisRemote {
                 .arg(in_flight)
                 .arg(claim.attempt.hex())
                 .arg(takeover.map(|a| a.hex()).unwrap_or_default())
+                .arg(self.retention_ms.load(Ordering::Relaxed))
                 .invoke_async(&mut conn)
                 .await;
             let reply: Vec<Vec<u8>> = self
@@ -602,6 +620,12 @@ impl Remote for RedisRemote {
 
     fn kind(&self) -> &'static str {
         "redis"
+    }
+
+    fn forget_after(&self, period: std::time::Duration) -> Result<(), StoreError> {
+        let ms = u64::try_from(period.as_millis()).unwrap_or(u64::MAX).max(1);
+        self.retention_ms.store(ms, Ordering::Relaxed);
+        Ok(())
     }
 }
 

@@ -101,6 +101,15 @@ pub trait Remote: Send + Sync + 'static {
     ) -> BoxFuture<'a, Result<bool, StoreError>>;
 
     fn kind(&self) -> &'static str;
+
+    /// See [`FenceStore::forget_after`]; the default refuses.
+    fn forget_after(&self, period: std::time::Duration) -> Result<(), StoreError> {
+        let _ = period;
+        Err(StoreError::Unavailable(format!(
+            "the {} store cannot forget maxima (fence.retention)",
+            self.kind()
+        )))
+    }
 }
 
 /// Most in-flight records whose first sighting is remembered; more are forgotten (any one:
@@ -417,6 +426,10 @@ impl<R: Remote> FenceStore for SharedStore<R> {
             self.record(&result);
             result
         })
+    }
+
+    fn forget_after(&self, period: std::time::Duration) -> Result<(), StoreError> {
+        self.remote.forget_after(period)
     }
 
     fn kind(&self) -> &'static str {

@@ -19,7 +19,7 @@ use tokio::sync::{mpsc, Semaphore};
 use crate::common::*;
 
 /// The lease API of `fg` for `account:42`: grants to `holder` and returns the token.
-async fn grant(fg: &fencegate::app::Server, holder: &str) -> u64 {
+pub(crate) async fn grant(fg: &fencegate::app::Server, holder: &str) -> u64 {
     let api = format!("http://{}/v1/leases/account:42", fg.leases.unwrap());
     let reply = send("POST", &api, &[], format!(r#"{{"holder":"{holder}"}}"#)).await;
     assert_eq!(reply.status, 200, "{}", reply.text());
@@ -27,7 +27,7 @@ async fn grant(fg: &fencegate::app::Server, holder: &str) -> u64 {
 }
 
 /// Releases the lease on `account:42` and grants it to `holder`: a hand-over.
-async fn hand_over(fg: &fencegate::app::Server, holder: &str) -> u64 {
+pub(crate) async fn hand_over(fg: &fencegate::app::Server, holder: &str) -> u64 {
     let api = format!("http://{}/v1/leases/account:42", fg.leases.unwrap());
     assert_eq!(send("DELETE", &api, &[], "").await.status, 200);
     grant(fg, holder).await

@@ -326,7 +326,7 @@ const STEP: Duration = Duration::from_secs(3600);
 /// What a forward step of `by` on the Redis server's clock does to the keys under `prefix`:
 /// Redis keeps each expiry as an absolute Unix time, so every key with a TTL loses `by` of it,
 /// and the keys with less left are gone. Keys without a TTL are untouched.
-async fn step_redis_clock(prefix: &str, by: Duration) {
+pub(crate) async fn step_redis_clock(prefix: &str, by: Duration) {
     let client = ::redis::Client::open(REDIS_URL).unwrap();
     let mut conn = client.get_multiplexed_async_connection().await.unwrap();
     let keys: Vec<String> = ::redis::cmd("KEYS")

@@ -19,6 +19,7 @@ mod leases;
 mod logs;
 mod process;
 mod proxy;
+mod retention;
 mod services;
 mod store_tls;
 mod stores;

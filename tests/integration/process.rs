@@ -412,6 +412,15 @@ fn a_derived_ttl_below_the_floor_is_raised_with_a_warning() {
             config.display()
         )
     );
+
+    // A ttl that does not divide by 3: the renewal interval printed to the millisecond.
+    std::fs::write(&config, format!("{leases}5s\n")).unwrap();
+    let (code, out, err) = check_file(&config);
+    assert_eq!((code, err.as_str()), (Some(0), ""));
+    assert!(
+        out.contains("\n# leases: ttl 5s (minimum 5s), renew every 1667ms, local deadline"),
+        "{out}"
+    );
 }
 
 /// Replaces the config file the way a ConfigMap update does: a new file renamed over it.

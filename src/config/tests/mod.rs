@@ -2,6 +2,7 @@ use super::*;
 
 mod env;
 mod leases;
+mod retention;
 mod routes;
 mod store;
 mod values;
@@ -251,6 +252,8 @@ fn the_effective_config_loads_again_as_the_same_config() {
          acquire: { base_delay: 10ms }\nidempotency: {}\n\
          egress:\n  upstream: http://ledger:80\n  routes: [{ path: '/accounts/{id}', lease: 'account:{id}', methods: [PUT] }]\n\
          fence: { authority: leases }\nroutes: [{ name: a, path: '/accounts/{id}', ordering: serialize, idempotency: false }]\n",
+        "upstream: http://a:1\nstore: { kind: embedded, path: /tmp/f.db }\nleases: { backend: { kind: embedded, path: /tmp/l.db }, ttl: 5s }\n\
+         fence: { authority: leases, retention: 30d }\n",
         "upstream: http://a:1\nleases: { backend: { kind: embedded }, ttl: { p99_work: 1s, p99_rtt: 1ms, safety_margin: 1ms, ttl: 3s } }\n\
          idempotency: { window: 10s, header: X-Key }\nroutes: [{ name: a, path: /a }]\n",
         "upstream: http://a:1\nidempotency: { window: 1m }\ntoken: { header: X-Fence, equal: reject }\nunmatched: reject\n",
@@ -352,7 +355,7 @@ fn a_section_written_as_a_value_says_what_it_holds() {
         ),
         (
             "fence: leases",
-            "fence: invalid type: string \"leases\", expected a mapping with `authority` at line 2 column 8",
+            "fence: invalid type: string \"leases\", expected a mapping with `authority` and `retention` at line 2 column 8",
         ),
         (
             "tls: yes",

@@ -41,6 +41,10 @@
 //! says, so a forward step of the clock cannot let a retry execute beside a running attempt. A second table,
 //! `{prefix}.idempotency.expiry`, holds `(expires_ms, record key)` for every record, so
 //! purging the expired ones (inside write transactions) visits only those.
+//!
+//! With `fence.retention` (allowed only with `fence.authority: leases`), the writer also keeps
+//! when each maximum was last raised, and forgets maxima not raised for the period (see
+//! [`retention`]).
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
@@ -108,6 +112,12 @@ pub(crate) fn parks_here() -> bool {
 type Records<'a> = TableDefinition<'a, &'static str, (u64, &'static [u8])>;
 /// `(expires_ms, record key)` for every record, in expiry order.
 type Expiries<'a> = TableDefinition<'a, (u64, &'static str), ()>;
+
+/// Resource to when its maximum was last raised (ms since the Unix epoch), kept only with
+/// `fence.retention`.
+type Raised<'a> = TableDefinition<'a, &'static str, u64>;
+/// `(raised_ms, resource)` for every entry of [`Raised`], oldest first.
+type RaisedOrder<'a> = TableDefinition<'a, (u64, &'static str), ()>;
 
 /// One operation for the writer thread.
 enum Op {
@@ -209,6 +219,8 @@ struct Shared {
     commits: AtomicU64,
     /// The writer waits without a deadline: a new operation wakes it at once.
     idle: AtomicBool,
+    /// `fence.retention` in ms: forget a maximum not raised for this long; 0: never.
+    retention_ms: AtomicU64,
     /// Added to the wall clock the writer reads (tests: a clock step).
     #[cfg(test)]
     clock_step_ms: AtomicU64,
@@ -299,6 +311,7 @@ impl EmbeddedStore {
             healthy: AtomicBool::new(true),
             commits: AtomicU64::new(0),
             idle: AtomicBool::new(false),
+            retention_ms: AtomicU64::new(0),
             #[cfg(test)]
             clock_step_ms: AtomicU64::new(0),
             #[cfg(test)]
@@ -538,6 +551,16 @@ impl FenceStore for EmbeddedStore {
     fn kind(&self) -> &'static str {
         "embedded"
     }
+
+    fn forget_after(&self, period: Duration) -> Result<(), StoreError> {
+        let ms = u64::try_from(period.as_millis()).unwrap_or(u64::MAX).max(1);
+        self.shared.retention_ms.store(ms, Ordering::Relaxed);
+        // The writer waits without a deadline while idle: it learns its new one now.
+        if let Some(writer) = &self.writer {
+            writer.thread().unpark();
+        }
+        Ok(())
+    }
 }
 
 /// The names of the store's tables, all under its prefix.
@@ -545,6 +568,8 @@ struct Names {
     fences: String,
     records: String,
     expiries: String,
+    raised: String,
+    raised_order: String,
 }
 
 impl Names {
@@ -553,6 +578,8 @@ impl Names {
             fences: format!("{prefix}.fences"),
             records: format!("{prefix}.idempotency"),
             expiries: format!("{prefix}.idempotency.expiry"),
+            raised: format!("{prefix}.fences.raised"),
+            raised_order: format!("{prefix}.fences.raised.order"),
         }
     }
 }
@@ -561,6 +588,7 @@ impl Names {
 mod properties;
 mod records;
 use records::{purge, read_record, write_record};
+mod retention;
 #[cfg(test)]
 mod tests;
 mod writer;

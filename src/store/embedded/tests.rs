@@ -468,3 +468,98 @@ async fn the_writer_keeps_exact_values_exact() {
     ));
     assert_eq!(store.shared.cache.entry("r"), exact(6));
 }
+
+/// Moves the store's wall clock to `ms` after the real one.
+fn step_clock(store: &EmbeddedStore, ms: u64) {
+    store.shared.clock_step_ms.store(ms, Ordering::Relaxed);
+}
+
+const MINUTE: u64 = 60_000;
+
+/// With retention, a maximum not raised for the period is forgotten by the writer (file and
+/// cache), a maximum raised since is kept with its new age, and a repeat of the maximum
+/// (which raises nothing) does not make it younger.
+#[tokio::test]
+async fn maxima_not_raised_for_the_retention_are_forgotten() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("f.db");
+    {
+        let store = EmbeddedStore::open(&path, "t", 1000).unwrap();
+        store.forget_after(Duration::from_secs(3600)).unwrap();
+        for (r, token) in [("a", 5), ("b", 3), ("c", 7)] {
+            let v = store.compare_and_raise(r, token, EqualTokens::Allow);
+            assert_eq!(v.await.unwrap(), Verdict::Admitted { previous: None });
+        }
+        step_clock(&store, 30 * MINUTE);
+        let v = store.compare_and_raise("b", 4, EqualTokens::Allow).await;
+        assert_eq!(v.unwrap(), Verdict::Admitted { previous: Some(3) });
+        let v = store.compare_and_raise("a", 5, EqualTokens::Allow).await;
+        assert_eq!(v.unwrap(), Verdict::Admitted { previous: Some(5) });
+        assert!(store.shared.cache.contains("a"));
+        // An hour and a minute after a's and c's raise: the next batch forgets them first.
+        step_clock(&store, 61 * MINUTE);
+        let v = store.compare_and_raise("d", 1, EqualTokens::Allow).await;
+        assert_eq!(v.unwrap(), Verdict::Admitted { previous: None });
+        assert!(!store.shared.cache.contains("a"));
+        assert!(!store.shared.cache.contains("c"));
+        assert_eq!(store.read_maximum("a").unwrap(), None);
+        assert_eq!(store.read_maximum("c").unwrap(), None);
+        assert_eq!(store.current("b").await.unwrap(), Some(4));
+        assert_eq!(store.current("d").await.unwrap(), Some(1));
+        // Forgotten: any token is admitted again (which is why the config allows retention
+        // only where the lease backend refuses old tokens).
+        let v = store.compare_and_raise("a", 2, EqualTokens::Allow).await;
+        assert_eq!(v.unwrap(), Verdict::Admitted { previous: None });
+    }
+    // Reopened: forgotten stays forgotten, and ages survive (b goes an hour after its raise).
+    let store = EmbeddedStore::open(&path, "t", 1000).unwrap();
+    store.forget_after(Duration::from_secs(3600)).unwrap();
+    assert_eq!(store.current("c").await.unwrap(), None);
+    assert_eq!(store.current("b").await.unwrap(), Some(4));
+    step_clock(&store, 91 * MINUTE);
+    let v = store.compare_and_raise("e", 1, EqualTokens::Allow).await;
+    assert_eq!(v.unwrap(), Verdict::Admitted { previous: None });
+    assert_eq!(store.read_maximum("b").unwrap(), None);
+    assert_eq!(store.read_maximum("a").unwrap(), Some(2));
+}
+
+/// An idle writer wakes for its next forgetting pass on its own; without retention nothing is
+/// ever forgotten, however far the clock goes.
+#[test]
+fn an_idle_writer_forgets_without_a_write() {
+    let dir = tempfile::tempdir().unwrap();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let store = EmbeddedStore::open(&dir.path().join("f.db"), "t", 1000).unwrap();
+    runtime.block_on(async {
+        let v = store.compare_and_raise("kept", 5, EqualTokens::Allow).await;
+        assert_eq!(v.unwrap(), Verdict::Admitted { previous: None });
+    });
+    step_clock(&store, 10 * 24 * 60 * MINUTE);
+    runtime.block_on(async {
+        let v = store
+            .compare_and_raise("other", 1, EqualTokens::Allow)
+            .await;
+        assert_eq!(v.unwrap(), Verdict::Admitted { previous: None });
+    });
+    assert_eq!(store.read_maximum("kept").unwrap(), Some(5));
+
+    store.forget_after(Duration::from_secs(3600)).unwrap();
+    runtime.block_on(async {
+        let v = store.compare_and_raise("gone", 5, EqualTokens::Allow).await;
+        assert_eq!(v.unwrap(), Verdict::Admitted { previous: None });
+    });
+    let commits = store.commits();
+    // Two hours on, nothing queued: the writer's own wake-up (due within a minute of real
+    // time; `forget_after` wakes it at once to look) forgets `gone`. `kept` was raised while
+    // retention was off: it has no age and stays.
+    step_clock(&store, 10 * 24 * 60 * MINUTE + 120 * MINUTE);
+    store.forget_after(Duration::from_secs(3600)).unwrap();
+    until("the idle writer forgets", || {
+        store.read_maximum("gone").unwrap().is_none()
+    });
+    assert_eq!(store.commits(), commits + 1);
+    assert_eq!(store.read_maximum("kept").unwrap(), Some(5));
+}

@@ -1,5 +1,6 @@
 //! The writer thread: every write transaction, committed in groups.
 
+use super::retention::{self, Ages};
 use super::*;
 
 /// How often a failed database is reopened and probed with a real write, so readiness comes
@@ -12,6 +13,8 @@ struct Tables<'n> {
     fences: TableDefinition<'n, &'static str, u64>,
     records: Records<'n>,
     expiries: Expiries<'n>,
+    raised: Raised<'n>,
+    raised_order: RaisedOrder<'n>,
 }
 
 /// The writer thread: wait for operations, take every queued one, commit them together.
@@ -27,12 +30,16 @@ pub(super) fn writer(
         fences: TableDefinition::new(&names.fences),
         records: Records::new(&names.records),
         expiries: Expiries::new(&names.expiries),
+        raised: Raised::new(&names.raised),
+        raised_order: RaisedOrder::new(&names.raised_order),
     };
     let probe_name = format!("{}.probe", names.fences);
     let probe = TableDefinition::<&str, u64>::new(&probe_name);
     let mut db = Some(db);
     let mut batch = Vec::with_capacity(64);
     let mut next_purge = 0;
+    // When to look for maxima to forget next (ms since the Unix epoch; with retention only).
+    let mut next_forget: u64 = 0;
     let mut live = Running::new();
     // Until when, after a commit, the next raises may wait for the runtime to park.
     let mut active_until: Option<Instant> = None;
@@ -50,7 +57,11 @@ pub(super) fn writer(
                 Err(mpsc::TryRecvError::Disconnected) => break true,
             }
         };
-        if batch.is_empty() {
+        // With retention, how long until forgetting is due (zero: now).
+        let until_forget = (shared.retention_ms.load(Ordering::Relaxed) > 0)
+            .then(|| Duration::from_millis(next_forget.saturating_sub(shared.now_ms())));
+        let forget_due = until_forget.is_some_and(|d| d.is_zero());
+        if batch.is_empty() && !(forget_due && !closed && shared.healthy.load(Ordering::Relaxed)) {
             if closed {
                 return;
             }
@@ -74,7 +85,10 @@ pub(super) fn writer(
                 fence(Ordering::SeqCst);
                 match rx.try_recv() {
                     Ok(op) => batch.push(op),
-                    Err(mpsc::TryRecvError::Empty) => std::thread::park(),
+                    Err(mpsc::TryRecvError::Empty) => match until_forget {
+                        Some(left) => std::thread::park_timeout(left),
+                        None => std::thread::park(),
+                    },
                     // The next look returns.
                     Err(mpsc::TryRecvError::Disconnected) => {}
                 }
@@ -88,13 +102,17 @@ pub(super) fn writer(
         }
         let result = match &db {
             Some(handle) => {
-                commit_batch(handle, tables, &batch, &shared, &mut next_purge, &mut live)
+                let due = Due {
+                    purge: &mut next_purge,
+                    forget: &mut next_forget,
+                };
+                commit_batch(handle, tables, &batch, &shared, due, &mut live)
                     .map_err(|e| e.to_string())
             }
             None => Err(format!("cannot reopen {}", path.display())),
         };
         match result {
-            Ok((answers, maxima, committed)) => {
+            Ok((answers, maxima, committed, forgotten)) => {
                 if committed {
                     shared.commits.fetch_add(1, Ordering::Relaxed);
                 }
@@ -104,6 +122,9 @@ pub(super) fn writer(
                 // Only now that the values are durable, and before anyone is answered: each
                 // is the resource's durable maximum until this thread's next commit, which
                 // clears the mark first.
+                for resource in &forgotten {
+                    shared.cache.forget(resource);
+                }
                 for (resource, (value, _)) in maxima {
                     if let Some(value) = value {
                         shared.cache.confirm(&resource, value);
@@ -173,9 +194,17 @@ fn recover(
 /// maximum recorded), and whether the batch raised it.
 type Maxima = HashMap<Box<str>, (Option<u64>, bool)>;
 
-/// The answers in batch order, the maxima the batch read or raised, and whether anything was
-/// committed.
-type BatchResult = (Vec<Answer>, Maxima, bool);
+/// The answers in batch order, the maxima the batch read or raised, whether anything was
+/// committed, and the resources whose maxima it forgot.
+type BatchResult = (Vec<Answer>, Maxima, bool, Vec<Box<str>>);
+
+/// When the writer's periodic work is due next (ms since the Unix epoch).
+struct Due<'a> {
+    /// Purging expired idempotency records.
+    purge: &'a mut u64,
+    /// Forgetting maxima past the retention (with retention only).
+    forget: &'a mut u64,
+}
 
 /// The durable maximum of `resource` as of this point of the batch: what the batch raised it
 /// to, else what the table holds (read once per batch).
@@ -192,14 +221,19 @@ fn maximum(
     Ok(value)
 }
 
-/// Raises the maximum of `resource` to `token` in the table and in `maxima`.
+/// Raises the maximum of `resource` to `token` in the table and in `maxima`, and records when
+/// (with retention).
 fn raise(
     fences: &mut Table<&'static str, u64>,
+    ages: &mut Option<Ages<'_>>,
     maxima: &mut Maxima,
     resource: &str,
     token: u64,
 ) -> Result<(), redb::Error> {
     fences.insert(resource, token)?;
+    if let Some(ages) = ages {
+        ages.touch(resource)?;
+    }
     maxima.insert(resource.into(), (Some(token), true));
     Ok(())
 }
@@ -217,9 +251,10 @@ fn commit_batch(
     tables: Tables<'_>,
     batch: &[Op],
     shared: &Shared,
-    next_purge: &mut u64,
+    due: Due<'_>,
     live: &mut Running,
 ) -> Result<BatchResult, redb::Error> {
+    let next_purge = due.purge;
     let txn = db.begin_write()?;
     let now = shared.now_ms();
     let monotonic = Instant::now();
@@ -229,8 +264,30 @@ fn commit_batch(
     let mut wrote = false;
     let keyed = batch.iter().any(|op| !matches!(op, Op::Raise { .. }));
     let purging = keyed || now >= *next_purge;
+    let retention = shared.retention_ms.load(Ordering::Relaxed);
+    let mut forgotten = Vec::new();
     {
         let mut fences = txn.open_table(tables.fences)?;
+        let mut ages = if retention > 0 {
+            Some(Ages {
+                raised: txn.open_table(tables.raised)?,
+                order: txn.open_table(tables.raised_order)?,
+                now,
+            })
+        } else {
+            None
+        };
+        // Before the batch's operations, so they decide against what is left.
+        if let Some(ages) = ages.as_mut().filter(|_| now >= *due.forget) {
+            let cutoff = now.saturating_sub(retention);
+            let n = ages.forget(&mut fences, cutoff, &mut forgotten)?;
+            wrote |= n > 0;
+            *due.forget = if n == retention::MAX_FORGET {
+                now
+            } else {
+                now.saturating_add(retention::EVERY_MS)
+            };
+        }
         let mut idempotency = if purging {
             Some((
                 txn.open_table(tables.records)?,
@@ -251,7 +308,7 @@ fn commit_batch(
                     let current = maximum(&fences, &mut maxima, resource)?;
                     let verdict = decide(current, *token, *equal);
                     if verdict.raised(*token) {
-                        raise(&mut fences, &mut maxima, resource, *token)?;
+                        raise(&mut fences, &mut ages, &mut maxima, resource, *token)?;
                         wrote = true;
                     }
                     Answer::Verdict(verdict)
@@ -279,7 +336,7 @@ fn commit_batch(
                     let begin = idempotency::decide(record, current, claim);
                     if let Begin::Execute { .. } = begin {
                         if current.is_none_or(|c| claim.token > c) {
-                            raise(&mut fences, &mut maxima, resource, claim.token)?;
+                            raise(&mut fences, &mut ages, &mut maxima, resource, claim.token)?;
                         }
                         let record = claim.in_flight();
                         let old = existing.map(|(at, _)| at);
@@ -338,11 +395,15 @@ fn commit_batch(
         for (resource, _) in maxima.iter().filter(|(_, (_, raised))| *raised) {
             shared.cache.unconfirm(resource);
         }
+        // Their maxima are about to be gone: no cached value is exact from here.
+        for resource in &forgotten {
+            shared.cache.unconfirm(resource);
+        }
         #[cfg(test)]
         if let Some(look) = shared.before_commit.lock().unwrap().as_mut() {
             look(&shared.cache);
         }
         txn.commit()?;
     }
-    Ok((answers, maxima, wrote))
+    Ok((answers, maxima, wrote, forgotten))
 }

@@ -1,0 +1,641 @@
+//! The faults, one function each, and `inject`, which runs one and measures the recovery.
+
+use super::*;
+
+/// Injects one fault, ends it, and measures the recovery.
+pub(super) async fn inject(
+    ctx: &Ctx,
+    fault: Fault,
+    group: usize,
+    round: usize,
+    rig: &mut Rig,
+    evidence: &mut Evidence,
+) -> Injected {
+    let begin = ctx.clock.now();
+    let mut note_text = String::new();
+    let ran = match fault {
+        Fault::WorkerFreeze => {
+            worker_freeze(ctx, group, round, rig, evidence, &mut note_text).await
+        }
+        Fault::FenceKill9 | Fault::FenceSigterm => {
+            fence_restart(ctx, fault, group, rig, evidence).await
+        }
+        Fault::RedisKill9 => redis_kill9(ctx, group, rig, evidence).await,
+        Fault::FenceFreeze => fence_freeze(ctx, group, rig, &mut note_text).await,
+        Fault::Partition => partition(ctx, group, rig, evidence, &mut note_text).await,
+        Fault::StoreStall => store_stall(ctx, group, round, rig, evidence, &mut note_text).await,
+        Fault::SlowBody => slow_body(ctx, group, rig, evidence, &mut note_text).await,
+        Fault::SigtermWaiting => {
+            sigterm_waiting(ctx, group, round, rig, evidence, &mut note_text).await
+        }
+        Fault::SlowUpstream => slow_upstream(ctx, &mut note_text).await,
+    };
+    let (end, recovery) = match ran {
+        Ok(ran) => ran,
+        Err(note) => {
+            return Injected {
+                fault,
+                group,
+                duration: Duration::ZERO,
+                recovery: None,
+                note,
+            }
+        }
+    };
+    Injected {
+        fault,
+        group,
+        duration: Duration::from_micros(end - begin),
+        recovery: recovery.map(|t| Duration::from_micros(t.saturating_sub(end))),
+        note: note_text,
+    }
+}
+
+/// What injecting one fault came to: when it ended and when the first write after it
+/// succeeded (clock microseconds), or why it was skipped or failed.
+pub(super) type Injection = Result<(u64, Option<u64>), String>;
+
+/// Evidence counters: what was checked, how often, how often it held.
+pub(super) type Evidence = HashMap<String, (usize, usize)>;
+
+/// A worker and its sidecar frozen past the TTL (the GC pause).
+pub(super) async fn worker_freeze(
+    ctx: &Ctx,
+    group: usize,
+    round: usize,
+    rig: &mut Rig,
+    evidence: &mut Evidence,
+    note_text: &mut String,
+) -> Injection {
+    let (fences, workers) = (&mut rig.fences, &mut rig.workers);
+    let rec = &ctx.rec;
+    let in_group: Vec<usize> = (0..workers.len())
+        .filter(|&i| workers[i].group == group)
+        .collect();
+    let victim = in_group[(round / Fault::ALL.len()) % in_group.len()];
+    let w = &mut workers[victim];
+    let Some((resource, token)) = holding_with_writes_left(w).await else {
+        return Err(format!("skipped: {} never held a lease", w.name));
+    };
+    let _ = w.gate.send(false);
+    w.sidecar.signal("-STOP");
+    let frozen_at = ctx.clock.now();
+    // Frozen past the TTL: until another worker has committed a higher token on the
+    // victim's resource (which needs the lease to have expired in Redis).
+    let name = w.name.clone();
+    let overtaken = ctx
+        .ledger
+        .wait_commit(TTL * 6, |c| {
+            c.resource == resource && c.token > token && c.writer != name
+        })
+        .await;
+    w.sidecar.signal("-CONT");
+    let _ = w.gate.send(true);
+    let end = ctx.clock.now();
+    note(
+        evidence,
+        "frozen holder overtaken by a higher token",
+        overtaken,
+    );
+    if let (Some(fence), true) = (fences.get(group), overtaken) {
+        // The paused worker also replays its old token straight at the fence, past
+        // its own sidecar (a forged or delayed write): it must be refused, not applied.
+        let status = replay(ctx, &name, group, fence.process.proxy, &resource, token).await;
+        note(
+            evidence,
+            "old token replayed straight at the fence refused with 409",
+            status == 409,
+        );
+    }
+    *note_text = format!(
+        "{} held {resource} with token {token}, frozen {}ms, overtaken: {overtaken}",
+        w.name,
+        (end - frozen_at) / 1000
+    );
+    let victim_name = w.name.clone();
+    let first = rec
+        .wait_ok(end, 1, Duration::from_secs(20), |o| o.writer == victim_name)
+        .await;
+    Ok((end, first))
+}
+
+/// The fence sidecar killed (`kill -9`) or stopped (SIGTERM) under load, and restarted.
+pub(super) async fn fence_restart(
+    ctx: &Ctx,
+    fault: Fault,
+    group: usize,
+    rig: &mut Rig,
+    evidence: &mut Evidence,
+) -> Injection {
+    let fences = &mut rig.fences;
+    let rec = &ctx.rec;
+    let f = &mut fences[group];
+    let status = if fault == Fault::FenceKill9 {
+        f.process.signal("-KILL");
+        f.process.exited(Duration::from_secs(10)).await
+    } else {
+        f.process.signal("-TERM");
+        f.process.exited(Duration::from_secs(20)).await
+    };
+    if fault == Fault::FenceSigterm {
+        note(
+            evidence,
+            "fence exits 0 after a SIGTERM drain",
+            status.success(),
+        );
+    }
+    f.process = Fencegate::start(&f.config).await;
+    let end = ctx.clock.now();
+    let kept = maxima_kept(ctx, f, group).await;
+    note(
+        evidence,
+        &format!(
+            "recorded maxima >= committed after fence {} ({} store)",
+            if fault == Fault::FenceKill9 {
+                "kill -9"
+            } else {
+                "SIGTERM"
+            },
+            if group == 0 { "embedded" } else { "redis" }
+        ),
+        kept,
+    );
+    let first = rec
+        .wait_ok(end, 1, Duration::from_secs(20), |o| o.group == group)
+        .await;
+    Ok((end, first))
+}
+
+/// The fence store's Redis killed (`kill -9`) and restarted.
+pub(super) async fn redis_kill9(
+    ctx: &Ctx,
+    group: usize,
+    rig: &mut Rig,
+    evidence: &mut Evidence,
+) -> Injection {
+    let fences = &mut rig.fences;
+    let rec = &ctx.rec;
+    let f = &mut fences[group];
+    let redis = f.redis.as_mut().expect("group 1 has its own Redis");
+    redis.kill9().await;
+    // Down long enough that writes see the store gone (explicit: two writes sent).
+    let mut sent = rec.sent_counter(group);
+    let before = *sent.borrow();
+    let _ = tokio::time::timeout(Duration::from_secs(2), sent.wait_for(|&n| n >= before + 2)).await;
+    redis.restart().await;
+    let end = ctx.clock.now();
+    let first = rec
+        .wait_ok(end, 1, Duration::from_secs(20), |o| o.group == group)
+        .await;
+    let kept = maxima_kept(ctx, f, group).await;
+    note(
+        evidence,
+        "recorded maxima >= committed after Redis kill -9 (AOF fsync always)",
+        kept,
+    );
+    Ok((end, first))
+}
+
+/// The fence sidecar frozen while requests queue on it.
+pub(super) async fn fence_freeze(
+    ctx: &Ctx,
+    group: usize,
+    rig: &mut Rig,
+    note_text: &mut String,
+) -> Injection {
+    let fences = &mut rig.fences;
+    let rec = &ctx.rec;
+    let f = &mut fences[group];
+    let mut in_flight = rec.in_flight(group);
+    f.process.signal("-STOP");
+    // Frozen while requests queue: until a write per resource of the group (one per
+    // lease holder; the other workers wait for those leases) waits on it, bounded.
+    let holders = resources(Mode::Fenced, group).len() as u64;
+    // Bounded well below the egress sidecars' upstream timeout (5s): they never give
+    // up on the frozen fence, so no write is abandoned half-way (see docs).
+    let queued = tokio::time::timeout(
+        Duration::from_secs(2),
+        in_flight.wait_for(|&n| n >= holders),
+    )
+    .await
+    .is_ok();
+    // Then stays frozen past the fence's own upstream timeout: on SIGCONT its timers
+    // fire late, all at once (the fault's length, not a synchronisation).
+    tokio::time::sleep(FENCE_FREEZE_DWELL).await;
+    f.process.signal("-CONT");
+    let end = ctx.clock.now();
+    *note_text = format!("a write per lease queued on the frozen fence: {queued}");
+    let first = rec
+        .wait_ok(end, 1, Duration::from_secs(20), |o| o.group == group)
+        .await;
+    Ok((end, first))
+}
+
+/// A sidecar cut off from the lease Redis past the TTL, still running.
+pub(super) async fn partition(
+    ctx: &Ctx,
+    group: usize,
+    rig: &mut Rig,
+    evidence: &mut Evidence,
+    note_text: &mut String,
+) -> Injection {
+    let (fences, workers) = (&mut rig.fences, &mut rig.workers);
+    let rec = &ctx.rec;
+    let lab = rig
+        .lab
+        .as_ref()
+        .expect("partitions are injected only with namespaces");
+    let victim = workers
+        .iter()
+        .position(|w| w.group == group && w.link.is_some())
+        .expect("a worker of each group runs in a namespace");
+    let w = &workers[victim];
+    let link = w.link.expect("in a namespace");
+    let name = w.name.clone();
+    let Some((resource, token)) = holding_with_writes_left(w).await else {
+        return Err(format!("skipped: {name} never held a lease"));
+    };
+    // The worker stays at its next write (slow work) while its sidecar, still running,
+    // renews into the partition.
+    let _ = w.gate.send(false);
+    let cut = lab.partition(link, rig.lease_redis.port).await;
+    note(
+        evidence,
+        "partition applied (nftables drop rules added)",
+        cut.is_ok(),
+    );
+    if let Err(e) = cut {
+        let _ = w.gate.send(true);
+        return Err(format!("failed: {e}"));
+    }
+    let cut_at = ctx.clock.now();
+    let cut_instant = tokio::time::Instant::now();
+    // Cut off past the TTL: until another worker has committed a higher token on the
+    // victim's resource (which needs the lease to have expired in Redis).
+    let overtaken = ctx
+        .ledger
+        .wait_commit(TTL * 6, |c| {
+            c.resource == resource && c.token > token && c.writer != name
+        })
+        .await;
+    note(
+        evidence,
+        "partitioned holder overtaken by a higher token",
+        overtaken,
+    );
+    // Still cut off, the worker writes again: its own sidecar, whose local deadline
+    // passed without a renewal, must no longer attach the token.
+    let reopened = ctx.clock.now();
+    let _ = w.gate.send(true);
+    let next = rec
+        .wait_op(reopened, Duration::from_secs(5), |o| o.writer == name)
+        .await;
+    let refused = next.as_ref().is_some_and(|o| {
+        o.status == 503 && o.problem.as_deref() == Some("urn:fencegate:lease-not-held")
+    });
+    note(
+        evidence,
+        "partitioned holder's next write refused by its sidecar (503 lease-not-held)",
+        refused,
+    );
+    let lost = rec.events.lock().unwrap().iter().any(|e| {
+        e.writer == name && e.resource == resource && e.token == token && e.kind == "lost"
+    });
+    note(
+        evidence,
+        "partitioned sidecar reported the lease lost (event `lost`)",
+        lost,
+    );
+    if let (Some(fence), true) = (fences.get(group), overtaken) {
+        let status = replay(ctx, &name, group, fence.process.proxy, &resource, token).await;
+        note(
+            evidence,
+            "partitioned holder's old token replayed at the fence refused with 409",
+            status == 409,
+        );
+    }
+    // Cut off for at least the TTL (the fault's length, not a synchronisation).
+    tokio::time::sleep_until(cut_instant + TTL).await;
+    let healed = lab.heal().await;
+    let end = ctx.clock.now();
+    note(
+        evidence,
+        "partition healed (nftables rules removed)",
+        healed.is_ok(),
+    );
+    let first = rec
+        .wait_ok(end, 1, Duration::from_secs(20), |o| o.writer == name)
+        .await;
+    // When it held a lease again (the first grant answered after the heal).
+    let regained = rec
+        .acquired
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|a| a.writer == name && a.at >= end)
+        .map(|a| a.at)
+        .min();
+    *note_text = format!(
+        "{name} held {resource} with token {token}, cut off {}ms, overtaken: {overtaken}, \
+             next write {}, lease again {} after the heal",
+        (end - cut_at) / 1000,
+        next.map_or("unanswered".into(), |o| format!(
+            "{} {}",
+            o.status,
+            o.problem.unwrap_or_default()
+        )),
+        regained.map_or("-".into(), |t| format!("{}ms", (t - end) / 1000)),
+    );
+    Ok((end, first))
+}
+
+/// The fence store stopped, shorter and longer than `timeouts.store`, while a keyed write is at a slow ledger.
+pub(super) async fn store_stall(
+    ctx: &Ctx,
+    group: usize,
+    round: usize,
+    rig: &mut Rig,
+    evidence: &mut Evidence,
+    note_text: &mut String,
+) -> Injection {
+    let fences = &mut rig.fences;
+    let rec = &ctx.rec;
+    // Longer than `timeouts.store` twice (both stores), then shorter twice.
+    let long = (round / Fault::ALL.len() / 2) % 2 == 0;
+    let stall = if long { STALL_LONG } else { STALL_SHORT };
+    // A keyed write of the group first reaches the ledger and stays there (a slow
+    // commit, within the fence's upstream timeout but past its writer's patience, so
+    // the writer retries it with its key while the store is stopped).
+    let prefix = format!("account:f{group}x");
+    let (arrived, done) = ctx.ledger.arm_slow_on(1, STALL_COMMIT, Some(&prefix));
+    let at_ledger = ctx
+        .ledger
+        .slow_arrivals_reach(arrived + 1, Duration::from_secs(10))
+        .await;
+    let f = &fences[group];
+    let stop = |signal: &str| match (&f.postgres, &f.redis) {
+        (Some(pg), _) => pg.signal(signal),
+        (None, Some(redis)) => redis.signal(signal),
+        (None, None) => unreachable!("groups 1 and 2 have a store server"),
+    };
+    let store = if f.postgres.is_some() {
+        "PostgreSQL (postmaster and backends)"
+    } else {
+        "Redis"
+    };
+    stop("-STOP");
+    // Stopped for the fault's length (not a synchronisation).
+    tokio::time::sleep(stall).await;
+    stop("-CONT");
+    let end = ctx.clock.now();
+    let committed = ctx
+        .ledger
+        .slow_commits_reach(done + 1, Duration::from_secs(10))
+        .await;
+    ctx.ledger.arm_slow_on(0, STALL_COMMIT, None);
+    note(
+        evidence,
+        "stalled store: a keyed write was at the slow ledger when the store stopped",
+        at_ledger,
+    );
+    *note_text = format!(
+        "store {store} stopped {}ms ({} than timeouts.store {}ms) while a keyed write \
+             committed in {}ms: at the ledger {at_ledger}, committed {committed}",
+        stall.as_millis(),
+        if long { "longer" } else { "shorter" },
+        STORE_TIMEOUT.as_millis(),
+        STALL_COMMIT.as_millis()
+    );
+    let first = rec
+        .wait_ok(end, 1, Duration::from_secs(20), |o| o.group == group)
+        .await;
+    Ok((end, first))
+}
+
+/// A keyed write's body stalls at the authoritative fence while its lease passes on.
+pub(super) async fn slow_body(
+    ctx: &Ctx,
+    group: usize,
+    rig: &mut Rig,
+    evidence: &mut Evidence,
+    note_text: &mut String,
+) -> Injection {
+    let (fences, workers) = (&mut rig.fences, &mut rig.workers);
+    let rec = &ctx.rec;
+    let client: HttpClient<Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+    let fence = fences[group].process.proxy;
+    let in_group: Vec<usize> = (0..workers.len())
+        .filter(|&i| workers[i].group == group)
+        .collect();
+    let (a, b) = (&workers[in_group[0]], &workers[in_group[1]]);
+    let (a_api, b_api) = (a.sidecar.leases.unwrap(), b.sidecar.leases.unwrap());
+    let resource = format!("account:{SLOW_BODY_ID}");
+    let Some(t1) = acquire(&client, a_api, &resource, &a.name, "2s").await else {
+        return Err(format!("skipped: {} got no lease on {resource}", a.name));
+    };
+    let at = ctx.clock.now();
+    let a_index = {
+        let mut acquired = rec.acquired.lock().unwrap();
+        acquired.push(Acquired {
+            writer: a.name.clone(),
+            resource: resource.clone(),
+            token: t1,
+            at,
+            released: None,
+        });
+        acquired.len() - 1
+    };
+    // Mid-body: the holder lets go, the other worker is granted the lease, and the
+    // fence is seen to know the newer grant (it refuses the old token, 409).
+    let mut t2 = None;
+    let mut known = false;
+    let hand_over = async {
+        rec.acquired.lock().unwrap()[a_index].released = Some(ctx.clock.now());
+        release(&client, a_api, &resource).await;
+        t2 = acquire(&client, b_api, &resource, &b.name, "2s").await;
+        if let Some(t2) = t2 {
+            rec.acquired.lock().unwrap().push(Acquired {
+                writer: b.name.clone(),
+                resource: resource.clone(),
+                token: t2,
+                at: ctx.clock.now(),
+                released: None,
+            });
+            known = fence_knows_newer_grant(fence, &resource, t1).await;
+        }
+    };
+    let op = slow_body_write(ctx, &a.name, group, fence, &resource, t1, hand_over).await;
+    let end = ctx.clock.now();
+    let kept = rec.acquired.lock().unwrap()[a_index].released.is_none();
+    if kept {
+        // Refused before the body was asked for: no hand-over happened.
+        rec.acquired.lock().unwrap()[a_index].released = Some(end);
+        release(&client, a_api, &resource).await;
+    }
+    note(
+            evidence,
+            "slow body: the fence asked for the body (100 Continue), the lease passed on mid-body and the fence refused the old token before the body ended",
+            t2.is_some() && known,
+        );
+    note(
+        evidence,
+        "slow body: the write with the superseded token, ended after the hand-over, refused (409)",
+        op.status == 409,
+    );
+    // The new holder writes under its token through its egress, then lets go.
+    let mut first = None;
+    if let Some(t2) = t2 {
+        let key = format!("{}-k{}", b.name, OP_SEQ.fetch_add(1, Ordering::Relaxed));
+        let o = format!("{}-{}", b.name, OP_SEQ.fetch_add(1, Ordering::Relaxed));
+        rec.note_sent(group);
+        let sent = ctx.clock.now();
+        let answer = request(
+            &client,
+            Method::PUT,
+            &format!(
+                "http://{}/accounts/{SLOW_BODY_ID}",
+                b.sidecar.egress.unwrap()
+            ),
+            &[
+                ("x-writer", b.name.clone()),
+                ("x-op", o.clone()),
+                ("idempotency-key", key.clone()),
+            ],
+            Bytes::from(format!("{key} by {} under {t2}", b.name)),
+        )
+        .await;
+        let answered = ctx.clock.now();
+        let status = answer.as_ref().map_or(0, |(s, _)| *s);
+        rec.push_op(Op {
+            writer: b.name.clone(),
+            group,
+            op: o,
+            resource: resource.clone(),
+            token: t2,
+            key: Some(key),
+            status,
+            problem: answer.and_then(|(_, body)| problem_type(&body)),
+            sent,
+            done: sent,
+            answered,
+        });
+        if (200..300).contains(&status) {
+            first = Some(answered);
+        }
+        if let Some(mine) = rec
+            .acquired
+            .lock()
+            .unwrap()
+            .iter_mut()
+            .rev()
+            .find(|x| x.writer == b.name && x.resource == resource && x.token == t2)
+        {
+            mine.released = Some(ctx.clock.now());
+        }
+        release(&client, b_api, &resource).await;
+    }
+    *note_text = format!(
+        "{} (token {t1}) sent half a body, lease passed to {} (token {}), fence knew: {known}; \
+             the body ended {}ms after its head: {} {}",
+        a.name,
+        b.name,
+        t2.map_or("-".into(), |t| t.to_string()),
+        (op.done - op.sent) / 1000,
+        op.status,
+        op.problem.unwrap_or_default()
+    );
+    Ok((end, first))
+}
+
+/// A sidecar stopped while an acquisition waits on its lease API.
+pub(super) async fn sigterm_waiting(
+    ctx: &Ctx,
+    group: usize,
+    round: usize,
+    rig: &mut Rig,
+    evidence: &mut Evidence,
+    note_text: &mut String,
+) -> Injection {
+    let workers = &mut rig.workers;
+    let rec = &ctx.rec;
+    let client: HttpClient<Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+    let lease_url = rig.lease_redis.url();
+    let holder = format!("d{round}");
+    let mut s = lone_sidecar(ctx, &lease_url, &holder).await;
+    let api = s.leases.unwrap();
+    // It holds one lease (the drain must give it back) and waits for another, held by
+    // a worker's sidecar.
+    let (own, wanted) = (format!("account:{holder}a"), format!("account:{holder}b"));
+    let mine = acquire(&client, api, &own, &holder, "1s").await;
+    let rival = workers.iter().find(|w| w.group == group).expect("a worker");
+    let (rival_api, rival_name) = (rival.sidecar.leases.unwrap(), rival.name.clone());
+    let theirs = acquire(&client, rival_api, &wanted, &rival_name, "1s").await;
+    let waiting = {
+        let client = client.clone();
+        let holder = holder.clone();
+        let wanted = wanted.clone();
+        tokio::spawn(async move { acquire(&client, api, &wanted, &holder, "3s").await })
+    };
+    // Readiness: the sidecar lists the acquisition as under way.
+    let url = format!("http://{api}/v1/leases/{wanted}");
+    let under_way = tokio::time::timeout(Duration::from_secs(3), async {
+        loop {
+            if let Some((200, body)) = request(&client, Method::GET, &url, &[], Bytes::new()).await
+            {
+                if serde_json::from_slice::<serde_json::Value>(&body)
+                    .is_ok_and(|v| v["state"] == "acquiring")
+                {
+                    return;
+                }
+            }
+            pace().await;
+        }
+    })
+    .await
+    .is_ok();
+    s.signal("-TERM");
+    let drained = wait_log(&mut s.logs, "leases released", Duration::from_secs(10))
+        .await
+        .is_ok();
+    // The drain has given back what it held; now the awaited lease comes free.
+    release(&client, rival_api, &wanted).await;
+    let status = s.exited(Duration::from_secs(20)).await;
+    let end = ctx.clock.now();
+    let granted = waiting.await.ok().flatten();
+    let held = leases_held_by(&lease_url, &ctx.lease_prefix, &holder).await;
+    note(
+            evidence,
+            "SIGTERM with an acquisition waiting: it was under way, the drain logged `leases released`, the sidecar exited 0",
+            mine.is_some() && theirs.is_some() && under_way && drained && status.success(),
+        );
+    *note_text = format!(
+            "{holder} held {own} ({mine:?}), waited for {wanted} held by {rival_name} ({theirs:?}); \
+             waiting acquisition answered {granted:?}; exit {status}; backend holds for {holder}: {held:?}"
+        );
+    rec.exits.lock().unwrap().push(Exit {
+        holder,
+        how: "SIGTERM (drain)".into(),
+        exited: end,
+        held,
+    });
+    let first = rec
+        .wait_ok(end, 1, Duration::from_secs(20), |o| o.group == group)
+        .await;
+    Ok((end, first))
+}
+
+/// The ledger commits slower than the fence's upstream timeout.
+pub(super) async fn slow_upstream(ctx: &Ctx, note_text: &mut String) -> Injection {
+    let rec = &ctx.rec;
+    let n = 3;
+    let before = ctx.ledger.arm_slow(n);
+    let done = ctx
+        .ledger
+        .slow_commits_reach(before + n, Duration::from_secs(10))
+        .await;
+    ctx.ledger.arm_slow(0);
+    let end = ctx.clock.now();
+    *note_text = format!("{n} commits delayed {}ms: {done}", SLOW_COMMIT.as_millis());
+    let first = rec.wait_ok(end, 1, Duration::from_secs(20), |_| true).await;
+    Ok((end, first))
+}

@@ -1,0 +1,480 @@
+//! The chaos run: a ledger, fence sidecars in front of it, workers that acquire leases
+//! through their own sidecars (Redis lease backend) and write through egress with an
+//! idempotency key (retrying a write with the same key), and a fault loop. Group 2's fence is
+//! authoritative (`fence.authority: leases`). Also the negative control: the same workers
+//! writing straight to the ledger.
+
+use std::collections::HashMap;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Method, Request};
+use http_body_util::{BodyExt, Empty, Full};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+mod faults;
+mod probes;
+mod rig;
+mod workers;
+use faults::*;
+use probes::*;
+use rig::*;
+use workers::*;
+
+use crate::checker::{self, Exit, History, Violation};
+use crate::clock::Clock;
+use crate::ledger::Ledger;
+use crate::netns::Lab;
+use crate::procs::{
+    free_port, fresh_prefix, leases_held_by, wait_log, write_config, Fencegate, Postgres, Redis,
+};
+use crate::record::{Acquired, LeaseEvent, Op, Recorder};
+
+/// Where everything listens unless it must be reachable from a namespace.
+const LOCAL: Ipv4Addr = Ipv4Addr::LOCALHOST;
+/// Lease TTL derived from { p99_work 1000ms, p99_rtt 50ms, safety_margin 200ms,
+/// drift_buffer 200ms } = 1450ms, rounded up to 1500ms.
+const TTL: Duration = Duration::from_millis(1500);
+const DRIFT: Duration = Duration::from_millis(200);
+/// The fence's `timeouts.upstream`, and how long a slow ledger commit takes.
+const FENCE_UPSTREAM_TIMEOUT: Duration = Duration::from_millis(300);
+const SLOW_COMMIT: Duration = Duration::from_millis(600);
+/// How long a frozen fence stays frozen once writes queue on it.
+const FENCE_FREEZE_DWELL: Duration = Duration::from_millis(800);
+const WRITES_PER_HOLD: usize = 4;
+const WORKERS_PER_GROUP: usize = 3;
+/// Every client request is bounded (a frozen process must not hang a worker forever).
+const CLIENT_BOUND: Duration = Duration::from_secs(10);
+/// How long a worker waits for an attempt before it retries the write (same key, token and
+/// body); the attempt itself runs on and its answer is recorded.
+const ATTEMPT_TIMEOUT: Duration = Duration::from_millis(700);
+const MAX_ATTEMPTS: usize = 6;
+/// The pause before a retry after `409 idempotency-in-flight`.
+const IN_FLIGHT_PAUSE: Duration = Duration::from_millis(100);
+/// The group whose fence checks tokens against the lease backend (`fence.authority: leases`);
+/// its store is a PostgreSQL cluster of the run (a Redis if this machine has none).
+const AUTH_GROUP: usize = 2;
+/// `timeouts.upstream` of the fences whose stores the stalled-store fault stops (groups 1 and
+/// 2): longer than the stall's slow commit, so that a keyed write is still legitimately in
+/// flight while the store stalls.
+const LONG_UPSTREAM_TIMEOUT: Duration = Duration::from_secs(3);
+/// Every fence's `timeouts.store`.
+const STORE_TIMEOUT: Duration = Duration::from_millis(500);
+/// The stalled-store fault: SIGSTOP of the store's server processes, shorter and longer than
+/// `timeouts.store`, while a keyed write takes this long at the ledger.
+const STALL_SHORT: Duration = Duration::from_millis(250);
+const STALL_LONG: Duration = Duration::from_millis(1500);
+const STALL_COMMIT: Duration = Duration::from_secs(2);
+/// The resource id the slow-body fault hands over mid-body (in the authoritative group).
+const SLOW_BODY_ID: &str = "f2s";
+
+type HttpClient<B> = Client<HttpConnector, B>;
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Mode {
+    /// Workers write through their egress sidecar, which attaches the token, to the fence.
+    Fenced,
+    /// Negative control: workers write straight to the ledger with their token, unchecked.
+    Naive,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, PartialOrd, Ord)]
+pub enum Fault {
+    WorkerFreeze,
+    FenceKill9,
+    RedisKill9,
+    FenceFreeze,
+    FenceSigterm,
+    SlowUpstream,
+    Partition,
+    StoreStall,
+    SlowBody,
+    SigtermWaiting,
+}
+
+impl Fault {
+    pub const ALL: [Fault; 10] = [
+        Fault::WorkerFreeze,
+        Fault::FenceKill9,
+        Fault::RedisKill9,
+        Fault::FenceFreeze,
+        Fault::FenceSigterm,
+        Fault::SlowUpstream,
+        Fault::Partition,
+        Fault::StoreStall,
+        Fault::SlowBody,
+        Fault::SigtermWaiting,
+    ];
+
+    pub fn describe(self) -> &'static str {
+        match self {
+            Fault::WorkerFreeze => {
+                "worker + its sidecar frozen past the TTL (SIGSTOP/SIGCONT, the GC pause)"
+            }
+            Fault::FenceKill9 => "fence sidecar (embedded store) kill -9, restart",
+            Fault::RedisKill9 => "fence store's Redis kill -9, restart (AOF fsync always)",
+            Fault::FenceFreeze => "fence sidecar frozen while requests queue (SIGSTOP/SIGCONT)",
+            Fault::FenceSigterm => "fence sidecar SIGTERM under load, restart",
+            Fault::SlowUpstream => "ledger commits slower than the fence's upstream timeout",
+            Fault::Partition => {
+                "sidecar cut off from the lease Redis past the TTL (netns + nftables drop), still running"
+            }
+            Fault::StoreStall => {
+                "fence store stopped (SIGSTOP/SIGCONT: PostgreSQL of group 2, Redis of group 1) past / within timeouts.store while a keyed write is at a slow ledger"
+            }
+            Fault::SlowBody => {
+                "authoritative fence: a keyed write's body stalls while its lease passes to another holder, then ends"
+            }
+            Fault::SigtermWaiting => {
+                "sidecar SIGTERM while an acquisition waits on its lease API; backend read after the exit"
+            }
+        }
+    }
+}
+
+/// One injected fault and what followed.
+#[derive(Debug, Clone)]
+pub struct Injected {
+    pub fault: Fault,
+    pub group: usize,
+    /// From the start of the fault to its end (resume, restart ready, ...).
+    pub duration: Duration,
+    /// From the end of the fault to the next successful write it concerns.
+    pub recovery: Option<Duration>,
+    pub note: String,
+}
+
+/// The run's outcome.
+pub struct Outcome {
+    pub mode: Mode,
+    pub ran_for: Duration,
+    pub history: History,
+    pub violations: Vec<Violation>,
+    pub ops: Vec<Op>,
+    pub commits: usize,
+    pub grants: usize,
+    pub faults: Vec<Injected>,
+    /// Fault kinds this machine cannot inject, and why.
+    pub skipped: Vec<(Fault, String)>,
+    /// Extra evidence: (check, passed, total).
+    pub evidence: Vec<(String, usize, usize)>,
+}
+
+/// Runs one scenario for `secs` of fault injection (fenced) or one deterministic pause
+/// (naive), then checks the history.
+pub async fn run(mode: Mode, secs: u64) -> Outcome {
+    let clock = Clock::new();
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = Ledger::start(clock, SLOW_COMMIT, &dir.path().join("ledger.log")).await;
+    let ctx = Arc::new(Ctx {
+        clock,
+        rec: Arc::new(Recorder::default()),
+        ledger,
+        dir,
+        lease_prefix: fresh_prefix(),
+    });
+    let groups = match mode {
+        Mode::Fenced => 3,
+        Mode::Naive => 1,
+    };
+    // The partition fault's namespaces (one per group), when this machine allows them.
+    let mut skipped = Vec::new();
+    let mut lab = None;
+    if mode == Mode::Fenced {
+        match Lab::setup(groups) {
+            Ok(l) => lab = Some(l),
+            Err(reason) => skipped.push((Fault::Partition, reason)),
+        }
+    }
+    let also = lab
+        .iter()
+        .flat_map(|l| l.links.iter().map(|k| k.host_addr))
+        .collect();
+    // The lease backend of every worker sidecar: a Redis of the run's own, reachable from the
+    // namespaces through the host ends of their veth pairs.
+    let lease_redis = Redis::start_on(false, also).await;
+    if let Some(l) = &lab {
+        if let Err(reason) = l.probe(lease_redis.port).await {
+            skipped.push((Fault::Partition, reason));
+            lab = None;
+        }
+    }
+    for (fault, reason) in &skipped {
+        let kind = format!("{fault:?}").to_lowercase();
+        println!("  SKIPPED {kind} fault: {reason}");
+    }
+    let mut rig = Rig {
+        fences: Vec::new(),
+        workers: Vec::new(),
+        lab,
+        lease_redis,
+    };
+    // Reachable from the host and from the group's namespace: the host end of its veth.
+    let host_ip = |rig: &Rig, g: usize| rig.lab.as_ref().map_or(LOCAL, |l| l.links[g].host_addr);
+    if mode == Mode::Fenced {
+        let lease_url = rig.lease_redis.url();
+        for g in 0..groups {
+            let authority = (g == AUTH_GROUP).then_some((lease_url.as_str(), &*ctx.lease_prefix));
+            let fence = start_fence(
+                ctx.dir.path(),
+                g,
+                &ctx.ledger.url(),
+                host_ip(&rig, g),
+                authority,
+            )
+            .await;
+            rig.fences.push(fence);
+        }
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut tasks: Vec<JoinHandle<()>> = Vec::new();
+    let mut streams: Vec<JoinHandle<()>> = Vec::new();
+    for g in 0..groups {
+        for i in 0..WORKERS_PER_GROUP {
+            let name = format!("w{g}{i}");
+            let egress_to = rig.fences.get(g).map(|f| f.process.proxy);
+            // The group's last worker runs its sidecar in the group's namespace.
+            let link = rig
+                .lab
+                .as_ref()
+                .filter(|_| i == WORKERS_PER_GROUP - 1)
+                .map(|l| (g, l.links[g].clone()));
+            let (redis, ip) = match &link {
+                Some((_, k)) => (rig.lease_redis.url_at(k.host_addr), k.ns_addr),
+                None => (rig.lease_redis.url(), LOCAL),
+            };
+            let config = write_config(
+                ctx.dir.path(),
+                &format!("{name}.yaml"),
+                &sidecar_yaml(&ctx.lease_prefix, &redis, ip, egress_to),
+            );
+            let sidecar = match (&link, &rig.lab) {
+                (Some((n, _)), Some(l)) => Fencegate::start_with(&l.exec_prefix(*n), &config).await,
+                _ => Fencegate::start(&config).await,
+            };
+            let (gate, gate_rx) = watch::channel(true);
+            let (holding_tx, holding) = watch::channel(None);
+            let mut followed = resources(mode, g);
+            if mode == Mode::Fenced && g == AUTH_GROUP && i < 2 {
+                // The two holders of the slow-body fault's hand-over.
+                followed.push(SLOW_BODY_ID.to_owned());
+            }
+            for id in followed {
+                streams.push(tokio::spawn(follow_events(
+                    Arc::clone(&ctx),
+                    name.clone(),
+                    sidecar.leases.unwrap(),
+                    format!("account:{id}"),
+                )));
+            }
+            let target = match mode {
+                Mode::Fenced => sidecar.egress.unwrap(),
+                Mode::Naive => ctx.ledger.addr,
+            };
+            tasks.push(tokio::spawn(worker_loop(WorkerSpec {
+                ctx: Arc::clone(&ctx),
+                name: name.clone(),
+                group: g,
+                mode,
+                offset: i,
+                leases: sidecar.leases.unwrap(),
+                target,
+                resources: resources(mode, g),
+                gate: gate_rx,
+                holding: holding_tx,
+                stop: Arc::clone(&stop),
+            })));
+            rig.workers.push(Worker {
+                name,
+                group: g,
+                sidecar,
+                link: link.map(|(n, _)| n),
+                gate,
+                holding,
+            });
+        }
+    }
+    let started = std::time::Instant::now();
+    let mut faults = Vec::new();
+    let mut evidence: HashMap<String, (usize, usize)> = HashMap::new();
+    // Steady state first: every group writes.
+    for g in 0..groups {
+        let ok = ctx
+            .rec
+            .wait_ok(0, 3, Duration::from_secs(20), |o| o.group == g)
+            .await;
+        assert!(ok.is_some(), "group {g} never wrote successfully");
+    }
+    match mode {
+        Mode::Fenced => {
+            let active: Vec<Fault> = Fault::ALL
+                .into_iter()
+                .filter(|f| !skipped.iter().any(|(s, _)| s == f))
+                .collect();
+            let budget = Duration::from_secs(secs);
+            let hard_stop = budget * 3 + Duration::from_secs(60);
+            let mut round = 0usize;
+            loop {
+                let elapsed = started.elapsed();
+                let rounds_done = round / active.len();
+                if (elapsed >= budget && rounds_done >= 3 && round % active.len() == 0)
+                    || elapsed >= hard_stop
+                {
+                    break;
+                }
+                let fault = active[round % active.len()];
+                let group = match fault {
+                    Fault::FenceKill9 => 0,
+                    Fault::RedisKill9 => 1,
+                    Fault::SlowBody => AUTH_GROUP,
+                    // Long on group 2's store, long on group 1's, short, short.
+                    Fault::StoreStall => [AUTH_GROUP, 1][rounds_done % 2],
+                    _ => rounds_done % groups,
+                };
+                let injected = inject(&ctx, fault, group, round, &mut rig, &mut evidence).await;
+                println!(
+                    "  [{:>6.1}s] {:?} on group {}: {:?} down, recovery {:?} {}",
+                    started.elapsed().as_secs_f64(),
+                    injected.fault,
+                    injected.group,
+                    injected.duration,
+                    injected.recovery,
+                    injected.note
+                );
+                faults.push(injected);
+                // Between faults: back to steady writing in every group (explicit signal).
+                let now = ctx.clock.now();
+                for g in 0..groups {
+                    ctx.rec
+                        .wait_ok(now, 2, Duration::from_secs(10), |o| o.group == g)
+                        .await;
+                }
+                for f in &mut rig.fences {
+                    f.process.drain_logs();
+                }
+                for w in &mut rig.workers {
+                    w.sidecar.drain_logs();
+                }
+                round += 1;
+            }
+        }
+        Mode::Naive => {
+            let injected = inject(&ctx, Fault::WorkerFreeze, 0, 0, &mut rig, &mut evidence).await;
+            println!(
+                "  [{:>6.1}s] {:?} on group {}: {:?} down, recovery {:?} {}",
+                started.elapsed().as_secs_f64(),
+                injected.fault,
+                injected.group,
+                injected.duration,
+                injected.recovery,
+                injected.note
+            );
+            faults.push(injected);
+            // Without the fence, a write slower than its writer's patience is applied once per
+            // attempt of its key: one commit of the group delayed past the attempt timeout.
+            let (arrived, done) = ctx.ledger.arm_slow_on(1, STALL_COMMIT, Some("account:n0x"));
+            ctx.ledger
+                .slow_arrivals_reach(arrived + 1, Duration::from_secs(10))
+                .await;
+            ctx.ledger
+                .slow_commits_reach(done + 1, Duration::from_secs(10))
+                .await;
+            ctx.ledger.arm_slow_on(0, STALL_COMMIT, None);
+            // Without the drain: a sidecar holding a lease is killed (kill -9), and its lease
+            // stays in the backend.
+            let killed = leave_a_lease_behind(&ctx, &rig).await;
+            println!("  naive sidecar exit: {killed}");
+            let now = ctx.clock.now();
+            ctx.rec
+                .wait_ok(now, 10, Duration::from_secs(10), |_| true)
+                .await;
+        }
+    }
+    // Stop: workers finish their current hold and release it.
+    stop.store(true, Ordering::SeqCst);
+    for w in &rig.workers {
+        let _ = w.gate.send(true);
+    }
+    for t in tasks {
+        let _ = tokio::time::timeout(Duration::from_secs(30), t).await;
+    }
+    // Attempts a worker stopped waiting for still run (each bounded by the client's own
+    // bound): their answers belong to the history.
+    for g in 0..groups {
+        let mut in_flight = ctx.rec.in_flight(g);
+        let _ = tokio::time::timeout(CLIENT_BOUND, in_flight.wait_for(|&n| n == 0)).await;
+    }
+    let unended = ctx.rec.wait_terminal_events(Duration::from_secs(5)).await;
+    if !unended.is_empty() {
+        println!("  note: no end event (released/lost) received for grants {unended:?}");
+    }
+    let ran_for = started.elapsed();
+    for s in streams {
+        s.abort();
+    }
+    let commits: Vec<checker::Commit> = ctx.ledger.log().into_iter().map(|(c, _)| c).collect();
+    let arrivals = ctx.ledger.arrivals();
+    let history = crate::record::history(&ctx.rec, commits.clone(), &arrivals, TTL - DRIFT);
+    let violations = checker::check(&history);
+    let ops = ctx.rec.ops.lock().unwrap().clone();
+    // The token each write carried at the ledger is the one its writer was granted.
+    let by_op: HashMap<&str, &Op> = ops.iter().map(|o| (o.op.as_str(), o)).collect();
+    let matching = commits
+        .iter()
+        .filter(|c| by_op.get(c.op.as_str()).is_some_and(|o| o.token == c.token))
+        .count();
+    evidence.insert(
+        "ledger token = writer's granted token".into(),
+        (matching, commits.len()),
+    );
+    let grants = ctx.rec.acquired.lock().unwrap().len();
+    for w in &mut rig.workers {
+        w.sidecar.signal("-TERM");
+    }
+    for w in &mut rig.workers {
+        let _ = tokio::time::timeout(Duration::from_secs(10), w.sidecar.child.wait()).await;
+    }
+    // Processes first, then the namespaces, the nftables table and the lease Redis.
+    drop(rig);
+    let mut evidence: Vec<(String, usize, usize)> =
+        evidence.into_iter().map(|(k, (a, b))| (k, a, b)).collect();
+    evidence.sort();
+    Outcome {
+        mode,
+        ran_for,
+        history,
+        violations,
+        ops,
+        commits: commits.len(),
+        grants,
+        faults,
+        skipped,
+        evidence,
+    }
+}
+
+fn note(evidence: &mut Evidence, what: &str, passed: bool) {
+    let e = evidence.entry(what.to_owned()).or_default();
+    e.0 += usize::from(passed);
+    e.1 += 1;
+}
+
+/// Median of a list of durations.
+pub fn percentile(mut v: Vec<Duration>, p: f64) -> Option<Duration> {
+    if v.is_empty() {
+        return None;
+    }
+    v.sort();
+    let i = ((v.len() - 1) as f64 * p).round() as usize;
+    Some(v[i])
+}

@@ -1,0 +1,159 @@
+//! The run's processes: fence sidecars, workers and their sidecars, and how they are configured and started.
+
+use super::*;
+
+/// A fence sidecar and how to restart it.
+pub(super) struct Fence {
+    pub(super) config: PathBuf,
+    pub(super) process: Fencegate,
+    /// The fence store's own Redis (group 1, and group 2 without PostgreSQL).
+    pub(super) redis: Option<Redis>,
+    /// The fence store's own PostgreSQL (group 2).
+    pub(super) postgres: Option<Postgres>,
+}
+
+pub(super) struct Worker {
+    pub(super) name: String,
+    pub(super) group: usize,
+    pub(super) sidecar: Fencegate,
+    /// The namespace (link index) its sidecar runs in, if any.
+    pub(super) link: Option<usize>,
+    pub(super) gate: watch::Sender<bool>,
+    pub(super) holding: watch::Receiver<Option<(String, u64, usize)>>,
+}
+
+/// The run's processes and network namespaces. Fields drop in order: the processes (killed on
+/// drop) before the namespaces, the nftables table and the lease Redis, also when unwinding.
+pub(super) struct Rig {
+    pub(super) fences: Vec<Fence>,
+    pub(super) workers: Vec<Worker>,
+    pub(super) lab: Option<Lab>,
+    pub(super) lease_redis: Redis,
+}
+
+pub(super) struct Ctx {
+    pub(super) clock: Clock,
+    pub(super) rec: Arc<Recorder>,
+    pub(super) ledger: Ledger,
+    pub(super) dir: tempfile::TempDir,
+    pub(super) lease_prefix: String,
+}
+
+/// Resource ids of a group (the route is `/accounts/{id}`, the resource `account:{id}`).
+pub(super) fn resources(mode: Mode, group: usize) -> Vec<String> {
+    let tag = match mode {
+        Mode::Fenced => "f",
+        Mode::Naive => "n",
+    };
+    (0..2).map(|i| format!("{tag}{group}x{i}")).collect()
+}
+
+/// A fence: `store`, `timeouts.upstream`, and `authority` (a lease backend's URL and prefix)
+/// for `fence.authority: leases`. Idempotency keys apply on its route.
+pub(super) fn fence_yaml(
+    ip: Ipv4Addr,
+    port: u16,
+    ledger: &str,
+    store: &str,
+    upstream: Duration,
+    authority: Option<(&str, &str)>,
+) -> String {
+    let authority = match authority {
+        Some((redis, prefix)) => format!(
+                "fence: {{ authority: leases }}\nleases:\n  listen: 127.0.0.1:0\n  \
+                 backend: {{ kind: redis, url: '{redis}', prefix: {prefix} }}\n  \
+                 ttl: {{ p99_work: 1000ms, p99_rtt: 50ms, safety_margin: 200ms, drift_buffer: {}ms }}\n",
+            DRIFT.as_millis()
+        ),
+        None => String::new(),
+    };
+    format!(
+        "listen: {ip}:{port}\nadmin: 127.0.0.1:0\nupstream: {ledger}\n{store}\
+         timeouts: {{ upstream: {}ms, shutdown: 2s, store: {}ms }}\n{authority}\
+         idempotency: {{ window: 3s }}\n\
+         routes:\n  - {{ name: accounts, path: '/accounts/{{id}}', resource: 'account:{{id}}', ordering: serialize, barrier_timeout: 2s }}\n",
+        upstream.as_millis(),
+        STORE_TIMEOUT.as_millis()
+    )
+}
+
+/// A worker's sidecar: leases from `redis`, its lease API and egress listening on `ip`.
+pub(super) fn sidecar_yaml(
+    prefix: &str,
+    redis: &str,
+    ip: Ipv4Addr,
+    egress_to: Option<SocketAddr>,
+) -> String {
+    let egress = match egress_to {
+        Some(fence) => format!(
+            "egress:\n  listen: {ip}:0\n  upstream: http://{fence}\n  routes:\n    - {{ path: '/accounts/{{id}}', lease: 'account:{{id}}' }}\n"
+        ),
+        None => String::new(),
+    };
+    format!(
+        "listen: 127.0.0.1:0\nadmin: 127.0.0.1:0\nupstream: http://127.0.0.1:9\nstore: {{ kind: memory }}\n\
+         timeouts: {{ upstream: 5s, shutdown: 1s }}\n\
+         leases:\n  listen: {ip}:0\n  backend: {{ kind: redis, url: '{redis}', prefix: {prefix} }}\n  \
+         ttl: {{ p99_work: 1000ms, p99_rtt: 50ms, safety_margin: 200ms, drift_buffer: {}ms }}\n  \
+         acquire: {{ base_delay: 20ms, max_delay: 200ms, jitter: 20ms }}\n{egress}",
+        DRIFT.as_millis()
+    )
+}
+
+pub(super) async fn start_fence(
+    dir: &Path,
+    group: usize,
+    ledger: &str,
+    ip: Ipv4Addr,
+    authority: Option<(&str, &str)>,
+) -> Fence {
+    let port = free_port();
+    let (mut redis, mut postgres) = (None, None);
+    let store = if group == 0 {
+        format!(
+            "store: {{ kind: embedded, path: {} }}\n",
+            dir.join("fences.db").display()
+        )
+    } else {
+        let pg = match group {
+            AUTH_GROUP => Some(Postgres::start().await),
+            _ => None,
+        };
+        let (kind, url) = match pg {
+            Some(Ok(pg)) => {
+                let url = pg.url();
+                postgres = Some(pg);
+                ("postgres", url)
+            }
+            other => {
+                if let Some(Err(reason)) = other {
+                    println!("  SKIPPED postgres store (group {group} uses a Redis): {reason}");
+                }
+                let r = Redis::start().await;
+                let url = r.url();
+                redis = Some(r);
+                ("redis", url)
+            }
+        };
+        format!(
+            "store: {{ kind: {kind}, url: '{url}', prefix: {} }}\n",
+            fresh_prefix()
+        )
+    };
+    let upstream = match group {
+        0 => FENCE_UPSTREAM_TIMEOUT,
+        _ => LONG_UPSTREAM_TIMEOUT,
+    };
+    let config = write_config(
+        dir,
+        &format!("fence{group}.yaml"),
+        &fence_yaml(ip, port, ledger, &store, upstream, authority),
+    );
+    let process = Fencegate::start(&config).await;
+    Fence {
+        config,
+        process,
+        redis,
+        postgres,
+    }
+}
