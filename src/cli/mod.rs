@@ -1,15 +1,16 @@
 //! The command line (README.md, Commands). Exit codes: 0 ok, 1 invalid config or failure, 2 usage error.
 
-use std::path::{Path, PathBuf};
+mod check;
+
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 
 use crate::app::Server;
-use crate::config::{Config, ConfigError};
+use crate::config::Config;
 use crate::inject::SidecarConfigError;
-use crate::tls::TlsError;
 use crate::ttl::{self, TtlInputs};
 
 #[derive(Parser)]
@@ -170,53 +171,6 @@ fn k8s_name(s: &str) -> Result<String, NotAnObjectName> {
     }
 }
 
-/// Why `check` refuses a config file.
-#[derive(Debug, thiserror::Error)]
-enum CheckError {
-    #[error(transparent)]
-    Config(#[from] ConfigError),
-    /// A file that `tls` or `upstream_ca` names.
-    #[error("{path}: {field}: {source}")]
-    File {
-        path: PathBuf,
-        field: &'static str,
-        source: Box<TlsError>,
-    },
-    /// A file of the store's or the lease backend's `tls` mapping (the error names the field).
-    #[error("{path}: {source}")]
-    ClientFile {
-        path: PathBuf,
-        source: Box<TlsError>,
-    },
-}
-
-/// Loads a config as `run` would, and reads the files it names as `run` does before it
-/// listens.
-fn check(path: &Path) -> Result<Config, CheckError> {
-    let config = Config::load(path)?;
-    let file = |field| {
-        move |source| CheckError::File {
-            path: path.to_owned(),
-            field,
-            source: Box::new(source),
-        }
-    };
-    // TLS files are part of the config: a missing key should fail here, not at start.
-    if let Some(tls) = &config.tls {
-        crate::tls::server_config(tls).map_err(file("tls"))?;
-    }
-    // So is the upstream's CA bundle: `run` reads it before it listens.
-    if let Some(ca) = &config.upstream_ca {
-        crate::tls::client_config(Some(ca)).map_err(file("upstream_ca"))?;
-    }
-    // And the store's and the lease backend's TLS files.
-    crate::tls::check_client_files(&config).map_err(|source| CheckError::ClientFile {
-        path: path.to_owned(),
-        source: Box::new(source),
-    })?;
-    Ok(config)
-}
-
 fn duration(s: &str) -> Result<Duration, String> {
     crate::duration::parse(s)
 }
@@ -224,51 +178,7 @@ fn duration(s: &str) -> Result<Duration, String> {
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
-        Command::Check { config } => match check(&config) {
-            Ok(c) => {
-                for warning in c.warnings() {
-                    eprintln!("warning: {}: {warning}", config.display());
-                }
-                let mut out = String::new();
-                out.push_str(&format!("# {}: valid\n", config.display()));
-                if let Some(leases) = &c.leases {
-                    let ttl = &leases.ttl;
-                    out.push_str(&format!(
-                        "# leases: ttl {} (minimum {}), renew every {}, local deadline ttl - {}, drain timeout {}{}\n",
-                        crate::duration::display(ttl.ttl),
-                        crate::duration::display(ttl.minimum),
-                        crate::duration::display_ms(ttl.renew_every()),
-                        crate::duration::display(ttl.drift_buffer),
-                        crate::duration::display(leases.drain_timeout),
-                        ttl.p99_work
-                            .map(|w| format!(", dedup window {}", crate::duration::display(ttl.ttl + w)))
-                            .unwrap_or_default()
-                    ));
-                }
-                if let Some(idempotency) = &c.idempotency {
-                    let routes: Vec<&str> = c
-                        .routes
-                        .iter()
-                        .filter(|r| r.idempotent(Some(idempotency)))
-                        .map(|r| r.name.as_str())
-                        .collect();
-                    out.push_str(&format!(
-                        "# idempotency: header {}, window {}, on routes [{}]\n",
-                        idempotency.header.0,
-                        crate::duration::display(idempotency.window()),
-                        routes.join(", ")
-                    ));
-                }
-                out.push_str(&c.to_yaml());
-                // A closed pipe (`check | head`) is not an error worth a panic.
-                let _ = std::io::Write::write_all(&mut std::io::stdout(), out.as_bytes());
-                ExitCode::SUCCESS
-            }
-            Err(e) => {
-                eprintln!("error: {e}");
-                ExitCode::from(1)
-            }
-        },
+        Command::Check { config } => check::command(&config),
         Command::Ttl {
             p99_work,
             p99_rtt,
