@@ -17,11 +17,14 @@
 //! - [`server`]: accept loop with TLS, HTTP/1 + HTTP/2, limits, `server::drain` (graceful
 //!   drain) and `server::head_timer` (the header-read timer); [`admin`]: metrics, probes and
 //!   the fence inspection API; [`reload`]: live configuration (file change or SIGHUP).
+//! - [`layer`]: the fence in-process, as a tower `Layer` in front of any HTTP service, with
+//!   the proxy's own decision and refusals.
 //! - [`proxy`]: the request path, along the request's way: `handle_on` in [`proxy`] itself,
 //!   `build`, `decide` (authority, compare-and-raise, barrier), [`proxy::idempotent`] and
 //!   [`proxy::recording`] (writes with an `Idempotency-Key`), `forwarding` over
 //!   [`proxy::upstream`] with [`proxy::headers`] (header surgery), [`proxy::problem`]
-//!   (refusals), `access` (the access log).
+//!   (refusals), [`proxy::grpc`] (refusals of gRPC calls as gRPC statuses), `access` (the
+//!   access log).
 //! - [`lease`]: the lease agent ([`lease::agent`]): backends behind one trait
 //!   ([`lease::backend`]; embedded, Redis, PostgreSQL, etcd, with `lease::shared` helpers),
 //!   renewal timing ([`lease::schedule`]), the grant cache ([`lease::grants`]) and the local
@@ -56,6 +59,7 @@ mod etcd;
 pub mod fence;
 pub mod idempotency;
 pub mod inject;
+pub mod layer;
 pub mod lease;
 pub mod metrics;
 pub mod problem;

@@ -23,8 +23,34 @@ impl Proxy {
         store: Arc<dyn FenceStore>,
         metrics: Arc<Metrics>,
     ) -> Result<Self, String> {
-        let client = upstream_client(config.upstream_ca.as_deref(), config.timeouts.upstream)?;
-        Ok(Self::build(config, store, Barriers::new(), metrics, client))
+        let clients = upstream_clients(config.upstream_ca.as_deref(), config.timeouts.upstream)?;
+        Ok(Self::build(
+            config,
+            store,
+            Barriers::new(),
+            metrics,
+            clients,
+        ))
+    }
+
+    /// The fence alone, for the in-process layer ([`crate::layer`]): what is let through goes
+    /// to the layer's inner service, never upstream (the clients are made but never used), and
+    /// idempotency keys are not handled.
+    pub(crate) fn in_process(
+        config: &Config,
+        store: Arc<dyn FenceStore>,
+        metrics: Arc<Metrics>,
+    ) -> Result<Self, String> {
+        let mut config = config.clone();
+        config.idempotency = None;
+        let clients = upstream_clients(None, config.timeouts.upstream)?;
+        Ok(Self::build(
+            &config,
+            store,
+            Barriers::new(),
+            metrics,
+            clients,
+        ))
     }
 
     /// Checks tokens against the lease backend too (`fence.authority: leases`).
@@ -65,10 +91,10 @@ impl Proxy {
         egress_config.unmatched = Unmatched::Forward;
         egress_config.tls = None;
         egress_config.idempotency = None;
-        let client = upstream_client(config.upstream_ca.as_deref(), config.timeouts.upstream)?;
+        let clients = upstream_clients(config.upstream_ca.as_deref(), config.timeouts.upstream)?;
         // The store is never consulted in egress mode; a memory store keeps the type simple.
         let store: Arc<dyn FenceStore> = Arc::new(crate::store::MemoryStore::new());
-        let mut proxy = Self::build(&egress_config, store, Barriers::new(), metrics, client);
+        let mut proxy = Self::build(&egress_config, store, Barriers::new(), metrics, clients);
         proxy.attach = Some(agent);
         Ok(proxy)
     }
@@ -76,17 +102,18 @@ impl Proxy {
     /// A proxy for a reloaded config: same store, barriers and metrics (maxima and in-flight
     /// writes carry over), same connection pool when the upstream did not change.
     pub fn reconfigure(&self, config: &Config) -> Result<Self, String> {
-        let client = if config.upstream == self.upstream && config.upstream_ca == self.upstream_ca {
-            self.client.clone()
+        let clients = if config.upstream == self.upstream && config.upstream_ca == self.upstream_ca
+        {
+            (self.client.clone(), self.grpc_client.clone())
         } else {
-            upstream_client(config.upstream_ca.as_deref(), config.timeouts.upstream)?
+            upstream_clients(config.upstream_ca.as_deref(), config.timeouts.upstream)?
         };
         let mut proxy = Self::build(
             config,
             Arc::clone(&self.store),
             Arc::clone(&self.barriers),
             Arc::clone(&self.metrics),
-            client,
+            clients,
         );
         // Fencing against leases is part of the running process, not of the reloadable part:
         // a reload never turns it off (nor on: that needs a restart, and the log says so).
@@ -100,7 +127,7 @@ impl Proxy {
         store: Arc<dyn FenceStore>,
         barriers: Arc<Barriers>,
         metrics: Arc<Metrics>,
-        client: UpstreamClient,
+        (client, grpc_client): (UpstreamClient, UpstreamClient),
     ) -> Self {
         let table = RouteTable::new(
             &config.routes,
@@ -122,6 +149,7 @@ impl Proxy {
             metrics,
             route_metrics,
             client,
+            grpc_client,
             attach: None,
             authority: None,
             upstream: config.upstream.clone(),
@@ -141,24 +169,34 @@ impl Proxy {
     }
 }
 
-fn upstream_client(
+/// The upstream pools: HTTP/1.1 for every request but gRPC calls, and HTTP/2 for those.
+fn upstream_clients(
     upstream_ca: Option<&std::path::Path>,
     connect_timeout: std::time::Duration,
-) -> Result<UpstreamClient, String> {
+) -> Result<(UpstreamClient, UpstreamClient), String> {
     let mut http = HttpConnector::new();
     http.enforce_http(false);
     http.set_nodelay(true);
     http.set_connect_timeout(Some(connect_timeout));
     let tls = crate::tls::client_config(upstream_ca)?;
     let connector = hyper_rustls::HttpsConnectorBuilder::new()
-        .with_tls_config(tls)
+        .with_tls_config(tls.clone())
         .https_or_http()
         .enable_http1()
-        .wrap_connector(http);
-    Ok(Client::builder(TokioExecutor::new())
+        .wrap_connector(http.clone());
+    let mut builder = Client::builder(TokioExecutor::new());
+    builder
         // A write that reached the upstream must never be sent twice by us.
         .retry_canceled_requests(false)
-        .pool_idle_timeout(std::time::Duration::from_secs(60))
-        .pool_max_idle_per_host(1024)
-        .build(connector))
+        .pool_idle_timeout(std::time::Duration::from_secs(60));
+    let grpc = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_or_http()
+        .enable_http2()
+        .wrap_connector(http);
+    // One connection carries every call at once (HTTP/2 streams); an `http` upstream is spoken
+    // to by prior knowledge (h2c), as gRPC servers expect.
+    let grpc = builder.clone().http2_only(true).build(grpc);
+    let http1 = builder.pool_max_idle_per_host(1024).build(connector);
+    Ok((http1, grpc))
 }

@@ -1,6 +1,9 @@
-//! The fence decision for a write past its token check: the authority (`fence.authority:
-//! leases`), the store's compare-and-raise (bounded by the store timeout), its verdict, and
-//! under `ordering: serialize` the barrier's turn.
+//! The fence decision, shared by the proxy and the in-process layer ([`crate::layer`]):
+//! [`Proxy::decide`] decides what it can from a request's head alone (route, resource, token,
+//! and the store's compare-and-raise when it answers at once); [`Proxy::admit`] is the rest
+//! for a write that has to wait: the authority (`fence.authority: leases`), the store's
+//! compare-and-raise (bounded by the store timeout), its verdict, and under
+//! `ordering: serialize` the barrier's turn.
 
 use std::sync::Arc;
 
@@ -8,18 +11,274 @@ use http::{Request, Response};
 use hyper::body::Incoming;
 use tokio::time::Instant;
 
-use super::access::Timing;
+use super::access::{Subject, Timing};
 use super::forwarding::Answering;
-use super::problem::Refusal;
-use super::{Proxy, Write};
+use super::problem::{host_problem, Refusal};
+use super::{idempotent, Proxy, Write};
 use crate::body::ProxyBody;
-use crate::config::Ordering;
-use crate::fence::routes::Route;
+use crate::config::{MissingToken, Ordering, Unmatched};
+use crate::fence::barrier::Ticket;
+use crate::fence::method::method_override;
+use crate::fence::path;
+use crate::fence::routes::{Matched, Route};
+use crate::fence::token::{connection_nominates, token_from_headers, TokenError};
 use crate::fence::verdict::Verdict;
 use crate::metrics::Outcome;
 use crate::store::StoreError;
 
+/// What the fence decides about a request from its head alone.
+pub(crate) enum Decision {
+    /// Refused: answer with this, send nothing.
+    Refuse(Refused),
+    /// Send it on now: unfenced, or a fenced write admitted.
+    Forward(Pass),
+    /// A fenced write that has to wait before it may be sent: see [`Proxy::admit`] (and, with
+    /// an idempotency key, the proxy's idempotent write).
+    Later(Later),
+}
+
+/// A refusal, and what it is about (for its body and log line).
+pub(crate) struct Refused {
+    pub(crate) refusal: Refusal,
+    /// Index of the route in the table, when the request is on one.
+    pub(crate) route: Option<usize>,
+    pub(crate) resource: Option<String>,
+    pub(crate) token: Option<u64>,
+}
+
+/// A request to send on now.
+pub(crate) struct Pass {
+    /// The request's path, normalised.
+    pub(crate) normalised: String,
+    /// Index of the route in the table; `None` for a request on no route.
+    pub(crate) route: Option<usize>,
+    /// `None` for a request the fence lets pass unfenced (no route, a `GET`, `fence: false`).
+    pub(crate) fenced: Option<Fenced>,
+}
+
+/// A fenced write sent on now.
+pub(crate) struct Fenced {
+    pub(crate) resource: String,
+    /// `None` for a write without a token on a `missing_token: allow` route.
+    pub(crate) token: Option<u64>,
+    /// Egress: the token is the held lease's, to be set on the request before it is sent.
+    pub(crate) attach: bool,
+}
+
+/// A fenced write past its token check that has to wait before its send.
+pub(crate) struct Later {
+    pub(crate) route: usize,
+    pub(crate) resource: String,
+    pub(crate) token: u64,
+    pub(crate) normalised: String,
+    /// The write's `Idempotency-Key`, on a route where keys apply.
+    pub(crate) key: Option<String>,
+}
+
 impl Proxy {
+    /// The fence decision on a request's head: `host → normalised path → route match
+    /// (resource) → token → idempotency key → compare-and-raise when the store answers at
+    /// once`. Everything that needs no waiting happens here, for the proxy and the layer alike.
+    pub(crate) fn decide<B>(&self, req: &Request<B>) -> Decision {
+        let refuse = |refusal: Refusal, route: Option<&Route>| {
+            Decision::Refuse(Refused {
+                refusal,
+                route: route.map(|r| r.index),
+                resource: None,
+                token: None,
+            })
+        };
+        if let Some(problem) = host_problem(req) {
+            return refuse(Refusal::InvalidRequest(problem.into()), None);
+        }
+        let normalised = match path::normalise(req.uri().path()) {
+            Ok(p) => p.into_owned(),
+            Err(e) => return refuse(Refusal::InvalidPath(e), None),
+        };
+        let matched =
+            self.table
+                .lookup(req.method(), &normalised, req.uri().query(), req.headers());
+        // A method override header makes many frameworks treat the request as the method it
+        // names: on a route, the request is fenced as that method when that method is fenced
+        // (and as its own otherwise), and a malformed or repeated override is refused.
+        let matched = match matched {
+            Ok(found @ (Matched::Pass(route) | Matched::Fence { route, .. })) => {
+                match method_override(req.headers()) {
+                    Ok(None) => Ok(found),
+                    Ok(Some(named)) => {
+                        let query = req.uri().query();
+                        match self.table.lookup(&named, &normalised, query, req.headers()) {
+                            fenced @ (Ok(Matched::Fence { .. }) | Err(_)) => fenced,
+                            Ok(_) => Ok(found),
+                        }
+                    }
+                    Err(e) => return refuse(Refusal::InvalidRequest(e.to_string()), Some(route)),
+                }
+            }
+            other => other,
+        };
+        let pass = |route: Option<&Route>, normalised| {
+            Decision::Forward(Pass {
+                normalised,
+                route: route.map(|r| r.index),
+                fenced: None,
+            })
+        };
+        let (route, resource) = match matched {
+            Err((route, e)) => return refuse(Refusal::InvalidResource(e), route),
+            Ok(Matched::None) if self.table.unmatched == Unmatched::Reject => {
+                return refuse(Refusal::NoRoute, None)
+            }
+            Ok(Matched::None) => return pass(None, normalised),
+            Ok(Matched::Pass(route)) => return pass(Some(route), normalised),
+            Ok(Matched::Fence { route, resource }) => (route, resource),
+        };
+        let index = route.index;
+        let refuse = |refusal: Refusal, resource: String, token: Option<u64>| {
+            Decision::Refuse(Refused {
+                refusal,
+                route: Some(index),
+                resource: Some(resource),
+                token,
+            })
+        };
+        let send = |normalised, resource, token, attach| {
+            Decision::Forward(Pass {
+                normalised,
+                route: Some(index),
+                fenced: Some(Fenced {
+                    resource,
+                    token,
+                    attach,
+                }),
+            })
+        };
+        if let Some(agent) = &self.attach {
+            // Hop-by-hop headers go before the send: a token header the app nominated in
+            // `Connection` would go with them, and the write would leave without a token.
+            if connection_nominates(req.headers(), &self.token_header) {
+                let refusal = Refusal::InvalidToken(TokenError::ConnectionNominated);
+                return refuse(refusal, resource, None);
+            }
+            let Some(token) = agent.token_for(&resource) else {
+                return refuse(Refusal::LeaseNotHeld, resource, None);
+            };
+            return send(normalised, resource, Some(token), true);
+        }
+        let token = match token_from_headers(req.headers(), &self.token_header) {
+            Err(e) => return refuse(Refusal::InvalidToken(e), resource, None),
+            Ok(None) if route.missing_token == MissingToken::Allow => {
+                return send(normalised, resource, None, false)
+            }
+            Ok(None) => return refuse(Refusal::TokenRequired, resource, None),
+            Ok(Some(token)) => token,
+        };
+        let key = match (&self.idempotency, self.idempotent[index]) {
+            (Some(settings), true) => {
+                match idempotent::key_from_headers(req.headers(), &settings.header.0) {
+                    Ok(key) => key,
+                    Err(e) => {
+                        return refuse(Refusal::InvalidIdempotencyKey(e), resource, Some(token))
+                    }
+                }
+            }
+            _ => None,
+        };
+        // The common case decides here: no key, no authority, no barrier, and a store that
+        // answers at once.
+        let at_once = match (&key, &self.authority, route.ordering) {
+            (None, None, Ordering::None) => self.raise_at_once(&resource, token),
+            _ => None,
+        };
+        let Some(answer) = at_once else {
+            return Decision::Later(Later {
+                route: index,
+                resource,
+                token,
+                normalised,
+                key,
+            });
+        };
+        if let Err(refusal) = self.on_verdict(route, token, answer) {
+            return refuse(refusal, resource, Some(token));
+        }
+        send(normalised, resource, Some(token), false)
+    }
+
+    /// A refused request's response: counted, logged and answered (problem+json) with the
+    /// request's method and path as it came.
+    pub(crate) fn answer_refused<B>(
+        &self,
+        refused: Refused,
+        req: &Request<B>,
+        started: Instant,
+    ) -> Response<ProxyBody> {
+        let Refused {
+            refusal,
+            route,
+            resource,
+            token,
+        } = refused;
+        let route = route.map(|i| &self.table.routes()[i]);
+        let subject = Subject {
+            route: route.map(|r| r.name.as_str()),
+            resource: resource.as_deref(),
+            token,
+        };
+        let (method, path) = (req.method(), req.uri().path());
+        let timing = Timing::without_upstream(started);
+        self.refuse(refusal, route, subject, method, path, timing)
+    }
+
+    /// [`Proxy::admit`] for a write [`Proxy::decide`] left to wait; a refusal comes back with
+    /// what it is about.
+    pub(crate) async fn admit_later(&self, later: Later) -> Result<Option<Ticket>, Refused> {
+        let route = &self.table.routes()[later.route];
+        self.admit(route, &later.resource, later.token)
+            .await
+            .map_err(|refusal| Refused {
+                refusal,
+                route: Some(later.route),
+                resource: Some(later.resource),
+                token: Some(later.token),
+            })
+    }
+
+    /// Counts a request answered by whatever the fence let it through to (the in-process
+    /// layer's inner service), as the proxy counts the upstream's answers.
+    pub(crate) fn answered(&self, route: Option<usize>, outcome: Outcome, started: Instant) {
+        let metrics = &self.route_metrics[route.unwrap_or(self.route_metrics.len() - 1)];
+        metrics.finish(outcome, started.elapsed());
+    }
+
+    /// The rest of a fenced write that has to wait before its send (without an idempotency
+    /// key): authority, then the barrier's turn for this token taken, the raise, the wait for
+    /// that turn, and the authority again; any of them may refuse the write. Admitted, the
+    /// write holds its barrier ticket (under `ordering: serialize`) until it has finished.
+    pub(crate) async fn admit(
+        &self,
+        route: &Route,
+        resource: &str,
+        token: u64,
+    ) -> Result<Option<Ticket>, Refusal> {
+        if let Some(refusal) = self.check_authority(resource, token).await {
+            return Err(refusal);
+        }
+        let ticket =
+            (route.ordering == Ordering::Serialize).then(|| self.barriers.enter(resource, token));
+        self.on_verdict(route, token, self.check(resource, token).await)?;
+        if let Some(ticket) = &ticket {
+            let turn = ticket.wait_turn(route.barrier_timeout).await;
+            turn.map_err(|_| Refusal::BarrierTimeout)?;
+        }
+        // The lease may have passed on while the raise (or the turn) was awaited: the
+        // authority is asked again, the last thing before the send.
+        if let Some(refusal) = self.check_authority(resource, token).await {
+            return Err(refusal);
+        }
+        Ok(ticket)
+    }
+
     /// The rest of a fenced write that has to wait before its send: an idempotency key, an
     /// authority, an ordering barrier, or a store that answers later.
     pub(super) async fn fence_later(
@@ -32,28 +291,7 @@ impl Proxy {
         if let Some(key) = key {
             return self.idempotent_write(req, write, key).await;
         }
-        let (resource, token) = (write.resource.as_str(), write.token);
-        // Authority, then the barrier's turn for this token taken, the raise, the wait for
-        // that turn, and the authority again: any of them may refuse the write.
-        let admitted = async {
-            if let Some(refusal) = self.check_authority(resource, token).await {
-                return Err(refusal);
-            }
-            let ticket = (route.ordering == Ordering::Serialize)
-                .then(|| self.barriers.enter(resource, token));
-            self.on_verdict(route, token, self.check(resource, token).await)?;
-            if let Some(ticket) = &ticket {
-                let turn = ticket.wait_turn(route.barrier_timeout).await;
-                turn.map_err(|_| Refusal::BarrierTimeout)?;
-            }
-            // The lease may have passed on while the raise (or the turn) was awaited: the
-            // authority is asked again, the last thing before the send.
-            if let Some(refusal) = self.check_authority(resource, token).await {
-                return Err(refusal);
-            }
-            Ok(ticket)
-        };
-        let ticket = match admitted.await {
+        let ticket = match self.admit(route, &write.resource, write.token).await {
             Ok(ticket) => ticket,
             Err(refusal) => {
                 let (method, path) = (req.method(), req.uri().path());

@@ -16,6 +16,7 @@ use hyper::body::Incoming;
 use tokio::time::Instant;
 
 use super::access::{log_access, Access, Subject, Timing};
+use super::grpc;
 use super::headers;
 use super::problem::Refusal;
 use super::recording::{Attempt, Recording};
@@ -329,12 +330,18 @@ impl Proxy {
             upstream_host,
         );
         parts.uri = uri;
-        // The upstream connection is HTTP/1.1 whatever the client spoke.
-        parts.version = Version::HTTP_11;
+        // The upstream connection is HTTP/1.1 whatever the client spoke, but for gRPC calls.
+        let client = if grpc::is_call(parts.version, &parts.headers) {
+            grpc::upstream_headers(&mut parts.headers);
+            &self.grpc_client
+        } else {
+            parts.version = Version::HTTP_11;
+            &self.client
+        };
         // tokio's clock: the upstream deadline is a tokio timer's.
         let started = tokio::time::Instant::now();
         let exchange = upstream::send(
-            &self.client,
+            client,
             via,
             started + self.timeouts.upstream,
             Request::from_parts(parts, body),

@@ -5,11 +5,11 @@
 //! into a response in one place ([`Proxy::refuse`]), where it is also counted and logged.
 //!
 //! Along the request's way: [`Proxy::handle_on`] (here) checks what needs no waiting;
-//! [`build`] makes a `Proxy`; [`decide`] is the fence decision (authority, compare-and-raise,
-//! verdict, barrier); [`idempotent`] handles writes with an `Idempotency-Key` and
+//! [`build`] makes a `Proxy`; [`decide`] is the fence decision (route, token, authority,
+//! compare-and-raise, verdict, barrier), shared with the in-process [`crate::layer`]; [`idempotent`] handles writes with an `Idempotency-Key` and
 //! [`recording`] records their outcome; [`forwarding`] sends and answers, over [`upstream`]
-//! with [`headers`]' header surgery; [`problem`] answers refusals; [`access`] writes the
-//! access log.
+//! with [`headers`]' header surgery; [`problem`] answers refusals, in gRPC form for gRPC
+//! calls ([`grpc`]); [`access`] writes the access log.
 
 mod access;
 mod build;
@@ -20,6 +20,8 @@ pub mod idempotent;
 pub mod problem;
 pub mod recording;
 pub mod upstream;
+
+pub use problem::grpc;
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -35,20 +37,15 @@ use http::{Request, Response};
 use hyper::body::Incoming;
 
 use crate::body::ProxyBody;
-use crate::config::{
-    EqualTokens, IdempotencyConfig, MissingToken, Ordering, Timeouts, Unmatched, UpstreamUrl,
-};
+use crate::config::{EqualTokens, IdempotencyConfig, Timeouts, UpstreamUrl};
 use crate::fence::barrier::Barriers;
-use crate::fence::method::method_override;
-use crate::fence::path;
-use crate::fence::routes::{Matched, Route, RouteTable};
-use crate::fence::token::{connection_nominates, token_from_headers, TokenError};
+use crate::fence::routes::{Route, RouteTable};
 use crate::lease::agent::Agent;
 use crate::metrics::{Metrics, Outcome, RouteMetrics};
 use crate::store::FenceStore;
-use access::{Subject, Timing};
+use access::Subject;
+pub(crate) use decide::{Decision, Fenced, Pass};
 use forwarding::{set_token, Answering};
-use problem::{host_problem, Refusal};
 use upstream::UpstreamClient;
 
 /// Everything a request needs, built once per configuration.
@@ -63,6 +60,8 @@ pub struct Proxy {
     /// on no route.
     route_metrics: Vec<RouteMetrics>,
     client: UpstreamClient,
+    /// The pool for gRPC calls: HTTP/2 (prior knowledge for `http`, ALPN `h2` for `https`).
+    grpc_client: UpstreamClient,
     /// Egress mode: instead of checking the token against the store, attach the token of the
     /// lease this sidecar holds on the resource (docs/leases.md, `egress`).
     attach: Option<Arc<Agent>>,
@@ -167,7 +166,21 @@ impl Proxy {
     /// times, whole, and an `async fn` doing all of this would be about 2 KiB large. What has
     /// to wait before the send (an authority, an ordering barrier, a store that answers later,
     /// an idempotency key) continues in a boxed future.
+    ///
+    /// A refusal of a gRPC call is answered in gRPC form ([`grpc`]).
     pub fn handle_on(
+        self: Arc<Self>,
+        req: Request<Incoming>,
+        peer: SocketAddr,
+        own: Option<upstream::SharedSlot>,
+    ) -> grpc::Answered<Handling<impl Future<Output = Response<ProxyBody>> + Send + 'static>> {
+        let grpc = grpc::is_call(req.version(), req.headers());
+        grpc::Answered::new(self.handling(req, peer, own), grpc)
+    }
+
+    /// [`Proxy::handle_on`], refusals in problem+json form: the fence's [`Decision`], then
+    /// the send (or the wait before it).
+    fn handling(
         self: Arc<Self>,
         req: Request<Incoming>,
         peer: SocketAddr,
@@ -176,146 +189,53 @@ impl Proxy {
         // End to end: from here, where the request's head has been read, to the response's
         // head (`fencegate_request_duration_seconds`, the access log).
         let started = Instant::now();
-        // Every refusal is answered, counted and logged the same way, with the request's method
-        // and path as it came.
-        let refused = |refusal: Refusal, route: Option<&Route>, subject: Subject<'_>| {
-            let (method, path) = (req.method(), req.uri().path());
-            let timing = Timing::without_upstream(started);
-            Handling::done(self.refuse(refusal, route, subject, method, path, timing))
-        };
-        if let Some(problem) = host_problem(&req) {
-            return refused(
-                Refusal::InvalidRequest(problem.into()),
-                None,
-                Subject::default(),
-            );
-        }
-        let normalised = match path::normalise(req.uri().path()) {
-            Ok(p) => p.into_owned(),
-            Err(e) => return refused(Refusal::InvalidPath(e), None, Subject::default()),
-        };
-        let matched =
-            self.table
-                .lookup(req.method(), &normalised, req.uri().query(), req.headers());
-        // A method override header makes many frameworks treat the request as the method it
-        // names: on a route, the request is fenced as that method when that method is fenced
-        // (and as its own otherwise), and a malformed or repeated override is refused.
-        let matched = match matched {
-            Ok(found @ (Matched::Pass(route) | Matched::Fence { route, .. })) => {
-                match method_override(req.headers()) {
-                    Ok(None) => Ok(found),
-                    Ok(Some(named)) => {
-                        let query = req.uri().query();
-                        match self.table.lookup(&named, &normalised, query, req.headers()) {
-                            fenced @ (Ok(Matched::Fence { .. }) | Err(_)) => fenced,
-                            Ok(_) => Ok(found),
-                        }
-                    }
-                    Err(e) => {
-                        let subject = Subject {
-                            route: Some(&route.name),
-                            ..Subject::default()
-                        };
-                        let refusal = Refusal::InvalidRequest(e.to_string());
-                        return refused(refusal, Some(route), subject);
-                    }
-                }
+        match self.decide(&req) {
+            Decision::Refuse(refused) => {
+                Handling::done(self.answer_refused(refused, &req, started))
             }
-            other => other,
-        };
-        let (route, resource) = match matched {
-            Err((route, e)) => {
-                let subject = Subject {
-                    route: route.map(|r| r.name.as_str()),
-                    ..Subject::default()
-                };
-                return refused(Refusal::InvalidResource(e), route, subject);
-            }
-            Ok(Matched::None) if self.table.unmatched == Unmatched::Reject => {
-                return refused(Refusal::NoRoute, None, Subject::default())
-            }
-            Ok(Matched::None) => {
-                let answering = Answering::unfenced(None, Outcome::Forwarded, started);
-                return self.forwarding(req, normalised, answering, peer, own);
-            }
-            Ok(Matched::Pass(route)) => {
-                let answering = Answering::unfenced(Some(route.index), Outcome::Forwarded, started);
-                return self.forwarding(req, normalised, answering, peer, own);
-            }
-            Ok(Matched::Fence { route, resource }) => (route, resource),
-        };
-        let index = route.index;
-        let subject = Subject {
-            route: Some(&route.name),
-            resource: Some(&resource),
-            token: None,
-        };
-        if let Some(agent) = &self.attach {
-            // Hop-by-hop headers go before the send: a token header the app nominated in
-            // `Connection` would go with them, and the write would leave without a token.
-            if connection_nominates(req.headers(), &self.token_header) {
-                let refusal = Refusal::InvalidToken(TokenError::ConnectionNominated);
-                return refused(refusal, Some(route), subject);
-            }
-            let Some(token) = agent.token_for(&resource) else {
-                return refused(Refusal::LeaseNotHeld, Some(route), subject);
-            };
-            let mut req = req;
-            set_token(req.headers_mut(), &self.token_header, token);
-            let answering =
-                Answering::fenced(index, resource, Some(token), Outcome::Admitted, started);
-            return self.forwarding(req, normalised, answering, peer, own);
-        }
-        let token = match token_from_headers(req.headers(), &self.token_header) {
-            Err(e) => return refused(Refusal::InvalidToken(e), Some(route), subject),
-            Ok(None) if route.missing_token == MissingToken::Allow => {
-                let answering =
-                    Answering::fenced(index, resource, None, Outcome::Forwarded, started);
-                return self.forwarding(req, normalised, answering, peer, own);
-            }
-            Ok(None) => return refused(Refusal::TokenRequired, Some(route), subject),
-            Ok(Some(token)) => token,
-        };
-        let subject = Subject {
-            token: Some(token),
-            ..subject
-        };
-        let key = match (&self.idempotency, self.idempotent[index]) {
-            (Some(settings), true) => {
-                match idempotent::key_from_headers(req.headers(), &settings.header.0) {
-                    Ok(key) => key,
-                    Err(e) => {
-                        return refused(Refusal::InvalidIdempotencyKey(e), Some(route), subject)
-                    }
-                }
-            }
-            _ => None,
-        };
-        // The common case decides here: no key, no authority, no barrier, and a store that
-        // answers at once.
-        let at_once = match (&key, &self.authority, route.ordering) {
-            (None, None, Ordering::None) => self.raise_at_once(&resource, token),
-            _ => None,
-        };
-        let Some(answer) = at_once else {
-            let write = Write {
-                route: index,
-                resource,
-                token,
+            Decision::Forward(Pass {
                 normalised,
-                peer,
-                own,
-                started,
-            };
-            return Handling::Later {
-                future: Box::pin(self.fence_later(req, write, key)),
-            };
-        };
-        if let Err(refusal) = self.on_verdict(route, token, answer) {
-            return refused(refusal, Some(route), subject);
+                route,
+                fenced,
+            }) => {
+                let mut req = req;
+                let answering = match fenced {
+                    None => Answering::unfenced(route, Outcome::Forwarded, started),
+                    Some(Fenced {
+                        resource,
+                        token,
+                        attach,
+                    }) => {
+                        if attach {
+                            let token = token.expect("an attached write has its lease's token");
+                            set_token(req.headers_mut(), &self.token_header, token);
+                        }
+                        let outcome = if token.is_some() {
+                            Outcome::Admitted
+                        } else {
+                            Outcome::Forwarded
+                        };
+                        let index = route.expect("a fenced request is on a route");
+                        Answering::fenced(index, resource, token, outcome, started)
+                    }
+                };
+                self.forwarding(req, normalised, answering, peer, own)
+            }
+            Decision::Later(later) => {
+                let write = Write {
+                    route: later.route,
+                    resource: later.resource,
+                    token: later.token,
+                    normalised: later.normalised,
+                    peer,
+                    own,
+                    started,
+                };
+                Handling::Later {
+                    future: Box::pin(self.fence_later(req, write, later.key)),
+                }
+            }
         }
-        let answering = Answering::fenced(index, resource, Some(token), Outcome::Admitted, started);
-        self.forwarding(req, normalised, answering, peer, own)
     }
 }
 

@@ -3,6 +3,8 @@
 //! The body is a [`crate::problem::Problem`], as the lease API's and the admin listener's are.
 //! [`Proxy::refuse`] is the one place a refusal is answered, counted and logged.
 
+pub mod grpc;
+
 use http::header::{HeaderName, HeaderValue, RETRY_AFTER};
 use http::{Method, Request, Response, StatusCode, Version};
 
@@ -295,7 +297,8 @@ impl Refusal {
         token_header: &HeaderName,
     ) -> Response<ProxyBody> {
         let (status, kind, title, _) = self.kind();
-        let mut problem = Problem::new(status, kind, title, self.detail(subject, token_header));
+        let detail = self.detail(subject, token_header);
+        let mut problem = Problem::new(status, kind, title, detail.clone());
         if let Some(resource) = subject.resource {
             problem = problem.with("resource", resource);
         }
@@ -328,6 +331,7 @@ impl Refusal {
             }
             _ => {}
         }
+        grpc::mark(&mut response, self, detail);
         response
     }
 }

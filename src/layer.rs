@@ -1,0 +1,336 @@
+//! The fence in-process: a tower [`Layer`] for Rust services (axum, tonic, hyper), so a
+//! service can refuse stale writes itself instead of behind the sidecar (docs/library.md).
+//!
+//! [`FenceLayer`] wraps any `Service<http::Request<B>>` in a [`FenceService`] that applies the
+//! fence of a fencegate configuration: its routes and resources, the token header,
+//! `missing_token`, `token.equal`, the store's compare-and-raise, `fence.authority: leases`,
+//! and the `ordering: serialize` barrier. The decision is the proxy's own
+//! ([`Proxy::decide`](crate::proxy::Proxy), shared, not copied), and so are the refusals: the
+//! same problem+json bodies, statuses and headers (`Fencing-Token-Current`, `Retry-After`),
+//! in gRPC form for gRPC calls ([`crate::proxy::grpc`]), counted in the same metrics and
+//! logged in the same `WARN` line. A refused request never reaches the inner service; an
+//! admitted one reaches it unchanged. Under `ordering: serialize` the response body holds the
+//! barrier's ticket until it has been read to its end or dropped, as the proxy's does.
+//!
+//! Of the configuration, what is about the sidecar (`listen`, `admin`, `upstream`, `tls`,
+//! `timeouts` other than `store`, `limits` other than `max_resource_bytes`) is not used;
+//! `upstream` must still be given, any URL. Idempotency keys are not handled in-process: the
+//! `idempotency` section is ignored and the key header reaches the service as sent.
+//!
+//! ```
+//! use std::convert::Infallible;
+//!
+//! use bytes::Bytes;
+//! use fencegate::config::Config;
+//! use fencegate::layer::FenceLayer;
+//! use http::{Request, Response, StatusCode};
+//! use http_body_util::{BodyExt, Full};
+//! use tower_layer::Layer;
+//! use tower_service::Service;
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
+//! let config = Config::parse(
+//!     "upstream: http://unused.invalid\n\
+//!      store: { kind: memory }\n\
+//!      routes:\n  - { name: accounts, path: '/accounts/{id}', methods: [PUT], resource: 'account:{id}' }\n",
+//! )
+//! .unwrap();
+//! let fence = FenceLayer::open(&config).await.unwrap();
+//! let ledger = tower::service_fn(|_req: Request<Full<Bytes>>| async {
+//!     Ok::<_, Infallible>(Response::new(Full::new(Bytes::from("stored"))))
+//! });
+//! let mut service = fence.layer(ledger);
+//!
+//! let put = |token: &str| {
+//!     Request::put("/accounts/42")
+//!         .header("host", "ledger")
+//!         .header("fencing-token", token)
+//!         .body(Full::new(Bytes::new()))
+//!         .unwrap()
+//! };
+//! let admitted = service.call(put("34")).await.unwrap();
+//! assert_eq!(admitted.status(), StatusCode::OK);
+//!
+//! let stale = service.call(put("33")).await.unwrap();
+//! assert_eq!(stale.status(), StatusCode::CONFLICT);
+//! assert_eq!(stale.headers()["fencing-token-current"], "34");
+//! let body = stale.into_body().collect().await.unwrap().to_bytes();
+//! assert!(body.starts_with(br#"{"type":"urn:fencegate:stale-token""#));
+//! # }
+//! ```
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::Full;
+use tokio::time::Instant;
+use tower_layer::Layer;
+use tower_service::Service;
+
+use crate::body::ProxyBody;
+use crate::config::{Authority, Config};
+use crate::fence::barrier::Ticket;
+use crate::metrics::{Metrics, Outcome};
+use crate::proxy::{grpc, Decision, Pass, Proxy};
+use crate::store::FenceStore;
+
+/// Applies a fencegate configuration's fence to the services it wraps (see the [module
+/// docs](self)). Cheap to clone: every service it makes shares one fence (store, barriers,
+/// metrics).
+#[derive(Clone)]
+pub struct FenceLayer {
+    fence: Arc<Proxy>,
+}
+
+impl FenceLayer {
+    /// The fence of `config` over `store`, its metrics registered in `registry` (the same
+    /// `fencegate_*` metrics the sidecar exposes). With `fence.authority: leases`, use
+    /// [`FenceLayer::open`], which also opens the lease backend.
+    pub fn new(
+        config: &Config,
+        store: Arc<dyn FenceStore>,
+        registry: prometheus::Registry,
+    ) -> Result<Self, String> {
+        let metrics = Arc::new(Metrics::new(registry).map_err(|e| e.to_string())?);
+        let fence = Proxy::in_process(config, store, metrics)?;
+        Ok(FenceLayer {
+            fence: Arc::new(fence),
+        })
+    }
+
+    /// Opens `config`'s store (and, with `fence.authority: leases`, its lease backend) and
+    /// makes the fence, its metrics in a registry of its own.
+    pub async fn open(config: &Config) -> Result<Self, String> {
+        crate::tls::install_default_provider();
+        let store = crate::store::open(&config.store)
+            .await
+            .map_err(|e| e.to_string())?;
+        let metrics =
+            Arc::new(Metrics::new(prometheus::Registry::new()).map_err(|e| e.to_string())?);
+        let mut fence = Proxy::in_process(config, store, metrics)?;
+        if config.fence.authority == Authority::Leases {
+            let leases = config
+                .leases
+                .as_ref()
+                .ok_or("fence.authority: leases needs the leases section")?;
+            let backend = crate::lease::open(&leases.backend)
+                .await
+                .map_err(|e| e.to_string())?;
+            fence = fence.with_authority(backend);
+        }
+        Ok(FenceLayer {
+            fence: Arc::new(fence),
+        })
+    }
+}
+
+impl<S> Layer<S> for FenceLayer {
+    type Service = FenceService<S>;
+
+    fn layer(&self, inner: S) -> FenceService<S> {
+        FenceService {
+            inner,
+            fence: Arc::clone(&self.fence),
+        }
+    }
+}
+
+/// A service behind the fence: refused requests are answered here, the others go to `S`.
+#[derive(Clone)]
+pub struct FenceService<S> {
+    inner: S,
+    fence: Arc<Proxy>,
+}
+
+impl<S, B, RB> Service<Request<B>> for FenceService<S>
+where
+    S: Service<Request<B>, Response = Response<RB>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    B: Send + 'static,
+    RB: Body<Data = Bytes> + Send + 'static,
+{
+    type Response = Response<FenceBody<RB>>;
+    type Error = S::Error;
+    type Future = ResponseFuture<S::Future, RB, S::Error>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<B>) -> Self::Future {
+        let started = Instant::now();
+        let grpc = grpc::is_call(req.version(), req.headers());
+        // The service that was polled ready serves this request; its clone waits for the next.
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let fence = Arc::clone(&self.fence);
+        match fence.decide(&req) {
+            Decision::Refuse(refused) => {
+                let response = fence.answer_refused(refused, &req, started);
+                ResponseFuture::Refused {
+                    response: Some(refusal(response, grpc)),
+                }
+            }
+            Decision::Forward(Pass { route, fenced, .. }) => {
+                let outcome = match fenced.and_then(|f| f.token) {
+                    Some(_) => Outcome::Admitted,
+                    None => Outcome::Forwarded,
+                };
+                ResponseFuture::Inner {
+                    future: inner.call(req),
+                    answered: Some(Counted {
+                        fence,
+                        route,
+                        outcome,
+                        started,
+                        ticket: None,
+                    }),
+                }
+            }
+            Decision::Later(later) => ResponseFuture::Waiting {
+                future: Box::pin(async move {
+                    let route = Some(later.route);
+                    match fence.admit_later(later).await {
+                        Err(refused) => {
+                            let response = fence.answer_refused(refused, &req, started);
+                            Ok(refusal(response, grpc))
+                        }
+                        Ok(ticket) => {
+                            let response = inner.call(req).await?;
+                            let answered = Counted {
+                                fence,
+                                route,
+                                outcome: Outcome::Admitted,
+                                started,
+                                ticket,
+                            };
+                            Ok(answered.finish(response))
+                        }
+                    }
+                }),
+            },
+        }
+    }
+}
+
+/// What an admitted request's answer is counted under, and the barrier ticket its body keeps.
+pub struct Counted {
+    fence: Arc<Proxy>,
+    route: Option<usize>,
+    outcome: Outcome,
+    started: Instant,
+    ticket: Option<Ticket>,
+}
+
+impl Counted {
+    fn finish<RB>(self, response: Response<RB>) -> Response<FenceBody<RB>> {
+        self.fence.answered(self.route, self.outcome, self.started);
+        let ticket = self.ticket;
+        response.map(|body| FenceBody::Inner {
+            body,
+            _ticket: ticket,
+        })
+    }
+}
+
+/// A refusal's response, in gRPC form for a gRPC call.
+fn refusal<RB>(response: Response<ProxyBody>, grpc: bool) -> Response<FenceBody<RB>> {
+    let response = if grpc {
+        grpc::answer(response)
+    } else {
+        response
+    };
+    response.map(|body| match body {
+        ProxyBody::Local(body) => FenceBody::Refusal { body },
+        // Refusals are always written by fencegate itself.
+        ProxyBody::Upstream { .. } | ProxyBody::Recording(_) | ProxyBody::Channel(_) => {
+            FenceBody::Refusal {
+                body: Full::default(),
+            }
+        }
+    })
+}
+
+pin_project_lite::pin_project! {
+    /// [`FenceService`]'s future.
+    #[project = ResponseFutureProj]
+    pub enum ResponseFuture<F, RB, E> {
+        /// Refused: answered without the inner service.
+        Refused { response: Option<Response<FenceBody<RB>>> },
+        /// Let through at once: the inner service's answer.
+        Inner { #[pin] future: F, answered: Option<Counted> },
+        /// Waiting for the store, the authority or the barrier, then the inner service.
+        Waiting {
+            future: Pin<Box<dyn Future<Output = Result<Response<FenceBody<RB>>, E>> + Send>>,
+        },
+    }
+}
+
+impl<F, RB, E> Future for ResponseFuture<F, RB, E>
+where
+    F: Future<Output = Result<Response<RB>, E>>,
+{
+    type Output = Result<Response<FenceBody<RB>>, E>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.project() {
+            ResponseFutureProj::Refused { response } => {
+                Poll::Ready(Ok(response.take().expect("polled after completion")))
+            }
+            ResponseFutureProj::Inner { future, answered } => {
+                let response = std::task::ready!(future.poll(cx))?;
+                let answered = answered.take().expect("polled after completion");
+                Poll::Ready(Ok(answered.finish(response)))
+            }
+            ResponseFutureProj::Waiting { future } => future.as_mut().poll(cx),
+        }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// [`FenceService`]'s response body: the inner service's, or a refusal's.
+    #[project = FenceBodyProj]
+    pub enum FenceBody<B> {
+        /// The inner service's body. Under `ordering: serialize` it keeps the barrier's ticket:
+        /// a higher token waits until this write has fully finished.
+        Inner { #[pin] body: B, _ticket: Option<Ticket> },
+        /// A refusal fencegate wrote (problem+json, or empty for a gRPC call).
+        Refusal { #[pin] body: Full<Bytes> },
+    }
+}
+
+impl<B: Body<Data = Bytes>> Body for FenceBody<B> {
+    type Data = Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
+        match self.project() {
+            FenceBodyProj::Inner { body, .. } => body.poll_frame(cx),
+            FenceBodyProj::Refusal { body } => body.poll_frame(cx).map_err(|never| match never {}),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            FenceBody::Inner { body, .. } => body.is_end_stream(),
+            FenceBody::Refusal { body } => body.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            FenceBody::Inner { body, .. } => body.size_hint(),
+            FenceBody::Refusal { body } => body.size_hint(),
+        }
+    }
+}

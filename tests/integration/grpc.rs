@@ -1,0 +1,473 @@
+//! gRPC through fencegate, with a real client and server (tonic, over prost messages written by
+//! hand): refusals as gRPC statuses, admitted calls, and a server-streaming call proxied intact
+//! (messages and trailers) over h2c and over TLS, to an h2c and to an `https` upstream.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use http::{HeaderMap, Request, Response};
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use rustls::{ClientConfig, RootCertStore};
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_rustls::{TlsAcceptor, TlsConnector};
+use tonic::codegen::http::uri::PathAndQuery;
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Code, Status};
+use tonic_prost::ProstCodec;
+
+use crate::common::*;
+
+/// `ledger.Ledger/Deposit`'s request.
+#[derive(Clone, PartialEq, prost::Message)]
+struct Deposit {
+    #[prost(int64, tag = "1")]
+    amount: i64,
+}
+
+/// `ledger.Ledger/Deposit`'s answer.
+#[derive(Clone, PartialEq, prost::Message)]
+struct Balance {
+    #[prost(int64, tag = "1")]
+    amount: i64,
+}
+
+/// `ledger.Ledger/History`'s request: `count` entries, then OK, or `OUT_OF_RANGE` when `fail`.
+#[derive(Clone, PartialEq, prost::Message)]
+struct History {
+    #[prost(uint32, tag = "1")]
+    count: u32,
+    #[prost(bool, tag = "2")]
+    fail: bool,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+struct Entry {
+    #[prost(uint32, tag = "1")]
+    seq: u32,
+    #[prost(string, tag = "2")]
+    text: String,
+}
+
+const DEPOSIT: &str = "/ledger.Ledger/Deposit";
+const HISTORY: &str = "/ledger.Ledger/History";
+
+/// Both methods fenced, on the account the `x-account-id` metadata names.
+const ROUTES: &str = "routes:
+  - { name: deposit, path: /ledger.Ledger/Deposit, methods: [POST], resource: 'account:{header:x-account-id}' }
+  - { name: history, path: /ledger.Ledger/History, methods: [POST], resource: 'account:{header:x-account-id}' }
+";
+
+/// One call as the gRPC server saw it.
+#[derive(Debug, Clone)]
+struct Call {
+    path: String,
+    token: Option<String>,
+    te: Option<String>,
+}
+
+/// The ledger's gRPC server (HTTP/2 only, as gRPC servers are), recording each call.
+#[derive(Clone, Default)]
+struct Ledger {
+    calls: Arc<Mutex<Vec<Call>>>,
+}
+
+impl Ledger {
+    fn calls(&self) -> Vec<Call> {
+        self.calls.lock().unwrap().clone()
+    }
+
+    async fn handle(
+        self,
+        req: Request<Incoming>,
+    ) -> Result<Response<tonic::body::Body>, Infallible> {
+        let header =
+            |h: &HeaderMap, name: &str| h.get(name).map(|v| v.to_str().unwrap().to_owned());
+        self.calls.lock().unwrap().push(Call {
+            path: req.uri().path().to_owned(),
+            token: header(req.headers(), "fencing-token"),
+            te: header(req.headers(), "te"),
+        });
+        let answer = match req.uri().path() {
+            DEPOSIT => {
+                let mut grpc = tonic::server::Grpc::new(ProstCodec::<Balance, Deposit>::default());
+                let deposit = tower::service_fn(|req: tonic::Request<Deposit>| async move {
+                    Ok::<_, Status>(tonic::Response::new(Balance {
+                        amount: 100 + req.get_ref().amount,
+                    }))
+                });
+                grpc.unary(deposit, req).await
+            }
+            HISTORY => {
+                let mut grpc = tonic::server::Grpc::new(ProstCodec::<Entry, History>::default());
+                let history = tower::service_fn(|req: tonic::Request<History>| async move {
+                    let History { count, fail } = *req.get_ref();
+                    let mut entries: Vec<Result<Entry, Status>> = (1..=count)
+                        .map(|seq| {
+                            Ok(Entry {
+                                seq,
+                                text: "é%\n".repeat(seq as usize),
+                            })
+                        })
+                        .collect();
+                    if fail {
+                        entries.push(Err(Status::out_of_range("end of history: 100% read")));
+                    }
+                    Ok::<_, Status>(tonic::Response::new(tokio_stream::iter(entries)))
+                });
+                grpc.server_streaming(history, req).await
+            }
+            _ => Status::unimplemented("no such method").into_http(),
+        };
+        Ok(answer)
+    }
+
+    /// Serves h2c on port 0, or h2 over TLS (the fixtures' server certificate) when `tls`.
+    async fn start(tls: bool) -> (Ledger, SocketAddr) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let ledger = Ledger::default();
+        let acceptor = tls.then(|| {
+            let key = PrivateKeyDer::from_pem_file(fixture("server-key.pem")).unwrap();
+            let mut config = rustls::ServerConfig::builder_with_provider(Arc::new(
+                rustls::crypto::ring::default_provider(),
+            ))
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(certs("server.pem"), key)
+            .unwrap();
+            config.alpn_protocols = vec![b"h2".to_vec()];
+            TlsAcceptor::from(Arc::new(config))
+        });
+        let server = ledger.clone();
+        tokio::spawn(async move {
+            loop {
+                let (tcp, _) = listener.accept().await.unwrap();
+                let (ledger, acceptor) = (server.clone(), acceptor.clone());
+                tokio::spawn(async move {
+                    let service = hyper::service::service_fn(move |req| ledger.clone().handle(req));
+                    let h2 = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+                    let _ = match acceptor {
+                        Some(acceptor) => {
+                            let tls = acceptor.accept(tcp).await.unwrap();
+                            h2.serve_connection(TokioIo::new(tls), service).await
+                        }
+                        None => h2.serve_connection(TokioIo::new(tcp), service).await,
+                    };
+                });
+            }
+        });
+        (ledger, addr)
+    }
+}
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
+}
+
+fn certs(name: &str) -> Vec<CertificateDer<'static>> {
+    CertificateDer::pem_file_iter(fixture(name))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap()
+}
+
+fn yaml_path(name: &str) -> String {
+    format!(
+        "'{}'",
+        fixture(name).display().to_string().replace('\'', "''")
+    )
+}
+
+/// A gRPC client to fencegate: h2c by prior knowledge, or TLS (ALPN `h2`, trusting the test CA).
+async fn client(addr: SocketAddr, tls: bool) -> tonic::client::Grpc<Channel> {
+    let endpoint = Endpoint::from_shared(format!("http://localhost:{}", addr.port())).unwrap();
+    let channel = if tls {
+        let mut roots = RootCertStore::empty();
+        for cert in certs("ca.pem") {
+            roots.add(cert).unwrap();
+        }
+        let mut config =
+            ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+                .with_safe_default_protocol_versions()
+                .unwrap()
+                .with_root_certificates(roots)
+                .with_no_client_auth();
+        config.alpn_protocols = vec![b"h2".to_vec()];
+        let connector = TlsConnector::from(Arc::new(config));
+        let connect = tower::service_fn(move |_: http::Uri| {
+            let connector = connector.clone();
+            async move {
+                let tcp = TcpStream::connect(addr).await?;
+                let name = ServerName::try_from("localhost").unwrap();
+                let tls = connector.connect(name, tcp).await?;
+                Ok::<_, std::io::Error>(TokioIo::new(tls))
+            }
+        });
+        endpoint.connect_with_connector(connect).await.unwrap()
+    } else {
+        endpoint.connect().await.unwrap()
+    };
+    tonic::client::Grpc::new(channel)
+}
+
+fn request<M>(message: M, account: &str, token: Option<&str>) -> tonic::Request<M> {
+    let mut req = tonic::Request::new(message);
+    req.metadata_mut()
+        .insert("x-account-id", account.parse().unwrap());
+    if let Some(token) = token {
+        req.metadata_mut()
+            .insert("fencing-token", token.parse().unwrap());
+    }
+    req
+}
+
+async fn deposit(
+    grpc: &mut tonic::client::Grpc<Channel>,
+    account: &str,
+    token: Option<&str>,
+) -> Result<tonic::Response<Balance>, Status> {
+    grpc.ready().await.unwrap();
+    let req = request(Deposit { amount: 5 }, account, token);
+    let codec = ProstCodec::<Deposit, Balance>::default();
+    grpc.unary(req, PathAndQuery::from_static(DEPOSIT), codec)
+        .await
+}
+
+/// A server-streaming `History` call; the entries received, then how the stream ended.
+async fn history(
+    grpc: &mut tonic::client::Grpc<Channel>,
+    account: &str,
+    token: &str,
+    call: History,
+) -> Result<(Vec<Entry>, Result<(), Status>), Status> {
+    grpc.ready().await.unwrap();
+    let req = request(call, account, Some(token));
+    let codec = ProstCodec::<History, Entry>::default();
+    let mut stream = grpc
+        .server_streaming(req, PathAndQuery::from_static(HISTORY), codec)
+        .await?
+        .into_inner();
+    let mut entries = Vec::new();
+    loop {
+        match stream.message().await {
+            Ok(Some(entry)) => entries.push(entry),
+            Ok(None) => return Ok((entries, Ok(()))),
+            Err(status) => return Ok((entries, Err(status))),
+        }
+    }
+}
+
+fn metadata<'a>(status: &'a Status, name: &str) -> Option<&'a str> {
+    status.metadata().get(name).map(|v| v.to_str().unwrap())
+}
+
+#[tokio::test]
+async fn a_stale_unary_write_is_aborted_with_the_current_token() {
+    let (ledger, addr) = Ledger::start(false).await;
+    let server = fencegate(&format!("http://{addr}"), ROUTES).await;
+    let mut grpc = client(server.listen, false).await;
+
+    let fresh = deposit(&mut grpc, "a1", Some("7")).await.unwrap();
+    assert_eq!(fresh.get_ref().amount, 105);
+
+    let stale = deposit(&mut grpc, "a1", Some("6")).await.unwrap_err();
+    assert_eq!(stale.code(), Code::Aborted);
+    assert_eq!(
+        stale.message(),
+        "token 6 is below 7, the highest token recorded for account:a1; the lease was granted \
+         to a newer holder"
+    );
+    assert_eq!(metadata(&stale, "fencing-token-current"), Some("7"));
+    assert_eq!(metadata(&stale, "content-type"), Some("application/grpc"));
+
+    // Only the fresh write reached the server, token and `te: trailers` as gRPC wants them.
+    let calls = ledger.calls();
+    assert_eq!(calls.len(), 1, "{calls:?}");
+    assert_eq!(calls[0].path, DEPOSIT);
+    assert_eq!(calls[0].token.as_deref(), Some("7"));
+    assert_eq!(calls[0].te.as_deref(), Some("trailers"));
+    assert_eq!(recorded(&server, "account:a1").await, Some(7));
+    server.shutdown();
+}
+
+#[tokio::test]
+async fn refusals_before_the_store_are_grpc_statuses() {
+    let (ledger, addr) = Ledger::start(false).await;
+    let server = fencegate(&format!("http://{addr}"), ROUTES).await;
+    let mut grpc = client(server.listen, false).await;
+
+    let missing = deposit(&mut grpc, "a2", None).await.unwrap_err();
+    assert_eq!(missing.code(), Code::InvalidArgument);
+    assert_eq!(
+        missing.message(),
+        "this route requires a fencing token: send it in the `Fencing-Token` header"
+    );
+
+    let invalid = deposit(&mut grpc, "a2", Some("07")).await.unwrap_err();
+    assert_eq!(invalid.code(), Code::InvalidArgument);
+
+    // No `x-account-id` metadata: the resource cannot be told.
+    grpc.ready().await.unwrap();
+    let mut req = tonic::Request::new(Deposit { amount: 1 });
+    req.metadata_mut()
+        .insert("fencing-token", "1".parse().unwrap());
+    let codec = ProstCodec::<Deposit, Balance>::default();
+    let unknown = grpc
+        .unary(req, PathAndQuery::from_static(DEPOSIT), codec)
+        .await
+        .unwrap_err();
+    assert_eq!(unknown.code(), Code::InvalidArgument);
+    assert!(
+        unknown.message().contains("x-account-id"),
+        "{}",
+        unknown.message()
+    );
+    assert!(ledger.calls().is_empty());
+    server.shutdown();
+}
+
+#[tokio::test]
+async fn an_unreachable_upstream_is_unavailable() {
+    // A port nothing listens on.
+    let closed = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = closed.local_addr().unwrap();
+    drop(closed);
+    let server = fencegate(&format!("http://{addr}"), ROUTES).await;
+    let mut grpc = client(server.listen, false).await;
+    let failed = deposit(&mut grpc, "a3", Some("1")).await.unwrap_err();
+    assert_eq!(failed.code(), Code::Unavailable);
+    assert!(
+        failed
+            .message()
+            .starts_with("the upstream could not be reached or failed: "),
+        "{}",
+        failed.message()
+    );
+    server.shutdown();
+}
+
+/// The streaming call, admitted, reaches the client intact: every message, and the trailers'
+/// status (OK, or the server's own error with its percent-encoded message).
+async fn stream_intact(server: &fencegate::app::Server, tls: bool) {
+    let mut grpc = client(server.listen, tls).await;
+    let ok = History {
+        count: 3,
+        fail: false,
+    };
+    let (entries, end) = history(&mut grpc, "s1", "4", ok).await.unwrap();
+    assert_eq!(entries.iter().map(|e| e.seq).collect::<Vec<_>>(), [1, 2, 3]);
+    assert_eq!(entries[2].text, "é%\né%\né%\n");
+    end.unwrap();
+
+    let failing = History {
+        count: 2,
+        fail: true,
+    };
+    let (entries, end) = history(&mut grpc, "s1", "5", failing).await.unwrap();
+    assert_eq!(entries.len(), 2);
+    let status = end.unwrap_err();
+    assert_eq!(status.code(), Code::OutOfRange);
+    assert_eq!(status.message(), "end of history: 100% read");
+
+    // A stale streaming call never starts.
+    let stale = History {
+        count: 1,
+        fail: false,
+    };
+    let refused = history(&mut grpc, "s1", "4", stale).await.unwrap_err();
+    assert_eq!(refused.code(), Code::Aborted);
+    assert_eq!(metadata(&refused, "fencing-token-current"), Some("5"));
+}
+
+#[tokio::test]
+async fn a_server_stream_is_proxied_intact_over_h2c() {
+    let (ledger, addr) = Ledger::start(false).await;
+    let server = fencegate(&format!("http://{addr}"), ROUTES).await;
+    stream_intact(&server, false).await;
+    assert_eq!(ledger.calls().len(), 2);
+    server.shutdown();
+}
+
+#[tokio::test]
+async fn a_server_stream_is_proxied_intact_over_tls_both_ways() {
+    let (ledger, addr) = Ledger::start(true).await;
+    let extra = format!(
+        "tls: {{ cert: {}, key: {} }}\nupstream_ca: {}\n{ROUTES}",
+        yaml_path("server.pem"),
+        yaml_path("server-key.pem"),
+        yaml_path("ca.pem"),
+    );
+    let server = fencegate(&format!("https://localhost:{}", addr.port()), &extra).await;
+    stream_intact(&server, true).await;
+    let calls = ledger.calls();
+    assert_eq!(calls.len(), 2);
+    assert_eq!(calls[1].token.as_deref(), Some("5"));
+    server.shutdown();
+}
+
+/// The ledger's gRPC server with the fence in-process ([`fencegate::layer::FenceLayer`]) in
+/// front of it, on h2c: no sidecar.
+async fn fenced_ledger() -> (Ledger, SocketAddr) {
+    use tower::ServiceExt;
+    use tower_layer::Layer;
+
+    let yaml = format!("upstream: http://unused.invalid\nstore: {{ kind: memory }}\n{ROUTES}");
+    let config = fencegate::config::Config::parse(&yaml).unwrap();
+    let fence = fencegate::layer::FenceLayer::open(&config).await.unwrap();
+    let ledger = Ledger::default();
+    let handler = ledger.clone();
+    let service = fence.layer(tower::service_fn(move |req: Request<Incoming>| {
+        handler.clone().handle(req)
+    }));
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let (tcp, _) = listener.accept().await.unwrap();
+            let service = service.clone();
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(move |req| service.clone().oneshot(req));
+                let h2 = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+                let _ = h2.serve_connection(TokioIo::new(tcp), service).await;
+            });
+        }
+    });
+    (ledger, addr)
+}
+
+#[tokio::test]
+async fn the_layer_fences_a_tonic_service_in_process() {
+    let (ledger, addr) = fenced_ledger().await;
+    let mut grpc = client(addr, false).await;
+
+    let fresh = deposit(&mut grpc, "l1", Some("7")).await.unwrap();
+    assert_eq!(fresh.get_ref().amount, 105);
+    let stale = deposit(&mut grpc, "l1", Some("6")).await.unwrap_err();
+    assert_eq!(stale.code(), Code::Aborted);
+    assert_eq!(
+        stale.message(),
+        "token 6 is below 7, the highest token recorded for account:l1; the lease was granted \
+         to a newer holder"
+    );
+    assert_eq!(metadata(&stale, "fencing-token-current"), Some("7"));
+    let missing = deposit(&mut grpc, "l1", None).await.unwrap_err();
+    assert_eq!(missing.code(), Code::InvalidArgument);
+
+    // Streams pass the layer intact too, trailers included.
+    let failing = History {
+        count: 2,
+        fail: true,
+    };
+    let (entries, end) = history(&mut grpc, "l2", "1", failing).await.unwrap();
+    assert_eq!(entries.len(), 2);
+    assert_eq!(end.unwrap_err().message(), "end of history: 100% read");
+    assert_eq!(ledger.calls().len(), 2);
+}

@@ -1,0 +1,267 @@
+//! The fence in-process ([`fencegate::layer::FenceLayer`]), driven as a tower service without a
+//! socket: the same decisions and refusals as the proxy (byte for byte), admitted requests
+//! reaching the inner service unchanged, the serialize barrier held by the response body, and
+//! gRPC calls refused in gRPC form.
+
+use std::convert::Infallible;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use fencegate::config::Config;
+use fencegate::layer::{FenceBody, FenceLayer};
+use http::{HeaderMap, Request, Response, StatusCode, Version};
+use http_body_util::{BodyExt, Full};
+use tower::{Service, ServiceExt};
+use tower_layer::Layer;
+
+use crate::common::*;
+
+/// The example itself, so that what it shows is tested.
+#[allow(dead_code)]
+#[path = "../../examples/axum_ledger.rs"]
+mod axum_ledger;
+
+/// Request headers, as name and value.
+type Headers<'a> = &'a [(&'a str, &'a str)];
+
+/// What the inner service saw: method, path and token of each request.
+type Log = Arc<Mutex<Vec<(String, String, Option<String>)>>>;
+
+type Inner =
+    tower::util::BoxCloneSyncService<Request<Full<Bytes>>, Response<Full<Bytes>>, Infallible>;
+
+/// The layer over a service that records each request and answers 200 `stored`.
+async fn fenced(extra: &str) -> (fencegate::layer::FenceService<Inner>, Log) {
+    let store = if extra.lines().any(|l| l.starts_with("store:")) {
+        ""
+    } else {
+        "store: { kind: memory }\n"
+    };
+    let yaml = format!("upstream: http://unused.invalid\n{store}{extra}");
+    let config = Config::parse(&yaml).unwrap_or_else(|e| panic!("{e}\n{yaml}"));
+    let log: Log = Arc::default();
+    let seen = Arc::clone(&log);
+    let inner = tower::service_fn(move |req: Request<Full<Bytes>>| {
+        let token = req
+            .headers()
+            .get("fencing-token")
+            .map(|t| t.to_str().unwrap().to_owned());
+        seen.lock()
+            .unwrap()
+            .push((req.method().to_string(), req.uri().path().to_owned(), token));
+        async { Ok::<_, Infallible>(Response::new(Full::new(Bytes::from("stored")))) }
+    });
+    let layer = FenceLayer::open(&config).await.unwrap();
+    (layer.layer(Inner::new(inner)), log)
+}
+
+fn request(method: &str, path: &str, headers: &[(&str, &str)]) -> Request<Full<Bytes>> {
+    let mut req = Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", "ledger");
+    for (name, value) in headers {
+        req = req.header(*name, *value);
+    }
+    req.body(Full::new(Bytes::from("body"))).unwrap()
+}
+
+/// One request through the layer, its response read whole.
+async fn call(
+    service: &mut fencegate::layer::FenceService<Inner>,
+    req: Request<Full<Bytes>>,
+) -> Reply {
+    let response = service.ready().await.unwrap().call(req).await.unwrap();
+    read(response).await
+}
+
+async fn read(response: Response<FenceBody<Full<Bytes>>>) -> Reply {
+    let (parts, body) = response.into_parts();
+    Reply {
+        status: parts.status,
+        headers: parts.headers,
+        body: body.collect().await.unwrap().to_bytes(),
+    }
+}
+
+/// The headers a refusal's client sees, but `date` and `content-length` (hyper's).
+fn own_headers(headers: &HeaderMap) -> Vec<(String, String)> {
+    let mut own: Vec<(String, String)> = headers
+        .iter()
+        .filter(|(name, _)| *name != "date" && *name != "content-length")
+        .map(|(name, value)| (name.to_string(), value.to_str().unwrap().to_owned()))
+        .collect();
+    own.sort();
+    own
+}
+
+#[tokio::test]
+async fn the_layer_refuses_as_the_proxy_does_byte_for_byte() {
+    let routes = "routes:
+  - { name: accounts, path: '/accounts/{id}', resource: 'account:{id}' }
+  - { name: tenants, path: '/tenants', resource: 'tenant:{header:x-tenant}' }
+";
+    let upstream = Upstream::start().await;
+    let proxy = fencegate(&upstream.url(), routes).await;
+    let (mut layer, log) = fenced(routes).await;
+
+    // The same requests, in the same order, to both.
+    let cases: [(&str, &str, Headers); 8] = [
+        ("PUT", "/accounts/42", &[("fencing-token", "34")]),
+        ("PUT", "/accounts/42", &[("fencing-token", "33")]),
+        // Equal to the maximum: admitted (`token.equal: accept`, the default).
+        ("PUT", "/accounts/42", &[("fencing-token", "34")]),
+        ("PUT", "/accounts/42", &[]),
+        ("PUT", "/accounts/42", &[("fencing-token", "007")]),
+        ("POST", "/tenants", &[("fencing-token", "1")]),
+        ("PUT", "/accounts/%2F", &[("fencing-token", "1")]),
+        ("GET", "/accounts/42", &[]),
+    ];
+    let mut statuses = Vec::new();
+    for (method, path, headers) in cases {
+        let url = format!("http://{}{path}", proxy.listen);
+        let by_proxy = send(method, &url, headers, "body").await;
+        let in_process = call(&mut layer, request(method, path, headers)).await;
+        assert_eq!(in_process.status, by_proxy.status, "{method} {path}");
+        if by_proxy.status.is_success() {
+            assert_eq!(in_process.text(), "stored");
+        } else {
+            assert_eq!(in_process.text(), by_proxy.text(), "{method} {path}");
+            assert_eq!(
+                own_headers(&in_process.headers),
+                own_headers(&by_proxy.headers),
+                "{method} {path}"
+            );
+        }
+        statuses.push(in_process.status.as_u16());
+    }
+    assert_eq!(statuses, [200, 409, 200, 428, 400, 400, 400, 200]);
+
+    // The stale refusal, as the proxy documents it.
+    let stale = call(
+        &mut layer,
+        request("PUT", "/accounts/42", &[("fencing-token", "33")]),
+    )
+    .await;
+    stale.assert_problem(409, "urn:fencegate:stale-token");
+    assert_eq!(stale.headers["fencing-token-current"], "34");
+    assert_eq!(
+        stale.text(),
+        r#"{"type":"urn:fencegate:stale-token","title":"Stale fencing token","status":409,"detail":"token 33 is below 34, the highest token recorded for account:42; the lease was granted to a newer holder","resource":"account:42","token":33,"current_token":34}"#
+    );
+
+    // Only what the fence admitted (and the read) reached the service, unchanged.
+    let seen = log.lock().unwrap().clone();
+    assert_eq!(
+        seen,
+        [
+            ("PUT".into(), "/accounts/42".into(), Some("34".into())),
+            ("PUT".into(), "/accounts/42".into(), Some("34".into())),
+            ("GET".into(), "/accounts/42".into(), None),
+        ]
+    );
+    proxy.shutdown();
+}
+
+#[tokio::test]
+async fn under_serialize_a_higher_token_waits_for_the_lower_ones_body() {
+    let routes = "routes:
+  - { name: accounts, path: '/accounts/{id}', resource: 'account:{id}', ordering: serialize, barrier_timeout: 5s }
+";
+    let (mut layer, log) = fenced(routes).await;
+    let first = layer
+        .ready()
+        .await
+        .unwrap()
+        .call(request("PUT", "/accounts/7", &[("fencing-token", "5")]))
+        .await
+        .unwrap();
+    assert_eq!(first.status(), StatusCode::OK);
+
+    // Token 6 is admitted by the store, then waits for 5's write to finish: its body unread.
+    let mut second_service = layer.clone();
+    let second = tokio::spawn(async move {
+        call(
+            &mut second_service,
+            request("PUT", "/accounts/7", &[("fencing-token", "6")]),
+        )
+        .await
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        !second.is_finished(),
+        "6 went ahead of 5's unfinished write"
+    );
+    assert_eq!(log.lock().unwrap().len(), 1);
+
+    let first = read(first).await;
+    assert_eq!(first.text(), "stored");
+    let second = tokio::time::timeout(Duration::from_secs(5), second)
+        .await
+        .expect("6 goes once 5 has finished")
+        .unwrap();
+    assert_eq!(second.status, StatusCode::OK);
+    assert_eq!(log.lock().unwrap().len(), 2);
+}
+
+#[tokio::test]
+async fn a_grpc_call_is_refused_in_grpc_form() {
+    let routes = "routes:
+  - { name: deposit, path: /ledger.Ledger/Deposit, methods: [POST], resource: 'account:{header:x-account-id}' }
+";
+    let (mut layer, log) = fenced(routes).await;
+    let call_with = |token: &str| {
+        let mut req = request(
+            "POST",
+            "/ledger.Ledger/Deposit",
+            &[
+                ("content-type", "application/grpc"),
+                ("x-account-id", "9"),
+                ("fencing-token", token),
+            ],
+        );
+        *req.version_mut() = Version::HTTP_2;
+        req
+    };
+    let admitted = call(&mut layer, call_with("3")).await;
+    assert_eq!(admitted.text(), "stored");
+
+    let stale = call(&mut layer, call_with("2")).await;
+    assert_eq!(stale.status, StatusCode::OK);
+    assert_eq!(stale.headers["content-type"], "application/grpc");
+    assert_eq!(stale.headers["grpc-status"], "10");
+    assert_eq!(
+        stale.headers["grpc-message"],
+        "token 2 is below 3, the highest token recorded for account:9; the lease was granted to \
+         a newer holder"
+    );
+    assert_eq!(stale.headers["fencing-token-current"], "3");
+    assert!(stale.body.is_empty());
+    assert_eq!(log.lock().unwrap().len(), 1);
+}
+
+#[tokio::test]
+async fn the_axum_example_answers_a_stale_write_with_the_proxys_409() {
+    let config = Config::parse(axum_ledger::DEFAULT_CONFIG).unwrap();
+    let app = axum_ledger::app(FenceLayer::open(&config).await.unwrap());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let ledger = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    let upstream = Upstream::start().await;
+    let proxy = fencegate(&upstream.url(), ACCOUNTS).await;
+
+    let url = format!("http://{ledger}/accounts/42");
+    let stored = send("PUT", &url, &[("fencing-token", "34")], "100").await;
+    assert_eq!(stored.text(), "account 42 = 100 (token 34)\n");
+    let stale = send("PUT", &url, &[("fencing-token", "33")], "90").await;
+    assert_eq!(put(&proxy, "42", "34").await.status, StatusCode::OK);
+    let by_proxy = put(&proxy, "42", "33").await;
+    by_proxy.assert_problem(409, "urn:fencegate:stale-token");
+    assert_eq!(stale.status, by_proxy.status);
+    assert_eq!(stale.text(), by_proxy.text());
+    assert_eq!(own_headers(&stale.headers), own_headers(&by_proxy.headers));
+    let balance = send("GET", &url, &[], "").await;
+    assert_eq!(balance.text(), "100\n");
+    proxy.shutdown();
+}
