@@ -105,7 +105,7 @@ async fn main() -> ExitCode {
     };
     let config = match &args.config {
         Some(path) => Config::load(path).map_err(|e| e.to_string()),
-        None => Config::parse(DEFAULT_CONFIG),
+        None => Config::parse(DEFAULT_CONFIG).map_err(|e| e.to_string()),
     };
     let fence = match config {
         Ok(config) => FenceLayer::open(&config).await,

@@ -26,7 +26,68 @@ use crate::proxy::upstream::ConnUpstream;
 use crate::proxy::Proxy;
 use crate::reload::Reloader;
 use crate::server::{serve, ServerSettings};
-use crate::store::{self, FenceStore};
+use crate::store::{self, FenceStore, StoreError};
+use crate::tls::TlsError;
+
+/// Why fencegate could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    LeaseBackend(#[from] crate::lease::LeaseError),
+    #[error(transparent)]
+    Metrics(#[from] prometheus::Error),
+    /// The proxy (routes, upstream client) could not be built from the config.
+    #[error("{0}")]
+    Proxy(String),
+    /// The listener's certificate or key (`tls`).
+    #[error(transparent)]
+    Tls(#[from] TlsError),
+    #[error("cannot listen on {address}{}: {source}", listener.suffix())]
+    Listen {
+        listener: Listener,
+        address: SocketAddr,
+        source: std::io::Error,
+    },
+    /// A bound listener that cannot say its address.
+    #[error(transparent)]
+    LocalAddress(std::io::Error),
+}
+
+/// Which of fencegate's listeners.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Listener {
+    Proxy,
+    Admin,
+    Leases,
+    Egress,
+}
+
+impl Listener {
+    /// What follows the address in messages: nothing for the proxy listener, the main one.
+    fn suffix(self) -> &'static str {
+        match self {
+            Listener::Proxy => "",
+            Listener::Admin => " (admin)",
+            Listener::Leases => " (leases)",
+            Listener::Egress => " (egress)",
+        }
+    }
+
+    /// Binds `address`, or says which listener could not.
+    async fn bind(self, address: SocketAddr) -> Result<(TcpListener, SocketAddr), StartError> {
+        let listener = TcpListener::bind(address)
+            .await
+            .map_err(|source| StartError::Listen {
+                listener: self,
+                address,
+                source,
+            })?;
+        let bound = listener.local_addr().map_err(StartError::LocalAddress)?;
+        Ok((listener, bound))
+    }
+}
 
 /// The fence proxy as one client connection's requests find it: the configuration, cached
 /// and checked against the current one with one atomic load per request (`ArcSwap::load_full`
@@ -84,35 +145,32 @@ pub struct Server {
 
 impl Server {
     /// Opens the store, binds both listeners and starts serving.
-    pub async fn start(config: &Config) -> Result<Server, String> {
+    pub async fn start(config: &Config) -> Result<Server, StartError> {
         Self::start_with(config, None).await
     }
 
     /// As [`Server::start`], and reloads the config from `path` on change or SIGHUP.
-    pub async fn start_watching(config: &Config, path: PathBuf) -> Result<Server, String> {
+    pub async fn start_watching(config: &Config, path: PathBuf) -> Result<Server, StartError> {
         Self::start_with(config, Some(path)).await
     }
 
-    async fn start_with(config: &Config, watch_path: Option<PathBuf>) -> Result<Server, String> {
+    async fn start_with(
+        config: &Config,
+        watch_path: Option<PathBuf>,
+    ) -> Result<Server, StartError> {
         crate::tls::install_default_provider();
-        let store = store::open(&config.store)
-            .await
-            .map_err(|e| e.to_string())?;
+        let store = store::open(&config.store).await?;
         if let Some(period) = config.fence.retention {
-            store.forget_after(period).map_err(|e| e.to_string())?;
+            store.forget_after(period)?;
         }
-        let metrics =
-            Arc::new(Metrics::new(prometheus::Registry::new()).map_err(|e| e.to_string())?);
+        let metrics = Arc::new(Metrics::new(prometheus::Registry::new())?);
         // One lease backend for the agent and, in authoritative mode, for the fence.
         let backend = match &config.leases {
-            Some(leases) => Some(
-                crate::lease::open(&leases.backend)
-                    .await
-                    .map_err(|e| e.to_string())?,
-            ),
+            Some(leases) => Some(crate::lease::open(&leases.backend).await?),
             None => None,
         };
-        let mut fence = Proxy::new(config, Arc::clone(&store), Arc::clone(&metrics))?;
+        let mut fence = Proxy::new(config, Arc::clone(&store), Arc::clone(&metrics))
+            .map_err(StartError::Proxy)?;
         if config.fence.authority == crate::config::Authority::Leases {
             let backend = backend.clone().expect("validated: authority needs leases");
             fence = fence.with_authority(backend);
@@ -124,14 +182,8 @@ impl Server {
             )?)),
             None => None,
         };
-        let proxy_listener = TcpListener::bind(config.listen)
-            .await
-            .map_err(|e| format!("cannot listen on {}: {e}", config.listen))?;
-        let admin_listener = TcpListener::bind(config.admin)
-            .await
-            .map_err(|e| format!("cannot listen on {} (admin): {e}", config.admin))?;
-        let listen = proxy_listener.local_addr().map_err(|e| e.to_string())?;
-        let admin = admin_listener.local_addr().map_err(|e| e.to_string())?;
+        let (proxy_listener, listen) = Listener::Proxy.bind(config.listen).await?;
+        let (admin_listener, admin) = Listener::Admin.bind(config.admin).await?;
         let agent = match (&config.leases, backend) {
             (Some(leases), Some(backend)) => {
                 Some(LeaseSide::start(config, leases, backend, &metrics).await?)
@@ -159,7 +211,7 @@ impl Server {
             drain: config
                 .leases
                 .as_ref()
-                .map_or(settings.drain, |l| l.drain_timeout()),
+                .map_or(settings.drain, |l| l.drain_timeout),
             ..settings.clone()
         };
         let (stop, stopped) = watch::channel(false);
@@ -216,7 +268,7 @@ impl Server {
             leases = lease_addrs.map(|(api, _)| api.to_string()),
             egress = lease_addrs.and_then(|(_, e)| e).map(|e| e.to_string()),
             store = store.kind(),
-            store_url = config.store.url.as_ref().map(|u| u.to_string()),
+            store_url = config.store.remote().map(|r| r.url.to_string()),
             "fencegate started"
         );
         Ok(Server {
@@ -262,24 +314,19 @@ impl LeaseSide {
         leases: &LeasesConfig,
         backend: Arc<dyn crate::lease::LeaseBackend>,
         metrics: &Arc<Metrics>,
-    ) -> Result<LeaseSide, String> {
+    ) -> Result<LeaseSide, StartError> {
         let agent = Agent::new(
             backend,
             leases.ttl.clone(),
             leases.acquire.clone(),
             Arc::clone(metrics),
         );
-        let api_listener = TcpListener::bind(leases.listen)
-            .await
-            .map_err(|e| format!("cannot listen on {} (leases): {e}", leases.listen))?;
-        let api = api_listener.local_addr().map_err(|e| e.to_string())?;
+        let (api_listener, api) = Listener::Leases.bind(leases.listen).await?;
         let (egress_listener, egress) = match &config.egress {
             Some(egress) => {
-                let listener = TcpListener::bind(egress.listen)
-                    .await
-                    .map_err(|e| format!("cannot listen on {} (egress): {e}", egress.listen))?;
-                let addr = listener.local_addr().map_err(|e| e.to_string())?;
-                let proxy = Proxy::egress(config, egress, Arc::clone(&agent), Arc::clone(metrics))?;
+                let (listener, addr) = Listener::Egress.bind(egress.listen).await?;
+                let proxy = Proxy::egress(config, egress, Arc::clone(&agent), Arc::clone(metrics))
+                    .map_err(StartError::Proxy)?;
                 (Some((listener, Arc::new(proxy))), Some(addr))
             }
             None => (None, None),

@@ -163,8 +163,9 @@ async fn start_fence(ledger: std::net::SocketAddr) -> Result<Server, String> {
         "listen: 127.0.0.1:0\nadmin: 127.0.0.1:0\nupstream: http://{ledger}\n\
          store: {{ kind: memory }}\n\
          routes:\n  - {{ name: accounts, path: '/accounts/{{id}}', resource: 'account:{{id}}' }}\n"
-    ))?;
-    Server::start(&config).await
+    ))
+    .map_err(|e| e.to_string())?;
+    Server::start(&config).await.map_err(|e| e.to_string())
 }
 
 /// Listener settings for the demo's own loopback servers.
@@ -322,7 +323,8 @@ async fn act_two() -> Result<(), String> {
          routes: [{{ path: '/accounts/{{id}}', lease: 'account:{{id}}' }}]\n",
         dir.join("leases.db").display(),
         fence.listen
-    ))?;
+    ))
+    .map_err(|e| e.to_string())?;
     let leases = sidecar_config.leases.clone().ok_or("leases section")?;
     let lock_service = crate::lease::open(&leases.backend)
         .await

@@ -12,7 +12,7 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use tokio::sync::watch;
 
-use crate::config::{Config, SecretUrl};
+use crate::config::Config;
 use crate::metrics::Metrics;
 use crate::proxy::Proxy;
 
@@ -117,17 +117,9 @@ fn changed_fields(old: &Config, new: &Config) -> Vec<String> {
             _ => changed.push(key.clone()),
         }
     }
-    let url = |u: Option<&SecretUrl>| u.map(SecretUrl::expose).map(str::to_owned);
     let secret_changes = [
-        (
-            "store.url",
-            url(old.store.url.as_ref()) != url(new.store.url.as_ref()),
-        ),
-        (
-            "leases.backend",
-            url(old.leases.as_ref().and_then(|l| l.backend.url.as_ref()))
-                != url(new.leases.as_ref().and_then(|l| l.backend.url.as_ref())),
-        ),
+        ("store.url", store_url(old) != store_url(new)),
+        ("leases.backend", backend_url(old) != backend_url(new)),
     ];
     for (name, differs) in secret_changes {
         if differs && !changed.iter().any(|c| name.starts_with(c.as_str())) {
@@ -135,6 +127,17 @@ fn changed_fields(old: &Config, new: &Config) -> Vec<String> {
         }
     }
     changed
+}
+
+/// The store's URL with its password (the printed one is masked).
+fn store_url(config: &Config) -> Option<&str> {
+    config.store.remote().map(|r| r.url.expose())
+}
+
+/// The lease backend's URL with its password.
+fn backend_url(config: &Config) -> Option<&str> {
+    let leases = config.leases.as_ref()?;
+    leases.backend.remote().map(|r| r.url.expose())
 }
 
 /// The keys of two mappings, those of `a` first, each once.
@@ -151,7 +154,6 @@ fn union<'a>(
 /// `new` differs from the one the process runs with: listed so the log says so.
 fn restart_only_changes(running: &Config, new: &Config) -> Vec<&'static str> {
     let debug = |v: &dyn std::fmt::Debug| format!("{v:?}");
-    let url = |u: Option<&SecretUrl>| u.map(SecretUrl::expose).map(str::to_owned);
     let (a, b) = (running, new);
     let checks = [
         ("listen", a.listen != b.listen),
@@ -159,16 +161,13 @@ fn restart_only_changes(running: &Config, new: &Config) -> Vec<&'static str> {
         ("tls", debug(&a.tls) != debug(&b.tls)),
         (
             "store",
-            debug(&a.store) != debug(&b.store)
-                || url(a.store.url.as_ref()) != url(b.store.url.as_ref()),
+            debug(&a.store) != debug(&b.store) || store_url(a) != store_url(b),
         ),
         ("fence.authority", a.fence.authority != b.fence.authority),
         ("fence.retention", a.fence.retention != b.fence.retention),
         (
             "leases",
-            debug(&a.leases) != debug(&b.leases)
-                || url(a.leases.as_ref().and_then(|l| l.backend.url.as_ref()))
-                    != url(b.leases.as_ref().and_then(|l| l.backend.url.as_ref())),
+            debug(&a.leases) != debug(&b.leases) || backend_url(a) != backend_url(b),
         ),
         ("egress", debug(&a.egress) != debug(&b.egress)),
         (

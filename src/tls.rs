@@ -1,17 +1,82 @@
 //! rustls configuration, on the ring provider, for the listener, for an `https` upstream and
 //! for the connections to a store or lease backend ([`ClientTls`]).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
 use rustls::crypto::CryptoProvider;
 use rustls::server::WebPkiClientVerifier;
 use rustls::{ClientConfig, RootCertStore, ServerConfig};
-use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::pem::{self, PemObject};
 use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 
-use crate::config::{ClientTlsConfig, Config, TlsConfig};
+use crate::config::{ClientTlsConfig, Config, Remote, TlsConfig};
+
+/// Why a certificate, key or CA bundle cannot be used: the file and what is wrong with it.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    #[error("cannot read certificates from {}: {source}", path.display())]
+    ReadCertificates { path: PathBuf, source: pem::Error },
+    #[error("bad certificate in {}: {source}", path.display())]
+    BadCertificate { path: PathBuf, source: pem::Error },
+    #[error("no certificate found in {}", path.display())]
+    NoCertificate { path: PathBuf },
+    #[error("unusable CA certificate in {}: {source}", path.display())]
+    UnusableCa {
+        path: PathBuf,
+        source: rustls::Error,
+    },
+    #[error("cannot read a private key from {}: {source}", path.display())]
+    ReadKey { path: PathBuf, source: pem::Error },
+    /// The provider offers none of the protocol versions asked for.
+    #[error("{0}")]
+    Protocols(rustls::Error),
+    #[error("client_ca {}: {source}", path.display())]
+    ClientCa {
+        path: PathBuf,
+        source: rustls::server::VerifierBuilderError,
+    },
+    #[error("certificate and key do not form a usable pair: {0}")]
+    Pair(rustls::Error),
+    /// A file of a store's or lease backend's `tls` mapping (`field` is `store.tls` or
+    /// `leases.backend.tls`, `file` is `ca`, `cert` or `key`).
+    #[error("{field}.{file}: {source}")]
+    ClientFile {
+        field: &'static str,
+        file: &'static str,
+        source: Box<TlsError>,
+    },
+    #[error("{field}.cert and {field}.key do not form a usable pair: {source}")]
+    ClientPair {
+        field: &'static str,
+        source: rustls::Error,
+    },
+    #[error("{field}.server_name `{name}`: {source}")]
+    ServerName {
+        field: &'static str,
+        name: String,
+        source: rustls_pki_types::InvalidDnsNameError,
+    },
+}
+
+impl TlsError {
+    /// This error, as one of the files of `field`'s `tls` mapping.
+    fn in_file(self, field: &'static str, file: &'static str) -> TlsError {
+        TlsError::ClientFile {
+            field,
+            file,
+            source: Box::new(self),
+        }
+    }
+}
+
+/// For callers whose own errors are still messages (the proxy's construction).
+impl From<TlsError> for String {
+    fn from(e: TlsError) -> String {
+        e.to_string()
+    }
+}
 
 /// The one crypto provider, named explicitly so no feature flag elsewhere can swap it.
 pub fn provider() -> Arc<CryptoProvider> {
@@ -23,66 +88,86 @@ pub fn install_default_provider() {
     let _ = rustls::crypto::ring::default_provider().install_default();
 }
 
-fn certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, String> {
+fn certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
     let certs = CertificateDer::pem_file_iter(path)
-        .map_err(|e| format!("cannot read certificates from {}: {e}", path.display()))?
+        .map_err(|source| TlsError::ReadCertificates {
+            path: path.to_owned(),
+            source,
+        })?
         .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| format!("bad certificate in {}: {e}", path.display()))?;
+        .map_err(|source| TlsError::BadCertificate {
+            path: path.to_owned(),
+            source,
+        })?;
     if certs.is_empty() {
-        return Err(format!("no certificate found in {}", path.display()));
+        return Err(TlsError::NoCertificate {
+            path: path.to_owned(),
+        });
     }
     Ok(certs)
 }
 
-fn roots(path: &Path) -> Result<RootCertStore, String> {
-    let mut roots = RootCertStore::empty();
+/// Adds the CA certificates in `path` to `roots`.
+fn add_roots(roots: &mut RootCertStore, path: &Path) -> Result<(), TlsError> {
     for cert in certs(path)? {
-        roots
-            .add(cert)
-            .map_err(|e| format!("unusable CA certificate in {}: {e}", path.display()))?;
+        roots.add(cert).map_err(|source| TlsError::UnusableCa {
+            path: path.to_owned(),
+            source,
+        })?;
     }
+    Ok(())
+}
+
+fn roots(path: &Path) -> Result<RootCertStore, TlsError> {
+    let mut roots = RootCertStore::empty();
+    add_roots(&mut roots, path)?;
     Ok(roots)
 }
 
+fn private_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
+    PrivateKeyDer::from_pem_file(path).map_err(|source| TlsError::ReadKey {
+        path: path.to_owned(),
+        source,
+    })
+}
+
 /// Listener TLS: HTTP/2 and HTTP/1.1 by ALPN, client certificates when `client_ca` is set.
-pub fn server_config(tls: &TlsConfig) -> Result<Arc<ServerConfig>, String> {
+pub fn server_config(tls: &TlsConfig) -> Result<Arc<ServerConfig>, TlsError> {
     let chain = certs(&tls.cert)?;
-    let key = PrivateKeyDer::from_pem_file(&tls.key)
-        .map_err(|e| format!("cannot read a private key from {}: {e}", tls.key.display()))?;
+    let key = private_key(&tls.key)?;
     let builder = ServerConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()
-        .map_err(|e| e.to_string())?;
+        .map_err(TlsError::Protocols)?;
     let builder = match &tls.client_ca {
         Some(ca) => {
             let verifier =
                 WebPkiClientVerifier::builder_with_provider(Arc::new(roots(ca)?), provider())
                     .build()
-                    .map_err(|e| format!("client_ca {}: {e}", ca.display()))?;
+                    .map_err(|source| TlsError::ClientCa {
+                        path: ca.clone(),
+                        source,
+                    })?;
             builder.with_client_cert_verifier(verifier)
         }
         None => builder.with_no_client_auth(),
     };
     let mut config = builder
         .with_single_cert(chain, key)
-        .map_err(|e| format!("certificate and key do not form a usable pair: {e}"))?;
+        .map_err(TlsError::Pair)?;
     config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
     Ok(Arc::new(config))
 }
 
 /// Upstream TLS: the public web roots plus an optional private CA bundle.
-pub fn client_config(extra_ca: Option<&Path>) -> Result<ClientConfig, String> {
+pub fn client_config(extra_ca: Option<&Path>) -> Result<ClientConfig, TlsError> {
     let mut roots = RootCertStore::empty();
     roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
     if let Some(path) = extra_ca {
-        for cert in certs(path)? {
-            roots
-                .add(cert)
-                .map_err(|e| format!("unusable CA certificate in {}: {e}", path.display()))?;
-        }
+        add_roots(&mut roots, path)?;
     }
     Ok(ClientConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()
-        .map_err(|e| e.to_string())?
+        .map_err(TlsError::Protocols)?
         .with_root_certificates(roots)
         .with_no_client_auth())
 }
@@ -121,17 +206,21 @@ impl ClientTls {
         files: &ClientTlsConfig,
         field: &'static str,
         alpn: &[&[u8]],
-    ) -> Result<Self, String> {
+    ) -> Result<Self, TlsError> {
         let alpn: Vec<Vec<u8>> = alpn.iter().map(|p| p.to_vec()).collect();
         let stamps = stamps(files);
         let config = Arc::new(build(files, field, &alpn)?);
-        let server_name = match &files.server_name {
-            Some(name) => Some(
-                ServerName::try_from(name.clone())
-                    .map_err(|e| format!("{field}.server_name `{name}`: {e}"))?,
-            ),
-            None => None,
-        };
+        let server_name =
+            match &files.server_name {
+                Some(name) => Some(ServerName::try_from(name.clone()).map_err(|source| {
+                    TlsError::ServerName {
+                        field,
+                        name: name.clone(),
+                        source,
+                    }
+                })?),
+                None => None,
+            };
         Ok(ClientTls {
             files: files.clone(),
             field,
@@ -221,9 +310,13 @@ fn stamps(files: &ClientTlsConfig) -> Stamps {
 }
 
 /// The rustls client config the files describe; errors name the field.
-fn build(files: &ClientTlsConfig, field: &str, alpn: &[Vec<u8>]) -> Result<ClientConfig, String> {
+fn build(
+    files: &ClientTlsConfig,
+    field: &'static str,
+    alpn: &[Vec<u8>],
+) -> Result<ClientConfig, TlsError> {
     let roots = match &files.ca {
-        Some(ca) => roots(ca).map_err(|e| format!("{field}.ca: {e}"))?,
+        Some(ca) => roots(ca).map_err(|e| e.in_file(field, "ca"))?,
         None => {
             let mut roots = RootCertStore::empty();
             roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
@@ -232,20 +325,15 @@ fn build(files: &ClientTlsConfig, field: &str, alpn: &[Vec<u8>]) -> Result<Clien
     };
     let builder = ClientConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()
-        .map_err(|e| e.to_string())?
+        .map_err(TlsError::Protocols)?
         .with_root_certificates(roots);
     let mut config = match (&files.cert, &files.key) {
         (Some(cert), Some(key)) => {
-            let chain = certs(cert).map_err(|e| format!("{field}.cert: {e}"))?;
-            let key = PrivateKeyDer::from_pem_file(key).map_err(|e| {
-                format!(
-                    "{field}.key: cannot read a private key from {}: {e}",
-                    key.display()
-                )
-            })?;
-            builder.with_client_auth_cert(chain, key).map_err(|e| {
-                format!("{field}.cert and {field}.key do not form a usable pair: {e}")
-            })?
+            let chain = certs(cert).map_err(|e| e.in_file(field, "cert"))?;
+            let key = private_key(key).map_err(|e| e.in_file(field, "key"))?;
+            builder
+                .with_client_auth_cert(chain, key)
+                .map_err(|source| TlsError::ClientPair { field, source })?
         }
         _ => builder.with_no_client_auth(),
     };
@@ -254,14 +342,34 @@ fn build(files: &ClientTlsConfig, field: &str, alpn: &[Vec<u8>]) -> Result<Clien
 }
 
 /// Reads every store and lease backend TLS file a config names, as `run` does at start.
-pub fn check_client_files(config: &Config) -> Result<(), String> {
-    if let Some(tls) = &config.store.tls {
+pub fn check_client_files(config: &Config) -> Result<(), TlsError> {
+    if let Some(tls) = config.store.remote().and_then(|r| r.tls.as_ref()) {
         build(tls, "store.tls", &[])?;
     }
-    if let Some(tls) = config.leases.as_ref().and_then(|l| l.backend.tls.as_ref()) {
+    let backend = config.leases.as_ref().and_then(|l| l.backend.remote());
+    if let Some(tls) = backend.and_then(|r| r.tls.as_ref()) {
         build(tls, "leases.backend.tls", &[])?;
     }
     Ok(())
+}
+
+impl ClientTls {
+    /// The TLS of a connection to `remote`: its `tls` files; without them, the public web
+    /// roots for a TLS URL (`rediss://`, `https://`), and none for a plaintext one. `field`
+    /// names the config field in messages.
+    pub fn for_remote(
+        remote: &Remote,
+        field: &'static str,
+        alpn: &[&[u8]],
+    ) -> Result<Option<Arc<ClientTls>>, TlsError> {
+        let web_roots = ClientTlsConfig::default();
+        let files = match (&remote.tls, remote.url.is_tls()) {
+            (Some(files), _) => files,
+            (None, true) => &web_roots,
+            (None, false) => return Ok(None),
+        };
+        ClientTls::load(files, field, alpn).map(|tls| Some(Arc::new(tls)))
+    }
 }
 
 #[cfg(test)]
@@ -276,7 +384,9 @@ mod tests {
             ca: Some(missing.clone()),
             ..Default::default()
         };
-        let e = ClientTls::load(&files, "store.tls", &[]).unwrap_err();
+        let e = ClientTls::load(&files, "store.tls", &[])
+            .unwrap_err()
+            .to_string();
         assert!(
             e.starts_with("store.tls.ca: cannot read certificates from"),
             "{e}"
@@ -288,7 +398,9 @@ mod tests {
             key: Some(empty),
             ..Default::default()
         };
-        let e = ClientTls::load(&files, "leases.backend.tls", &[]).unwrap_err();
+        let e = ClientTls::load(&files, "leases.backend.tls", &[])
+            .unwrap_err()
+            .to_string();
         assert!(
             e.starts_with("leases.backend.tls.cert: no certificate found"),
             "{e}"

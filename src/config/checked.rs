@@ -11,10 +11,10 @@ use serde::de::{self, Deserialize, DeserializeSeed, Deserializer, MapAccess, Seq
 pub fn from_str<'de, D, T>(d: D) -> Result<T, D::Error>
 where
     D: Deserializer<'de>,
-    T: TryFrom<String, Error = String>,
+    T: TryFrom<String, Error: fmt::Display>,
 {
     struct V<T>(PhantomData<T>);
-    impl<T: TryFrom<String, Error = String>> Visitor<'_> for V<T> {
+    impl<T: TryFrom<String, Error: fmt::Display>> Visitor<'_> for V<T> {
         type Value = T;
         fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
             f.write_str("a string")
@@ -31,26 +31,36 @@ pub fn from_map<'de, D, R, T>(d: D) -> Result<T, D::Error>
 where
     D: Deserializer<'de>,
     R: Deserialize<'de>,
-    T: TryFrom<R, Error = String>,
+    T: TryFrom<R, Error: fmt::Display>,
 {
-    struct V<R, T>(PhantomData<(R, T)>);
-    impl<'de, R: Deserialize<'de>, T: TryFrom<R, Error = String>> Visitor<'de> for V<R, T> {
+    from_map_expecting(d, "a mapping")
+}
+
+/// [`from_map`], saying what the mapping holds when the value is not one.
+pub fn from_map_expecting<'de, D, R, T>(d: D, expecting: &'static str) -> Result<T, D::Error>
+where
+    D: Deserializer<'de>,
+    R: Deserialize<'de>,
+    T: TryFrom<R, Error: fmt::Display>,
+{
+    struct V<R, T>(&'static str, PhantomData<(R, T)>);
+    impl<'de, R: Deserialize<'de>, T: TryFrom<R, Error: fmt::Display>> Visitor<'de> for V<R, T> {
         type Value = T;
         fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-            f.write_str("a mapping")
+            f.write_str(self.0)
         }
         fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<T, A::Error> {
             let raw = R::deserialize(de::value::MapAccessDeserializer::new(map))?;
             T::try_from(raw).map_err(de::Error::custom)
         }
     }
-    d.deserialize_map(V(PhantomData))
+    d.deserialize_map(V(expecting, PhantomData))
 }
 
 /// Parses a list of mappings `E`, checking each against those before it while it is read, so
 /// that a refusal carries that element's own line, column and path (`routes[2]: … at line 9
 /// column 5`) rather than the list's. `expecting` describes one element.
-pub fn from_seq_each<'de, D, E, C>(
+pub fn from_seq_each<'de, D, E, X, C>(
     d: D,
     expecting: &'static str,
     check: C,
@@ -58,15 +68,19 @@ pub fn from_seq_each<'de, D, E, C>(
 where
     D: Deserializer<'de>,
     E: Deserialize<'de>,
-    C: FnMut(&[E], &E) -> Result<(), String>,
+    X: fmt::Display,
+    C: FnMut(&[E], &E) -> Result<(), X>,
 {
     struct Seq<E, C> {
         expecting: &'static str,
         check: C,
         items: PhantomData<E>,
     }
-    impl<'de, E: Deserialize<'de>, C: FnMut(&[E], &E) -> Result<(), String>> Visitor<'de>
-        for Seq<E, C>
+    impl<'de, E, X, C> Visitor<'de> for Seq<E, C>
+    where
+        E: Deserialize<'de>,
+        X: fmt::Display,
+        C: FnMut(&[E], &E) -> Result<(), X>,
     {
         type Value = Vec<E>;
         fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -93,8 +107,11 @@ where
         expecting: &'static str,
         check: &'a mut C,
     }
-    impl<'de, E: Deserialize<'de>, C: FnMut(&[E], &E) -> Result<(), String>> DeserializeSeed<'de>
-        for Element<'_, E, C>
+    impl<'de, E, X, C> DeserializeSeed<'de> for Element<'_, E, C>
+    where
+        E: Deserialize<'de>,
+        X: fmt::Display,
+        C: FnMut(&[E], &E) -> Result<(), X>,
     {
         type Value = E;
         fn deserialize<D2: Deserializer<'de>>(self, d: D2) -> Result<E, D2::Error> {
@@ -102,8 +119,11 @@ where
             d.deserialize_map(self)
         }
     }
-    impl<'de, E: Deserialize<'de>, C: FnMut(&[E], &E) -> Result<(), String>> Visitor<'de>
-        for Element<'_, E, C>
+    impl<'de, E, X, C> Visitor<'de> for Element<'_, E, C>
+    where
+        E: Deserialize<'de>,
+        X: fmt::Display,
+        C: FnMut(&[E], &E) -> Result<(), X>,
     {
         type Value = E;
         fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -123,7 +143,7 @@ where
     })
 }
 
-/// `impl Deserialize` through [`from_str`] for types with `TryFrom<String, Error = String>`.
+/// `impl Deserialize` through [`from_str`] for types with `TryFrom<String>`.
 macro_rules! checked_from_str {
     ($($t:ty),* $(,)?) => {$(
         impl<'de> serde::Deserialize<'de> for $t {

@@ -1,309 +1,19 @@
-//! The `leases:` and `egress:` sections (docs/leases.md): the lease agent's backend, TTL (given or
-//! derived from latency budgets), acquisition backoff, drain timeout, and the egress proxy.
+//! The `leases:` section (docs/leases.md): the lease agent's listener, backend
+//! ([`super::lease_backend`]), TTL ([`super::lease_ttl`]), acquisition backoff and drain
+//! timeout.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::time::Duration;
 
 use serde::{Deserialize, Deserializer, Serialize};
 
 use super::checked;
-use super::routes::{uses_captures, Paths, Shape};
-use super::{ClientTlsConfig, MethodCfg, PathTemplate, ResourceTemplate, SecretUrl, UpstreamUrl};
-use crate::duration::display;
-use crate::ttl::{derive, TtlInputs, MAX_LEASE_DURATION, MIN_TTL};
+use super::{BackendConfig, LeaseTtl};
+use crate::ttl::MAX_LEASE_DURATION;
 
 /// The longest `drain_timeout`: room for the default (2 × the longest TTL), so that the
 /// effective config `check` prints loads again.
 pub const MAX_DRAIN_TIMEOUT: Duration = MAX_LEASE_DURATION.saturating_mul(2);
-
-/// Refuses a TTL written below [`MIN_TTL`] (a derived one is raised to it instead).
-fn below_floor(ttl: Duration) -> Result<(), String> {
-    if ttl < MIN_TTL {
-        return Err(format!(
-            "a lease ttl of {} is below the {} floor, under which a lease cannot be renewed \
-             reliably: write {} or more",
-            display(ttl),
-            display(MIN_TTL),
-            display(MIN_TTL)
-        ));
-    }
-    Ok(())
-}
-
-/// Refuses a TTL above [`MAX_LEASE_DURATION`].
-fn at_most_max(ttl: Duration) -> Result<Duration, String> {
-    if ttl > MAX_LEASE_DURATION {
-        return Err(format!(
-            "a lease ttl above {} is not supported (got {})",
-            crate::duration::display(MAX_LEASE_DURATION),
-            crate::duration::display(ttl)
-        ));
-    }
-    Ok(ttl)
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum BackendKind {
-    Embedded,
-    Redis,
-    Postgres,
-    Etcd,
-}
-
-/// Where leases are granted.
-#[derive(Debug, Clone, Serialize)]
-pub struct BackendConfig {
-    pub kind: BackendKind,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub url: Option<SecretUrl>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub path: Option<PathBuf>,
-    /// Key / table namespace, validated like the store's.
-    pub prefix: String,
-    /// TLS to a Redis, PostgreSQL or etcd backend (docs/stores.md).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub tls: Option<ClientTlsConfig>,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RawBackend {
-    kind: BackendKind,
-    url: Option<SecretUrl>,
-    path: Option<PathBuf>,
-    #[serde(default = "default_prefix")]
-    prefix: String,
-    tls: Option<ClientTlsConfig>,
-}
-
-fn default_prefix() -> String {
-    "fencegate".into()
-}
-
-const DEFAULT_LEASE_PATH: &str = "/var/lib/fencegate/leases.db";
-
-impl TryFrom<RawBackend> for BackendConfig {
-    type Error = String;
-    fn try_from(raw: RawBackend) -> Result<Self, String> {
-        super::check_prefix(&raw.prefix)?;
-        let store_kind = match raw.kind {
-            BackendKind::Embedded => None,
-            BackendKind::Redis => Some(super::StoreKind::Redis),
-            BackendKind::Postgres => Some(super::StoreKind::Postgres),
-            BackendKind::Etcd => Some(super::StoreKind::Etcd),
-        };
-        match (store_kind, &raw.url, &raw.path) {
-            (None, Some(_), _) => Err("`url` is for the redis, postgres and etcd backends".into()),
-            (None, None, _) if raw.tls.is_some() => {
-                Err("`tls` is for the redis, postgres and etcd backends".into())
-            }
-            (None, None, path) => Ok(BackendConfig {
-                kind: raw.kind,
-                url: None,
-                path: Some(path.clone().unwrap_or_else(|| DEFAULT_LEASE_PATH.into())),
-                prefix: raw.prefix,
-                tls: None,
-            }),
-            (Some(_), None, _) => Err("this backend kind needs a `url`".into()),
-            (Some(_), _, Some(_)) => Err("`path` is for the embedded backend".into()),
-            (Some(kind), Some(url), None) => {
-                url.check(kind, raw.tls.as_ref())?;
-                Ok(BackendConfig {
-                    kind: raw.kind,
-                    url: raw.url,
-                    path: None,
-                    prefix: raw.prefix,
-                    tls: raw.tls,
-                })
-            }
-        }
-    }
-}
-
-impl<'de> Deserialize<'de> for BackendConfig {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        checked::from_map::<D, RawBackend, BackendConfig>(d)
-    }
-}
-
-/// The lease TTL: given, or derived from latency budgets (design: TTL = p99 work + p99 RTT +
-/// safety margin + drift buffer, rounded up).
-#[derive(Debug, Clone)]
-pub struct LeaseTtl {
-    pub ttl: Duration,
-    /// Subtracted from the local validity deadline to absorb clock-rate drift.
-    pub drift_buffer: Duration,
-    /// The p99 work latency when derived, for the dedup window (TTL + p99 work).
-    pub p99_work: Option<Duration>,
-    /// The derived minimum; API requests asking for less are refused.
-    pub minimum: Duration,
-    /// Set when the derived TTL was below [`MIN_TTL`] and raised to it.
-    pub warning: Option<String>,
-    /// As written, so the effective config printed by `check` loads again.
-    source: TtlSource,
-}
-
-#[derive(Debug, Clone, Serialize)]
-#[serde(untagged)]
-enum TtlSource {
-    Plain(#[serde(with = "crate::duration")] Duration),
-    Derived {
-        #[serde(with = "crate::duration")]
-        p99_work: Duration,
-        #[serde(with = "crate::duration")]
-        p99_rtt: Duration,
-        #[serde(with = "crate::duration")]
-        safety_margin: Duration,
-        #[serde(with = "crate::duration")]
-        drift_buffer: Duration,
-        #[serde(with = "crate::duration")]
-        round_to: Duration,
-        /// As written: a TTL left to the derivation is not printed back, so it keeps
-        /// following the inputs.
-        #[serde(
-            with = "crate::duration::option",
-            skip_serializing_if = "Option::is_none"
-        )]
-        ttl: Option<Duration>,
-    },
-}
-
-impl Serialize for LeaseTtl {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        self.source.serialize(s)
-    }
-}
-
-enum RawTtl {
-    Plain(Duration),
-    Derived(RawDerivation),
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RawDerivation {
-    #[serde(with = "crate::duration")]
-    p99_work: Duration,
-    #[serde(with = "crate::duration")]
-    p99_rtt: Duration,
-    #[serde(with = "crate::duration")]
-    safety_margin: Duration,
-    #[serde(default, with = "crate::duration")]
-    drift_buffer: Duration,
-    #[serde(default = "default_round_to", with = "crate::duration")]
-    round_to: Duration,
-    /// An explicit TTL, which must not be below the derived one.
-    #[serde(default, with = "crate::duration::option")]
-    ttl: Option<Duration>,
-}
-
-fn default_round_to() -> Duration {
-    Duration::from_millis(500)
-}
-
-impl TryFrom<RawTtl> for LeaseTtl {
-    type Error = String;
-    fn try_from(raw: RawTtl) -> Result<Self, String> {
-        match raw {
-            RawTtl::Plain(ttl) => {
-                below_floor(ttl)?;
-                let ttl = at_most_max(ttl)?;
-                // Without a derivation, keep a tenth of the TTL (at most 100 ms) for drift.
-                let drift_buffer = (ttl / 10).min(Duration::from_millis(100));
-                Ok(LeaseTtl {
-                    ttl,
-                    drift_buffer,
-                    p99_work: None,
-                    minimum: ttl,
-                    warning: None,
-                    source: TtlSource::Plain(ttl),
-                })
-            }
-            RawTtl::Derived(d) => {
-                let derived = derive(&TtlInputs {
-                    p99_work: d.p99_work,
-                    p99_rtt: d.p99_rtt,
-                    safety_margin: d.safety_margin,
-                    drift_buffer: d.drift_buffer,
-                    round_to: d.round_to,
-                })?;
-                let (ttl, warning) = match d.ttl {
-                    Some(ttl) => {
-                        below_floor(ttl)?;
-                        if ttl < derived.ttl {
-                            return Err(format!(
-                                "ttl {} is below the derived minimum {}",
-                                crate::duration::display(ttl),
-                                crate::duration::display(derived.ttl)
-                            ));
-                        }
-                        (ttl, None)
-                    }
-                    None => (derived.ttl, derived.floor_warning()),
-                };
-                let ttl = at_most_max(ttl)?;
-                Ok(LeaseTtl {
-                    ttl,
-                    drift_buffer: d.drift_buffer,
-                    p99_work: Some(d.p99_work),
-                    minimum: derived.ttl,
-                    warning,
-                    source: TtlSource::Derived {
-                        p99_work: d.p99_work,
-                        p99_rtt: d.p99_rtt,
-                        safety_margin: d.safety_margin,
-                        drift_buffer: d.drift_buffer,
-                        round_to: d.round_to,
-                        ttl: d.ttl,
-                    },
-                })
-            }
-        }
-    }
-}
-
-impl<'de> Deserialize<'de> for LeaseTtl {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        // A visitor, so that errors are raised inside the deserializer and keep their location.
-        struct V;
-        impl<'de> serde::de::Visitor<'de> for V {
-            type Value = LeaseTtl;
-            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str(
-                    "a duration such as 1500ms, or { p99_work, p99_rtt, safety_margin, \
-                     drift_buffer, round_to }",
-                )
-            }
-            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<LeaseTtl, E> {
-                let ttl = crate::duration::parse(v).map_err(E::custom)?;
-                LeaseTtl::try_from(RawTtl::Plain(ttl)).map_err(E::custom)
-            }
-            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Self::Value, E> {
-                Err(E::custom(crate::duration::refusal(v)))
-            }
-            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Self::Value, E> {
-                Err(E::custom(crate::duration::refusal(v)))
-            }
-            fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Self::Value, E> {
-                Err(E::custom(crate::duration::refusal(v)))
-            }
-            fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<LeaseTtl, A::Error> {
-                let raw =
-                    RawDerivation::deserialize(serde::de::value::MapAccessDeserializer::new(map))?;
-                LeaseTtl::try_from(RawTtl::Derived(raw)).map_err(serde::de::Error::custom)
-            }
-        }
-        d.deserialize_any(V)
-    }
-}
-
-impl LeaseTtl {
-    pub fn renew_every(&self) -> Duration {
-        self.ttl / 3
-    }
-}
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(
@@ -339,34 +49,62 @@ fn default_jitter() -> Duration {
     Duration::from_millis(100)
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, expecting = "a mapping with `backend` and `ttl`")]
+#[derive(Debug, Clone, Serialize)]
 pub struct LeasesConfig {
     /// The local lease API; loopback by default so only the pod's app can use it.
+    pub listen: SocketAddr,
+    pub backend: BackendConfig,
+    pub ttl: LeaseTtl,
+    pub acquire: AcquireConfig,
+    /// SIGTERM: in-flight work gets this long before leases are released; as written, or
+    /// 2 × ttl.
+    #[serde(skip)]
+    pub drain_timeout: Duration,
+    /// `drain_timeout` as written. A default is shown on `check`'s `# leases:` line only, so
+    /// that the printed config keeps following the TTL.
+    #[serde(
+        rename = "drain_timeout",
+        serialize_with = "crate::duration::option::serialize",
+        skip_serializing_if = "Option::is_none"
+    )]
+    written_drain_timeout: Option<Duration>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawLeases {
     #[serde(
         default = "default_lease_listen",
         deserialize_with = "super::values::address"
     )]
-    pub listen: SocketAddr,
-    pub backend: BackendConfig,
-    pub ttl: LeaseTtl,
+    listen: SocketAddr,
+    backend: BackendConfig,
+    ttl: LeaseTtl,
     #[serde(default)]
-    pub acquire: AcquireConfig,
-    /// SIGTERM: in-flight work gets this long before leases are released, as written. Default
-    /// 2 × ttl ([`LeasesConfig::drain_timeout`]), which `check` shows on its `# leases:` line
-    /// only, so that the printed config keeps following the TTL.
-    #[serde(
-        default,
-        deserialize_with = "drain_timeout",
-        serialize_with = "crate::duration::option::serialize",
-        skip_serializing_if = "Option::is_none"
-    )]
-    pub drain_timeout: Option<Duration>,
+    acquire: AcquireConfig,
+    #[serde(default, deserialize_with = "drain_timeout")]
+    drain_timeout: Option<Duration>,
 }
 
-impl LeasesConfig {
-    pub fn drain_timeout(&self) -> Duration {
-        self.drain_timeout.unwrap_or(self.ttl.ttl.saturating_mul(2))
+impl From<RawLeases> for LeasesConfig {
+    fn from(raw: RawLeases) -> Self {
+        LeasesConfig {
+            drain_timeout: raw.drain_timeout.unwrap_or(raw.ttl.ttl.saturating_mul(2)),
+            written_drain_timeout: raw.drain_timeout,
+            listen: raw.listen,
+            backend: raw.backend,
+            ttl: raw.ttl,
+            acquire: raw.acquire,
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for LeasesConfig {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        checked::from_map_expecting::<D, RawLeases, LeasesConfig>(
+            d,
+            "a mapping with `backend` and `ttl`",
+        )
     }
 }
 
@@ -404,125 +142,4 @@ fn drain_timeout<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D:
 
 fn default_lease_listen() -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], 7442))
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct EgressRoute {
-    pub path: PathTemplate,
-    /// The lease (resource) whose token is attached; captures of `path` may be used.
-    pub lease: ResourceTemplate,
-    /// Methods that get the token; default every method but GET, HEAD, OPTIONS.
-    #[serde(
-        default,
-        deserialize_with = "super::values::methods",
-        skip_serializing_if = "Option::is_none"
-    )]
-    pub methods: Option<Vec<super::MethodCfg>>,
-}
-
-impl Shape for EgressRoute {
-    fn path(&self) -> &PathTemplate {
-        &self.path
-    }
-    fn methods(&self) -> Option<&[MethodCfg]> {
-        self.methods.as_deref()
-    }
-    fn fences(&self) -> bool {
-        true
-    }
-}
-
-/// `egress.routes`.
-pub(super) fn egress_routes<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<EgressRoute>, D::Error> {
-    let mut paths = Paths::new("egress.routes");
-    checked::from_seq_each(
-        d,
-        "an egress route: a mapping with `path` and `lease`",
-        move |earlier: &[EgressRoute], route: &EgressRoute| {
-            uses_captures("lease", &route.lease, &route.path)?;
-            paths.add(earlier, route)
-        },
-    )
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(
-    deny_unknown_fields,
-    expecting = "a mapping with `upstream` and `routes`"
-)]
-pub struct EgressConfig {
-    #[serde(
-        default = "default_egress_listen",
-        deserialize_with = "super::values::address"
-    )]
-    pub listen: SocketAddr,
-    pub upstream: UpstreamUrl,
-    #[serde(default, deserialize_with = "egress_routes")]
-    pub routes: Vec<EgressRoute>,
-}
-
-fn default_egress_listen() -> SocketAddr {
-    SocketAddr::from(([127, 0, 0, 1], 7443))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::super::Config;
-
-    fn refused(leases: &str) -> String {
-        Config::parse(&format!(
-            "upstream: http://a:1\nleases:\n  backend: {{ kind: embedded }}\n{leases}"
-        ))
-        .expect_err("config should be refused")
-    }
-
-    #[test]
-    fn absurd_durations_are_refused_with_their_location() {
-        let e = refused("  ttl: 300000000000years\n");
-        assert!(
-            e.contains("leases.ttl")
-                && e.contains("line 4")
-                && e.contains("a lease ttl above 1h is not supported (got 2629800000000000h)"),
-            "{e}"
-        );
-        let e = refused(
-            "  ttl: { p99_work: 300000000000years, p99_rtt: 1ms, safety_margin: 300000000000years }\n",
-        );
-        assert!(
-            e.contains("leases.ttl")
-                && e.contains("the inputs add up to more than a duration can hold"),
-            "{e}"
-        );
-        let e = refused("  ttl: { p99_work: 2h, p99_rtt: 1ms, safety_margin: 1ms }\n");
-        assert!(
-            e.contains("leases.ttl") && e.contains("a lease ttl above 1h is not supported"),
-            "{e}"
-        );
-        let e = refused("  ttl: 1s\n  drain_timeout: 300000000000years\n");
-        assert!(
-            e.contains("leases.drain_timeout")
-                && e.contains("line 5")
-                && e.contains("a drain_timeout above 2h is not supported (got 300000000000years)"),
-            "{e}"
-        );
-    }
-
-    #[test]
-    fn the_longest_durations_load_and_print_back() {
-        let c = Config::parse(
-            "upstream: http://a:1\nleases:\n  backend: { kind: embedded }\n  ttl: 1h\n",
-        )
-        .unwrap();
-        let leases = c.leases.as_ref().unwrap();
-        assert_eq!(leases.drain_timeout(), super::MAX_DRAIN_TIMEOUT);
-        let c = Config::parse(
-            "upstream: http://a:1\nleases:\n  backend: { kind: embedded }\n  ttl: 1h\n  drain_timeout: 2h\n",
-        )
-        .unwrap();
-        assert_eq!(
-            c.leases.unwrap().drain_timeout,
-            Some(super::MAX_DRAIN_TIMEOUT)
-        );
-    }
 }

@@ -4,8 +4,18 @@
 //! with line, column and field path, so an invalid config can never reach the request path.
 
 pub(crate) mod checked;
+mod egress;
+mod env;
+mod error;
+mod idempotency;
+mod lease_backend;
+mod lease_ttl;
 mod leases;
+mod limits;
+mod path;
+mod remote;
 mod routes;
+mod store;
 mod store_tls;
 mod types;
 mod values;
@@ -14,14 +24,24 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use serde::{Deserialize, Deserializer, Serialize};
+use serde::{Deserialize, Serialize};
 
-pub use leases::{
-    AcquireConfig, BackendConfig, BackendKind, EgressConfig, EgressRoute, LeaseTtl, LeasesConfig,
-};
-pub use store_tls::ClientTlsConfig;
+pub use egress::{EgressConfig, EgressRoute};
+pub use env::{expand_env, EnvError};
+pub use error::{ConfigError, ParseError, SectionsError};
+pub use idempotency::IdempotencyConfig;
+pub use lease_backend::BackendConfig;
+pub use lease_ttl::{LeaseTtl, TtlError};
+pub use leases::{AcquireConfig, LeasesConfig};
+pub use limits::{BoundError, Limits, Timeouts, MAX_TIMEOUT};
+pub use path::{PathError, PathTemplate};
+pub use remote::{Holder, KindError, PrefixError, Remote, RemoteKind, SecretUrl, UrlError};
+pub use routes::{MissingToken, Ordering, RouteConfig, RouteError, Unmatched};
+pub use store::StoreConfig;
+pub use store_tls::{ClientTlsConfig, ClientTlsError};
 pub use types::{
-    HeaderNameCfg, MethodCfg, PathTemplate, ResourcePart, ResourceTemplate, SecretUrl, UpstreamUrl,
+    HeaderNameCfg, HeaderNameError, MethodCfg, MethodError, ResourcePart, ResourceTemplate,
+    ResourceTemplateError, UpstreamUrl, UpstreamUrlError,
 };
 
 /// The whole configuration file.
@@ -73,60 +93,6 @@ pub struct Config {
     pub access_log: bool,
 }
 
-/// `Idempotency-Key` handling on fenced routes (every fenced route, unless a route says
-/// `idempotency: false`).
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(
-    deny_unknown_fields,
-    expecting = "a mapping with `header`, `window`, `max_request_bytes` and `max_response_bytes`"
-)]
-pub struct IdempotencyConfig {
-    #[serde(default = "default_idempotency_header")]
-    pub header: HeaderNameCfg,
-    /// How long a key's record lives after its last write, as written. Default: `leases.ttl`
-    /// plus its `p99_work` (2 × ttl when the TTL is given as a plain duration); required
-    /// without leases. A default is not printed back by `check`, so that it keeps following
-    /// the TTL.
-    #[serde(
-        default,
-        with = "crate::duration::option",
-        skip_serializing_if = "Option::is_none"
-    )]
-    pub window: Option<Duration>,
-    /// The window in effect: `window`, or the default; resolved when the config is parsed.
-    #[serde(skip)]
-    resolved_window: Duration,
-    /// Largest request body an idempotent write may have (it is read whole to fingerprint it);
-    /// larger gets 413.
-    #[serde(
-        default = "default_max_idempotent_body",
-        deserialize_with = "values::Bytes::<1048576>::de"
-    )]
-    pub max_request_bytes: usize,
-    /// Largest response recorded for replay; a larger one is recorded as "completed, not
-    /// replayable" and its retries get 409 `idempotency-not-replayable`.
-    #[serde(
-        default = "default_max_idempotent_body",
-        deserialize_with = "values::Bytes::<1048576>::de"
-    )]
-    pub max_response_bytes: usize,
-}
-
-impl IdempotencyConfig {
-    /// The window in effect (as written, or the default).
-    pub fn window(&self) -> Duration {
-        self.resolved_window
-    }
-}
-
-fn default_idempotency_header() -> HeaderNameCfg {
-    HeaderNameCfg(http::header::HeaderName::from_static("idempotency-key"))
-}
-
-fn default_max_idempotent_body() -> usize {
-    1024 * 1024
-}
-
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, expecting = "a mapping with `cert` and `key`")]
 pub struct TlsConfig {
@@ -164,135 +130,6 @@ pub enum EqualTokens {
     Reject,
 }
 
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum StoreKind {
-    Memory,
-    #[default]
-    Embedded,
-    Redis,
-    Postgres,
-    Etcd,
-}
-
-#[derive(Debug, Clone, Serialize)]
-pub struct StoreConfig {
-    pub kind: StoreKind,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub path: Option<PathBuf>,
-    /// Printed and logged with its password masked.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub url: Option<SecretUrl>,
-    pub prefix: String,
-    /// Embedded and networked stores: how many resources' maxima are kept in memory (the
-    /// recently used ones). Networked stores answer refusals from them without a round trip;
-    /// the embedded store reads the others from its file.
-    pub cache_size: usize,
-    /// TLS to a Redis, PostgreSQL or etcd store (docs/stores.md).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub tls: Option<ClientTlsConfig>,
-}
-
-impl Default for StoreConfig {
-    fn default() -> Self {
-        StoreConfig {
-            kind: StoreKind::Embedded,
-            path: Some(PathBuf::from(DEFAULT_STORE_PATH)),
-            url: None,
-            prefix: default_prefix(),
-            cache_size: DEFAULT_CACHE_SIZE,
-            tls: None,
-        }
-    }
-}
-
-const DEFAULT_CACHE_SIZE: usize = 100_000;
-
-impl<'de> Deserialize<'de> for StoreConfig {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        checked::from_map::<D, RawStore, StoreConfig>(d)
-    }
-}
-
-const DEFAULT_STORE_PATH: &str = "/var/lib/fencegate/fences.db";
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RawStore {
-    #[serde(default)]
-    kind: StoreKind,
-    path: Option<PathBuf>,
-    url: Option<SecretUrl>,
-    #[serde(default = "default_prefix")]
-    prefix: String,
-    #[serde(
-        default = "default_cache_size",
-        deserialize_with = "values::Count::<100000>::de"
-    )]
-    cache_size: usize,
-    tls: Option<ClientTlsConfig>,
-}
-
-fn default_cache_size() -> usize {
-    DEFAULT_CACHE_SIZE
-}
-
-impl TryFrom<RawStore> for StoreConfig {
-    type Error = String;
-
-    fn try_from(raw: RawStore) -> Result<Self, Self::Error> {
-        match raw.kind {
-            StoreKind::Memory | StoreKind::Embedded => {
-                if raw.url.is_some() {
-                    return Err("`url` is for the redis, postgres and etcd stores".into());
-                }
-                if raw.tls.is_some() {
-                    return Err("`tls` is for the redis, postgres and etcd stores".into());
-                }
-            }
-            StoreKind::Redis | StoreKind::Postgres | StoreKind::Etcd => {
-                let Some(url) = &raw.url else {
-                    return Err("this store kind needs a `url`".into());
-                };
-                url.check(raw.kind, raw.tls.as_ref())?;
-                if raw.path.is_some() {
-                    return Err("`path` is for the embedded store".into());
-                }
-            }
-        }
-        if raw.kind == StoreKind::Memory && raw.path.is_some() {
-            return Err("`path` is for the embedded store".into());
-        }
-        let identifier = raw.prefix.len() <= 40
-            && raw
-                .prefix
-                .starts_with(|c: char| c.is_ascii_alphabetic() || c == '_')
-            && raw
-                .prefix
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || c == '_');
-        if !identifier {
-            // It names a PostgreSQL table, a redb table and Redis/etcd key prefixes.
-            return Err(format!(
-                "`prefix` `{}` must be 1-40 letters, digits or `_`, not starting with a digit",
-                raw.prefix
-            ));
-        }
-        let path = match raw.kind {
-            StoreKind::Embedded => Some(raw.path.unwrap_or_else(|| DEFAULT_STORE_PATH.into())),
-            _ => None,
-        };
-        Ok(StoreConfig {
-            kind: raw.kind,
-            path,
-            url: raw.url,
-            prefix: raw.prefix,
-            cache_size: raw.cache_size,
-            tls: raw.tls,
-        })
-    }
-}
-
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(
     deny_unknown_fields,
@@ -318,39 +155,22 @@ pub const MIN_RETENTION: Duration = Duration::from_secs(3600);
 /// Whether forgetting maxima is safe with this config: only when every fenced write's token is
 /// also checked against the lease backend's latest grant, which never forgets, and only with
 /// a store that can forget.
-fn check_retention(fence: &FenceConfig, store: StoreKind) -> Result<(), String> {
+fn check_retention(fence: &FenceConfig, store: &StoreConfig) -> Result<(), SectionsError> {
     let Some(period) = fence.retention else {
         return Ok(());
     };
-    let shown = crate::duration::display(period);
     if fence.authority != Authority::Leases {
-        return Err(format!(
-            "fence.retention: {shown} is safe only with `fence.authority: leases`: without it a \
-             forgotten maximum is the only thing between a stale token and the upstream, and a \
-             writer that wakes more than {shown} after its last write would be admitted; with \
-             it, the lease backend refuses every token below its latest grant whatever the \
-             store remembers"
-        ));
+        return Err(SectionsError::RetentionWithoutAuthority { period });
     }
     if period < MIN_RETENTION {
-        return Err(format!(
-            "fence.retention must be at least 1h (it is {shown}): a maximum may be forgotten \
-             only long after the grant of its token is known to every fencegate"
-        ));
+        return Err(SectionsError::RetentionTooShort { period });
     }
     match store {
-        StoreKind::Embedded | StoreKind::Redis | StoreKind::Postgres => Ok(()),
-        StoreKind::Memory => Err(
-            "fence.retention is not offered by the `memory` store (tests and demos: it \
-             forgets everything when the process ends); use `embedded`, `redis` or `postgres`"
-                .into(),
-        ),
-        StoreKind::Etcd => Err(
-            "fence.retention is not offered by the `etcd` store; use `embedded`, `redis` or \
-             `postgres`, or keep the maxima and size etcd for them (see the docs' Memory and \
-             sizing)"
-                .into(),
-        ),
+        StoreConfig::Embedded { .. } | StoreConfig::Redis { .. } | StoreConfig::Postgres { .. } => {
+            Ok(())
+        }
+        StoreConfig::Memory => Err(SectionsError::RetentionOnMemory),
+        StoreConfig::Etcd { .. } => Err(SectionsError::RetentionOnEtcd),
     }
 }
 
@@ -364,264 +184,20 @@ pub enum Authority {
 
 checked::checked_from_str!(Authority);
 
+/// A `fence.authority` that is neither `none` nor `leases`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown authority `{0}`, expected `none` or `leases`")]
+pub struct UnknownAuthority(String);
+
 impl TryFrom<String> for Authority {
-    type Error = String;
+    type Error = UnknownAuthority;
     fn try_from(raw: String) -> Result<Self, Self::Error> {
         match raw.as_str() {
             "none" => Ok(Authority::None),
             "leases" => Ok(Authority::Leases),
-            other => Err(format!(
-                "unknown authority `{other}`, expected `none` or `leases`"
-            )),
+            _ => Err(UnknownAuthority(raw)),
         }
     }
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct RouteConfig {
-    pub name: String,
-    pub path: PathTemplate,
-    /// Fenced methods; `None` means every method except GET, HEAD and OPTIONS.
-    #[serde(
-        default,
-        deserialize_with = "values::methods",
-        skip_serializing_if = "Option::is_none"
-    )]
-    pub methods: Option<Vec<MethodCfg>>,
-    /// Resource id template; `None` means the normalised request path.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub resource: Option<ResourceTemplate>,
-    #[serde(default)]
-    pub missing_token: MissingToken,
-    #[serde(default)]
-    pub ordering: Ordering,
-    #[serde(default = "default_barrier_timeout", with = "crate::duration")]
-    pub barrier_timeout: Duration,
-    #[serde(default = "default_true", deserialize_with = "values::flag")]
-    pub fence: bool,
-    /// `false`: no idempotency keys on this route even though the `idempotency` section is
-    /// there; `true`: requires that section. Absent: follow the section.
-    #[serde(
-        default,
-        deserialize_with = "values::optional_flag",
-        skip_serializing_if = "Option::is_none"
-    )]
-    pub idempotency: Option<bool>,
-}
-
-impl RouteConfig {
-    /// Whether idempotency keys apply to this route under `section`.
-    pub fn idempotent(&self, section: Option<&IdempotencyConfig>) -> bool {
-        self.fence && section.is_some() && self.idempotency != Some(false)
-    }
-}
-
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum MissingToken {
-    #[default]
-    Reject,
-    Allow,
-}
-
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Ordering {
-    #[default]
-    None,
-    Serialize,
-}
-
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Unmatched {
-    #[default]
-    Forward,
-    Reject,
-}
-
-/// Bounds on how long any one party may make fencegate wait.
-#[derive(Debug, Clone, Serialize)]
-pub struct Timeouts {
-    /// A client must send its complete request head within this (slowloris guard).
-    #[serde(with = "crate::duration")]
-    pub header_read: Duration,
-    /// The upstream must answer with response headers within this, else 504.
-    #[serde(with = "crate::duration")]
-    pub upstream: Duration,
-    /// On SIGTERM, in-flight requests get this long to finish before the process exits.
-    #[serde(with = "crate::duration")]
-    pub shutdown: Duration,
-    /// A fenced write waits at most this long for the store's answer, else 503.
-    #[serde(with = "crate::duration")]
-    pub store: Duration,
-}
-
-impl Default for Timeouts {
-    fn default() -> Self {
-        Timeouts {
-            header_read: Duration::from_secs(10),
-            upstream: Duration::from_secs(30),
-            shutdown: Duration::from_secs(10),
-            store: Duration::from_secs(2),
-        }
-    }
-}
-
-#[derive(Debug, Clone, Serialize)]
-pub struct Limits {
-    /// Largest request head accepted (HTTP/1 buffer, HTTP/2 header list); larger gets 431.
-    pub max_header_bytes: usize,
-    /// Most header fields in one HTTP/1 request head.
-    pub max_headers: usize,
-    /// Concurrent client connections; further connections wait in the accept queue.
-    pub max_connections: usize,
-    /// Longest resource id, in bytes; longer gets 400.
-    pub max_resource_bytes: usize,
-}
-
-impl Default for Limits {
-    fn default() -> Self {
-        Limits {
-            max_header_bytes: 16 * 1024,
-            max_headers: 100,
-            max_connections: 10_000,
-            max_resource_bytes: 512,
-        }
-    }
-}
-
-// The same fields, unchecked: parsed first, then checked inside the deserializer (so errors
-// keep their location) by the `TryFrom`s below.
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields, default)]
-struct RawTimeouts {
-    #[serde(with = "crate::duration")]
-    header_read: Duration,
-    #[serde(with = "crate::duration")]
-    upstream: Duration,
-    #[serde(with = "crate::duration")]
-    shutdown: Duration,
-    #[serde(with = "crate::duration")]
-    store: Duration,
-}
-
-impl Default for RawTimeouts {
-    fn default() -> Self {
-        let t = Timeouts::default();
-        RawTimeouts {
-            header_read: t.header_read,
-            upstream: t.upstream,
-            shutdown: t.shutdown,
-            store: t.store,
-        }
-    }
-}
-
-impl<'de> Deserialize<'de> for Timeouts {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        checked::from_map::<D, RawTimeouts, Timeouts>(d)
-    }
-}
-
-impl<'de> Deserialize<'de> for Limits {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        checked::from_map::<D, RawLimits, Limits>(d)
-    }
-}
-
-impl TryFrom<RawTimeouts> for Timeouts {
-    type Error = String;
-    fn try_from(raw: RawTimeouts) -> Result<Self, String> {
-        for (name, value) in [
-            ("header_read", raw.header_read),
-            ("upstream", raw.upstream),
-            ("store", raw.store),
-        ] {
-            if value.is_zero() {
-                return Err(format!("`{name}` must be greater than zero"));
-            }
-        }
-        for (name, value) in [
-            ("header_read", raw.header_read),
-            ("upstream", raw.upstream),
-            ("shutdown", raw.shutdown),
-            ("store", raw.store),
-        ] {
-            if value > MAX_TIMEOUT {
-                return Err(format!("`{name}` must be at most {MAX_TIMEOUT_TEXT}"));
-            }
-        }
-        Ok(Timeouts {
-            header_read: raw.header_read,
-            upstream: raw.upstream,
-            shutdown: raw.shutdown,
-            store: raw.store,
-        })
-    }
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields, default)]
-struct RawLimits {
-    #[serde(deserialize_with = "values::Bytes::<16384>::de")]
-    max_header_bytes: usize,
-    #[serde(deserialize_with = "values::Count::<100>::de")]
-    max_headers: usize,
-    #[serde(deserialize_with = "values::Count::<10000>::de")]
-    max_connections: usize,
-    #[serde(deserialize_with = "values::Bytes::<512>::de")]
-    max_resource_bytes: usize,
-}
-
-impl Default for RawLimits {
-    fn default() -> Self {
-        let l = Limits::default();
-        RawLimits {
-            max_header_bytes: l.max_header_bytes,
-            max_headers: l.max_headers,
-            max_connections: l.max_connections,
-            max_resource_bytes: l.max_resource_bytes,
-        }
-    }
-}
-
-impl TryFrom<RawLimits> for Limits {
-    type Error = String;
-    fn try_from(raw: RawLimits) -> Result<Self, String> {
-        if raw.max_header_bytes < 8192 {
-            // hyper's HTTP/1 read buffer cannot be smaller.
-            return Err("`max_header_bytes` must be at least 8192".into());
-        }
-        for (name, value) in [
-            ("max_headers", raw.max_headers),
-            ("max_connections", raw.max_connections),
-            ("max_resource_bytes", raw.max_resource_bytes),
-        ] {
-            if value == 0 {
-                return Err(format!("`{name}` must be at least 1"));
-            }
-        }
-        Ok(Limits {
-            max_header_bytes: raw.max_header_bytes,
-            max_headers: raw.max_headers,
-            max_connections: raw.max_connections,
-            max_resource_bytes: raw.max_resource_bytes,
-        })
-    }
-}
-
-/// A configuration error, displayed with its location when it has one.
-#[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
-    #[error("cannot read {path}: {source}")]
-    Read {
-        path: PathBuf,
-        source: std::io::Error,
-    },
-    #[error("{path}: {message}")]
-    Invalid { path: PathBuf, message: String },
 }
 
 impl Config {
@@ -631,17 +207,18 @@ impl Config {
             path: path.to_owned(),
             source,
         })?;
-        let invalid = |message| ConfigError::Invalid {
+        let invalid = |source| ConfigError::Invalid {
             path: path.to_owned(),
-            message,
+            source,
         };
-        let text = expand_env(&text, |name| std::env::var(name).ok()).map_err(invalid)?;
+        let text = expand_env(&text, |name| std::env::var(name).ok())
+            .map_err(|e| invalid(ParseError::Env(e)))?;
         Config::parse(&text).map_err(invalid)
     }
 
     /// Parses configuration text; the error names line, column and field path.
-    pub fn parse(text: &str) -> Result<Config, String> {
-        let mut config = serde_yaml::from_str::<Config>(text).map_err(|e| e.to_string())?;
+    pub fn parse(text: &str) -> Result<Config, ParseError> {
+        let mut config = serde_yaml::from_str::<Config>(text)?;
         config.check_sections()?;
         let derived_window = config
             .leases
@@ -650,59 +227,42 @@ impl Config {
         if let Some(idempotency) = &mut config.idempotency {
             idempotency.resolved_window = match (idempotency.window, derived_window) {
                 (Some(w), _) if w.is_zero() => {
-                    return Err("idempotency.window must be greater than zero".into())
+                    return Err(SectionsError::ZeroIdempotencyWindow.into())
                 }
                 (Some(w), _) if w > MAX_WINDOW => {
-                    return Err(format!(
-                        "idempotency.window must be at most {MAX_WINDOW_TEXT}"
-                    ))
+                    return Err(SectionsError::IdempotencyWindowTooLong.into())
                 }
                 (Some(w), _) | (None, Some(w)) => w,
-                (None, None) => {
-                    return Err(
-                        "idempotency.window is required when no `leases` section gives \
-                         a TTL to derive it from (ttl + p99_work)"
-                            .into(),
-                    )
-                }
+                (None, None) => return Err(SectionsError::NoIdempotencyWindow.into()),
             };
         }
         Ok(config)
     }
 
     /// Checks across sections (no single value is wrong, so there is no line to point at).
-    fn check_sections(&self) -> Result<(), String> {
-        for (i, route) in self.routes.iter().enumerate() {
-            if route.barrier_timeout > MAX_TIMEOUT {
-                return Err(format!(
-                    "routes[{i}].barrier_timeout must be at most {MAX_TIMEOUT_TEXT}"
-                ));
+    fn check_sections(&self) -> Result<(), SectionsError> {
+        for (route, config) in self.routes.iter().enumerate() {
+            if config.barrier_timeout > MAX_TIMEOUT {
+                return Err(SectionsError::BarrierTimeoutTooLong { route });
             }
-            if route.idempotency == Some(true) && (self.idempotency.is_none() || !route.fence) {
-                return Err(format!(
-                    "routes[{i}].idempotency: true needs the top-level `idempotency` section \
-                     and a fenced route (`fence: true`)"
-                ));
+            if config.idempotency == Some(true) && (self.idempotency.is_none() || !config.fence) {
+                return Err(SectionsError::IdempotentRouteWithoutSection { route });
             }
         }
         if let Some(idempotency) = &self.idempotency {
             if idempotency.header.0 == self.token.header.0 {
-                return Err("idempotency.header and token.header must differ".into());
+                return Err(SectionsError::IdempotencyHeaderIsTokenHeader);
             }
             if idempotency.max_request_bytes == 0 {
-                return Err("idempotency.max_request_bytes must be greater than zero".into());
+                return Err(SectionsError::NoIdempotentRequestBytes);
             }
         }
         if self.fence.authority == Authority::Leases && self.leases.is_none() {
-            return Err(
-                "fence.authority: leases checks tokens against the lease backend configured \
-                 in the `leases` section, which is missing"
-                    .into(),
-            );
+            return Err(SectionsError::AuthorityWithoutLeases);
         }
-        check_retention(&self.fence, self.store.kind)?;
+        check_retention(&self.fence, &self.store)?;
         if self.egress.is_some() && self.leases.is_none() {
-            return Err("egress: attaching tokens needs the `leases` section".into());
+            return Err(SectionsError::EgressWithoutLeases);
         }
         let ports = [
             Some(("listen", self.listen)),
@@ -716,7 +276,11 @@ impl Config {
                 continue;
             }
             if let Some((b, _)) = ports[..i].iter().find(|(_, other)| other == addr) {
-                return Err(format!("`{a}` and `{b}` are both {addr}"));
+                return Err(SectionsError::SharedAddress {
+                    first: a,
+                    second: b,
+                    address: *addr,
+                });
             }
         }
         Ok(())
@@ -736,64 +300,6 @@ impl Config {
     }
 }
 
-/// Replaces `${NAME}` and `${NAME:-default}` in a config file with environment values, so a
-/// Kubernetes sidecar can take its upstream port from an annotation and its store password
-/// from a Secret. An unset variable without a default is an error naming its line.
-pub fn expand_env(text: &str, lookup: impl Fn(&str) -> Option<String>) -> Result<String, String> {
-    let mut out = String::with_capacity(text.len());
-    let mut rest = text;
-    while let Some(start) = rest.find("${") {
-        out.push_str(&rest[..start]);
-        let line = text.len() - rest.len() + start;
-        let line = text[..line].matches('\n').count() + 1;
-        let after = &rest[start + 2..];
-        let end = after
-            .find('}')
-            .ok_or_else(|| format!("line {line}: `${{` without a closing `}}`"))?;
-        let (name, default) = match after[..end].split_once(":-") {
-            Some((name, default)) => (name, Some(default)),
-            None => (&after[..end], None),
-        };
-        let valid = !name.is_empty()
-            && name
-                .bytes()
-                .all(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || b == b'_');
-        if !valid {
-            return Err(format!(
-                "line {line}: `${{{name}}}`: environment variable names are A-Z, 0-9 and _"
-            ));
-        }
-        match (lookup(name), default) {
-            (Some(value), _) => out.push_str(&value),
-            (None, Some(default)) => out.push_str(default),
-            (None, None) => {
-                return Err(format!(
-                    "line {line}: environment variable {name} is not set (write ${{{name}:-default}} for a default)"
-                ))
-            }
-        }
-        rest = &after[end + 1..];
-    }
-    out.push_str(rest);
-    Ok(out)
-}
-
-/// A prefix names PostgreSQL and redb tables and Redis/etcd key prefixes: keep it an identifier.
-fn check_prefix(prefix: &str) -> Result<(), String> {
-    let identifier = prefix.len() <= 40
-        && prefix.starts_with(|c: char| c.is_ascii_alphabetic() || c == '_')
-        && prefix
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || c == '_');
-    if identifier {
-        Ok(())
-    } else {
-        Err(format!(
-            "`prefix` `{prefix}` must be 1-40 letters, digits or `_`, not starting with a digit"
-        ))
-    }
-}
-
 fn default_listen() -> SocketAddr {
     SocketAddr::from(([0, 0, 0, 0], 7440))
 }
@@ -806,25 +312,8 @@ fn default_token_header() -> HeaderNameCfg {
     HeaderNameCfg(http::header::HeaderName::from_static("fencing-token"))
 }
 
-fn default_prefix() -> String {
-    "fencegate".to_owned()
-}
-
-/// The longest timeout (`timeouts.*`, `barrier_timeout`) a config may set. Every duration
-/// that reaches a clock is bounded, so no deadline computed from one can overflow.
-pub const MAX_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
-const MAX_TIMEOUT_TEXT: &str = "24h";
 /// The longest idempotency window.
 pub const MAX_WINDOW: Duration = Duration::from_secs(30 * 24 * 3600);
-const MAX_WINDOW_TEXT: &str = "30days";
-
-fn default_barrier_timeout() -> Duration {
-    Duration::from_secs(5)
-}
-
-fn default_true() -> bool {
-    true
-}
 
 #[cfg(test)]
 mod tests;

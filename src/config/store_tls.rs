@@ -37,24 +37,37 @@ struct RawClientTls {
     server_name: Option<String>,
 }
 
-impl TryFrom<RawClientTls> for ClientTlsConfig {
-    type Error = String;
+/// A `tls` mapping of `store` or `leases.backend` that cannot describe a connection.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ClientTlsError {
+    #[error("`cert` needs its `key` (mutual TLS)")]
+    CertWithoutKey,
+    #[error("`key` needs its `cert` (mutual TLS)")]
+    KeyWithoutCert,
+    /// `file` is `ca`, `cert` or `key`.
+    #[error("`{file}` is an empty path")]
+    EmptyPath { file: &'static str },
+    #[error("`server_name` `{0}` is neither a DNS name nor an IP address")]
+    ServerName(String),
+}
 
-    fn try_from(raw: RawClientTls) -> Result<Self, String> {
+impl TryFrom<RawClientTls> for ClientTlsConfig {
+    type Error = ClientTlsError;
+
+    fn try_from(raw: RawClientTls) -> Result<Self, ClientTlsError> {
         match (&raw.cert, &raw.key) {
-            (Some(_), None) => return Err("`cert` needs its `key` (mutual TLS)".into()),
-            (None, Some(_)) => return Err("`key` needs its `cert` (mutual TLS)".into()),
+            (Some(_), None) => return Err(ClientTlsError::CertWithoutKey),
+            (None, Some(_)) => return Err(ClientTlsError::KeyWithoutCert),
             _ => {}
         }
-        for (name, path) in [("ca", &raw.ca), ("cert", &raw.cert), ("key", &raw.key)] {
+        for (file, path) in [("ca", &raw.ca), ("cert", &raw.cert), ("key", &raw.key)] {
             if path.as_ref().is_some_and(|p| p.as_os_str().is_empty()) {
-                return Err(format!("`{name}` is an empty path"));
+                return Err(ClientTlsError::EmptyPath { file });
             }
         }
         if let Some(name) = &raw.server_name {
-            ServerName::try_from(name.as_str()).map_err(|_| {
-                format!("`server_name` `{name}` is neither a DNS name nor an IP address")
-            })?;
+            ServerName::try_from(name.as_str())
+                .map_err(|_| ClientTlsError::ServerName(name.clone()))?;
         }
         Ok(ClientTlsConfig {
             ca: raw.ca,

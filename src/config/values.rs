@@ -203,49 +203,68 @@ impl Visitor<'_> for Address {
     }
 }
 
+/// A listener address that is not `ip:port`; `address` is as written, `port` as it reads it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AddressError {
+    #[error(
+        "`{address}` has no IP address: write 0.0.0.0:{port} (every interface) or \
+         127.0.0.1:{port} (this host only)"
+    )]
+    NoIp { address: String, port: String },
+    #[error("`{address}` has no port: write an IP address and port, like {address}:7440")]
+    NoPort { address: String },
+    #[error("`{address}` is not an IP address and port: write one like 0.0.0.0:7440")]
+    Unreadable { address: String },
+    #[error("`{address}`: a port is at most 65535")]
+    PortTooLarge { address: String },
+    #[error("`{address}`: an IPv6 address is written in brackets: [{ip}]:{port}")]
+    UnbracketedIpv6 {
+        address: String,
+        ip: String,
+        port: String,
+    },
+    #[error("`{address}`: write an IP address, not a host name: 127.0.0.1:{port}")]
+    Localhost { address: String, port: String },
+    #[error(
+        "`{address}`: write an IP address, not a host name, like 0.0.0.0:{port} (every \
+         interface) or 127.0.0.1:{port} (this host only)"
+    )]
+    HostName { address: String, port: String },
+}
+
 /// Parses `ip:port`; the refusal says what to write instead.
-pub fn parse_address(v: &str) -> Result<SocketAddr, String> {
+pub fn parse_address(v: &str) -> Result<SocketAddr, AddressError> {
     if let Ok(addr) = v.parse::<SocketAddr>() {
         return Ok(addr);
     }
+    let address = v.to_owned();
     let port_only = |p: &str| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit());
     if port_only(v) {
-        return Err(format!(
-            "`{v}` has no IP address: write 0.0.0.0:{v} (every interface) or 127.0.0.1:{v} (this host only)"
-        ));
+        let port = address.clone();
+        return Err(AddressError::NoIp { address, port });
     }
     let Some((host, port)) = v.rsplit_once(':') else {
-        return Err(format!(
-            "`{v}` has no port: write an IP address and port, like {v}:7440"
-        ));
+        return Err(AddressError::NoPort { address });
     };
     if !port_only(port) {
-        return Err(format!(
-            "`{v}` is not an IP address and port: write one like 0.0.0.0:7440"
-        ));
+        return Err(AddressError::Unreadable { address });
     }
     if port.parse::<u16>().is_err() {
-        return Err(format!("`{v}`: a port is at most 65535"));
+        return Err(AddressError::PortTooLarge { address });
     }
+    let port = port.to_owned();
     if host.is_empty() {
-        return Err(format!(
-            "`{v}` has no IP address: write 0.0.0.0:{port} (every interface) or 127.0.0.1:{port} (this host only)"
-        ));
+        return Err(AddressError::NoIp { address, port });
     }
     if host.parse::<IpAddr>().is_ok() {
         // An IPv6 address without brackets.
-        return Err(format!(
-            "`{v}`: an IPv6 address is written in brackets: [{host}]:{port}"
-        ));
+        let ip = host.to_owned();
+        return Err(AddressError::UnbracketedIpv6 { address, ip, port });
     }
     if host.eq_ignore_ascii_case("localhost") {
-        return Err(format!(
-            "`{v}`: write an IP address, not a host name: 127.0.0.1:{port}"
-        ));
+        return Err(AddressError::Localhost { address, port });
     }
-    Err(format!(
-        "`{v}`: write an IP address, not a host name, like 0.0.0.0:{port} (every interface) or 127.0.0.1:{port} (this host only)"
-    ))
+    Err(AddressError::HostName { address, port })
 }
 
 /// A route's `methods`: a non-empty list of methods.

@@ -7,7 +7,7 @@ use std::net::SocketAddr;
 
 use serde_json::{json, Value};
 
-use crate::config::{Config, StoreKind};
+use crate::config::{Config, EnvError, ParseError, StoreConfig};
 
 /// The variable the injector itself sets on the sidecar, from the pod's
 /// `fencegate.io/upstream-port` annotation.
@@ -20,6 +20,31 @@ const PLACEHOLDER: &str = "0";
 pub const LEASE_API_ENV: &str = "FENCEGATE_LEASE_API";
 /// The app containers' variable with the egress proxy's address.
 pub const EGRESS_URL_ENV: &str = "FENCEGATE_EGRESS_URL";
+
+/// Why a sidecar configuration is refused.
+#[derive(Debug, thiserror::Error)]
+pub enum SidecarConfigError {
+    #[error(transparent)]
+    Env(#[from] EnvError),
+    /// Refused as `fencegate run` would refuse it; `stand_ins` are the variables that were
+    /// checked with [`PLACEHOLDER`] for their value.
+    #[error("{source}{}", stand_ins_note(stand_ins))]
+    Invalid {
+        source: ParseError,
+        stand_ins: Vec<String>,
+    },
+}
+
+/// Says which variables took the placeholder, so a refusal caused by one is understood.
+fn stand_ins_note(stand_ins: &[String]) -> String {
+    if stand_ins.is_empty() {
+        return String::new();
+    }
+    format!(
+        " (checked with `{PLACEHOLDER}` for {}, which the pod's environment sets)",
+        stand_ins.join(", ")
+    )
+}
 
 /// A checked sidecar configuration.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -39,7 +64,7 @@ impl SidecarConfig {
     /// Checks `text` as `fencegate run` would, with the pod's environment unknown:
     /// `${NAME:-default}` takes its default, `${FENCEGATE_UPSTREAM_PORT}` the injector's default
     /// port, and any other `${NAME}` (a password from the pod's Secret) the placeholder `0`.
-    pub fn parse(text: &str) -> Result<SidecarConfig, String> {
+    pub fn parse(text: &str) -> Result<SidecarConfig, SidecarConfigError> {
         let required = required_variables(text);
         let expanded = crate::config::expand_env(text, |name| {
             if !required.iter().any(|r| r == name) {
@@ -50,26 +75,19 @@ impl SidecarConfig {
                 Some(PLACEHOLDER.to_owned())
             }
         })?;
-        let config = Config::parse(&expanded).map_err(|e| {
-            let stand_ins: Vec<&str> = required
+        let config = Config::parse(&expanded).map_err(|source| SidecarConfigError::Invalid {
+            source,
+            stand_ins: required
                 .iter()
-                .map(String::as_str)
                 .filter(|n| *n != UPSTREAM_PORT_VARIABLE)
-                .collect();
-            if stand_ins.is_empty() {
-                e
-            } else {
-                format!(
-                    "{e} (checked with `{PLACEHOLDER}` for {}, which the pod's environment sets)",
-                    stand_ins.join(", ")
-                )
-            }
+                .cloned()
+                .collect(),
         })?;
         Ok(SidecarConfig {
             text: text.to_owned(),
             lease_api: config.leases.as_ref().map(|l| local_url(l.listen)),
             egress_url: config.egress.as_ref().map(|e| local_url(e.listen)),
-            embedded_store: config.store.kind == StoreKind::Embedded,
+            embedded_store: matches!(config.store, StoreConfig::Embedded { .. }),
         })
     }
 
@@ -171,10 +189,12 @@ mod tests {
         )
         .unwrap_err();
         assert_eq!(
-            e,
+            e.to_string(),
             "store: the `url` does not fit kind redis: write one like redis://127.0.0.1:6379/ at line 2 column 8 (checked with `0` for REDIS_URL, which the pod's environment sets)"
         );
-        let e = SidecarConfig::parse("upstream: http://a:1\nlisten: nowhere\n").unwrap_err();
+        let e = SidecarConfig::parse("upstream: http://a:1\nlisten: nowhere\n")
+            .unwrap_err()
+            .to_string();
         assert!(!e.contains("checked with"), "{e}");
     }
 }

@@ -18,7 +18,7 @@ pub mod yaml;
 
 use serde_json::{json, Map, Value};
 
-pub use config::SidecarConfig;
+pub use config::{SidecarConfig, SidecarConfigError};
 pub use manifest::{inject_manifests, inject_manifests_with_warnings, InjectWarning, Injected};
 pub use sidecar::*;
 

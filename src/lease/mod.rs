@@ -24,51 +24,32 @@ pub use backend::{Acquired, Grant, GrantEvent, GrantEvents, LeaseBackend, LeaseE
 
 use std::sync::Arc;
 
-use crate::config::{BackendConfig, BackendKind};
+use crate::config::BackendConfig;
 
 /// Opens the backend a config names.
 pub async fn open(config: &BackendConfig) -> Result<Arc<dyn LeaseBackend>, LeaseError> {
-    let url = || {
-        config
-            .url
-            .as_ref()
-            .map(|u| u.expose())
-            .ok_or_else(|| LeaseError::Config("this lease backend needs a `url`".into()))
+    // TLS files are read now, so that a bad one stops `run` with the field's name.
+    let tls = |remote, alpn| {
+        crate::tls::ClientTls::for_remote(remote, "leases.backend.tls", alpn)
+            .map_err(|e| LeaseError::Config(e.to_string()))
     };
-    let tls = |alpn: &[&[u8]]| -> Result<Option<Arc<crate::tls::ClientTls>>, LeaseError> {
-        let url_tls = config.url.as_ref().is_some_and(|u| u.is_tls());
-        match (&config.tls, url_tls) {
-            (Some(files), _) => crate::tls::ClientTls::load(files, "leases.backend.tls", alpn),
-            (None, true) => {
-                crate::tls::ClientTls::load(&Default::default(), "leases.backend.tls", alpn)
-            }
-            (None, false) => return Ok(None),
+    match config {
+        BackendConfig::Embedded { path, prefix } => {
+            Ok(Arc::new(embedded::EmbeddedLeases::open(path, prefix)?))
         }
-        .map(|tls| Some(Arc::new(tls)))
-        .map_err(LeaseError::Config)
-    };
-    match config.kind {
-        BackendKind::Embedded => {
-            let path = config.path.as_deref().ok_or_else(|| {
-                LeaseError::Config("the embedded lease backend needs a `path`".into())
-            })?;
-            Ok(Arc::new(embedded::EmbeddedLeases::open(
-                path,
-                &config.prefix,
-            )?))
-        }
-        BackendKind::Redis => Ok(Arc::new(redis::RedisLeases::new(
-            url()?,
-            &config.prefix,
-            tls(&[])?,
+        BackendConfig::Redis(remote) => Ok(Arc::new(redis::RedisLeases::new(
+            remote.url.expose(),
+            &remote.prefix,
+            tls(remote, &[])?,
         )?)),
-        BackendKind::Postgres => Ok(Arc::new(postgres::PostgresLeases::new(
-            url()?,
-            &config.prefix,
-            tls(&[])?,
+        BackendConfig::Postgres(remote) => Ok(Arc::new(postgres::PostgresLeases::new(
+            remote.url.expose(),
+            &remote.prefix,
+            tls(remote, &[])?,
         )?)),
-        BackendKind::Etcd => Ok(Arc::new(
-            etcd::EtcdLeases::connect(url()?, &config.prefix, tls(&[b"h2"])?).await?,
+        BackendConfig::Etcd(remote) => Ok(Arc::new(
+            etcd::EtcdLeases::connect(remote.url.expose(), &remote.prefix, tls(remote, &[b"h2"])?)
+                .await?,
         )),
     }
 }

@@ -18,7 +18,7 @@ pub use embedded::{defer_wakes_to_park, EmbeddedStore};
 pub use error::StoreError;
 pub use memory::MemoryStore;
 
-use crate::config::{EqualTokens, StoreConfig, StoreKind};
+use crate::config::{EqualTokens, StoreConfig};
 // The backends apply the decision; they import it from here.
 pub use crate::fence::verdict::{decide, Verdict};
 use crate::idempotency::{Begin, Claim, Record};
@@ -110,51 +110,45 @@ pub async fn open_with_clock(
     config: &StoreConfig,
     clock: shared::Clock,
 ) -> Result<Arc<dyn FenceStore>, StoreError> {
-    let url = || {
-        config
-            .url
-            .as_ref()
-            .map(|u| u.expose())
-            .expect("networked stores always have a url after validation")
-    };
-    let cache = config.cache_size;
     // TLS files are read now, so that a bad one stops `run` with the field's name.
-    let tls = |alpn: &[&[u8]]| -> Result<Option<Arc<crate::tls::ClientTls>>, StoreError> {
-        let url_tls = config.url.as_ref().is_some_and(|u| u.is_tls());
-        match (&config.tls, url_tls) {
-            (Some(files), _) => crate::tls::ClientTls::load(files, "store.tls", alpn),
-            (None, true) => crate::tls::ClientTls::load(&Default::default(), "store.tls", alpn),
-            (None, false) => return Ok(None),
-        }
-        .map(|tls| Some(Arc::new(tls)))
-        .map_err(StoreError::Config)
+    let tls = |remote, alpn| {
+        crate::tls::ClientTls::for_remote(remote, "store.tls", alpn)
+            .map_err(|e| StoreError::Config(e.to_string()))
     };
-    match config.kind {
-        StoreKind::Memory => Ok(Arc::new(MemoryStore::new())),
-        StoreKind::Embedded => {
-            let path = config
-                .path
-                .as_deref()
-                .expect("the embedded store always has a path after validation");
-            Ok(Arc::new(EmbeddedStore::open(path, &config.prefix, cache)?))
-        }
-        StoreKind::Redis => {
-            let remote = self::redis::RedisRemote::new(url(), &config.prefix, tls(&[])?)?;
+    match config {
+        StoreConfig::Memory => Ok(Arc::new(MemoryStore::new())),
+        StoreConfig::Embedded {
+            path,
+            prefix,
+            cache_size,
+        } => Ok(Arc::new(EmbeddedStore::open(path, prefix, *cache_size)?)),
+        StoreConfig::Redis { remote, cache_size } => {
+            let tls = tls(remote, &[])?;
+            let store = self::redis::RedisRemote::new(remote.url.expose(), &remote.prefix, tls)?;
             Ok(Arc::new(shared::SharedStore::with_clock(
-                remote, cache, clock,
+                store,
+                *cache_size,
+                clock,
             )))
         }
-        StoreKind::Postgres => {
-            let remote = self::postgres::PostgresRemote::new(url(), &config.prefix, tls(&[])?)?;
+        StoreConfig::Postgres { remote, cache_size } => {
+            let tls = tls(remote, &[])?;
+            let store =
+                self::postgres::PostgresRemote::new(remote.url.expose(), &remote.prefix, tls)?;
             Ok(Arc::new(shared::SharedStore::with_clock(
-                remote, cache, clock,
+                store,
+                *cache_size,
+                clock,
             )))
         }
-        StoreKind::Etcd => {
-            let remote =
-                self::etcd::EtcdRemote::connect(url(), &config.prefix, tls(&[b"h2"])?).await?;
+        StoreConfig::Etcd { remote, cache_size } => {
+            let tls = tls(remote, &[b"h2"])?;
+            let store =
+                self::etcd::EtcdRemote::connect(remote.url.expose(), &remote.prefix, tls).await?;
             Ok(Arc::new(shared::SharedStore::with_clock(
-                remote, cache, clock,
+                store,
+                *cache_size,
+                clock,
             )))
         }
     }

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use fencegate::config::{BackendConfig, BackendKind, SecretUrl};
+use fencegate::config::{BackendConfig, Remote, SecretUrl};
 use fencegate::lease::grants::GrantCache;
 use fencegate::lease::{self, Acquired, Grant, GrantEvent, GrantEvents, LeaseBackend, LeaseError};
 use fencegate::store::BoxFuture;
@@ -140,20 +140,19 @@ async fn cache_follows_grants(kind: &str) {
         _ => None,
     };
     let dir = tempfile::tempdir().unwrap();
-    let url = service
-        .as_ref()
-        .map(|s| SecretUrl::try_from(s.url()).unwrap());
-    let config = BackendConfig {
-        kind: match kind {
-            "embedded" => BackendKind::Embedded,
-            "redis" => BackendKind::Redis,
-            "postgres" => BackendKind::Postgres,
-            _ => BackendKind::Etcd,
-        },
-        url,
-        path: (kind == "embedded").then(|| dir.path().join("leases.db")),
-        prefix: fresh_prefix(),
+    let remote = |service: &Option<Service>| Remote {
+        url: SecretUrl::try_from(service.as_ref().unwrap().url()).unwrap(),
         tls: None,
+        prefix: fresh_prefix(),
+    };
+    let config = match kind {
+        "embedded" => BackendConfig::Embedded {
+            path: dir.path().join("leases.db"),
+            prefix: fresh_prefix(),
+        },
+        "redis" => BackendConfig::Redis(remote(&service)),
+        "postgres" => BackendConfig::Postgres(remote(&service)),
+        _ => BackendConfig::Etcd(remote(&service)),
     };
     let mine = lease::open(&config).await.unwrap();
     // Another client of the same backend grants the leases (with the embedded backend, whose
@@ -273,13 +272,11 @@ async fn authoritative_fence_with_redis_fails_closed_while_the_backend_is_down()
         ),
     )
     .await;
-    let other = lease::open(&BackendConfig {
-        kind: BackendKind::Redis,
-        url: Some(SecretUrl::try_from(redis.url()).unwrap()),
-        path: None,
-        prefix,
+    let other = lease::open(&BackendConfig::Redis(Remote {
+        url: SecretUrl::try_from(redis.url()).unwrap(),
         tls: None,
-    })
+        prefix,
+    }))
     .await
     .unwrap();
     let g1 = grant(&*other, "account:42", "w1").await;

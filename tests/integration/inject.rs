@@ -406,7 +406,7 @@ fn inject_config_is_checked_with_stand_ins_for_the_pod_environment() {
     let e = SidecarConfig::parse(&read("tests/inject/config/invalid.yaml")).unwrap_err();
     // The URL is masked as in every message about a store URL.
     assert_eq!(
-        e,
+        e.to_string(),
         "store: the `url` does not fit kind redis: write one like redis://127.0.0.1:6379/ \
          at line 3 column 3 (checked with `0` for REDIS_URL, which the pod's environment sets)"
     );

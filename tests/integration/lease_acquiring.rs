@@ -2,7 +2,7 @@
 
 use std::time::{Duration, Instant};
 
-use fencegate::config::{BackendConfig, BackendKind, SecretUrl};
+use fencegate::config::{BackendConfig, Remote, SecretUrl};
 use fencegate::lease::{self, Acquired};
 
 use crate::common::*;
@@ -21,13 +21,11 @@ async fn a_waiting_acquisition_is_reported_as_acquiring() {
     .await;
     let base = format!("http://{}/v1/leases", fg.leases.unwrap());
     // Another agent of the same backend holds job:1; this one holds job:0.
-    let other = lease::open(&BackendConfig {
-        kind: BackendKind::Redis,
-        url: Some(SecretUrl::try_from(REDIS_URL.to_owned()).unwrap()),
-        path: None,
-        prefix,
+    let other = lease::open(&BackendConfig::Redis(Remote {
+        url: SecretUrl::try_from(REDIS_URL.to_owned()).unwrap(),
         tls: None,
-    })
+        prefix,
+    }))
     .await
     .unwrap();
     let Acquired::Granted(theirs) = other

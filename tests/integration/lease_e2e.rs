@@ -769,12 +769,9 @@ async fn sigterm_refuses_a_waiting_acquisition_and_leaves_nothing_held() {
     }
     assert!(released, "w9's lease was not released");
     // The backend agrees: the next holder gets the lease at once.
-    let backend = fencegate::lease::open(&fencegate::config::BackendConfig {
-        kind: fencegate::config::BackendKind::Embedded,
-        url: None,
-        path: Some(leases_db),
+    let backend = fencegate::lease::open(&fencegate::config::BackendConfig::Embedded {
+        path: leases_db,
         prefix: "fencegate".into(),
-        tls: None,
     })
     .await
     .unwrap();

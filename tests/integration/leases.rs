@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use fencegate::config::{BackendConfig, BackendKind, SecretUrl};
+use fencegate::config::{BackendConfig, Remote, SecretUrl};
 use fencegate::lease::{self, Acquired, Grant, LeaseBackend};
 
 use crate::services::*;
@@ -21,30 +21,29 @@ struct Fixture {
 impl Fixture {
     async fn new(kind: &str) -> Fixture {
         let dir = tempfile::tempdir().unwrap();
-        let url = |u: String| Some(SecretUrl::try_from(u).unwrap());
-        let (kind, url, path, service) = match kind {
+        let remote = |url: String| Remote {
+            url: SecretUrl::try_from(url).unwrap(),
+            tls: None,
+            prefix: fresh_prefix(),
+        };
+        let (config, service) = match kind {
             "embedded" => (
-                BackendKind::Embedded,
-                None,
-                Some(dir.path().join("leases.db")),
+                BackendConfig::Embedded {
+                    path: dir.path().join("leases.db"),
+                    prefix: fresh_prefix(),
+                },
                 None,
             ),
-            "redis" => (BackendKind::Redis, url(REDIS_URL.into()), None, None),
-            "postgres" => (BackendKind::Postgres, url(POSTGRES_URL.into()), None, None),
+            "redis" => (BackendConfig::Redis(remote(REDIS_URL.into())), None),
+            "postgres" => (BackendConfig::Postgres(remote(POSTGRES_URL.into())), None),
             "etcd" => {
                 let etcd = Service::start(Kind::Etcd).await;
-                (BackendKind::Etcd, url(etcd.url()), None, Some(etcd))
+                (BackendConfig::Etcd(remote(etcd.url())), Some(etcd))
             }
             other => panic!("unknown backend {other}"),
         };
         Fixture {
-            config: BackendConfig {
-                kind,
-                url,
-                path,
-                prefix: fresh_prefix(),
-                tls: None,
-            },
+            config,
             _service: service,
             _dir: dir,
         }
@@ -56,8 +55,8 @@ impl Fixture {
 
     /// A TTL that expires quickly: etcd counts whole seconds.
     fn short_ttl(&self) -> Duration {
-        match self.config.kind {
-            BackendKind::Etcd => Duration::from_secs(1),
+        match self.config {
+            BackendConfig::Etcd(_) => Duration::from_secs(1),
             _ => Duration::from_millis(300),
         }
     }
@@ -256,8 +255,8 @@ async fn expiry_frees_it(f: Fixture) {
     assert_held(&*b, "job", "a").await;
     // Surely past the TTL without renewal. etcd raises short TTLs to its minimum (about 2s)
     // and sweeps expired leases every 500ms.
-    let expired = match f.config.kind {
-        BackendKind::Etcd => Duration::from_secs(4),
+    let expired = match f.config {
+        BackendConfig::Etcd(_) => Duration::from_secs(4),
         _ => ttl + Duration::from_millis(300),
     };
     tokio::time::sleep(expired - ttl / 2).await;
@@ -439,16 +438,15 @@ async fn grant_after_restart(backend: &dyn LeaseBackend, resource: &str, holder:
 /// waiter is woken by a release again (the event connection reconnected and resubscribed).
 async fn events_survive_a_server_restart(kind: Kind) {
     let mut service = Service::start(kind).await;
-    let config = BackendConfig {
-        kind: match kind {
-            Kind::Redis => BackendKind::Redis,
-            Kind::Postgres => BackendKind::Postgres,
-            Kind::Etcd => BackendKind::Etcd,
-        },
-        url: Some(SecretUrl::try_from(service.url()).unwrap()),
-        path: None,
-        prefix: fresh_prefix(),
+    let remote = Remote {
+        url: SecretUrl::try_from(service.url()).unwrap(),
         tls: None,
+        prefix: fresh_prefix(),
+    };
+    let config = match kind {
+        Kind::Redis => BackendConfig::Redis(remote),
+        Kind::Postgres => BackendConfig::Postgres(remote),
+        Kind::Etcd => BackendConfig::Etcd(remote),
     };
     let b = lease::open(&config).await.unwrap();
     // Start the event connection.

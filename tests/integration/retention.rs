@@ -84,10 +84,9 @@ async fn without_authority_a_forgotten_maximum_admits_a_stale_token() {
         on_redis(&prefix, "{ authority: none, retention: 1h }")
     ));
     assert!(
-        refused
-            .as_ref()
-            .is_err_and(|e| e
-                .starts_with("fence.retention: 1h is safe only with `fence.authority: leases`")),
+        refused.as_ref().is_err_and(|e| e
+            .to_string()
+            .starts_with("fence.retention: 1h is safe only with `fence.authority: leases`")),
         "{refused:?}"
     );
     let fg = fencegate(&up.url(), &on_redis(&prefix, "{ authority: none }")).await;

@@ -215,6 +215,7 @@ fn a_route_with_27_captures_is_refused_not_a_panic() {
     let parsed = std::panic::catch_unwind(|| fencegate::config::Config::parse(&yaml).map(|_| ()));
     let error = parsed
         .expect("Config::parse panicked")
-        .expect_err("27 captures accepted");
+        .expect_err("27 captures accepted")
+        .to_string();
     assert!(error.contains("routes[0].path"), "{error}");
 }

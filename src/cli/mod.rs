@@ -1,5 +1,7 @@
 //! The command line (README.md, Commands). Exit codes: 0 ok, 1 invalid config or failure, 2 usage error.
 
+mod check;
+
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
@@ -8,6 +10,7 @@ use clap::{Parser, Subcommand};
 
 use crate::app::Server;
 use crate::config::Config;
+use crate::inject::SidecarConfigError;
 use crate::ttl::{self, TtlInputs};
 
 #[derive(Parser)]
@@ -106,20 +109,42 @@ struct SidecarArgs {
     env_from_secret: Option<String>,
 }
 
+/// Why the sidecar config given to `inject` or `webhook` cannot be used.
+#[derive(Debug, thiserror::Error)]
+enum SidecarFileError {
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path}: {source}")]
+    Invalid {
+        path: PathBuf,
+        source: SidecarConfigError,
+    },
+}
+
 impl SidecarArgs {
     /// The injection options; the error names the config file.
     fn options(
         self,
         image: Option<String>,
         classic: bool,
-    ) -> Result<crate::inject::Options, String> {
+    ) -> Result<crate::inject::Options, SidecarFileError> {
         let config = match &self.config {
             None => None,
             Some(path) => {
-                let text = std::fs::read_to_string(path)
-                    .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-                let config = crate::inject::SidecarConfig::parse(&text)
-                    .map_err(|e| format!("{}: {e}", path.display()))?;
+                let text =
+                    std::fs::read_to_string(path).map_err(|source| SidecarFileError::Read {
+                        path: path.clone(),
+                        source,
+                    })?;
+                let config = crate::inject::SidecarConfig::parse(&text).map_err(|source| {
+                    SidecarFileError::Invalid {
+                        path: path.clone(),
+                        source,
+                    }
+                })?;
                 Some(config)
             }
         };
@@ -133,11 +158,16 @@ impl SidecarArgs {
     }
 }
 
-fn k8s_name(s: &str) -> Result<String, String> {
+/// A command-line value that is not a Kubernetes object name.
+#[derive(Debug, thiserror::Error)]
+#[error("a Kubernetes object name: lowercase letters, digits, `-` and `.`")]
+struct NotAnObjectName;
+
+fn k8s_name(s: &str) -> Result<String, NotAnObjectName> {
     if crate::inject::is_dns_subdomain(s) {
         Ok(s.to_owned())
     } else {
-        Err("a Kubernetes object name: lowercase letters, digits, `-` and `.`".to_owned())
+        Err(NotAnObjectName)
     }
 }
 
@@ -148,78 +178,7 @@ fn duration(s: &str) -> Result<Duration, String> {
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
-        Command::Check { config } => match Config::load(&config).and_then(|c| {
-            // TLS files are part of the config: a missing key should fail here, not at start.
-            if let Some(tls) = &c.tls {
-                crate::tls::server_config(tls).map_err(|message| {
-                    crate::config::ConfigError::Invalid {
-                        path: config.clone(),
-                        message: format!("tls: {message}"),
-                    }
-                })?;
-            }
-            // So is the upstream's CA bundle: `run` reads it before it listens.
-            if let Some(ca) = &c.upstream_ca {
-                crate::tls::client_config(Some(ca)).map_err(|message| {
-                    crate::config::ConfigError::Invalid {
-                        path: config.clone(),
-                        message: format!("upstream_ca: {message}"),
-                    }
-                })?;
-            }
-            // And the store's and the lease backend's TLS files.
-            crate::tls::check_client_files(&c).map_err(|message| {
-                crate::config::ConfigError::Invalid {
-                    path: config.clone(),
-                    message,
-                }
-            })?;
-            Ok(c)
-        }) {
-            Ok(c) => {
-                for warning in c.warnings() {
-                    eprintln!("warning: {}: {warning}", config.display());
-                }
-                let mut out = String::new();
-                out.push_str(&format!("# {}: valid\n", config.display()));
-                if let Some(leases) = &c.leases {
-                    let ttl = &leases.ttl;
-                    out.push_str(&format!(
-                        "# leases: ttl {} (minimum {}), renew every {}, local deadline ttl - {}, drain timeout {}{}\n",
-                        crate::duration::display(ttl.ttl),
-                        crate::duration::display(ttl.minimum),
-                        crate::duration::display_ms(ttl.renew_every()),
-                        crate::duration::display(ttl.drift_buffer),
-                        crate::duration::display(leases.drain_timeout()),
-                        ttl.p99_work
-                            .map(|w| format!(", dedup window {}", crate::duration::display(ttl.ttl + w)))
-                            .unwrap_or_default()
-                    ));
-                }
-                if let Some(idempotency) = &c.idempotency {
-                    let routes: Vec<&str> = c
-                        .routes
-                        .iter()
-                        .filter(|r| r.idempotent(Some(idempotency)))
-                        .map(|r| r.name.as_str())
-                        .collect();
-                    out.push_str(&format!(
-                        "# idempotency: header {}, window {}, on routes [{}]\n",
-                        idempotency.header.0,
-                        crate::duration::display(idempotency.window()),
-                        routes.join(", ")
-                    ));
-                }
-                out.push_str(&c.to_yaml());
-                // A closed pipe (`check | head`) is not an error worth a panic.
-                let _ = std::io::Write::write_all(&mut std::io::stdout(), out.as_bytes());
-                ExitCode::SUCCESS
-            }
-            Err(e) => {
-                eprintln!("error: {e}");
-                ExitCode::from(1)
-            }
-        },
+        Command::Check { config } => check::command(&config),
         Command::Ttl {
             p99_work,
             p99_rtt,
@@ -269,7 +228,7 @@ pub fn main() -> ExitCode {
             for warning in config.warnings() {
                 tracing::warn!(warning, "configuration warning");
             }
-            let embedded = config.store.kind == crate::config::StoreKind::Embedded;
+            let embedded = matches!(config.store, crate::config::StoreConfig::Embedded { .. });
             runtime(embedded).block_on(run(config, path))
         }
         Command::Demo => runtime(false).block_on(crate::demo::run()),

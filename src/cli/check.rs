@@ -1,0 +1,104 @@
+//! `fencegate check`: the config loaded as `run` would load it, the files it names read, and
+//! the effective configuration printed (or the error, with its location).
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use crate::config::{Config, ConfigError};
+use crate::tls::TlsError;
+
+/// Checks the config at `config` and prints it; exit code 1 when it is refused.
+pub(super) fn command(config: &Path) -> ExitCode {
+    match check(config) {
+        Ok(c) => {
+            for warning in c.warnings() {
+                eprintln!("warning: {}: {warning}", config.display());
+            }
+            let mut out = String::new();
+            out.push_str(&format!("# {}: valid\n", config.display()));
+            if let Some(leases) = &c.leases {
+                let ttl = &leases.ttl;
+                out.push_str(&format!(
+                    "# leases: ttl {} (minimum {}), renew every {}, local deadline ttl - {}, drain timeout {}{}\n",
+                    crate::duration::display(ttl.ttl),
+                    crate::duration::display(ttl.minimum),
+                    crate::duration::display_ms(ttl.renew_every()),
+                    crate::duration::display(ttl.drift_buffer),
+                    crate::duration::display(leases.drain_timeout),
+                    ttl.p99_work
+                        .map(|w| format!(", dedup window {}", crate::duration::display(ttl.ttl + w)))
+                        .unwrap_or_default()
+                ));
+            }
+            if let Some(idempotency) = &c.idempotency {
+                let routes: Vec<&str> = c
+                    .routes
+                    .iter()
+                    .filter(|r| r.idempotent(Some(idempotency)))
+                    .map(|r| r.name.as_str())
+                    .collect();
+                out.push_str(&format!(
+                    "# idempotency: header {}, window {}, on routes [{}]\n",
+                    idempotency.header.0,
+                    crate::duration::display(idempotency.window()),
+                    routes.join(", ")
+                ));
+            }
+            out.push_str(&c.to_yaml());
+            // A closed pipe (`check | head`) is not an error worth a panic.
+            let _ = std::io::Write::write_all(&mut std::io::stdout(), out.as_bytes());
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// Why `check` refuses a config file.
+#[derive(Debug, thiserror::Error)]
+enum CheckError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// A file that `tls` or `upstream_ca` names.
+    #[error("{path}: {field}: {source}")]
+    File {
+        path: PathBuf,
+        field: &'static str,
+        source: Box<TlsError>,
+    },
+    /// A file of the store's or the lease backend's `tls` mapping (the error names the field).
+    #[error("{path}: {source}")]
+    ClientFile {
+        path: PathBuf,
+        source: Box<TlsError>,
+    },
+}
+
+/// Loads a config as `run` would, and reads the files it names as `run` does before it
+/// listens.
+fn check(path: &Path) -> Result<Config, CheckError> {
+    let config = Config::load(path)?;
+    let file = |field| {
+        move |source| CheckError::File {
+            path: path.to_owned(),
+            field,
+            source: Box::new(source),
+        }
+    };
+    // TLS files are part of the config: a missing key should fail here, not at start.
+    if let Some(tls) = &config.tls {
+        crate::tls::server_config(tls).map_err(file("tls"))?;
+    }
+    // So is the upstream's CA bundle: `run` reads it before it listens.
+    if let Some(ca) = &config.upstream_ca {
+        crate::tls::client_config(Some(ca)).map_err(file("upstream_ca"))?;
+    }
+    // And the store's and the lease backend's TLS files.
+    crate::tls::check_client_files(&config).map_err(|source| CheckError::ClientFile {
+        path: path.to_owned(),
+        source: Box::new(source),
+    })?;
+    Ok(config)
+}

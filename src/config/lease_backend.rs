@@ -1,0 +1,146 @@
+//! `leases.backend`: where leases are granted, one variant per kind with exactly the fields it
+//! uses; a networked backend is a [`Remote`] like a networked store.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Deserializer, Serialize};
+
+use super::checked;
+use super::remote::{check_prefix, Holder};
+use super::store::default_prefix;
+use super::{ClientTlsConfig, KindError, Remote, RemoteKind, SecretUrl};
+
+/// Where leases are granted, with its defaults filled in.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BackendConfig {
+    /// Leases in a local redb file: for one process, or tests.
+    Embedded {
+        path: PathBuf,
+        /// The redb table's name, checked like the store's.
+        prefix: String,
+    },
+    Redis(Remote),
+    Postgres(Remote),
+    Etcd(Remote),
+}
+
+/// `kind:` as written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum BackendKind {
+    Embedded,
+    Redis,
+    Postgres,
+    Etcd,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawBackend {
+    kind: BackendKind,
+    url: Option<SecretUrl>,
+    path: Option<PathBuf>,
+    #[serde(default = "default_prefix")]
+    prefix: String,
+    tls: Option<ClientTlsConfig>,
+}
+
+const DEFAULT_LEASE_PATH: &str = "/var/lib/fencegate/leases.db";
+
+impl TryFrom<RawBackend> for BackendConfig {
+    type Error = KindError;
+    fn try_from(raw: RawBackend) -> Result<Self, KindError> {
+        let holder = Holder::LeaseBackend;
+        check_prefix(&raw.prefix)?;
+        let remote = |kind: RemoteKind, raw: RawBackend| -> Result<Remote, KindError> {
+            let Some(url) = raw.url else {
+                return Err(KindError::NoUrl { holder });
+            };
+            if raw.path.is_some() {
+                return Err(KindError::PathWithServer { holder });
+            }
+            url.check(kind, raw.tls.as_ref())?;
+            Ok(Remote {
+                url,
+                tls: raw.tls,
+                prefix: raw.prefix,
+            })
+        };
+        match raw.kind {
+            BackendKind::Embedded if raw.url.is_some() => {
+                Err(KindError::UrlWithoutServer { holder })
+            }
+            BackendKind::Embedded if raw.tls.is_some() => {
+                Err(KindError::TlsWithoutServer { holder })
+            }
+            BackendKind::Embedded => Ok(BackendConfig::Embedded {
+                path: raw.path.unwrap_or_else(|| DEFAULT_LEASE_PATH.into()),
+                prefix: raw.prefix,
+            }),
+            BackendKind::Redis => remote(RemoteKind::Redis, raw).map(BackendConfig::Redis),
+            BackendKind::Postgres => remote(RemoteKind::Postgres, raw).map(BackendConfig::Postgres),
+            BackendKind::Etcd => remote(RemoteKind::Etcd, raw).map(BackendConfig::Etcd),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for BackendConfig {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        checked::from_map::<D, RawBackend, BackendConfig>(d)
+    }
+}
+
+/// Printed as written: `kind` and the fields it uses.
+#[derive(Serialize)]
+struct PrintedBackend<'a> {
+    kind: BackendKind,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    url: Option<&'a SecretUrl>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    path: Option<&'a PathBuf>,
+    prefix: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tls: Option<&'a ClientTlsConfig>,
+}
+
+impl<'a> PrintedBackend<'a> {
+    fn remote(kind: BackendKind, remote: &'a Remote) -> Self {
+        PrintedBackend {
+            kind,
+            url: Some(&remote.url),
+            path: None,
+            prefix: &remote.prefix,
+            tls: remote.tls.as_ref(),
+        }
+    }
+}
+
+impl Serialize for BackendConfig {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let printed = match self {
+            BackendConfig::Embedded { path, prefix } => PrintedBackend {
+                kind: BackendKind::Embedded,
+                url: None,
+                path: Some(path),
+                prefix,
+                tls: None,
+            },
+            BackendConfig::Redis(r) => PrintedBackend::remote(BackendKind::Redis, r),
+            BackendConfig::Postgres(r) => PrintedBackend::remote(BackendKind::Postgres, r),
+            BackendConfig::Etcd(r) => PrintedBackend::remote(BackendKind::Etcd, r),
+        };
+        printed.serialize(s)
+    }
+}
+
+impl BackendConfig {
+    /// The networked backend's server, if it is one.
+    pub fn remote(&self) -> Option<&Remote> {
+        match self {
+            BackendConfig::Embedded { .. } => None,
+            BackendConfig::Redis(remote)
+            | BackendConfig::Postgres(remote)
+            | BackendConfig::Etcd(remote) => Some(remote),
+        }
+    }
+}

@@ -1,0 +1,241 @@
+//! The `store:` section (docs/stores.md): where recorded maxima live, one variant per kind
+//! with exactly the fields that kind uses. A networked store is a [`Remote`], as a networked
+//! lease backend is.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Deserializer, Serialize};
+
+use super::remote::{check_prefix, Holder};
+use super::{checked, values, ClientTlsConfig, KindError, Remote, RemoteKind, SecretUrl};
+
+/// The fence store, with its defaults filled in.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreConfig {
+    /// Maxima in this process's memory only (tests, demos); `prefix` and `cache_size` are
+    /// accepted and ignored.
+    Memory,
+    /// Maxima in a local redb file.
+    Embedded {
+        path: PathBuf,
+        /// The redb table's name.
+        prefix: String,
+        /// How many resources' maxima are kept in memory (the recently used ones); the others
+        /// are read from the file.
+        cache_size: usize,
+    },
+    Redis {
+        remote: Remote,
+        /// How many resources' maxima are kept in memory (the recently used ones), so that a
+        /// refusal is answered from them without a round trip.
+        cache_size: usize,
+    },
+    Postgres {
+        remote: Remote,
+        /// As for [`StoreConfig::Redis`].
+        cache_size: usize,
+    },
+    Etcd {
+        remote: Remote,
+        /// As for [`StoreConfig::Redis`].
+        cache_size: usize,
+    },
+}
+
+impl StoreConfig {
+    /// The networked store's server, if it is one.
+    pub fn remote(&self) -> Option<&Remote> {
+        match self {
+            StoreConfig::Memory | StoreConfig::Embedded { .. } => None,
+            StoreConfig::Redis { remote, .. }
+            | StoreConfig::Postgres { remote, .. }
+            | StoreConfig::Etcd { remote, .. } => Some(remote),
+        }
+    }
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        StoreConfig::Embedded {
+            path: PathBuf::from(DEFAULT_STORE_PATH),
+            prefix: default_prefix(),
+            cache_size: DEFAULT_CACHE_SIZE,
+        }
+    }
+}
+
+pub(super) const DEFAULT_STORE_PATH: &str = "/var/lib/fencegate/fences.db";
+const DEFAULT_CACHE_SIZE: usize = 100_000;
+
+/// `kind:` as written.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum StoreKind {
+    Memory,
+    #[default]
+    Embedded,
+    Redis,
+    Postgres,
+    Etcd,
+}
+
+/// The section as written: parsed first, then checked inside the deserializer (so errors keep
+/// their location) by the `TryFrom` below.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawStore {
+    #[serde(default)]
+    kind: StoreKind,
+    path: Option<PathBuf>,
+    url: Option<SecretUrl>,
+    #[serde(default = "default_prefix")]
+    prefix: String,
+    #[serde(
+        default = "default_cache_size",
+        deserialize_with = "values::Count::<100000>::de"
+    )]
+    cache_size: usize,
+    tls: Option<ClientTlsConfig>,
+}
+
+fn default_cache_size() -> usize {
+    DEFAULT_CACHE_SIZE
+}
+
+pub(super) fn default_prefix() -> String {
+    "fencegate".to_owned()
+}
+
+impl TryFrom<RawStore> for StoreConfig {
+    type Error = KindError;
+
+    fn try_from(raw: RawStore) -> Result<Self, Self::Error> {
+        let holder = Holder::Store;
+        // The checks run in this order so that a config with several faults is told the
+        // same first one as ever.
+        let remote = |kind: RemoteKind, raw: RawStore| -> Result<(Remote, usize), KindError> {
+            let Some(url) = raw.url else {
+                return Err(KindError::NoUrl { holder });
+            };
+            url.check(kind, raw.tls.as_ref())?;
+            if raw.path.is_some() {
+                return Err(KindError::PathWithServer { holder });
+            }
+            check_prefix(&raw.prefix)?;
+            let remote = Remote {
+                url,
+                tls: raw.tls,
+                prefix: raw.prefix,
+            };
+            Ok((remote, raw.cache_size))
+        };
+        match raw.kind {
+            StoreKind::Memory | StoreKind::Embedded if raw.url.is_some() => {
+                Err(KindError::UrlWithoutServer { holder })
+            }
+            StoreKind::Memory | StoreKind::Embedded if raw.tls.is_some() => {
+                Err(KindError::TlsWithoutServer { holder })
+            }
+            StoreKind::Memory if raw.path.is_some() => Err(KindError::PathWithServer { holder }),
+            StoreKind::Memory => {
+                check_prefix(&raw.prefix)?;
+                Ok(StoreConfig::Memory)
+            }
+            StoreKind::Embedded => {
+                check_prefix(&raw.prefix)?;
+                Ok(StoreConfig::Embedded {
+                    path: raw.path.unwrap_or_else(|| DEFAULT_STORE_PATH.into()),
+                    prefix: raw.prefix,
+                    cache_size: raw.cache_size,
+                })
+            }
+            StoreKind::Redis => {
+                let (remote, cache_size) = remote(RemoteKind::Redis, raw)?;
+                Ok(StoreConfig::Redis { remote, cache_size })
+            }
+            StoreKind::Postgres => {
+                let (remote, cache_size) = remote(RemoteKind::Postgres, raw)?;
+                Ok(StoreConfig::Postgres { remote, cache_size })
+            }
+            StoreKind::Etcd => {
+                let (remote, cache_size) = remote(RemoteKind::Etcd, raw)?;
+                Ok(StoreConfig::Etcd { remote, cache_size })
+            }
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for StoreConfig {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        checked::from_map::<D, RawStore, StoreConfig>(d)
+    }
+}
+
+/// Printed as written: `kind` and the fields it uses.
+#[derive(Serialize)]
+struct PrintedStore<'a> {
+    kind: StoreKind,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    path: Option<&'a PathBuf>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    url: Option<&'a SecretUrl>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    prefix: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cache_size: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tls: Option<&'a ClientTlsConfig>,
+}
+
+impl<'a> PrintedStore<'a> {
+    fn remote(kind: StoreKind, remote: &'a Remote, cache_size: usize) -> Self {
+        PrintedStore {
+            kind,
+            path: None,
+            url: Some(&remote.url),
+            prefix: Some(&remote.prefix),
+            cache_size: Some(cache_size),
+            tls: remote.tls.as_ref(),
+        }
+    }
+}
+
+impl Serialize for StoreConfig {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let printed = match self {
+            StoreConfig::Memory => PrintedStore {
+                kind: StoreKind::Memory,
+                path: None,
+                url: None,
+                prefix: None,
+                cache_size: None,
+                tls: None,
+            },
+            StoreConfig::Embedded {
+                path,
+                prefix,
+                cache_size,
+            } => PrintedStore {
+                kind: StoreKind::Embedded,
+                path: Some(path),
+                url: None,
+                prefix: Some(prefix),
+                cache_size: Some(*cache_size),
+                tls: None,
+            },
+            StoreConfig::Redis {
+                remote: r,
+                cache_size,
+            } => PrintedStore::remote(StoreKind::Redis, r, *cache_size),
+            StoreConfig::Postgres {
+                remote: r,
+                cache_size,
+            } => PrintedStore::remote(StoreKind::Postgres, r, *cache_size),
+            StoreConfig::Etcd {
+                remote: r,
+                cache_size,
+            } => PrintedStore::remote(StoreKind::Etcd, r, *cache_size),
+        };
+        printed.serialize(s)
+    }
+}
