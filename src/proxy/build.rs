@@ -16,13 +16,23 @@ use crate::lease::agent::Agent;
 use crate::lease::LeaseBackend;
 use crate::metrics::{Metrics, RouteMetrics, UNMATCHED};
 use crate::store::FenceStore;
+use crate::tls::TlsError;
+
+/// Why a proxy could not be built from its configuration.
+#[derive(Debug, thiserror::Error)]
+pub enum BuildError {
+    /// The upstream clients' TLS: the CA bundle of `upstream_ca` cannot be used (or the
+    /// crypto provider offers no usable protocol version).
+    #[error(transparent)]
+    UpstreamTls(#[from] TlsError),
+}
 
 impl Proxy {
     pub fn new(
         config: &Config,
         store: Arc<dyn FenceStore>,
         metrics: Arc<Metrics>,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, BuildError> {
         let clients = upstream_clients(config.upstream_ca.as_deref(), config.timeouts.upstream)?;
         let front = Front::ingress(config, Check::Store(store), config.idempotency.as_ref());
         Ok(Self::build(
@@ -41,7 +51,7 @@ impl Proxy {
         config: &Config,
         store: Arc<dyn FenceStore>,
         metrics: Arc<Metrics>,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, BuildError> {
         let clients = upstream_clients(None, config.timeouts.upstream)?;
         let front = Front::ingress(config, Check::Store(store), None);
         Ok(Self::build(
@@ -70,7 +80,7 @@ impl Proxy {
         egress: &EgressConfig,
         agent: Arc<Agent>,
         metrics: Arc<Metrics>,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, BuildError> {
         let clients = upstream_clients(config.upstream_ca.as_deref(), config.timeouts.upstream)?;
         let front = Front {
             table: RouteTable::egress(&egress.routes, config.limits.max_resource_bytes),
@@ -91,7 +101,7 @@ impl Proxy {
 
     /// A proxy for a reloaded config: same store, barriers and metrics (maxima and in-flight
     /// writes carry over), same connection pool when the upstream did not change.
-    pub fn reconfigure(&self, config: &Config) -> Result<Self, String> {
+    pub fn reconfigure(&self, config: &Config) -> Result<Self, BuildError> {
         let clients = if config.upstream == self.upstream && config.upstream_ca == self.upstream_ca
         {
             (self.client.clone(), self.grpc_client.clone())
@@ -198,7 +208,7 @@ impl<'a> Front<'a> {
 fn upstream_clients(
     upstream_ca: Option<&std::path::Path>,
     connect_timeout: std::time::Duration,
-) -> Result<(UpstreamClient, UpstreamClient), String> {
+) -> Result<(UpstreamClient, UpstreamClient), BuildError> {
     let mut http = HttpConnector::new();
     http.enforce_http(false);
     http.set_nodelay(true);

@@ -21,6 +21,7 @@ pub mod problem;
 pub mod recording;
 pub mod upstream;
 
+pub use build::BuildError;
 pub use problem::grpc;
 
 use std::convert::Infallible;
