@@ -108,7 +108,7 @@ async fn main() -> ExitCode {
         None => Config::parse(DEFAULT_CONFIG).map_err(|e| e.to_string()),
     };
     let fence = match config {
-        Ok(config) => FenceLayer::open(&config).await,
+        Ok(config) => FenceLayer::open(&config).await.map_err(|e| e.to_string()),
         Err(e) => Err(e),
     };
     let fence = match fence {

@@ -38,9 +38,9 @@ pub enum StartError {
     LeaseBackend(#[from] crate::lease::LeaseError),
     #[error(transparent)]
     Metrics(#[from] prometheus::Error),
-    /// The proxy (routes, upstream client) could not be built from the config.
-    #[error("{0}")]
-    Proxy(String),
+    /// The proxy (its upstream clients) could not be built from the config.
+    #[error(transparent)]
+    Proxy(#[from] crate::proxy::BuildError),
     /// The listener's certificate or key (`tls`).
     #[error(transparent)]
     Tls(#[from] TlsError),
@@ -169,8 +169,7 @@ impl Server {
             Some(leases) => Some(crate::lease::open(&leases.backend).await?),
             None => None,
         };
-        let mut fence = Proxy::new(config, Arc::clone(&store), Arc::clone(&metrics))
-            .map_err(StartError::Proxy)?;
+        let mut fence = Proxy::new(config, Arc::clone(&store), Arc::clone(&metrics))?;
         if config.fence.authority == crate::config::Authority::Leases {
             let backend = backend.clone().expect("validated: authority needs leases");
             fence = fence.with_authority(backend);
@@ -325,8 +324,7 @@ impl LeaseSide {
         let (egress_listener, egress) = match &config.egress {
             Some(egress) => {
                 let (listener, addr) = Listener::Egress.bind(egress.listen).await?;
-                let proxy = Proxy::egress(config, egress, Arc::clone(&agent), Arc::clone(metrics))
-                    .map_err(StartError::Proxy)?;
+                let proxy = Proxy::egress(config, egress, Arc::clone(&agent), Arc::clone(metrics))?;
                 (Some((listener, Arc::new(proxy))), Some(addr))
             }
             None => (None, None),

@@ -345,12 +345,14 @@ async fn act_two() -> Result<(), String> {
             Arc::clone(&metrics),
         );
         let egress = sidecar_config.egress.as_ref().ok_or("egress section")?;
-        let proxy = Arc::new(Proxy::egress(
+        let proxy = Proxy::egress(
             &sidecar_config,
             egress,
             Arc::clone(&agent),
             Arc::clone(&metrics),
-        )?);
+        )
+        .map_err(|e| e.to_string())?;
+        let proxy = Arc::new(proxy);
         let listener = TcpListener::bind("127.0.0.1:0")
             .await
             .map_err(|e| e.to_string())?;

@@ -76,9 +76,30 @@ use tower_service::Service;
 use crate::body::ProxyBody;
 use crate::config::{Authority, Config};
 use crate::fence::barrier::Ticket;
+use crate::lease::LeaseError;
 use crate::metrics::{Metrics, Outcome};
-use crate::proxy::{grpc, Decision, Pass, Proxy};
-use crate::store::FenceStore;
+use crate::proxy::{grpc, BuildError, Decision, Pass, Proxy};
+use crate::store::{FenceStore, StoreError};
+
+/// Why the in-process fence could not be made.
+#[derive(Debug, thiserror::Error)]
+pub enum LayerError {
+    /// The fence itself (see [`BuildError`]; the layer reads no `upstream_ca`).
+    #[error(transparent)]
+    Fence(#[from] BuildError),
+    /// Registering the `fencegate_*` metrics (in a registry that already has them, say).
+    #[error(transparent)]
+    Metrics(#[from] prometheus::Error),
+    /// Opening the store.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// `fence.authority: leases` without a `leases` section to open the backend from.
+    #[error("fence.authority: leases needs the leases section")]
+    NoLeases,
+    /// Opening the lease backend (`fence.authority: leases`).
+    #[error(transparent)]
+    LeaseBackend(#[from] LeaseError),
+}
 
 /// Applies a fencegate configuration's fence to the services it wraps (see the [module
 /// docs](self)). Cheap to clone: every service it makes shares one fence (store, barriers,
@@ -96,8 +117,8 @@ impl FenceLayer {
         config: &Config,
         store: Arc<dyn FenceStore>,
         registry: prometheus::Registry,
-    ) -> Result<Self, String> {
-        let metrics = Arc::new(Metrics::new(registry).map_err(|e| e.to_string())?);
+    ) -> Result<Self, LayerError> {
+        let metrics = Arc::new(Metrics::new(registry)?);
         let fence = Proxy::in_process(config, store, metrics)?;
         Ok(FenceLayer {
             fence: Arc::new(fence),
@@ -106,22 +127,14 @@ impl FenceLayer {
 
     /// Opens `config`'s store (and, with `fence.authority: leases`, its lease backend) and
     /// makes the fence, its metrics in a registry of its own.
-    pub async fn open(config: &Config) -> Result<Self, String> {
+    pub async fn open(config: &Config) -> Result<Self, LayerError> {
         crate::tls::install_default_provider();
-        let store = crate::store::open(&config.store)
-            .await
-            .map_err(|e| e.to_string())?;
-        let metrics =
-            Arc::new(Metrics::new(prometheus::Registry::new()).map_err(|e| e.to_string())?);
+        let store = crate::store::open(&config.store).await?;
+        let metrics = Arc::new(Metrics::new(prometheus::Registry::new())?);
         let mut fence = Proxy::in_process(config, store, metrics)?;
         if config.fence.authority == Authority::Leases {
-            let leases = config
-                .leases
-                .as_ref()
-                .ok_or("fence.authority: leases needs the leases section")?;
-            let backend = crate::lease::open(&leases.backend)
-                .await
-                .map_err(|e| e.to_string())?;
+            let leases = config.leases.as_ref().ok_or(LayerError::NoLeases)?;
+            let backend = crate::lease::open(&leases.backend).await?;
             fence = fence.with_authority(backend);
         }
         Ok(FenceLayer {

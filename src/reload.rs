@@ -68,7 +68,7 @@ impl Reloader {
         };
         let proxy = match self.proxy.load().reconfigure(&config) {
             Ok(proxy) => proxy,
-            Err(e) => return self.refuse(trigger, &e),
+            Err(e) => return self.refuse(trigger, &e.to_string()),
         };
         let changed = changed_fields(&self.running, &config);
         let needs_restart = restart_only_changes(&self.started, &config);

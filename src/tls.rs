@@ -71,13 +71,6 @@ impl TlsError {
     }
 }
 
-/// For callers whose own errors are still messages (the proxy's construction).
-impl From<TlsError> for String {
-    fn from(e: TlsError) -> String {
-        e.to_string()
-    }
-}
-
 /// The one crypto provider, named explicitly so no feature flag elsewhere can swap it.
 pub fn provider() -> Arc<CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())

@@ -4,7 +4,8 @@
 use http::{HeaderMap, Method};
 
 use crate::config::{
-    MissingToken, Ordering, ResourcePart, ResourceTemplate, RouteConfig, Unmatched,
+    EgressRoute, MethodCfg, MissingToken, Ordering, PathTemplate, ResourcePart, ResourceTemplate,
+    RouteConfig, Unmatched,
 };
 
 /// A configured route, ready for the hot path.
@@ -72,30 +73,59 @@ pub struct RouteTable {
 impl RouteTable {
     /// Builds the table; the config was validated at load, so insertion cannot conflict.
     pub fn new(configs: &[RouteConfig], unmatched: Unmatched, max_resource_bytes: usize) -> Self {
+        let routes = configs.iter().enumerate().map(|(index, c)| {
+            let route = Route {
+                name: c.name.clone(),
+                index,
+                fenced_methods: fenced_methods(c.methods.as_deref()),
+                resource: c.resource.clone(),
+                missing_token: c.missing_token,
+                ordering: c.ordering,
+                barrier_timeout: c.barrier_timeout,
+                fence: c.fence,
+                slash_template: slash_template(&c.path),
+            };
+            (&c.path, route)
+        });
+        Self::build(routes, unmatched, max_resource_bytes)
+    }
+
+    /// The egress table (`egress.routes`): every route fences its methods, its resource is the
+    /// lease whose token is attached, and it is named `egress[i]` (in metrics and logs). A
+    /// request on no route is forwarded as it is.
+    pub fn egress(configs: &[EgressRoute], max_resource_bytes: usize) -> Self {
+        let routes = configs.iter().enumerate().map(|(index, c)| {
+            let route = Route {
+                name: format!("egress[{index}]"),
+                index,
+                fenced_methods: fenced_methods(c.methods.as_deref()),
+                resource: Some(c.lease.clone()),
+                missing_token: MissingToken::Reject,
+                ordering: Ordering::None,
+                barrier_timeout: std::time::Duration::ZERO,
+                fence: true,
+                slash_template: slash_template(&c.path),
+            };
+            (&c.path, route)
+        });
+        Self::build(routes, Unmatched::Forward, max_resource_bytes)
+    }
+
+    /// Routes sharing a path template are grouped under it, in config order.
+    fn build<'a>(
+        configured: impl Iterator<Item = (&'a PathTemplate, Route)>,
+        unmatched: Unmatched,
+        max_resource_bytes: usize,
+    ) -> Self {
         let mut router = matchit::Router::new();
         let mut groups: Vec<(String, Vec<usize>)> = Vec::new();
-        let routes = configs
-            .iter()
-            .enumerate()
-            .map(|(index, c)| {
-                match groups.iter_mut().find(|(p, _)| *p == c.path.source) {
-                    Some((_, members)) => members.push(index),
-                    None => groups.push((c.path.source.clone(), vec![index])),
+        let routes = configured
+            .map(|(path, route)| {
+                match groups.iter_mut().find(|(p, _)| *p == path.source) {
+                    Some((_, members)) => members.push(route.index),
+                    None => groups.push((path.source.clone(), vec![route.index])),
                 }
-                Route {
-                    name: c.name.clone(),
-                    index,
-                    fenced_methods: c
-                        .methods
-                        .as_ref()
-                        .map(|m| m.iter().map(|m| m.0.clone()).collect()),
-                    resource: c.resource.clone(),
-                    missing_token: c.missing_token,
-                    ordering: c.ordering,
-                    barrier_timeout: c.barrier_timeout,
-                    fence: c.fence,
-                    slash_template: c.path.source.len() > 1 && c.path.source.ends_with('/'),
-                }
+                route
             })
             .collect();
         for (path, members) in groups {
@@ -174,6 +204,16 @@ impl RouteTable {
         }
         Ok(Matched::Fence { route, resource })
     }
+}
+
+/// `None`: the default, every method but GET, HEAD and OPTIONS.
+fn fenced_methods(methods: Option<&[MethodCfg]>) -> Option<Vec<Method>> {
+    methods.map(|m| m.iter().map(|m| m.0.clone()).collect())
+}
+
+/// The path template ends with `/` (and is not just `/`).
+fn slash_template(path: &PathTemplate) -> bool {
+    path.source.len() > 1 && path.source.ends_with('/')
 }
 
 fn header_value<'h>(
@@ -361,6 +401,36 @@ mod tests {
                 .1,
             ResourceError::TooLong(64)
         );
+    }
+
+    #[test]
+    fn egress_routes_fence_writes_with_their_lease() {
+        let config = Config::parse(concat!(
+            "upstream: http://127.0.0.1:1\n",
+            "leases: { backend: { kind: embedded }, ttl: 1s }\n",
+            "egress:\n  upstream: http://127.0.0.1:2\n  routes:\n",
+            "    - { path: '/accounts/{id}', lease: 'account:{id}' }\n",
+            "    - { path: '/jobs/{id}', lease: 'jobs', methods: [DELETE] }\n",
+        ))
+        .unwrap();
+        let t = RouteTable::egress(&config.egress.unwrap().routes, 64);
+        let h = HeaderMap::new();
+        let (name, res) = fenced(t.lookup(&Method::PUT, "/accounts/7", None, &h).unwrap());
+        assert_eq!((name.as_str(), res.as_str()), ("egress[0]", "account:7"));
+        let route = &t.routes()[0];
+        assert_eq!(route.missing_token, MissingToken::Reject);
+        assert_eq!(route.ordering, Ordering::None);
+        let (name, res) = fenced(t.lookup(&Method::DELETE, "/jobs/1", None, &h).unwrap());
+        assert_eq!((name.as_str(), res.as_str()), ("egress[1]", "jobs"));
+        assert!(matches!(
+            t.lookup(&Method::PUT, "/jobs/1", None, &h),
+            Ok(Matched::Pass(r)) if r.name == "egress[1]"
+        ));
+        assert!(matches!(
+            t.lookup(&Method::GET, "/accounts/7", None, &h),
+            Ok(Matched::Pass(_))
+        ));
+        assert_eq!(t.unmatched, Unmatched::Forward);
     }
 
     #[test]

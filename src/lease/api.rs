@@ -94,12 +94,12 @@ impl LeaseApi {
         }
         let resource = match resource_id(encoded) {
             Ok(resource) => resource,
-            Err(detail) => {
+            Err(e) => {
                 return Ok(Problem::new(
                     StatusCode::BAD_REQUEST,
                     "urn:fencegate:invalid-resource",
                     "Invalid resource id",
-                    detail,
+                    e.to_string(),
                 )
                 .response())
             }
@@ -179,7 +179,7 @@ impl LeaseApi {
         };
         let request = match parse_request(&body) {
             Ok(request) => request,
-            Err(detail) => return invalid(detail),
+            Err(e) => return invalid(e.to_string()),
         };
         let wait = request.wait.unwrap_or_default();
         match self
@@ -329,39 +329,78 @@ fn json_response(status: StatusCode, body: Value) -> Response<ProxyBody> {
     r
 }
 
-/// The body of `POST /v1/leases/{resource}`, or the `detail` of its refusal.
-fn parse_request(body: &[u8]) -> Result<AcquireRequest, String> {
-    const SEND: &str = "a JSON object with `holder` (and optionally `ttl` and `wait`)";
+/// What an acquire request must be, for the refusals that say so.
+const SEND: &str = "a JSON object with `holder` (and optionally `ttl` and `wait`)";
+
+/// Why an acquire request's body cannot be used: a `400`'s `detail`.
+#[derive(Debug, thiserror::Error)]
+enum BodyError {
+    #[error("the body is empty: send {SEND}")]
+    Empty,
+    /// JSON, but not an object.
+    #[error("the body must be {SEND}")]
+    NotObject,
+    #[error("the body is not JSON: {0}")]
+    NotJson(serde_json::Error),
+    /// An object whose fields are not those of a request (unknown, missing, mistyped): serde's
+    /// message, without the position (the body is small, it tells nothing).
+    #[error("{0}")]
+    Fields(String),
+    #[error("holder must be a string of 1 to 256 bytes")]
+    Holder,
+    /// `ttl` or `wait` is not a duration.
+    #[error("{field}: {source}")]
+    Duration {
+        field: &'static str,
+        source: serde_json::Error,
+    },
+}
+
+/// Why a lease API path names no resource: a `400`'s `detail`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+enum ResourceIdError {
+    #[error("the resource id is empty: put it after /v1/leases/, percent-encoded")]
+    Empty,
+    #[error("the resource id is not UTF-8 once percent-decoded")]
+    NotUtf8,
+    #[error("the resource id contains a control character")]
+    Control,
+}
+
+/// The body of `POST /v1/leases/{resource}`.
+fn parse_request(body: &[u8]) -> Result<AcquireRequest, BodyError> {
     match body.trim_ascii_start().first() {
-        None => return Err(format!("the body is empty: send {SEND}")),
+        None => return Err(BodyError::Empty),
         // serde would also read an array as the fields in order.
         Some(b'{') => {}
         Some(_) => {
             return Err(
                 match serde_json::from_slice::<serde::de::IgnoredAny>(body) {
-                    Ok(_) => format!("the body must be {SEND}"),
-                    Err(e) => format!("the body is not JSON: {e}"),
+                    Ok(_) => BodyError::NotObject,
+                    Err(e) => BodyError::NotJson(e),
                 },
             )
         }
     }
     let raw: AcquireBody = serde_json::from_slice(body).map_err(|e| match e.classify() {
-        // What is wrong with the fields: the body is small, its position tells nothing.
         serde_json::error::Category::Data => {
             let position = format!(" at line {} column {}", e.line(), e.column());
             let text = e.to_string();
-            text.strip_suffix(&position).unwrap_or(&text).to_owned()
+            BodyError::Fields(text.strip_suffix(&position).unwrap_or(&text).to_owned())
         }
-        _ => format!("the body is not JSON: {e}"),
+        _ => BodyError::NotJson(e),
     })?;
     let holder = match raw.holder {
         Value::String(h) if (1..=256).contains(&h.len()) => h,
-        _ => return Err("holder must be a string of 1 to 256 bytes".into()),
+        _ => return Err(BodyError::Holder),
     };
     // A duration field's refusal says which field (serde's does not).
-    let duration = |name: &str, value: Option<Value>| {
+    let duration = |field: &'static str, value: Option<Value>| {
         value
-            .map(|v| crate::duration::deserialize(v).map_err(|e| format!("{name}: {e}")))
+            .map(|v| {
+                crate::duration::deserialize(v)
+                    .map_err(|source| BodyError::Duration { field, source })
+            })
             .transpose()
     };
     Ok(AcquireRequest {
@@ -372,17 +411,13 @@ fn parse_request(body: &[u8]) -> Result<AcquireRequest, String> {
 }
 
 /// The resource id of a lease API path: its segment percent-decoded once.
-fn resource_id(encoded: &str) -> Result<String, String> {
+fn resource_id(encoded: &str) -> Result<String, ResourceIdError> {
     if encoded.is_empty() {
-        return Err(
-            "the resource id is empty: put it after /v1/leases/, percent-encoded".to_owned(),
-        );
+        return Err(ResourceIdError::Empty);
     }
     match percent_encoding::percent_decode_str(encoded).decode_utf8() {
-        Err(_) => Err("the resource id is not UTF-8 once percent-decoded".to_owned()),
-        Ok(r) if r.chars().any(char::is_control) => {
-            Err("the resource id contains a control character".to_owned())
-        }
+        Err(_) => Err(ResourceIdError::NotUtf8),
+        Ok(r) if r.chars().any(char::is_control) => Err(ResourceIdError::Control),
         Ok(r) => Ok(r.into_owned()),
     }
 }
@@ -406,4 +441,58 @@ fn not_found(path: &str) -> Response<ProxyBody> {
         format!("{path} is not a lease API path: the lease API serves {LIST}, {ONE} and {EVENTS}"),
     )
     .response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refusal(body: &str) -> String {
+        match parse_request(body.as_bytes()) {
+            Ok(_) => panic!("{body} was taken"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn refusals_say_what_is_wrong_with_the_body() {
+        let send = "a JSON object with `holder` (and optionally `ttl` and `wait`)";
+        assert_eq!(refusal("  "), format!("the body is empty: send {send}"));
+        assert_eq!(refusal("[\"a\"]"), format!("the body must be {send}"));
+        assert!(refusal("x").starts_with("the body is not JSON: "));
+        assert!(refusal("{\"holder\": \"a\"").starts_with("the body is not JSON: "));
+        assert_eq!(
+            refusal("{\"holder\": \"a\", \"lease\": 1}"),
+            "unknown field `lease`, expected one of `holder`, `ttl`, `wait`"
+        );
+        assert_eq!(
+            refusal("{\"holder\": \"\"}"),
+            "holder must be a string of 1 to 256 bytes"
+        );
+        assert!(refusal("{\"holder\": \"a\", \"wait\": \"soon\"}").starts_with("wait: "));
+        let ok = parse_request(br#"{"holder": "a", "ttl": "2s"}"#).unwrap();
+        assert_eq!(
+            (ok.holder.as_str(), ok.ttl),
+            ("a", Some(Duration::from_secs(2)))
+        );
+    }
+
+    #[test]
+    fn resource_ids_are_decoded_once() {
+        assert_eq!(resource_id("account%3A42").unwrap(), "account:42");
+        assert_eq!(resource_id("a%2541").unwrap(), "a%41");
+        let refused = |encoded| resource_id(encoded).unwrap_err().to_string();
+        assert_eq!(
+            refused(""),
+            "the resource id is empty: put it after /v1/leases/, percent-encoded"
+        );
+        assert_eq!(
+            refused("%ff"),
+            "the resource id is not UTF-8 once percent-decoded"
+        );
+        assert_eq!(
+            refused("a%0A"),
+            "the resource id contains a control character"
+        );
+    }
 }

@@ -8,25 +8,36 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 
 use super::upstream::UpstreamClient;
-use super::Proxy;
-use crate::config::{Config, EgressConfig, MissingToken, Ordering, RouteConfig, Unmatched};
+use super::{Check, Proxy};
+use crate::config::{Config, EgressConfig, IdempotencyConfig, UpstreamUrl};
 use crate::fence::barrier::Barriers;
 use crate::fence::routes::RouteTable;
 use crate::lease::agent::Agent;
 use crate::lease::LeaseBackend;
 use crate::metrics::{Metrics, RouteMetrics, UNMATCHED};
 use crate::store::FenceStore;
+use crate::tls::TlsError;
+
+/// Why a proxy could not be built from its configuration.
+#[derive(Debug, thiserror::Error)]
+pub enum BuildError {
+    /// The upstream clients' TLS: the CA bundle of `upstream_ca` cannot be used (or the
+    /// crypto provider offers no usable protocol version).
+    #[error(transparent)]
+    UpstreamTls(#[from] TlsError),
+}
 
 impl Proxy {
     pub fn new(
         config: &Config,
         store: Arc<dyn FenceStore>,
         metrics: Arc<Metrics>,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, BuildError> {
         let clients = upstream_clients(config.upstream_ca.as_deref(), config.timeouts.upstream)?;
+        let front = Front::ingress(config, Check::Store(store), config.idempotency.as_ref());
         Ok(Self::build(
             config,
-            store,
+            front,
             Barriers::new(),
             metrics,
             clients,
@@ -40,13 +51,12 @@ impl Proxy {
         config: &Config,
         store: Arc<dyn FenceStore>,
         metrics: Arc<Metrics>,
-    ) -> Result<Self, String> {
-        let mut config = config.clone();
-        config.idempotency = None;
+    ) -> Result<Self, BuildError> {
         let clients = upstream_clients(None, config.timeouts.upstream)?;
+        let front = Front::ingress(config, Check::Store(store), None);
         Ok(Self::build(
-            &config,
-            store,
+            config,
+            front,
             Barriers::new(),
             metrics,
             clients,
@@ -63,77 +73,72 @@ impl Proxy {
 
     /// The egress proxy: app → fencegate → `egress.upstream`, with the held lease's token
     /// attached to writes on egress routes, and writes without a valid lease refused (503).
+    /// Requests on no egress route are forwarded as they are; the egress listener is plain
+    /// HTTP and handles no idempotency keys.
     pub fn egress(
         config: &Config,
         egress: &EgressConfig,
         agent: Arc<Agent>,
         metrics: Arc<Metrics>,
-    ) -> Result<Self, String> {
-        let routes: Vec<RouteConfig> = egress
-            .routes
-            .iter()
-            .enumerate()
-            .map(|(i, r)| RouteConfig {
-                name: format!("egress[{i}]"),
-                path: r.path.clone(),
-                methods: r.methods.clone(),
-                resource: Some(r.lease.clone()),
-                missing_token: MissingToken::Reject,
-                ordering: Ordering::None,
-                barrier_timeout: std::time::Duration::ZERO,
-                fence: true,
-                idempotency: None,
-            })
-            .collect();
-        let mut egress_config = config.clone();
-        egress_config.routes = routes;
-        egress_config.upstream = egress.upstream.clone();
-        egress_config.unmatched = Unmatched::Forward;
-        egress_config.tls = None;
-        egress_config.idempotency = None;
+    ) -> Result<Self, BuildError> {
         let clients = upstream_clients(config.upstream_ca.as_deref(), config.timeouts.upstream)?;
-        // The store is never consulted in egress mode; a memory store keeps the type simple.
-        let store: Arc<dyn FenceStore> = Arc::new(crate::store::MemoryStore::new());
-        let mut proxy = Self::build(&egress_config, store, Barriers::new(), metrics, clients);
-        proxy.attach = Some(agent);
-        Ok(proxy)
+        let front = Front {
+            table: RouteTable::egress(&egress.routes, config.limits.max_resource_bytes),
+            check: Check::Attach(agent),
+            upstream: &egress.upstream,
+            https: false,
+            idempotency: None,
+            idempotent: vec![false; egress.routes.len()],
+        };
+        Ok(Self::build(
+            config,
+            front,
+            Barriers::new(),
+            metrics,
+            clients,
+        ))
     }
 
     /// A proxy for a reloaded config: same store, barriers and metrics (maxima and in-flight
     /// writes carry over), same connection pool when the upstream did not change.
-    pub fn reconfigure(&self, config: &Config) -> Result<Self, String> {
+    pub fn reconfigure(&self, config: &Config) -> Result<Self, BuildError> {
         let clients = if config.upstream == self.upstream && config.upstream_ca == self.upstream_ca
         {
             (self.client.clone(), self.grpc_client.clone())
         } else {
             upstream_clients(config.upstream_ca.as_deref(), config.timeouts.upstream)?
         };
+        let front = Front::ingress(config, self.check.clone(), config.idempotency.as_ref());
         let mut proxy = Self::build(
             config,
-            Arc::clone(&self.store),
+            front,
             Arc::clone(&self.barriers),
             Arc::clone(&self.metrics),
             clients,
         );
         // Fencing against leases is part of the running process, not of the reloadable part:
         // a reload never turns it off (nor on: that needs a restart, and the log says so).
-        proxy.attach = self.attach.clone();
         proxy.authority = self.authority.clone();
         Ok(proxy)
     }
 
-    pub(super) fn build(
+    /// A proxy from `front`, and from `config` what ingress and egress share: the token
+    /// header, `token.equal`, the upstream CA, the timeouts and the access log.
+    fn build(
         config: &Config,
-        store: Arc<dyn FenceStore>,
+        front: Front<'_>,
         barriers: Arc<Barriers>,
         metrics: Arc<Metrics>,
         (client, grpc_client): (UpstreamClient, UpstreamClient),
     ) -> Self {
-        let table = RouteTable::new(
-            &config.routes,
-            config.unmatched,
-            config.limits.max_resource_bytes,
-        );
+        let Front {
+            table,
+            check,
+            upstream,
+            https,
+            idempotency,
+            idempotent,
+        } = front;
         let mut route_metrics: Vec<RouteMetrics> = table
             .routes()
             .iter()
@@ -144,27 +149,57 @@ impl Proxy {
             table,
             token_header: config.token.header.0.clone(),
             equal: config.token.equal,
-            store,
+            check,
             barriers,
             metrics,
             route_metrics,
             client,
             grpc_client,
-            attach: None,
             authority: None,
-            upstream: config.upstream.clone(),
-            upstream_host: http::HeaderValue::from_str(config.upstream.authority.as_str())
+            upstream: upstream.clone(),
+            upstream_host: http::HeaderValue::from_str(upstream.authority.as_str())
                 .expect("an authority is a valid header value"),
             upstream_ca: config.upstream_ca.clone(),
             timeouts: config.timeouts.clone(),
+            https,
+            idempotency,
+            idempotent,
+            access_log: config.access_log,
+        }
+    }
+}
+
+/// What an ingress proxy and an egress proxy are built from differently.
+struct Front<'a> {
+    table: RouteTable,
+    check: Check,
+    upstream: &'a UpstreamUrl,
+    /// The listener's scheme is `https` (for `X-Forwarded-Proto`).
+    https: bool,
+    /// The idempotency section, and per route (indexed like the table) whether it applies.
+    idempotency: Option<IdempotencyConfig>,
+    idempotent: Vec<bool>,
+}
+
+impl<'a> Front<'a> {
+    /// The proxy in front of the app: `config`'s routes, upstream and listener, and
+    /// idempotency keys handled per `idempotency` (`None`: not at all).
+    fn ingress(config: &'a Config, check: Check, idempotency: Option<&IdempotencyConfig>) -> Self {
+        Front {
+            table: RouteTable::new(
+                &config.routes,
+                config.unmatched,
+                config.limits.max_resource_bytes,
+            ),
+            check,
+            upstream: &config.upstream,
             https: config.tls.is_some(),
-            idempotency: config.idempotency.clone(),
+            idempotency: idempotency.cloned(),
             idempotent: config
                 .routes
                 .iter()
-                .map(|r| r.idempotent(config.idempotency.as_ref()))
+                .map(|r| r.idempotent(idempotency))
                 .collect(),
-            access_log: config.access_log,
         }
     }
 }
@@ -173,7 +208,7 @@ impl Proxy {
 fn upstream_clients(
     upstream_ca: Option<&std::path::Path>,
     connect_timeout: std::time::Duration,
-) -> Result<(UpstreamClient, UpstreamClient), String> {
+) -> Result<(UpstreamClient, UpstreamClient), BuildError> {
     let mut http = HttpConnector::new();
     http.enforce_http(false);
     http.set_nodelay(true);

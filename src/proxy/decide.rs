@@ -14,7 +14,7 @@ use tokio::time::Instant;
 use super::access::{Subject, Timing};
 use super::forwarding::Answering;
 use super::problem::{host_problem, Refusal, Unavailable};
-use super::{idempotent, Proxy, Write};
+use super::{idempotent, Check, Proxy, Write};
 use crate::body::ProxyBody;
 use crate::config::{MissingToken, Ordering, Unmatched};
 use crate::fence::barrier::Ticket;
@@ -24,7 +24,7 @@ use crate::fence::routes::{Matched, Route};
 use crate::fence::token::{connection_nominates, token_from_headers, TokenError};
 use crate::fence::verdict::Verdict;
 use crate::metrics::Outcome;
-use crate::store::StoreError;
+use crate::store::{FenceStore, StoreError};
 
 /// What the fence decides about a request from its head alone.
 pub(crate) enum Decision {
@@ -153,7 +153,7 @@ impl Proxy {
                 }),
             })
         };
-        if let Some(agent) = &self.attach {
+        if let Check::Attach(agent) = &self.check {
             // Hop-by-hop headers go before the send: a token header the app nominated in
             // `Connection` would go with them, and the write would leave without a token.
             if connection_nominates(req.headers(), &self.token_header) {
@@ -388,7 +388,7 @@ impl Proxy {
         let started = Instant::now();
         let answer = bounded(
             self.timeouts.store,
-            self.store.compare_and_raise(resource, token, self.equal),
+            self.store().compare_and_raise(resource, token, self.equal),
         )
         .await;
         self.observe_store(started, &answer);
@@ -403,9 +403,18 @@ impl Proxy {
         token: u64,
     ) -> Option<Result<Verdict, StoreError>> {
         let started = Instant::now();
-        let answer = self.store.raise_at_once(resource, token, self.equal)?;
+        let answer = self.store().raise_at_once(resource, token, self.equal)?;
         self.observe_store(started, &answer);
         Some(answer)
+    }
+
+    /// The store writes are checked against. Only an ingress proxy gets this far: an egress
+    /// proxy decides every fenced write in [`Proxy::decide`], by the lease it holds.
+    pub(super) fn store(&self) -> &Arc<dyn FenceStore> {
+        match &self.check {
+            Check::Store(store) => store,
+            Check::Attach(_) => unreachable!("an egress proxy never consults the store"),
+        }
     }
 
     pub(super) fn observe_store(&self, started: Instant, answer: &Result<Verdict, StoreError>) {

@@ -156,7 +156,7 @@ impl Proxy {
         let asked = Instant::now();
         let begin = tokio::time::timeout(
             self.timeouts.store,
-            self.store.begin_idempotent(resource, &key, &claim),
+            self.store().begin_idempotent(resource, &key, &claim),
         )
         .await
         .unwrap_or_else(|_| Err(StoreError::no_answer_within(self.timeouts.store)));
@@ -169,7 +169,7 @@ impl Proxy {
                 // retries are not refused as in flight for nothing. Only a record carrying
                 // this attempt's id is replaced: another attempt's live record, with the same
                 // token and body, stays in flight.
-                let store = Arc::clone(&self.store);
+                let store = Arc::clone(self.store());
                 let (resource, key) = (resource.to_owned(), key);
                 let outcome = Record::unknown(claim.token, claim.fingerprint);
                 let limit = self.timeouts.store;
@@ -238,7 +238,7 @@ impl Proxy {
                 // waits for its turn or for the upstream), the attempt records an outcome.
                 let attempt = Attempt {
                     writer: Some(Writer {
-                        store: Arc::clone(&self.store),
+                        store: Arc::clone(self.store()),
                         resource: resource.to_owned(),
                         key,
                         store_timeout: self.timeouts.store,

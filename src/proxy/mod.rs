@@ -21,6 +21,7 @@ pub mod problem;
 pub mod recording;
 pub mod upstream;
 
+pub use build::BuildError;
 pub use problem::grpc;
 
 use std::convert::Infallible;
@@ -53,7 +54,8 @@ pub struct Proxy {
     table: RouteTable,
     token_header: HeaderName,
     equal: EqualTokens,
-    store: Arc<dyn FenceStore>,
+    /// What a fenced write's token is checked against, or where it comes from.
+    check: Check,
     barriers: Arc<Barriers>,
     metrics: Arc<Metrics>,
     /// Per-route metric children, indexed like the route table; the last one is for requests
@@ -62,9 +64,6 @@ pub struct Proxy {
     client: UpstreamClient,
     /// The pool for gRPC calls: HTTP/2 (prior knowledge for `http`, ALPN `h2` for `https`).
     grpc_client: UpstreamClient,
-    /// Egress mode: instead of checking the token against the store, attach the token of the
-    /// lease this sidecar holds on the resource (docs/leases.md, `egress`).
-    attach: Option<Arc<Agent>>,
     /// Authoritative mode: the latest grant per resource, from the lease backend that issues
     /// tokens, cached from its grant events (and the highest grants seen, a lower bound that
     /// answers refusals without a round trip).
@@ -82,6 +81,16 @@ pub struct Proxy {
     idempotent: Vec<bool>,
     /// `access_log`: one line per request (target `fencegate::access`).
     access_log: bool,
+}
+
+/// How a proxy fences writes.
+#[derive(Clone)]
+enum Check {
+    /// Ingress: the request's token is compared with the highest seen, and raised, in the store.
+    Store(Arc<dyn FenceStore>),
+    /// Egress: the request carries no token; the token of the lease this sidecar holds on the
+    /// resource is attached (docs/leases.md, `egress`), and without one the write is refused.
+    Attach(Arc<Agent>),
 }
 
 /// A fenced write past its token check, on its way to the upstream: what the steps that may
