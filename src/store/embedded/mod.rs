@@ -201,6 +201,9 @@ struct Shared {
     /// Runs in the writer just before it commits a batch that wrote (tests).
     #[cfg(test)]
     before_commit: std::sync::Mutex<Option<Box<BeforeCommit>>>,
+    /// The writer found the queue empty after a commit and waits for a wake (tests).
+    #[cfg(test)]
+    active_wait: AtomicBool,
 }
 
 /// A test's look at the cache while a batch is about to commit.
@@ -290,6 +293,8 @@ impl EmbeddedStore {
             clock_step_ms: AtomicU64::new(0),
             #[cfg(test)]
             before_commit: std::sync::Mutex::new(None),
+            #[cfg(test)]
+            active_wait: AtomicBool::new(false),
         });
         let (queue, rx) = mpsc::channel();
         let writer_shared = Arc::clone(&shared);

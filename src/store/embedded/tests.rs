@@ -226,6 +226,11 @@ fn raises_queued_before_the_runtime_parks_share_one_commit() {
             .await;
         assert_eq!(v.unwrap(), Verdict::Admitted { previous: None });
         assert_eq!(store.commits(), 1);
+        // Once the writer, done with that commit, has found the queue empty and waits (else
+        // it could take the raises below as they are queued, in two batches).
+        until("the writer to wait after its commit", || {
+            store.shared.active_wait.load(Ordering::SeqCst)
+        });
         // The writer has just committed: these wait for the runtime to park, then go
         // together.
         let raises: Vec<_> = (0..64)

@@ -76,7 +76,13 @@ pub(super) fn writer(
                 // A wake can come late, for an operation already taken: an early return with
                 // nothing queued only means waiting again until the deadline.
                 match until.checked_duration_since(Instant::now()) {
-                    Some(left) if !left.is_zero() => std::thread::park_timeout(left),
+                    Some(left) if !left.is_zero() => {
+                        #[cfg(test)]
+                        shared.active_wait.store(true, Ordering::SeqCst);
+                        std::thread::park_timeout(left);
+                        #[cfg(test)]
+                        shared.active_wait.store(false, Ordering::SeqCst);
+                    }
                     _ => active_until = None,
                 }
             } else {
