@@ -92,6 +92,11 @@ pub trait FenceStore: Send + Sync + 'static {
     ) -> BoxFuture<'a, Result<bool, StoreError>>;
 }
 
+/// `fence.retention` as the whole milliseconds the stores keep it in (at least 1: 0 means off).
+pub(crate) fn retention_ms(period: std::time::Duration) -> u64 {
+    u64::try_from(period.as_millis()).unwrap_or(u64::MAX).max(1)
+}
+
 /// The store key of an idempotency record: resource and key, separated by a byte neither
 /// can contain (resource ids and keys are visible ASCII or escaped).
 pub fn record_key(resource: &str, key: &str) -> String {

@@ -383,7 +383,7 @@ impl Remote for RedisRemote {
     }
 
     fn forget_after(&self, period: std::time::Duration) -> Result<(), StoreError> {
-        let ms = u64::try_from(period.as_millis()).unwrap_or(u64::MAX).max(1);
+        let ms = crate::store::retention_ms(period);
         self.retention_ms.store(ms, Ordering::Relaxed);
         Ok(())
     }

@@ -520,7 +520,7 @@ impl FenceStore for EmbeddedStore {
     }
 
     fn forget_after(&self, period: Duration) -> Result<(), StoreError> {
-        let ms = u64::try_from(period.as_millis()).unwrap_or(u64::MAX).max(1);
+        let ms = crate::store::retention_ms(period);
         self.shared.retention_ms.store(ms, Ordering::Relaxed);
         // The writer waits without a deadline while idle: it learns its new one now.
         if let Some(writer) = &self.writer {

@@ -52,7 +52,7 @@ impl PostgresRemote {
 
     /// Turns forgetting on, and starts a pass at once (the health probe starts the next ones).
     pub(super) fn forget_after(&self, period: Duration) {
-        let ms = u64::try_from(period.as_millis()).unwrap_or(u64::MAX).max(1);
+        let ms = crate::store::retention_ms(period);
         self.forget.retention_ms.store(ms, Ordering::Relaxed);
         self.maybe_forget(true);
     }
