@@ -76,7 +76,7 @@ use tower_service::Service;
 use crate::body::ProxyBody;
 use crate::config::{Authority, Config};
 use crate::fence::barrier::Ticket;
-use crate::lease::LeaseError;
+use crate::lease::{LeaseBackend, LeaseError};
 use crate::metrics::{Metrics, Outcome};
 use crate::proxy::{grpc, BuildError, Decision, Pass, Proxy};
 use crate::store::{FenceStore, StoreError};
@@ -96,6 +96,14 @@ pub enum LayerError {
     /// `fence.authority: leases` without a `leases` section to open the backend from.
     #[error("fence.authority: leases needs the leases section")]
     NoLeases,
+    /// `fence.authority: leases` given to [`FenceLayer::new`], which has no lease backend to
+    /// check tokens against: fencing without it would let a token below the latest grant
+    /// through.
+    #[error(
+        "fence.authority: leases checks every token against the lease backend, which \
+         FenceLayer::new does not open: use FenceLayer::open, or FenceLayer::with_lease_backend"
+    )]
+    NoLeaseBackend,
     /// Opening the lease backend (`fence.authority: leases`).
     #[error(transparent)]
     LeaseBackend(#[from] LeaseError),
@@ -111,15 +119,42 @@ pub struct FenceLayer {
 
 impl FenceLayer {
     /// The fence of `config` over `store`, its metrics registered in `registry` (the same
-    /// `fencegate_*` metrics the sidecar exposes). With `fence.authority: leases`, use
+    /// `fencegate_*` metrics the sidecar exposes). A config with `fence.authority: leases` is
+    /// refused ([`LayerError::NoLeaseBackend`]): use [`FenceLayer::with_lease_backend`], or
     /// [`FenceLayer::open`], which also opens the lease backend.
     pub fn new(
         config: &Config,
         store: Arc<dyn FenceStore>,
         registry: prometheus::Registry,
     ) -> Result<Self, LayerError> {
+        if config.fence.authority == Authority::Leases {
+            return Err(LayerError::NoLeaseBackend);
+        }
+        Self::build(config, store, None, registry)
+    }
+
+    /// [`FenceLayer::new`] with the lease backend that `fence.authority: leases` checks every
+    /// token against (`fencegate::lease::open`); without that setting the backend is not used.
+    pub fn with_lease_backend(
+        config: &Config,
+        store: Arc<dyn FenceStore>,
+        backend: Arc<dyn LeaseBackend>,
+        registry: prometheus::Registry,
+    ) -> Result<Self, LayerError> {
+        Self::build(config, store, Some(backend), registry)
+    }
+
+    fn build(
+        config: &Config,
+        store: Arc<dyn FenceStore>,
+        backend: Option<Arc<dyn LeaseBackend>>,
+        registry: prometheus::Registry,
+    ) -> Result<Self, LayerError> {
         let metrics = Arc::new(Metrics::new(registry)?);
-        let fence = Proxy::in_process(config, store, metrics)?;
+        let mut fence = Proxy::in_process(config, store, metrics)?;
+        if config.fence.authority == Authority::Leases {
+            fence = fence.with_authority(backend.ok_or(LayerError::NoLeaseBackend)?);
+        }
         Ok(FenceLayer {
             fence: Arc::new(fence),
         })
@@ -130,16 +165,14 @@ impl FenceLayer {
     pub async fn open(config: &Config) -> Result<Self, LayerError> {
         crate::tls::install_default_provider();
         let store = crate::store::open(&config.store).await?;
-        let metrics = Arc::new(Metrics::new(prometheus::Registry::new())?);
-        let mut fence = Proxy::in_process(config, store, metrics)?;
-        if config.fence.authority == Authority::Leases {
-            let leases = config.leases.as_ref().ok_or(LayerError::NoLeases)?;
-            let backend = crate::lease::open(&leases.backend).await?;
-            fence = fence.with_authority(backend);
-        }
-        Ok(FenceLayer {
-            fence: Arc::new(fence),
-        })
+        let backend = match config.fence.authority {
+            Authority::Leases => {
+                let leases = config.leases.as_ref().ok_or(LayerError::NoLeases)?;
+                Some(crate::lease::open(&leases.backend).await?)
+            }
+            Authority::None => None,
+        };
+        Self::build(config, store, backend, prometheus::Registry::new())
     }
 }
 

@@ -265,3 +265,68 @@ async fn the_axum_example_answers_a_stale_write_with_the_proxys_409() {
     assert_eq!(balance.text(), "100\n");
     proxy.shutdown();
 }
+
+/// With `fence.authority: leases` the layer checks every token against the lease backend, as
+/// the sidecar does: `FenceLayer::new`, which has no backend, refuses such a config instead of
+/// fencing without it, and `FenceLayer::with_lease_backend` refuses a token below the latest
+/// grant before the new holder has written anything.
+#[tokio::test]
+async fn an_authoritative_config_is_never_fenced_without_its_lease_backend() {
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = format!(
+        "upstream: http://unused.invalid\nstore: {{ kind: memory }}\nfence: {{ authority: leases }}\n\
+         leases: {{ backend: {{ kind: embedded, path: {} }}, ttl: 5s }}\n{ACCOUNTS}",
+        dir.path().join("leases.db").display()
+    );
+    let config = Config::parse(&yaml).unwrap();
+    let store = || Arc::new(fencegate::store::MemoryStore::new());
+    let refused = FenceLayer::new(&config, store(), prometheus::Registry::new()).err();
+    assert_eq!(
+        refused.map(|e| e.to_string()).as_deref(),
+        Some(
+            "fence.authority: leases checks every token against the lease backend, which \
+             FenceLayer::new does not open: use FenceLayer::open, or \
+             FenceLayer::with_lease_backend"
+        )
+    );
+
+    let backend = fencegate::lease::open(&config.leases.as_ref().unwrap().backend)
+        .await
+        .unwrap();
+    let ttl = Duration::from_secs(5);
+    let grant = |acquired| match acquired {
+        Ok(fencegate::lease::Acquired::Granted(grant)) => grant,
+        other => panic!("not granted: {other:?}"),
+    };
+    let first = grant(backend.try_acquire("account:42", "worker-1", ttl).await);
+    assert!(backend.release(&first).await.unwrap());
+    let second = grant(backend.try_acquire("account:42", "worker-2", ttl).await);
+    let layer = FenceLayer::with_lease_backend(
+        &config,
+        store(),
+        Arc::clone(&backend),
+        prometheus::Registry::new(),
+    )
+    .unwrap();
+    let seen: Log = Arc::default();
+    let log = Arc::clone(&seen);
+    let inner = tower::service_fn(move |req: Request<Full<Bytes>>| {
+        log.lock()
+            .unwrap()
+            .push((req.method().to_string(), req.uri().path().to_owned(), None));
+        async { Ok::<_, Infallible>(Response::new(Full::new(Bytes::from("stored")))) }
+    });
+    let mut service = layer.layer(Inner::new(inner));
+    let token = first.token.to_string();
+    let stale = request("PUT", "/accounts/42", &[("fencing-token", &token)]);
+    let body = call(&mut service, stale)
+        .await
+        .assert_problem(409, "urn:fencegate:stale-token");
+    assert_eq!(body["token"], first.token);
+    assert_eq!(body["current_token"], second.token);
+    assert!(seen.lock().unwrap().is_empty());
+    let token = second.token.to_string();
+    let fresh = request("PUT", "/accounts/42", &[("fencing-token", &token)]);
+    assert_eq!(call(&mut service, fresh).await.status, 200);
+    assert_eq!(seen.lock().unwrap().len(), 1);
+}
