@@ -10,7 +10,10 @@
 //! latest grant) does not depend on the exact period.
 //!
 //! Maxima recorded while retention was off have no entry: they are kept until their next
-//! raise records one.
+//! raise records one. The first commit of a run without retention drops both tables, since
+//! its raises do not keep them: an entry left from an earlier run with retention would date a
+//! maximum by a raise long past once retention is on again, and forget it however recently it
+//! was raised.
 
 use super::*;
 

@@ -568,3 +568,42 @@ fn an_idle_writer_forgets_without_a_write() {
     assert_eq!(store.read_maximum("gone").unwrap(), None);
     assert_eq!(store.read_maximum("kept").unwrap(), Some(5));
 }
+
+/// A run without retention drops the raise times an earlier run with retention left, so that
+/// turning retention on again does not date a maximum by a raise long past: here `r`, raised
+/// two hours after its recorded raise (while retention was off), is kept.
+#[tokio::test]
+async fn raise_times_do_not_outlive_a_run_without_retention() {
+    async fn raise(store: &EmbeddedStore, r: &str, token: u64) -> Verdict {
+        store
+            .compare_and_raise(r, token, EqualTokens::Allow)
+            .await
+            .unwrap()
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("f.db");
+    {
+        let store = EmbeddedStore::open(&path, "t", 1000).unwrap();
+        store.forget_after(Duration::from_secs(3600)).unwrap();
+        assert_eq!(
+            raise(&store, "r", 1).await,
+            Verdict::Admitted { previous: None }
+        );
+    }
+    {
+        let store = EmbeddedStore::open(&path, "t", 1000).unwrap();
+        step_clock(&store, 120 * MINUTE);
+        assert_eq!(
+            raise(&store, "r", 2).await,
+            Verdict::Admitted { previous: Some(1) }
+        );
+    }
+    let store = EmbeddedStore::open(&path, "t", 1000).unwrap();
+    store.forget_after(Duration::from_secs(3600)).unwrap();
+    step_clock(&store, 130 * MINUTE);
+    assert_eq!(
+        raise(&store, "other", 1).await,
+        Verdict::Admitted { previous: None }
+    );
+    assert_eq!(store.read_maximum("r").unwrap(), Some(2));
+}

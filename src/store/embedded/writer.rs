@@ -40,6 +40,9 @@ pub(super) fn writer(
     let mut next_purge = 0;
     // When to look for maxima to forget next (ms since the Unix epoch; with retention only).
     let mut next_forget: u64 = 0;
+    // Whether the raise times of an earlier run with retention are known to be gone (see
+    // `Due::ages_dropped`).
+    let mut ages_dropped = false;
     let mut live = Running::new();
     // Until when, after a commit, the next raises may wait for the runtime to park.
     let mut active_until: Option<Instant> = None;
@@ -111,6 +114,7 @@ pub(super) fn writer(
                 let due = Due {
                     purge: &mut next_purge,
                     forget: &mut next_forget,
+                    ages_dropped: &mut ages_dropped,
                 };
                 commit_batch(handle, tables, &batch, &shared, due, &mut live)
                     .map_err(|e| e.to_string())
@@ -210,6 +214,10 @@ struct Due<'a> {
     purge: &'a mut u64,
     /// Forgetting maxima past the retention (with retention only).
     forget: &'a mut u64,
+    /// Without retention, the first commit drops the raise times an earlier run with retention
+    /// left: raises while retention is off do not keep them, so turned on again later they
+    /// would date maxima by a raise long past and forget them however recently raised.
+    ages_dropped: &'a mut bool,
 }
 
 /// The durable maximum of `resource` as of this point of the batch: what the batch raised it
@@ -283,6 +291,11 @@ fn commit_batch(
         } else {
             None
         };
+        if retention == 0 && !*due.ages_dropped {
+            let dropped =
+                txn.delete_table(tables.raised)? | txn.delete_table(tables.raised_order)?;
+            wrote |= dropped;
+        }
         // Before the batch's operations, so they decide against what is left.
         if let Some(ages) = ages.as_mut().filter(|_| now >= *due.forget) {
             let cutoff = now.saturating_sub(retention);
@@ -398,6 +411,10 @@ fn commit_batch(
             look(&shared.cache);
         }
         txn.commit()?;
+    }
+    // Committed, or nothing to drop.
+    if retention == 0 {
+        *due.ages_dropped = true;
     }
     Ok((answers, maxima, wrote, forgotten))
 }
