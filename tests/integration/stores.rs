@@ -521,6 +521,90 @@ async fn postgres_stores_starting_together_all_create_their_tables() {
     }
 }
 
+async fn postgres_admin() -> tokio_postgres::Client {
+    let (client, connection) = tokio_postgres::connect(POSTGRES_URL, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    client
+}
+
+fn postgres_config(prefix: &str) -> Config {
+    Config::parse(&format!(
+        "upstream: http://127.0.0.1:1\nstore: {{ kind: postgres, url: '{POSTGRES_URL}', prefix: {prefix} }}\n"
+    ))
+    .unwrap()
+}
+
+/// A store starting on tables that exist checks its columns and index without locking the
+/// tables: a claim elsewhere holds the records' lock and then asks for the maxima's, so a
+/// start-up that altered the maxima table in between deadlocked with it (PostgreSQL aborted
+/// one of them). Here another session holds both tables' row-exclusive locks (what every
+/// write takes) while a second store starts and writes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_store_starts_without_locking_existing_tables() {
+    let prefix = fresh_prefix();
+    let config = postgres_config(&prefix);
+    let first = store::open(&config.store).await.unwrap();
+    assert_eq!(
+        first.compare_and_raise("a", 1, Allow).await.unwrap(),
+        Verdict::Admitted { previous: None }
+    );
+    let admin = postgres_admin().await;
+    admin
+        .batch_execute(&format!(
+            "BEGIN; LOCK TABLE {prefix}_fences IN ROW EXCLUSIVE MODE; \
+             LOCK TABLE {prefix}_idempotency IN ROW EXCLUSIVE MODE"
+        ))
+        .await
+        .unwrap();
+    let second = store::open(&config.store).await.unwrap();
+    let raised = tokio::time::timeout(
+        Duration::from_secs(10),
+        second.compare_and_raise("b", 1, Allow),
+    )
+    .await
+    .expect("the second store's start-up waited for the held locks");
+    assert_eq!(raised.unwrap(), Verdict::Admitted { previous: None });
+    admin.batch_execute("ROLLBACK").await.unwrap();
+}
+
+/// A failed table set-up does not leave its connection inside the failed transaction: once
+/// the cause is gone, the next write succeeds (it used to fail with 25P02, "current transaction
+/// is aborted", on every connection the failed set-up had used).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_table_setup_recovers_after_a_failure() {
+    let prefix = fresh_prefix();
+    let admin = postgres_admin().await;
+    // A records table without `expires_at`: creating its index fails.
+    admin
+        .batch_execute(&format!(
+            "CREATE TABLE {prefix}_idempotency (resource TEXT)"
+        ))
+        .await
+        .unwrap();
+    let store = store::open(&postgres_config(&prefix).store).await.unwrap();
+    for _ in 0..3 {
+        let failed = store.compare_and_raise("a", 1, Allow).await.unwrap_err();
+        assert_eq!(
+            failed.to_string(),
+            "the fence store is unavailable: postgres: creating the tables: column \"expires_at\" \
+             does not exist (42703)"
+        );
+    }
+    admin
+        .batch_execute(&format!("DROP TABLE {prefix}_idempotency"))
+        .await
+        .unwrap();
+    for r in ["a", "b", "c", "d"] {
+        assert_eq!(
+            store.compare_and_raise(r, 1, Allow).await.unwrap(),
+            Verdict::Admitted { previous: None },
+            "{r}"
+        );
+    }
+}
+
 /// The embedded store keeps only `cache_size` maxima in memory: a resource written before a
 /// restart (a `kill -9` and a graceful one), and pushed out of the cache by others since, is
 /// read from the file and its stale token still refused.

@@ -100,7 +100,18 @@ impl PostgresRemote {
                 // One transaction under an advisory lock: sidecars that start together on a
                 // new prefix would otherwise race `CREATE … IF NOT EXISTS` into a unique
                 // violation on the catalog.
-                client
+                let add = |table: &str, column: &str, kind: &str| {
+                    format!(
+                        "IF NOT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = '{table}'::regclass \
+                           AND attname = '{column}' AND NOT attisdropped) THEN \
+                           ALTER TABLE {table} ADD COLUMN {column} {kind}; \
+                         END IF;"
+                    )
+                };
+                // Columns and the index are added only where missing: `ALTER TABLE` and
+                // `CREATE INDEX` lock their table even when there is nothing to do, and a lock
+                // on the maxima taken while a claim holds the records' would deadlock with it.
+                let result = client
                     .batch_execute(&format!(
                         "BEGIN; \
                          SELECT pg_advisory_xact_lock(hashtextextended('fencegate schema {table}', 0)); \
@@ -109,7 +120,6 @@ impl PostgresRemote {
                            max_token BIGINT NOT NULL CHECK (max_token >= 0), \
                            prev_token BIGINT, \
                            raised_at TIMESTAMPTZ); \
-                         ALTER TABLE {table} ADD COLUMN IF NOT EXISTS raised_at TIMESTAMPTZ; \
                          CREATE TABLE IF NOT EXISTS {records} (\
                            resource TEXT NOT NULL, \
                            idem_key TEXT NOT NULL, \
@@ -121,23 +131,32 @@ impl PostgresRemote {
                            attempt TEXT, \
                            in_flight_ms BIGINT, \
                            PRIMARY KEY (resource, idem_key)); \
-                         ALTER TABLE {records} ADD COLUMN IF NOT EXISTS attempt TEXT; \
-                         ALTER TABLE {records} ADD COLUMN IF NOT EXISTS in_flight_ms BIGINT; \
-                         CREATE INDEX IF NOT EXISTS {records}_expiry ON {records} (expires_at); \
-                         COMMIT"
+                         DO $$ BEGIN {} {} {} \
+                           IF to_regclass('{records}_expiry') IS NULL THEN \
+                             CREATE INDEX {records}_expiry ON {records} (expires_at); \
+                           END IF; \
+                         END $$; \
+                         COMMIT",
+                        add(records, "attempt", "TEXT"),
+                        add(records, "in_flight_ms", "BIGINT"),
+                        add(table, "raised_at", "TIMESTAMPTZ"),
                     ))
-                    .await
-                    .map_err(|e| {
-                        // The server's message, not only tokio-postgres's "db error".
-                        match e.as_db_error() {
-                            Some(db) => StoreError::Refused(format!(
-                                "postgres: creating the tables: {} ({})",
-                                db.message(),
-                                db.code().code()
-                            )),
-                            None => failed(&e),
-                        }
-                    })
+                    .await;
+                if let Err(e) = result {
+                    // Not back to the pool inside a failed transaction, where every later
+                    // statement on the connection would fail too.
+                    let _ = client.batch_execute("ROLLBACK").await;
+                    // The server's message, not only tokio-postgres's "db error".
+                    return Err(match e.as_db_error() {
+                        Some(db) => StoreError::Refused(format!(
+                            "postgres: creating the tables: {} ({})",
+                            db.message(),
+                            db.code().code()
+                        )),
+                        None => failed(&e),
+                    });
+                }
+                Ok(())
             })
             .await?;
         Ok(client)
