@@ -3,15 +3,22 @@
 //! At crate level because every listener answers with it: the proxy, the lease API, the admin
 //! listener and the injection webhook.
 
+use std::convert::Infallible;
+use std::future::Ready;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
+use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
-use http_body_util::Full;
+use http_body_util::combinators::WithTrailers;
+use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 
 use crate::fence::barrier::Ticket;
+
+/// A replay's trailers, known from the start.
+type Trailers = Ready<Option<Result<HeaderMap, Infallible>>>;
 
 pub enum ProxyBody {
     /// Streamed from the upstream. The barrier ticket (under `ordering: serialize`) lives as
@@ -24,6 +31,8 @@ pub enum ProxyBody {
     Recording(Box<crate::proxy::recording::Recording>),
     /// A response fencegate made (refusals, admin pages, replays).
     Local(Full<Bytes>),
+    /// A replayed response that had trailers: its body, then its trailers.
+    Replay(Box<WithTrailers<Full<Bytes>, Trailers>>),
     /// A stream fencegate writes as it goes (Server-Sent Events); ends when the sender drops.
     Channel(tokio::sync::mpsc::Receiver<Bytes>),
 }
@@ -35,6 +44,15 @@ impl ProxyBody {
 
     pub fn empty() -> Self {
         ProxyBody::Local(Full::new(Bytes::new()))
+    }
+
+    /// `bytes`, then `trailers` (none sent when empty).
+    pub fn local_with_trailers(bytes: impl Into<Bytes>, trailers: HeaderMap) -> Self {
+        if trailers.is_empty() {
+            return ProxyBody::local(bytes);
+        }
+        let body = Full::new(bytes.into()).with_trailers(std::future::ready(Some(Ok(trailers))));
+        ProxyBody::Replay(Box::new(body))
     }
 }
 
@@ -52,6 +70,9 @@ impl Body for ProxyBody {
             ProxyBody::Local(full) => Pin::new(full)
                 .poll_frame(cx)
                 .map_err(|never| match never {}),
+            ProxyBody::Replay(body) => Pin::new(body.as_mut())
+                .poll_frame(cx)
+                .map_err(|never| match never {}),
             ProxyBody::Channel(rx) => rx
                 .poll_recv(cx)
                 .map(|chunk| chunk.map(|b| Ok(Frame::data(b)))),
@@ -63,6 +84,7 @@ impl Body for ProxyBody {
             ProxyBody::Upstream { inner, .. } => inner.is_end_stream(),
             ProxyBody::Recording(r) => r.is_end_stream(),
             ProxyBody::Local(full) => full.is_end_stream(),
+            ProxyBody::Replay(body) => body.is_end_stream(),
             ProxyBody::Channel(_) => false,
         }
     }
@@ -72,6 +94,7 @@ impl Body for ProxyBody {
             ProxyBody::Upstream { inner, .. } => inner.size_hint(),
             ProxyBody::Recording(r) => r.size_hint(),
             ProxyBody::Local(full) => full.size_hint(),
+            ProxyBody::Replay(body) => body.size_hint(),
             ProxyBody::Channel(_) => SizeHint::default(),
         }
     }

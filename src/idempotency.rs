@@ -150,12 +150,15 @@ impl Phase {
     }
 }
 
-/// The upstream's answer as recorded: end-to-end headers in order, and the whole body.
+/// The upstream's answer as recorded: end-to-end headers in order, the whole body, and the
+/// trailers that followed it (gRPC's `grpc-status` travels there), in order.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoredResponse {
     pub status: u16,
     pub headers: Vec<(String, Vec<u8>)>,
     pub body: Bytes,
+    /// Empty when the upstream sent none.
+    pub trailers: Vec<(String, Vec<u8>)>,
 }
 
 /// One `(resource, key)` record.
@@ -212,12 +215,9 @@ impl Record {
             status: self.status,
             response: self.response.as_ref().map(|r| WireResponse {
                 status: r.status,
-                headers: r
-                    .headers
-                    .iter()
-                    .map(|(n, v)| (n.clone(), B64.encode(v)))
-                    .collect(),
+                headers: encode_fields(&r.headers),
                 body: B64.encode(&r.body),
+                trailers: encode_fields(&r.trailers),
             }),
             attempt: self.attempt.map(|a| a.hex()),
         };
@@ -231,20 +231,16 @@ impl Record {
         let response = match wire.response {
             None => None,
             Some(r) => {
-                let mut headers = Vec::with_capacity(r.headers.len());
-                for (name, value) in r.headers {
-                    let value = B64
-                        .decode(value)
-                        .map_err(|e| format!("bad record header: {e}"))?;
-                    headers.push((name, value));
-                }
+                let headers = decode_fields(r.headers, "header")?;
                 let body = B64
                     .decode(r.body)
                     .map_err(|e| format!("bad record body: {e}"))?;
+                let trailers = decode_fields(r.trailers, "trailer")?;
                 Some(StoredResponse {
                     status: r.status,
                     headers,
                     body: body.into(),
+                    trailers,
                 })
             }
         };
@@ -266,6 +262,29 @@ impl Record {
     }
 }
 
+/// Header (or trailer) fields as stored: names as they are, values in base64.
+fn encode_fields(fields: &[(String, Vec<u8>)]) -> Vec<(String, String)> {
+    fields
+        .iter()
+        .map(|(n, v)| (n.clone(), B64.encode(v)))
+        .collect()
+}
+
+fn decode_fields(
+    fields: Vec<(String, String)>,
+    what: &str,
+) -> Result<Vec<(String, Vec<u8>)>, String> {
+    fields
+        .into_iter()
+        .map(|(name, value)| {
+            let value = B64
+                .decode(value)
+                .map_err(|e| format!("bad record {what}: {e}"))?;
+            Ok((name, value))
+        })
+        .collect()
+}
+
 #[derive(Serialize, Deserialize)]
 struct Wire {
     phase: Phase,
@@ -285,6 +304,9 @@ struct WireResponse {
     status: u16,
     headers: Vec<(String, String)>,
     body: String,
+    /// Absent in records written before trailers were kept, and when there were none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    trailers: Vec<(String, String)>,
 }
 
 /// What an attempt brings to [`decide`].
@@ -391,6 +413,7 @@ mod tests {
                 status: 201,
                 headers: vec![("content-type".into(), b"text/plain".to_vec())],
                 body: Bytes::from_static(b"ok\xff"),
+                trailers: Vec::new(),
             }),
             ..Record::in_flight(token, fp(f))
         }
@@ -492,6 +515,7 @@ mod tests {
                 response: None,
                 ..completed(4, 4)
             },
+            with_trailers(5, 5),
         ] {
             assert_eq!(Record::decode(&r.encode()).unwrap(), r);
         }
@@ -500,6 +524,38 @@ mod tests {
         assert_eq!(Record::decode(&owned.encode()).unwrap(), owned);
         assert!(Record::decode(b"{}").is_err());
         assert!(Record::decode(b"not json").is_err());
+    }
+
+    fn with_trailers(token: u64, f: u8) -> Record {
+        let mut r = completed(token, f);
+        let response = r.response.as_mut().unwrap();
+        response.trailers = vec![
+            ("grpc-status".into(), b"5".to_vec()),
+            ("grpc-message".into(), b"not \xfffound".to_vec()),
+        ];
+        r
+    }
+
+    #[test]
+    fn records_without_trailers_encode_as_before() {
+        let encoded = String::from_utf8(completed(3, 3).encode()).unwrap();
+        assert!(!encoded.contains("trailers"), "{encoded}");
+        let encoded = String::from_utf8(with_trailers(3, 3).encode()).unwrap();
+        assert!(
+            encoded.contains(r#""trailers":[["grpc-status","NQ=="],"#),
+            "{encoded}"
+        );
+        let bad = encoded.replace("NQ==", "*");
+        assert!(Record::decode(bad.as_bytes()).is_err());
+    }
+
+    #[test]
+    fn records_written_before_trailers_were_kept_decode() {
+        let old = format!(
+            r#"{{"phase":"completed","token":3,"fingerprint":"{}","status":201,"response":{{"status":201,"headers":[["content-type","dGV4dC9wbGFpbg=="]],"body":"b2v/"}}}}"#,
+            fp(3).hex()
+        );
+        assert_eq!(Record::decode(old.as_bytes()).unwrap(), completed(3, 3));
     }
 
     #[test]

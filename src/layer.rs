@@ -296,11 +296,12 @@ fn refusal<RB>(response: Response<ProxyBody>, grpc: bool) -> Response<FenceBody<
     response.map(|body| match body {
         ProxyBody::Local(body) => FenceBody::Refusal { body },
         // Refusals are always written by fencegate itself.
-        ProxyBody::Upstream { .. } | ProxyBody::Recording(_) | ProxyBody::Channel(_) => {
-            FenceBody::Refusal {
-                body: Full::default(),
-            }
-        }
+        ProxyBody::Upstream { .. }
+        | ProxyBody::Recording(_)
+        | ProxyBody::Replay(_)
+        | ProxyBody::Channel(_) => FenceBody::Refusal {
+            body: Full::default(),
+        },
     })
 }
 

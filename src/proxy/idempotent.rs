@@ -54,19 +54,27 @@ pub fn key_from_headers(headers: &HeaderMap, name: &HeaderName) -> Result<Option
 
 /// A recorded response, answered again.
 fn replay(response: StoredResponse) -> Response<ProxyBody> {
-    let mut out = Response::new(ProxyBody::local(response.body));
+    let trailers = header_map(response.trailers);
+    let mut out = Response::new(ProxyBody::local_with_trailers(response.body, trailers));
     *out.status_mut() = StatusCode::from_u16(response.status).unwrap_or(StatusCode::OK);
     let headers = out.headers_mut();
-    for (name, value) in response.headers {
+    *headers = header_map(response.headers);
+    headers.insert(REPLAYED, HeaderValue::from_static("true"));
+    out
+}
+
+/// Recorded fields, in order; one that is no longer a valid header is left out.
+fn header_map(fields: Vec<(String, Vec<u8>)>) -> HeaderMap {
+    let mut map = HeaderMap::with_capacity(fields.len());
+    for (name, value) in fields {
         if let (Ok(n), Ok(v)) = (
             HeaderName::from_bytes(name.as_bytes()),
             HeaderValue::from_bytes(&value),
         ) {
-            headers.append(n, v);
+            map.append(n, v);
         }
     }
-    headers.insert(REPLAYED, HeaderValue::from_static("true"));
-    out
+    map
 }
 
 impl Proxy {

@@ -1,6 +1,6 @@
 //! Recording an executed idempotent attempt's outcome: the [`Attempt`] that writes it exactly
 //! once, and the [`Recording`] body that streams the upstream's response to the client while
-//! keeping a copy (up to `max_response_bytes`) for the record.
+//! keeping a copy (body and trailers, up to `max_response_bytes` together) for the record.
 //!
 //! When the upstream's body ends, the record is written before the client sees the end, so a
 //! retry sent after the response never finds the key still in flight. A client that goes away
@@ -157,7 +157,7 @@ impl Attempt {
 
     /// The upstream answered without a body.
     pub fn record_empty(self, status: StatusCode, head: &HeaderMap) -> Finish {
-        let record = self.outcome(status, head, Some(Bytes::new()));
+        let record = self.outcome(status, head, Some(Kept::default()));
         self.finish(record)
     }
 
@@ -167,18 +167,18 @@ impl Attempt {
         self.finish(record)
     }
 
-    fn outcome(&self, status: StatusCode, head: &HeaderMap, body: Option<Bytes>) -> Record {
+    /// The record of an answer; `copy` is `None` when the response cannot be replayed (too
+    /// large, or its body broke).
+    fn outcome(&self, status: StatusCode, head: &HeaderMap, copy: Option<Kept>) -> Record {
         let (token, fingerprint) = (self.claim.token, self.claim.fingerprint);
         if outcome_unknown(status.as_u16()) {
             return Record::unknown(token, fingerprint);
         }
-        let response = body.map(|body| StoredResponse {
+        let response = copy.map(|copy| StoredResponse {
             status: status.as_u16(),
-            headers: head
-                .iter()
-                .map(|(n, v)| (n.as_str().to_owned(), v.as_bytes().to_vec()))
-                .collect(),
-            body,
+            headers: fields(head),
+            body: copy.body.freeze(),
+            trailers: copy.trailers,
         });
         Record {
             phase: Phase::Completed,
@@ -203,6 +203,46 @@ impl Drop for Attempt {
     }
 }
 
+fn fields(map: &HeaderMap) -> Vec<(String, Vec<u8>)> {
+    map.iter()
+        .map(|(n, v)| (n.as_str().to_owned(), v.as_bytes().to_vec()))
+        .collect()
+}
+
+/// The copy of a response's body and trailers kept for its record.
+#[derive(Default)]
+struct Kept {
+    body: BytesMut,
+    trailers: Vec<(String, Vec<u8>)>,
+    /// Body bytes plus the trailers' names and values, counted against `max_response`.
+    size: usize,
+}
+
+impl Kept {
+    /// Adds `frame` to the copy, or gives the copy up (`None`) once it outgrows `limit`.
+    fn keep(copy: &mut Option<Kept>, frame: &Frame<Bytes>, limit: usize) {
+        let Some(c) = copy else { return };
+        let added = match (frame.data_ref(), frame.trailers_ref()) {
+            (Some(chunk), _) => chunk.len(),
+            (None, Some(trailers)) => trailers
+                .iter()
+                .map(|(n, v)| n.as_str().len() + v.len())
+                .sum(),
+            (None, None) => 0,
+        };
+        if c.size + added > limit {
+            *copy = None;
+            return;
+        }
+        c.size += added;
+        if let Some(chunk) = frame.data_ref() {
+            c.body.extend_from_slice(chunk);
+        } else if let Some(trailers) = frame.trailers_ref() {
+            c.trailers.extend(fields(trailers));
+        }
+    }
+}
+
 /// The upstream's body, streamed to the client and copied for the record.
 pub struct Recording {
     inner: Option<Incoming>,
@@ -211,7 +251,7 @@ pub struct Recording {
     status: StatusCode,
     head: HeaderMap,
     /// The copy so far; `None` once it outgrew `max_response`.
-    copy: Option<BytesMut>,
+    copy: Option<Kept>,
     attempt: Option<Attempt>,
     /// Dropped unfinished (the client left), it completes in the background.
     finishing: Option<Finish>,
@@ -233,20 +273,10 @@ impl Recording {
             ticket,
             status,
             head,
-            copy: Some(BytesMut::new()),
+            copy: Some(Kept::default()),
             attempt: Some(attempt),
             finishing: None,
             held: None,
-        }
-    }
-
-    fn keep(copy: &mut Option<BytesMut>, chunk: &Bytes, limit: usize) {
-        if let Some(c) = copy {
-            if c.len() + chunk.len() > limit {
-                *copy = None;
-            } else {
-                c.extend_from_slice(chunk);
-            }
         }
     }
 }
@@ -276,15 +306,14 @@ impl Body for Recording {
             match Pin::new(inner).poll_frame(cx) {
                 Poll::Pending => return Poll::Pending,
                 Poll::Ready(Some(Ok(frame))) => {
-                    if let (Some(chunk), Some(attempt)) = (frame.data_ref(), &this.attempt) {
-                        Self::keep(&mut this.copy, chunk, attempt.max_response);
+                    if let Some(attempt) = &this.attempt {
+                        Kept::keep(&mut this.copy, &frame, attempt.max_response);
                     }
                     let last = this.inner.as_ref().is_some_and(|i| i.is_end_stream());
                     match (last, this.attempt.take()) {
                         (true, Some(attempt)) => {
                             this.inner = None;
-                            let body = this.copy.take().map(BytesMut::freeze);
-                            let record = attempt.outcome(this.status, &this.head, body);
+                            let record = attempt.outcome(this.status, &this.head, this.copy.take());
                             this.finishing = Some(attempt.finish(record));
                             this.held = Some(frame);
                         }
@@ -308,8 +337,7 @@ impl Body for Recording {
                     this.inner = None;
                     match this.attempt.take() {
                         Some(attempt) => {
-                            let body = this.copy.take().map(BytesMut::freeze);
-                            let record = attempt.outcome(this.status, &this.head, body);
+                            let record = attempt.outcome(this.status, &this.head, this.copy.take());
                             this.finishing = Some(attempt.finish(record));
                         }
                         None => return Poll::Ready(None),
@@ -358,19 +386,45 @@ impl Drop for Recording {
             let drained = tokio::time::timeout(attempt.drain_limit, async {
                 while let Some(frame) = inner.frame().await {
                     let frame = frame.ok()?;
-                    if let Some(chunk) = frame.data_ref() {
-                        Recording::keep(&mut copy, chunk, attempt.max_response);
-                    }
+                    Kept::keep(&mut copy, &frame, attempt.max_response);
                 }
                 Some(())
             })
             .await;
-            let body = match drained {
-                Ok(Some(())) => copy.map(BytesMut::freeze),
+            let copy = match drained {
+                Ok(Some(())) => copy,
                 Ok(None) | Err(_) => None,
             };
-            let record = attempt.outcome(status, &head, body);
+            let record = attempt.outcome(status, &head, copy);
             attempt.finish(record).await
         }));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kept(limit: usize) -> Option<Kept> {
+        let mut trailers = HeaderMap::new();
+        trailers.insert("grpc-status", "0".parse().unwrap());
+        let mut copy = Some(Kept::default());
+        for frame in [
+            Frame::data(Bytes::from_static(b"abc")),
+            Frame::trailers(trailers),
+        ] {
+            Kept::keep(&mut copy, &frame, limit);
+        }
+        copy
+    }
+
+    #[test]
+    fn trailers_are_kept_within_the_same_bound_as_the_body() {
+        // 3 body bytes, then `grpc-status` (11) and `0` (1).
+        let copy = kept(15).unwrap();
+        assert_eq!(&copy.body[..], b"abc");
+        assert_eq!(copy.trailers, [("grpc-status".to_owned(), b"0".to_vec())]);
+        assert_eq!(copy.size, 15);
+        assert!(kept(14).is_none());
     }
 }

@@ -1,6 +1,7 @@
 //! gRPC through fencegate, with a real client and server (tonic, over prost messages written by
-//! hand): refusals as gRPC statuses, admitted calls, and a server-streaming call proxied intact
-//! (messages and trailers) over h2c and over TLS, to an h2c and to an `https` upstream.
+//! hand): refusals as gRPC statuses, admitted calls, a server-streaming call proxied intact
+//! (messages and trailers) over h2c and over TLS, to an h2c and to an `https` upstream, and keyed
+//! calls replayed with their status.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -22,7 +23,7 @@ use tonic_prost::ProstCodec;
 
 use crate::common::*;
 
-/// `ledger.Ledger/Deposit`'s request.
+/// `ledger.Ledger/Deposit`'s request; a negative amount is refused (`INVALID_ARGUMENT`).
 #[derive(Clone, PartialEq, prost::Message)]
 struct Deposit {
     #[prost(int64, tag = "1")]
@@ -96,8 +97,14 @@ impl Ledger {
             DEPOSIT => {
                 let mut grpc = tonic::server::Grpc::new(ProstCodec::<Balance, Deposit>::default());
                 let deposit = tower::service_fn(|req: tonic::Request<Deposit>| async move {
-                    Ok::<_, Status>(tonic::Response::new(Balance {
-                        amount: 100 + req.get_ref().amount,
+                    let amount = req.get_ref().amount;
+                    if amount < 0 {
+                        return Err(Status::invalid_argument(format!(
+                            "no negative deposits: {amount} é%"
+                        )));
+                    }
+                    Ok(tonic::Response::new(Balance {
+                        amount: 100 + amount,
                     }))
                 });
                 grpc.unary(deposit, req).await
@@ -236,6 +243,22 @@ async fn deposit(
 ) -> Result<tonic::Response<Balance>, Status> {
     grpc.ready().await.unwrap();
     let req = request(Deposit { amount: 5 }, account, token);
+    let codec = ProstCodec::<Deposit, Balance>::default();
+    grpc.unary(req, PathAndQuery::from_static(DEPOSIT), codec)
+        .await
+}
+
+/// A `Deposit` of `amount` with token 3 and an `idempotency-key`.
+async fn keyed_deposit(
+    grpc: &mut tonic::client::Grpc<Channel>,
+    account: &str,
+    key: &str,
+    amount: i64,
+) -> Result<tonic::Response<Balance>, Status> {
+    grpc.ready().await.unwrap();
+    let mut req = request(Deposit { amount }, account, Some("3"));
+    req.metadata_mut()
+        .insert("idempotency-key", key.parse().unwrap());
     let codec = ProstCodec::<Deposit, Balance>::default();
     grpc.unary(req, PathAndQuery::from_static(DEPOSIT), codec)
         .await
@@ -470,4 +493,36 @@ async fn the_layer_fences_a_tonic_service_in_process() {
     assert_eq!(entries.len(), 2);
     assert_eq!(end.unwrap_err().message(), "end of history: 100% read");
     assert_eq!(ledger.calls().len(), 2);
+}
+
+#[tokio::test]
+async fn a_keyed_unary_write_is_replayed_with_its_status() {
+    let (ledger, addr) = Ledger::start(false).await;
+    let extra = format!("idempotency: {{ window: 1m }}\n{ROUTES}");
+    let server = fencegate(&format!("http://{addr}"), &extra).await;
+    let mut grpc = client(server.listen, false).await;
+
+    // OK: the status travels in the trailers, after the message.
+    let first = keyed_deposit(&mut grpc, "k1", "dep-1", 5).await.unwrap();
+    assert_eq!(first.get_ref().amount, 105);
+    assert_eq!(first.metadata().get("idempotent-replayed"), None);
+    let again = keyed_deposit(&mut grpc, "k1", "dep-1", 5).await.unwrap();
+    assert_eq!(again.get_ref().amount, 105);
+    assert_eq!(again.metadata().get("idempotent-replayed").unwrap(), "true");
+    assert_eq!(ledger.calls().len(), 1, "{:?}", ledger.calls());
+
+    // The server's own error status, replayed as it was.
+    let refused = keyed_deposit(&mut grpc, "k1", "dep-2", -1)
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), Code::InvalidArgument);
+    assert_eq!(refused.message(), "no negative deposits: -1 é%");
+    let replayed = keyed_deposit(&mut grpc, "k1", "dep-2", -1)
+        .await
+        .unwrap_err();
+    assert_eq!(replayed.code(), Code::InvalidArgument);
+    assert_eq!(replayed.message(), "no negative deposits: -1 é%");
+    assert_eq!(metadata(&replayed, "idempotent-replayed"), Some("true"));
+    assert_eq!(ledger.calls().len(), 2, "{:?}", ledger.calls());
+    server.shutdown();
 }

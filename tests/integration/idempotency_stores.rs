@@ -42,6 +42,7 @@ fn completed(token: u64, f: u8, body: &'static [u8]) -> Record {
                 ("x-opaque".into(), vec![0x80, 0xff, b'a']),
             ],
             body: Bytes::from_static(body),
+            trailers: Vec::new(),
         }),
         attempt: None,
     }
