@@ -60,10 +60,7 @@ pub trait FenceStore: Send + Sync + 'static {
     /// this; the others refuse).
     fn forget_after(&self, period: std::time::Duration) -> Result<(), StoreError> {
         let _ = period;
-        Err(StoreError::Config(format!(
-            "the {} store cannot forget maxima (fence.retention)",
-            self.kind()
-        )))
+        Err(cannot_forget(self.kind()))
     }
 
     /// Idempotency, one atomic step: look up the live record of `(resource, key)`, run
@@ -90,6 +87,14 @@ pub trait FenceStore: Send + Sync + 'static {
         claim: &'a Claim,
         outcome: &'a Record,
     ) -> BoxFuture<'a, Result<bool, StoreError>>;
+}
+
+/// What a store without retention answers [`FenceStore::forget_after`] (the config refuses
+/// `fence.retention` for it first).
+pub(crate) fn cannot_forget(kind: &str) -> StoreError {
+    StoreError::Config(format!(
+        "the {kind} store cannot forget maxima (fence.retention)"
+    ))
 }
 
 /// `fence.retention` as the whole milliseconds the stores keep it in (at least 1: 0 means off).

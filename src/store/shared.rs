@@ -105,10 +105,7 @@ pub trait Remote: Send + Sync + 'static {
     /// See [`FenceStore::forget_after`]; the default refuses.
     fn forget_after(&self, period: std::time::Duration) -> Result<(), StoreError> {
         let _ = period;
-        Err(StoreError::Config(format!(
-            "the {} store cannot forget maxima (fence.retention)",
-            self.kind()
-        )))
+        Err(super::cannot_forget(self.kind()))
     }
 }
 

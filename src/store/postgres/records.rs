@@ -18,6 +18,19 @@ use crate::store::StoreError;
 /// How often a claim may start a purge of expired records (and the health probe a pass
 /// forgetting maxima, [`super::retention`]).
 pub(super) const PURGE_EVERY: Duration = Duration::from_secs(60);
+
+/// Whether a background pass whose last start is in `last` may start now (at most once per
+/// [`PURGE_EVERY`], or at once with `force`); if so, records this start.
+pub(super) fn pass_due(last: &std::sync::Mutex<Option<Instant>>, force: bool) -> bool {
+    let mut last = last
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if !force && last.is_some_and(|at| at.elapsed() < PURGE_EVERY) {
+        return false;
+    }
+    *last = Some(Instant::now());
+    true
+}
 /// Rows one purge statement deletes at most, so no purge holds many row locks for long.
 pub(super) const PURGE_BATCH: i64 = 1000;
 /// Claims retried when a racing first raise created the maximum between read and insert.
@@ -243,12 +256,8 @@ impl PostgresRemote {
 
     /// Starts a purge of expired records in the background, at most once per [`PURGE_EVERY`].
     fn maybe_purge(&self) {
-        {
-            let mut last = self.last_purge.lock().expect("purge clock poisoned");
-            if last.is_some_and(|at| at.elapsed() < PURGE_EVERY) {
-                return;
-            }
-            *last = Some(Instant::now());
+        if !pass_due(&self.last_purge, false) {
+            return;
         }
         let pool = self.pool.clone();
         let sql = self.idem.purge.clone();

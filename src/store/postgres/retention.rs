@@ -1,5 +1,5 @@
 //! Forgetting maxima not raised for `fence.retention`: every raise sets `raised_at` while it
-//! is on (`NULL` while off: such maxima are kept), and a pass every [`PURGE_EVERY`], started
+//! is on (`NULL` while off: such maxima are kept), and a pass every [`PURGE_EVERY`](super::records::PURGE_EVERY), started
 //! by the health probe, deletes the rows raised before the period, [`PURGE_BATCH`] at a time.
 //! A row raised meanwhile is a new row version, which the `ctid` re-check leaves alone.
 
@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use deadpool_postgres::Pool;
 
-use super::records::{PURGE_BATCH, PURGE_EVERY};
+use super::records::{pass_due, PURGE_BATCH};
 use super::{failed, PostgresRemote};
 use crate::store::StoreError;
 
@@ -58,18 +58,14 @@ impl PostgresRemote {
     }
 
     /// Starts a pass forgetting maxima past the retention in the background, if retention is
-    /// on and none started within [`PURGE_EVERY`] (or ever, with `now`).
+    /// on and none started within [`PURGE_EVERY`](super::records::PURGE_EVERY) (or ever, with `now`).
     pub(super) fn maybe_forget(&self, now: bool) {
         let ms = self.forget.retention_ms.load(Ordering::Relaxed);
         if ms == 0 {
             return;
         }
-        {
-            let mut last = self.forget.last.lock().expect("forget clock poisoned");
-            if !now && last.is_some_and(|at| at.elapsed() < PURGE_EVERY) {
-                return;
-            }
-            *last = Some(Instant::now());
+        if !pass_due(&self.forget.last, now) {
+            return;
         }
         let pool = self.pool.clone();
         let (index, delete) = (self.forget.index.clone(), self.forget.delete.clone());
