@@ -14,8 +14,11 @@
 //!
 //! Of the configuration, what is about the sidecar (`listen`, `admin`, `upstream`, `tls`,
 //! `timeouts` other than `store`, `limits` other than `max_resource_bytes`) is not used;
-//! `upstream` must still be given, any URL. Idempotency keys are not handled in-process: the
-//! `idempotency` section is ignored and the key header reaches the service as sent.
+//! `upstream` must still be given, any URL. Idempotency keys are not handled in-process: a
+//! configuration with an `idempotency` section is refused ([`LayerError::Idempotency`]).
+//!
+//! The layer sees the path its server hands it: behind axum's `Router::nest` that is the path
+//! without the nest's prefix. Put the layer on the outermost router, where paths are whole.
 //!
 //! ```
 //! use std::convert::Infallible;
@@ -107,6 +110,13 @@ pub enum LayerError {
     /// Opening the lease backend (`fence.authority: leases`).
     #[error(transparent)]
     LeaseBackend(#[from] LeaseError),
+    /// An `idempotency` section: keys are recorded and replayed by the sidecar only, and a
+    /// fence that took the section and ignored it would let a retried write run twice.
+    #[error(
+        "the idempotency section is not applied in-process (keys are recorded and replayed by \
+         the sidecar only): remove it from the layer's configuration, or run the sidecar"
+    )]
+    Idempotency,
 }
 
 /// Applies a fencegate configuration's fence to the services it wraps (see the [module
@@ -150,6 +160,9 @@ impl FenceLayer {
         backend: Option<Arc<dyn LeaseBackend>>,
         registry: prometheus::Registry,
     ) -> Result<Self, LayerError> {
+        if config.idempotency.is_some() {
+            return Err(LayerError::Idempotency);
+        }
         let metrics = Arc::new(Metrics::new(registry)?);
         let mut fence = Proxy::in_process(config, store, metrics)?;
         if config.fence.authority == Authority::Leases {
@@ -248,16 +261,37 @@ where
                             let response = fence.answer_refused(refused, &req, started);
                             Ok(refusal(response, grpc))
                         }
-                        Ok(ticket) => {
+                        Ok(None) => {
                             let response = inner.call(req).await?;
                             let answered = Counted {
                                 fence,
                                 route,
                                 outcome: Outcome::Admitted,
                                 started,
-                                ticket,
+                                ticket: None,
                             };
                             Ok(answered.finish(response))
+                        }
+                        Ok(Some(ticket)) => {
+                            // The barrier's turn is held until this write has finished. A
+                            // server that drops this future (its client went away) would drop
+                            // the handler with it, mid-write perhaps, and open the barrier to
+                            // the next token while the write may still be under way: the call
+                            // runs in a task of its own, which keeps the ticket to its end.
+                            let call = inner.call(req);
+                            let task = tokio::spawn(async move { (call.await, ticket) });
+                            let (response, ticket) = match task.await {
+                                Ok(done) => done,
+                                Err(e) => std::panic::resume_unwind(e.into_panic()),
+                            };
+                            let answered = Counted {
+                                fence,
+                                route,
+                                outcome: Outcome::Admitted,
+                                started,
+                                ticket: Some(ticket),
+                            };
+                            Ok(answered.finish(response?))
                         }
                     }
                 }),

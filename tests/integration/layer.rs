@@ -330,3 +330,141 @@ async fn an_authoritative_config_is_never_fenced_without_its_lease_backend() {
     assert_eq!(call(&mut service, fresh).await.status, 200);
     assert_eq!(seen.lock().unwrap().len(), 1);
 }
+
+/// axum hands its handler the decoded capture: `u%3A1` and `u:1` are one account to the
+/// ledger, so they are one resource to the fence, and the stale write in the other spelling
+/// never reaches the balance.
+#[tokio::test]
+async fn the_axum_example_fences_every_spelling_of_an_account_as_one() {
+    let config = Config::parse(axum_ledger::DEFAULT_CONFIG).unwrap();
+    let app = axum_ledger::app(FenceLayer::open(&config).await.unwrap());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let ledger = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+
+    let encoded = format!("http://{ledger}/accounts/u%3A1");
+    let stored = send("PUT", &encoded, &[("fencing-token", "10")], "100").await;
+    assert_eq!(stored.text(), "account u:1 = 100 (token 10)\n");
+    let plain = format!("http://{ledger}/accounts/u:1");
+    let stale = send("PUT", &plain, &[("fencing-token", "5")], "90").await;
+    let body = stale.assert_problem(409, "urn:fencegate:stale-token");
+    assert_eq!(body["resource"], "account:u:1");
+    assert_eq!(body["current_token"], 10);
+    assert_eq!(send("GET", &plain, &[], "").await.text(), "100\n");
+    let lower = format!("http://{ledger}/accounts/u%3a1");
+    let stale = send("PUT", &lower, &[("fencing-token", "9")], "80").await;
+    stale.assert_problem(409, "urn:fencegate:stale-token");
+    assert_eq!(send("GET", &encoded, &[], "").await.text(), "100\n");
+}
+
+/// Under `ordering: serialize`, a write whose request future the server drops (its client went
+/// away) while the service is writing keeps the barrier closed until the service has
+/// finished: the next token does not reach the service alongside it.
+#[tokio::test(start_paused = true)]
+async fn a_dropped_serialized_call_keeps_the_barrier_until_the_service_finishes() {
+    let yaml = "upstream: http://unused.invalid\nstore: { kind: memory }\nroutes:
+  - { name: accounts, path: '/accounts/{id}', resource: 'account:{id}', ordering: serialize, barrier_timeout: 5s }
+";
+    let config = Config::parse(yaml).unwrap();
+    let layer = FenceLayer::open(&config).await.unwrap();
+    // The service writes token 5 until `finish` lets it; every call logs its start and end.
+    let events: Arc<Mutex<Vec<String>>> = Arc::default();
+    let finish = Arc::new(tokio::sync::Semaphore::new(0));
+    let started = Arc::new(tokio::sync::Notify::new());
+    let inner = {
+        let (events, finish, started) = (events.clone(), finish.clone(), started.clone());
+        tower::service_fn(move |req: Request<Full<Bytes>>| {
+            let token = req.headers()["fencing-token"].to_str().unwrap().to_owned();
+            let (events, finish, started) = (events.clone(), finish.clone(), started.clone());
+            async move {
+                events.lock().unwrap().push(format!("start {token}"));
+                started.notify_one();
+                if token == "5" {
+                    finish.acquire().await.unwrap().forget();
+                }
+                events.lock().unwrap().push(format!("end {token}"));
+                Ok::<_, Infallible>(Response::new(Full::new(Bytes::from("stored"))))
+            }
+        })
+    };
+    let service = layer.layer(Inner::new(inner));
+    let put = |token: &'static str| {
+        let mut service = service.clone();
+        async move {
+            let req = request("PUT", "/accounts/7", &[("fencing-token", token)]);
+            service.ready().await.unwrap().call(req).await.unwrap()
+        }
+    };
+    let first = tokio::spawn(put("5"));
+    started.notified().await;
+    first.abort();
+    assert!(first.await.is_err_and(|e| e.is_cancelled()));
+
+    // Token 6 waits for 5's write, which is still under way: at the barrier's timeout it is
+    // refused, and never reaches the service.
+    let refused = read(put("6").await).await;
+    refused.assert_problem(503, "urn:fencegate:barrier-timeout");
+    assert_eq!(*events.lock().unwrap(), ["start 5"]);
+
+    // Once 5's write has finished, 6 goes.
+    finish.add_permits(1);
+    let admitted = read(put("6").await).await;
+    assert_eq!(admitted.status, StatusCode::OK);
+    assert_eq!(
+        *events.lock().unwrap(),
+        ["start 5", "end 5", "start 6", "end 6"]
+    );
+}
+
+/// The layer does not apply idempotency keys: a configuration with the section is refused,
+/// not taken and ignored.
+#[tokio::test]
+async fn an_idempotency_section_is_refused_in_process() {
+    let yaml = format!(
+        "upstream: http://unused.invalid\nstore: {{ kind: memory }}\nidempotency: {{ window: 1m }}\n{ACCOUNTS}"
+    );
+    let config = Config::parse(&yaml).unwrap();
+    let refused = FenceLayer::open(&config).await.err().map(|e| e.to_string());
+    assert_eq!(
+        refused.as_deref(),
+        Some(
+            "the idempotency section is not applied in-process (keys are recorded and replayed \
+             by the sidecar only): remove it from the layer's configuration, or run the sidecar"
+        )
+    );
+    let store = Arc::new(fencegate::store::MemoryStore::new());
+    let refused = FenceLayer::new(&config, store, prometheus::Registry::new()).err();
+    assert_eq!(
+        refused.map(|e| e.to_string()).as_deref(),
+        Some(
+            "the idempotency section is not applied in-process (keys are recorded and replayed \
+             by the sidecar only): remove it from the layer's configuration, or run the sidecar"
+        )
+    );
+}
+
+/// On the outermost router, after `nest`, the layer sees whole paths: a configuration written
+/// for `/v1/accounts/{id}` fences the nested route.
+#[tokio::test]
+async fn the_layer_outside_a_nest_fences_whole_paths() {
+    let yaml = "upstream: http://unused.invalid\nstore: { kind: memory }\nroutes:
+  - { name: accounts, path: '/v1/accounts/{id}', methods: [PUT], resource: 'account:{id}' }
+";
+    let config = Config::parse(yaml).unwrap();
+    let fence = FenceLayer::open(&config).await.unwrap();
+    let accounts =
+        axum::Router::new().route("/accounts/{id}", axum::routing::put(|| async { "stored" }));
+    let app = axum::Router::new().nest("/v1", accounts).layer(fence);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    let url = format!("http://{addr}/v1/accounts/42");
+    let stored = send("PUT", &url, &[("fencing-token", "34")], "").await;
+    assert_eq!(stored.text(), "stored");
+    send("PUT", &url, &[("fencing-token", "33")], "")
+        .await
+        .assert_problem(409, "urn:fencegate:stale-token");
+    send("PUT", &url, &[], "")
+        .await
+        .assert_problem(428, "urn:fencegate:token-required");
+}
