@@ -88,19 +88,37 @@ fn routes(c: &mut Criterion) {
     let mut g = c.benchmark_group("route_lookup");
     g.bench_function("fenced_put", |b| {
         b.iter(|| {
-            let m = table.lookup(&Method::PUT, black_box("/accounts/12345"), None, &headers);
+            let m = table.lookup(
+                &Method::PUT,
+                black_box("/accounts/12345"),
+                None,
+                None,
+                &headers,
+            );
             black_box(m.is_ok())
         })
     });
     g.bench_function("get_pass", |b| {
         b.iter(|| {
-            let m = table.lookup(&Method::GET, black_box("/accounts/12345"), None, &headers);
+            let m = table.lookup(
+                &Method::GET,
+                black_box("/accounts/12345"),
+                None,
+                None,
+                &headers,
+            );
             black_box(m.is_ok())
         })
     });
     g.bench_function("unmatched", |b| {
         b.iter(|| {
-            let m = table.lookup(&Method::GET, black_box("/static/app.js"), None, &headers);
+            let m = table.lookup(
+                &Method::GET,
+                black_box("/static/app.js"),
+                None,
+                None,
+                &headers,
+            );
             black_box(m.is_ok())
         })
     });

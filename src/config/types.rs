@@ -195,6 +195,14 @@ pub enum ResourceTemplateError {
     BadHeader { template: String, name: String },
     #[error("`{template}`: `{name}` is not a valid query parameter name")]
     BadQuery { template: String, name: String },
+    /// A header the proxy strips or rewrites on its way upstream: the upstream would see
+    /// another value than the one the fence checked.
+    #[error("`{template}`: `{name}` cannot name a resource: {why}")]
+    RewrittenHeader {
+        template: String,
+        name: String,
+        why: &'static str,
+    },
     /// `inner` is what the braces hold.
     #[error("`{template}`: `{{{inner}}}` must be {{capture}}, {{header:Name}} or {{query:name}}")]
     BadPlaceholder { template: String, inner: String },
@@ -247,12 +255,18 @@ fn parse_placeholder(raw: &str, inner: &str) -> Result<ResourcePart, ResourceTem
                 .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
     };
     if let Some(name) = inner.strip_prefix("header:") {
-        return HeaderName::try_from(name)
-            .map(ResourcePart::Header)
-            .map_err(|_| ResourceTemplateError::BadHeader {
+        let header = HeaderName::try_from(name).map_err(|_| ResourceTemplateError::BadHeader {
+            template: raw.to_owned(),
+            name: name.to_owned(),
+        })?;
+        if let Some(why) = rewritten(&header) {
+            return Err(ResourceTemplateError::RewrittenHeader {
                 template: raw.to_owned(),
                 name: name.to_owned(),
+                why,
             });
+        }
+        return Ok(ResourcePart::Header(header));
     }
     if let Some(name) = inner.strip_prefix("query:") {
         if !valid_name(name) {
@@ -271,6 +285,29 @@ fn parse_placeholder(raw: &str, inner: &str) -> Result<ResourcePart, ResourceTem
         });
     }
     Ok(ResourcePart::Capture(name.to_owned()))
+}
+
+/// Why a header cannot name a resource, for the headers the proxy strips or rewrites before
+/// the upstream sees them: the fence would check one value and the upstream act on another.
+fn rewritten(name: &HeaderName) -> Option<&'static str> {
+    Some(match name.as_str() {
+        "connection"
+        | "keep-alive"
+        | "proxy-connection"
+        | "proxy-authenticate"
+        | "proxy-authorization"
+        | "te"
+        | "transfer-encoding"
+        | "upgrade" => "it is a hop-by-hop header, removed before the request is forwarded",
+        "x-forwarded-host" => {
+            "fencegate sets it to the host the client addressed before forwarding; name the \
+             resource by `{header:Host}`, which is that host"
+        }
+        "x-forwarded-for" | "x-forwarded-proto" => {
+            "fencegate rewrites it before forwarding (the client's address, the scheme)"
+        }
+        _ => return None,
+    })
 }
 
 impl From<ResourceTemplate> for String {

@@ -24,6 +24,13 @@ pub enum OverrideError {
     Repeated,
     #[error("the method override header `{0}` does not name an HTTP method")]
     Malformed(&'static str),
+    /// `X_HTTP_Method_Override`: servers that fold `_` into `-` (WSGI, CGI, Rack) read it as
+    /// the override, so it would change the method behind the fence's back.
+    #[error(
+        "a header spelled `{0}` aliases the method override header `{1}`, which servers that \
+         fold `_` into `-` honour; use `-`, not `_`"
+    )]
+    Alias(String, &'static str),
 }
 
 /// The method a request's override header names (upper-cased: frameworks compare it without
@@ -35,6 +42,14 @@ pub fn method_override(headers: &HeaderMap) -> Result<Option<Method>, OverrideEr
     let mut found: Option<(&'static str, &HeaderValue)> = None;
     for (name, value) in headers {
         let Some(&known) = OVERRIDE_HEADERS.iter().find(|&&h| h == name.as_str()) else {
+            // An override spelled with `_` where the name has `-`: names of another length
+            // are told apart by their length alone.
+            let alias = OVERRIDE_HEADERS
+                .iter()
+                .find(|&&h| h.len() == name.as_str().len() && is_alias(name.as_str(), h));
+            if let Some(&known) = alias {
+                return Err(OverrideError::Alias(name.as_str().to_owned(), known));
+            }
             continue;
         };
         if found.is_some() {
@@ -58,6 +73,16 @@ pub fn method_override(headers: &HeaderMap) -> Result<Option<Method>, OverrideEr
     Method::from_bytes(&raw.to_ascii_uppercase())
         .map(Some)
         .map_err(|_| malformed())
+}
+
+/// `candidate` is `name` once each `_` is read as `-`, but not `name` itself.
+fn is_alias(candidate: &str, name: &str) -> bool {
+    candidate.len() == name.len()
+        && candidate.contains('_')
+        && candidate
+            .bytes()
+            .zip(name.bytes())
+            .all(|(c, n)| c == n || (c == b'_' && n == b'-'))
 }
 
 #[cfg(test)]
@@ -112,6 +137,29 @@ mod tests {
         for h in repeated {
             assert_eq!(method_override(&h), Err(OverrideError::Repeated));
         }
+        for (alias, known) in [
+            ("x_http_method_override", "x-http-method-override"),
+            ("x-http_method-override", "x-http-method-override"),
+            ("x_http_method", "x-http-method"),
+            ("x_method_override", "x-method-override"),
+        ] {
+            // Alone, or beside a well-spelled override: servers may read either.
+            for beside in [None, Some(known)] {
+                let mut h = HeaderMap::new();
+                h.insert(alias, HeaderValue::from_static("PUT"));
+                if let Some(known) = beside {
+                    h.insert(known, HeaderValue::from_static("PUT"));
+                }
+                assert_eq!(
+                    method_override(&h),
+                    Err(OverrideError::Alias(alias.to_owned(), known)),
+                    "{alias}"
+                );
+            }
+        }
+        // Other names with `_` are no override.
+        let h = headers(&[("x_http_method_overrides", "PUT"), ("x_request_id", "1")]);
+        assert_eq!(method_override(&h), Ok(None));
         for bad in ["", "DELETE, PUT", "DE LETE", "DELETE;", &*"A".repeat(33)] {
             let mut h = HeaderMap::new();
             h.insert("x-http-method", HeaderValue::from_str(bad).unwrap());

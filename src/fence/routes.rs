@@ -1,6 +1,8 @@
 //! The route table: which route a request is on, whether its method is fenced, and which
 //! resource it writes to. Built once per configuration; matching allocates only the resource id.
 
+use std::borrow::Cow;
+
 use http::{HeaderMap, Method};
 
 use crate::config::{
@@ -60,6 +62,15 @@ pub enum ResourceError {
     Query(String),
     #[error("the resource id is longer than {0} bytes")]
     TooLong(usize),
+    #[error(
+        "the Connection header names `{0}`, which names the resource: it would be stripped in \
+         transit, and the upstream would not see the value the fence checked"
+    )]
+    ConnectionNominated(String),
+    #[error("the `{0}` header, which names the resource, is not base64 (gRPC binary metadata)")]
+    NotBase64(String),
+    #[error("the path does not decode to UTF-8 text, so it names no resource")]
+    NotText,
 }
 
 pub struct RouteTable {
@@ -145,12 +156,15 @@ impl RouteTable {
         &self.routes
     }
 
-    /// Matches a normalised path.
+    /// Matches a normalised path. `authority` is the request target's (absolute form, HTTP/2
+    /// `:authority`), which `{header:Host}` reads before the `Host` header, as the proxy
+    /// reports it upstream in `X-Forwarded-Host` (RFC 9112 §3.2.2).
     pub fn lookup(
         &self,
         method: &Method,
         path: &str,
         query: Option<&str>,
+        authority: Option<&str>,
         headers: &HeaderMap,
     ) -> Result<Matched<'_>, (Option<&Route>, ResourceError)> {
         // `/accounts/42/` is `/accounts/42` to most frameworks, so it must be to the fence too:
@@ -158,6 +172,17 @@ impl RouteTable {
         // its slash is matched first, so that both spellings land on the same route with the
         // same captures (a catch-all would otherwise capture the slash, or match in place of the
         // route the slashless path is on).
+        // Routes match, and captures name resources, in the decoded path: a framework hands its
+        // handler `u:1` for `/accounts/u%3A1` and for `/accounts/u:1`, so both must be one
+        // resource to the fence too. (`normalise` refuses an encoded `/`, so decoding cannot
+        // move a segment boundary.) A path that decodes to no text is matched as it is, and
+        // names no resource.
+        let decoded = percent_encoding::percent_decode_str(path).decode_utf8();
+        let text = decoded.is_ok();
+        let path: &str = match &decoded {
+            Ok(decoded) => decoded,
+            Err(_) => path,
+        };
         let trimmed = path.strip_suffix('/').filter(|p| !p.is_empty());
         let exact = self.router.at(path).ok();
         let found = match (trimmed, exact) {
@@ -178,6 +203,9 @@ impl RouteTable {
                 .expect("route groups are never empty");
             return Ok(Matched::Pass(first));
         };
+        if !text {
+            return Err((Some(route), ResourceError::NotText));
+        }
         let resource = match &route.resource {
             None => path.to_owned(),
             Some(template) => {
@@ -188,8 +216,15 @@ impl RouteTable {
                         ResourcePart::Capture(name) => {
                             id.push_str(found.params.get(name).unwrap_or_default())
                         }
+                        ResourcePart::Header(name) if name == http::header::HOST => {
+                            let host = match authority {
+                                Some(authority) => Ok(Cow::Borrowed(authority)),
+                                None => header_value(headers, name),
+                            };
+                            id.push_str(&host.map_err(|e| (Some(route), e))?)
+                        }
                         ResourcePart::Header(name) => {
-                            id.push_str(header_value(headers, name).map_err(|e| (Some(route), e))?)
+                            id.push_str(&header_value(headers, name).map_err(|e| (Some(route), e))?)
                         }
                         ResourcePart::Query(name) => {
                             id.push_str(&query_value(query, name).map_err(|e| (Some(route), e))?)
@@ -219,7 +254,7 @@ fn slash_template(path: &PathTemplate) -> bool {
 fn header_value<'h>(
     headers: &'h HeaderMap,
     name: &http::HeaderName,
-) -> Result<&'h str, ResourceError> {
+) -> Result<Cow<'h, str>, ResourceError> {
     // `X_Tenant` is `X-Tenant` to servers that fold `_` into `-` (CGI-style `HTTP_X_TENANT`):
     // with both present the downstream may pick the other value, so neither names the resource.
     if headers
@@ -228,15 +263,42 @@ fn header_value<'h>(
     {
         return Err(ResourceError::Header(name.to_string()));
     }
+    // A header the Connection header names is stripped on its way: the upstream would see
+    // none, and fall back to whatever it does without one.
+    if crate::fence::token::connection_nominates(headers, name) {
+        return Err(ResourceError::ConnectionNominated(name.to_string()));
+    }
     let mut values = headers.get_all(name).iter();
-    match (values.next(), values.next()) {
+    let value = match (values.next(), values.next()) {
         (Some(v), None) => v
             .to_str()
             .ok()
             .filter(|s| !s.is_empty())
-            .ok_or_else(|| ResourceError::Header(name.to_string())),
-        _ => Err(ResourceError::Header(name.to_string())),
+            .ok_or_else(|| ResourceError::Header(name.to_string()))?,
+        _ => return Err(ResourceError::Header(name.to_string())),
+    };
+    if name.as_str().ends_with("-bin") {
+        return canonical_base64(value)
+            .map(Cow::Owned)
+            .ok_or_else(|| ResourceError::NotBase64(name.to_string()));
     }
+    Ok(Cow::Borrowed(value))
+}
+
+/// gRPC binary metadata (`-bin` headers) in its one spelling: gRPC servers read `AQ==` and
+/// `AQ` (padded or not, any unused bits) as the same bytes, so the fence names the resource
+/// by those bytes, written again as unpadded standard base64. `None`: not base64.
+fn canonical_base64(value: &str) -> Option<String> {
+    use base64::engine::{DecodePaddingMode, GeneralPurpose, GeneralPurposeConfig};
+    use base64::Engine;
+    const LENIENT: GeneralPurpose = GeneralPurpose::new(
+        &base64::alphabet::STANDARD,
+        GeneralPurposeConfig::new()
+            .with_decode_padding_mode(DecodePaddingMode::Indifferent)
+            .with_decode_allow_trailing_bits(true),
+    );
+    let bytes = LENIENT.decode(value).ok()?;
+    Some(base64::engine::general_purpose::STANDARD_NO_PAD.encode(bytes))
 }
 
 fn query_value(query: Option<&str>, name: &str) -> Result<String, ResourceError> {
@@ -302,17 +364,17 @@ mod tests {
         let h = HeaderMap::new();
         for m in ["POST", "PUT", "PATCH", "DELETE", "PURGE", "LOCK"] {
             let method = Method::from_bytes(m.as_bytes()).unwrap();
-            let (name, res) = fenced(t.lookup(&method, "/accounts/7", None, &h).unwrap());
+            let (name, res) = fenced(t.lookup(&method, "/accounts/7", None, None, &h).unwrap());
             assert_eq!((name.as_str(), res.as_str()), ("acc", "account:7"));
         }
         for m in [Method::GET, Method::HEAD, Method::OPTIONS] {
             assert!(matches!(
-                t.lookup(&m, "/accounts/7", None, &h),
+                t.lookup(&m, "/accounts/7", None, None, &h),
                 Ok(Matched::Pass(_))
             ));
         }
         assert!(matches!(
-            t.lookup(&Method::PUT, "/other", None, &h),
+            t.lookup(&Method::PUT, "/other", None, None, &h),
             Ok(Matched::None)
         ));
     }
@@ -322,15 +384,19 @@ mod tests {
         let t = table("  - { name: acc, path: '/accounts/{id}', resource: 'account:{id}' }\n  - { name: all, path: /ledger }\n");
         let h = HeaderMap::new();
         assert_eq!(
-            fenced(t.lookup(&Method::PUT, "/accounts/7/", None, &h).unwrap()).1,
+            fenced(
+                t.lookup(&Method::PUT, "/accounts/7/", None, None, &h)
+                    .unwrap()
+            )
+            .1,
             "account:7"
         );
         assert_eq!(
-            fenced(t.lookup(&Method::PUT, "/ledger/", None, &h).unwrap()).1,
+            fenced(t.lookup(&Method::PUT, "/ledger/", None, None, &h).unwrap()).1,
             "/ledger"
         );
         assert!(matches!(
-            t.lookup(&Method::PUT, "/accounts/7/x", None, &h),
+            t.lookup(&Method::PUT, "/accounts/7/x", None, None, &h),
             Ok(Matched::None)
         ));
         let t = table(concat!(
@@ -340,15 +406,23 @@ mod tests {
             "  - { name: other, path: '/{*rest}', fence: false }\n",
         ));
         assert_eq!(
-            fenced(t.lookup(&Method::PUT, "/files/a/b/", None, &h).unwrap()).1,
+            fenced(
+                t.lookup(&Method::PUT, "/files/a/b/", None, None, &h)
+                    .unwrap()
+            )
+            .1,
             "file:a/b"
         );
         assert_eq!(
-            fenced(t.lookup(&Method::PUT, "/accounts/7/", None, &h).unwrap()).1,
+            fenced(
+                t.lookup(&Method::PUT, "/accounts/7/", None, None, &h)
+                    .unwrap()
+            )
+            .1,
             "account:7"
         );
         assert_eq!(
-            fenced(t.lookup(&Method::PUT, "/slash/7/", None, &h).unwrap()).1,
+            fenced(t.lookup(&Method::PUT, "/slash/7/", None, None, &h).unwrap()).1,
             "s:7"
         );
     }
@@ -361,15 +435,15 @@ mod tests {
         ));
         let h = HeaderMap::new();
         assert_eq!(
-            fenced(t.lookup(&Method::PUT, "/x/1", None, &h).unwrap()).1,
+            fenced(t.lookup(&Method::PUT, "/x/1", None, None, &h).unwrap()).1,
             "p:1"
         );
         assert_eq!(
-            fenced(t.lookup(&Method::DELETE, "/x/1", None, &h).unwrap()).1,
+            fenced(t.lookup(&Method::DELETE, "/x/1", None, None, &h).unwrap()).1,
             "d:1"
         );
         assert!(
-            matches!(t.lookup(&Method::POST, "/x/1", None, &h), Ok(Matched::Pass(r)) if r.name == "put")
+            matches!(t.lookup(&Method::POST, "/x/1", None, None, &h), Ok(Matched::Pass(r)) if r.name == "put")
         );
     }
 
@@ -379,27 +453,128 @@ mod tests {
         let mut h = HeaderMap::new();
         h.insert("x-tenant", "acme".parse().unwrap());
         let m = t
-            .lookup(&Method::POST, "/jobs/a/b", Some("x=1&shard=s%201"), &h)
+            .lookup(
+                &Method::POST,
+                "/jobs/a/b",
+                Some("x=1&shard=s%201"),
+                None,
+                &h,
+            )
             .unwrap();
         assert_eq!(fenced(m).1, "acme/s 1/a/b");
         assert_eq!(
-            t.lookup(&Method::POST, "/jobs/a", Some("shard=1&shard=2"), &h)
+            t.lookup(&Method::POST, "/jobs/a", Some("shard=1&shard=2"), None, &h)
                 .unwrap_err()
                 .1,
             ResourceError::Query("shard".into())
         );
         assert_eq!(
-            t.lookup(&Method::POST, "/jobs/a", None, &HeaderMap::new())
+            t.lookup(&Method::POST, "/jobs/a", None, None, &HeaderMap::new())
                 .unwrap_err()
                 .1,
             ResourceError::Header("x-tenant".into())
         );
         let long = format!("/jobs/{}", "z".repeat(80));
         assert_eq!(
-            t.lookup(&Method::POST, &long, Some("shard=1"), &h)
+            t.lookup(&Method::POST, &long, Some("shard=1"), None, &h)
                 .unwrap_err()
                 .1,
             ResourceError::TooLong(64)
+        );
+    }
+
+    /// Frameworks hand their handlers decoded captures: every spelling of one decoded id is
+    /// one resource, and a path that decodes to no text names none.
+    #[test]
+    fn captures_and_paths_name_resources_decoded() {
+        let t = table(concat!(
+            "  - { name: acc, path: '/accounts/{id}', resource: 'account:{id}' }\n",
+            "  - { name: raw, path: '/raw/{*rest}' }\n",
+        ));
+        let h = HeaderMap::new();
+        for path in ["/accounts/u:1", "/accounts/u%3A1", "/accounts/u%3A1/"] {
+            let (_, res) = fenced(t.lookup(&Method::PUT, path, None, None, &h).unwrap());
+            assert_eq!(res, "account:u:1", "{path}");
+        }
+        let (_, res) = fenced(
+            t.lookup(&Method::PUT, "/accounts/caf%C3%A9%20x", None, None, &h)
+                .unwrap(),
+        );
+        assert_eq!(res, "account:café x");
+        let (_, res) = fenced(
+            t.lookup(&Method::PUT, "/raw/a%3Fb/c", None, None, &h)
+                .unwrap(),
+        );
+        assert_eq!(res, "/raw/a?b/c");
+        assert_eq!(
+            t.lookup(&Method::PUT, "/accounts/%FF", None, None, &h)
+                .unwrap_err()
+                .1,
+            ResourceError::NotText
+        );
+        // Off the fenced routes, a path that is no text is not the fence's business.
+        assert!(matches!(
+            t.lookup(&Method::GET, "/accounts/%FF", None, None, &h),
+            Ok(Matched::Pass(_))
+        ));
+        assert!(matches!(
+            t.lookup(&Method::PUT, "/other/%FF", None, None, &h),
+            Ok(Matched::None)
+        ));
+    }
+
+    /// A resource header the `Connection` header nominates would not reach the upstream;
+    /// binary metadata is named in one base64 spelling; `Host` is the request target's
+    /// authority when it has one.
+    #[test]
+    fn header_parts_are_read_as_the_upstream_reads_them() {
+        let t = table(concat!(
+            "  - { name: t, path: /t, resource: 'tenant:{header:X-Tenant}' }\n",
+            "  - { name: b, path: /b, resource: 'shard:{header:x-shard-bin}' }\n",
+            "  - { name: s, path: /s, resource: 'site:{header:host}' }\n",
+        ));
+        let headers = |lines: &[(&'static str, &'static str)]| {
+            let mut h = HeaderMap::new();
+            for (k, v) in lines {
+                h.append(*k, http::HeaderValue::from_static(v));
+            }
+            h
+        };
+        let at = |path: &str, authority: Option<&str>, h: &HeaderMap| {
+            t.lookup(&Method::POST, path, None, authority, h)
+        };
+        let h = headers(&[("x-tenant", "fresh"), ("connection", "close, X-Tenant")]);
+        assert_eq!(
+            at("/t", None, &h).unwrap_err().1,
+            ResourceError::ConnectionNominated("x-tenant".into())
+        );
+        for spelling in ["AQ", "AQ==", "AR==", "AR", "AQ="] {
+            let h = headers(&[("x-shard-bin", spelling)]);
+            assert_eq!(
+                fenced(at("/b", None, &h).unwrap()).1,
+                "shard:AQ",
+                "{spelling}"
+            );
+        }
+        for bad in ["AQ,Ag", "A", "AQ!", "AQ==="] {
+            let mut h = HeaderMap::new();
+            h.insert("x-shard-bin", http::HeaderValue::from_str(bad).unwrap());
+            assert_eq!(
+                at("/b", None, &h).unwrap_err().1,
+                ResourceError::NotBase64("x-shard-bin".into()),
+                "{bad}"
+            );
+        }
+        let h = headers(&[("host", "b.example")]);
+        assert_eq!(fenced(at("/s", None, &h).unwrap()).1, "site:b.example");
+        assert_eq!(
+            fenced(at("/s", Some("a.example"), &h).unwrap()).1,
+            "site:a.example"
+        );
+        let h = headers(&[("host", "b.example"), ("connection", "host")]);
+        assert_eq!(
+            at("/s", None, &h).unwrap_err().1,
+            ResourceError::ConnectionNominated("host".into())
         );
     }
 
@@ -415,19 +590,25 @@ mod tests {
         .unwrap();
         let t = RouteTable::egress(&config.egress.unwrap().routes, 64);
         let h = HeaderMap::new();
-        let (name, res) = fenced(t.lookup(&Method::PUT, "/accounts/7", None, &h).unwrap());
+        let (name, res) = fenced(
+            t.lookup(&Method::PUT, "/accounts/7", None, None, &h)
+                .unwrap(),
+        );
         assert_eq!((name.as_str(), res.as_str()), ("egress[0]", "account:7"));
         let route = &t.routes()[0];
         assert_eq!(route.missing_token, MissingToken::Reject);
         assert_eq!(route.ordering, Ordering::None);
-        let (name, res) = fenced(t.lookup(&Method::DELETE, "/jobs/1", None, &h).unwrap());
+        let (name, res) = fenced(
+            t.lookup(&Method::DELETE, "/jobs/1", None, None, &h)
+                .unwrap(),
+        );
         assert_eq!((name.as_str(), res.as_str()), ("egress[1]", "jobs"));
         assert!(matches!(
-            t.lookup(&Method::PUT, "/jobs/1", None, &h),
+            t.lookup(&Method::PUT, "/jobs/1", None, None, &h),
             Ok(Matched::Pass(r)) if r.name == "egress[1]"
         ));
         assert!(matches!(
-            t.lookup(&Method::GET, "/accounts/7", None, &h),
+            t.lookup(&Method::GET, "/accounts/7", None, None, &h),
             Ok(Matched::Pass(_))
         ));
         assert_eq!(t.unmatched, Unmatched::Forward);
@@ -437,7 +618,7 @@ mod tests {
     fn unfenced_route_passes_everything() {
         let t = table("  - { name: h, path: /healthz, fence: false }\n");
         assert!(matches!(
-            t.lookup(&Method::POST, "/healthz", None, &HeaderMap::new()),
+            t.lookup(&Method::POST, "/healthz", None, None, &HeaderMap::new()),
             Ok(Matched::Pass(_))
         ));
     }

@@ -95,9 +95,14 @@ impl Proxy {
             Ok(p) => p.into_owned(),
             Err(e) => return refuse(Refusal::InvalidPath(e), None),
         };
-        let matched =
-            self.table
-                .lookup(req.method(), &normalised, req.uri().query(), req.headers());
+        let authority = req.uri().authority().map(|a| a.as_str());
+        let matched = self.table.lookup(
+            req.method(),
+            &normalised,
+            req.uri().query(),
+            authority,
+            req.headers(),
+        );
         // A method override header makes many frameworks treat the request as the method it
         // names: on a route, the request is fenced as that method when that method is fenced
         // (and as its own otherwise), and a malformed or repeated override is refused.
@@ -107,7 +112,11 @@ impl Proxy {
                     Ok(None) => Ok(found),
                     Ok(Some(named)) => {
                         let query = req.uri().query();
-                        match self.table.lookup(&named, &normalised, query, req.headers()) {
+                        let headers = req.headers();
+                        match self
+                            .table
+                            .lookup(&named, &normalised, query, authority, headers)
+                        {
                             fenced @ (Ok(Matched::Fence { .. }) | Err(_)) => fenced,
                             Ok(_) => Ok(found),
                         }

@@ -51,15 +51,21 @@ pub struct Upstream {
 
 impl Upstream {
     pub async fn start() -> Upstream {
-        Self::spawn(None).await
+        Self::spawn(None, None).await
+    }
+
+    /// An upstream behind a hop that removes the header `strip` from every request before the
+    /// upstream sees it: a stand-in for a proxy that loses a header the fence read.
+    pub async fn stripping(strip: &'static str) -> Upstream {
+        Self::spawn(None, Some(strip)).await
     }
 
     /// Requests are held until [`Upstream::release`] hands out permits.
     pub async fn gated() -> Upstream {
-        Self::spawn(Some(Arc::new(Semaphore::new(0)))).await
+        Self::spawn(Some(Arc::new(Semaphore::new(0))), None).await
     }
 
-    async fn spawn(gate: Option<Arc<Semaphore>>) -> Upstream {
+    async fn spawn(gate: Option<Arc<Semaphore>>, strip: Option<&'static str>) -> Upstream {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let seen: Arc<Mutex<Vec<Seen>>> = Arc::default();
@@ -74,7 +80,10 @@ impl Upstream {
                 let gate = handler_gate.clone();
                 let tx = tx.clone();
                 async move {
-                    let (parts, body) = req.into_parts();
+                    let (mut parts, body) = req.into_parts();
+                    if let Some(strip) = strip {
+                        parts.headers.remove(strip);
+                    }
                     let body = body
                         .collect()
                         .await

@@ -141,3 +141,49 @@ fn egress_routes_are_checked_like_routes() {
          different `methods` at line 7 column 7"
     );
 }
+
+/// A resource named by a header the proxy strips or rewrites before forwarding would be
+/// checked on one value and written on another: refused at load, saying what to write.
+#[test]
+fn a_resource_header_the_proxy_rewrites_is_refused() {
+    let resource = |template: &str| {
+        err(&format!(
+            "upstream: http://a:1\nroutes:\n  - name: a\n    path: /a\n    resource: '{template}'\n"
+        ))
+    };
+    assert_eq!(
+        resource("site:{header:X-Forwarded-Host}"),
+        "routes[0].resource: `site:{header:X-Forwarded-Host}`: `X-Forwarded-Host` cannot name a \
+         resource: fencegate sets it to the host the client addressed before forwarding; name \
+         the resource by `{header:Host}`, which is that host at line 5 column 15"
+    );
+    for name in ["X-Forwarded-For", "x-forwarded-proto"] {
+        assert!(
+            resource(&format!("c:{{header:{name}}}"))
+                .contains("fencegate rewrites it before forwarding"),
+            "{name}"
+        );
+    }
+    for name in [
+        "Connection",
+        "TE",
+        "Upgrade",
+        "Keep-Alive",
+        "Proxy-Authorization",
+    ] {
+        assert!(
+            resource(&format!("h:{{header:{name}}}")).contains("it is a hop-by-hop header"),
+            "{name}"
+        );
+    }
+    for ok in [
+        "site:{header:Host}",
+        "t:{header:X-Tenant}",
+        "s:{header:x-shard-bin}",
+    ] {
+        let yaml = format!(
+            "upstream: http://a:1\nroutes:\n  - {{ name: a, path: /a, resource: '{ok}' }}\n"
+        );
+        Config::parse(&yaml).unwrap_or_else(|e| panic!("{ok}: {e}"));
+    }
+}

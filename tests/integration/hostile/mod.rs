@@ -69,5 +69,6 @@ async fn read_until_closed(stream: &mut TcpStream, within: Duration) -> (Vec<u8>
 mod framing;
 mod h2;
 mod paths;
+mod received;
 mod slow;
 mod tokens;
