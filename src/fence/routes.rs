@@ -311,13 +311,24 @@ fn query_value(query: Option<&str>, name: &str) -> Result<String, ResourceError>
     if query.contains(';') && single_value(query.split(['&', ';']), name) != Some(found) {
         return Err(missing());
     }
-    let decoded = percent_encoding::percent_decode_str(found)
-        .decode_utf8()
-        .map_err(|_| missing())?;
+    let decoded = form_decode(found).ok_or_else(missing)?;
     if decoded.is_empty() || decoded.chars().any(char::is_control) {
         return Err(missing());
     }
     Ok(decoded.into_owned())
+}
+
+/// A query key or value as form parsers read it (`application/x-www-form-urlencoded`, which
+/// most frameworks apply to queries): `+` is a space, then percent-decoded. `None`: not UTF-8.
+fn form_decode(raw: &str) -> Option<Cow<'_, str>> {
+    if !raw.contains('+') {
+        return percent_encoding::percent_decode_str(raw).decode_utf8().ok();
+    }
+    let spaced = raw.replace('+', " ");
+    let decoded = percent_encoding::percent_decode_str(&spaced)
+        .decode_utf8()
+        .ok()?;
+    Some(Cow::Owned(decoded.into_owned()))
 }
 
 /// The value of the one pair named `name` among `pairs`; `None` when there is none, or more
@@ -327,8 +338,7 @@ fn single_value<'q>(pairs: impl Iterator<Item = &'q str>, name: &str) -> Option<
     for pair in pairs {
         let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
         // Keys compare decoded: `sh%61rd` is `shard` to any downstream that decodes them.
-        let key = percent_encoding::percent_decode_str(key).decode_utf8_lossy();
-        if key == name {
+        if form_decode(key).is_some_and(|key| key == name) {
             if found.is_some() {
                 return None;
             }
@@ -462,6 +472,17 @@ mod tests {
             )
             .unwrap();
         assert_eq!(fenced(m).1, "acme/s 1/a/b");
+        // `+` is a space, as form parsers read queries; `%2B` is a `+`.
+        for (query, shard) in [
+            ("shard=s+1", "s 1"),
+            ("sh%61rd=s%2B1", "s+1"),
+            ("shard+=2&shard=3", "3"),
+        ] {
+            let m = t
+                .lookup(&Method::POST, "/jobs/a", Some(query), None, &h)
+                .unwrap();
+            assert_eq!(fenced(m).1, format!("acme/{shard}/a"), "{query}");
+        }
         assert_eq!(
             t.lookup(&Method::POST, "/jobs/a", Some("shard=1&shard=2"), None, &h)
                 .unwrap_err()

@@ -32,6 +32,7 @@ const ROUTES: &str = "routes:
   - { name: tenants, path: /jobs, resource: 'tenant:{header:X-Tenant}' }
   - { name: shards, path: /shards, resource: 'shard:{header:X-Shard-Bin}' }
   - { name: sites, path: /site, resource: 'site:{header:Host}' }
+  - { name: queues, path: /queue, resource: 'queue:{query:name}' }
 ";
 
 /// One write a downstream could perform for a received request.
@@ -59,6 +60,24 @@ fn lenient(seen: &Seen, name: &str) -> Vec<String> {
         .filter_map(|(_, v)| v.to_str().ok())
         .flat_map(|v| v.split(','))
         .map(|v| v.trim().to_owned())
+        .collect()
+}
+
+/// The values a form-style query parser could read for `name`: pairs split on `&` and on `;`
+/// (Rack 2, older Go and Python), keys and values percent-decoded with `+` as a space.
+fn lenient_query(seen: &Seen, name: &str) -> Vec<String> {
+    let query = seen.target.split_once('?').map_or("", |(_, q)| q);
+    let decode = |s: &str| {
+        percent_encoding::percent_decode_str(&s.replace('+', " "))
+            .decode_utf8_lossy()
+            .into_owned()
+    };
+    query
+        .split(['&', ';'])
+        .filter_map(|pair| {
+            let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+            (decode(k) == name).then(|| decode(v))
+        })
         .collect()
 }
 
@@ -117,6 +136,11 @@ fn readings(seen: &Seen) -> Vec<Reading> {
             reported
         };
         hosts.into_iter().map(|h| format!("site:{h}")).collect()
+    } else if decoded == "/queue" {
+        lenient_query(seen, "name")
+            .into_iter()
+            .map(|q| format!("queue:{q}"))
+            .collect()
     } else {
         Vec::new()
     };
@@ -202,7 +226,10 @@ async fn maxima(fg: &fencegate::app::Server, history: &[Seen]) -> BTreeMap<Strin
     let mut out = BTreeMap::new();
     for reading in history.iter().flat_map(readings) {
         if let std::collections::btree_map::Entry::Vacant(entry) = out.entry(reading.resource) {
-            let max = recorded(fg, &fence_name(entry.key())).await;
+            let name = fence_name(entry.key());
+            let path =
+                percent_encoding::utf8_percent_encode(&name, percent_encoding::NON_ALPHANUMERIC);
+            let max = recorded(fg, &path.to_string()).await;
             entry.insert(max);
         }
     }
@@ -241,6 +268,10 @@ fn current() -> Vec<(&'static str, String)> {
         (
             "site a.example",
             request("PUT /site", "a.example", "Fencing-Token: 10\r\n"),
+        ),
+        (
+            "queue a b",
+            request("POST /queue?name=a%20b", "x", "Fencing-Token: 10\r\n"),
         ),
     ]
 }
@@ -391,6 +422,31 @@ fn hostile() -> Vec<(&'static str, String, u16)> {
             400,
         ),
         (
+            "query value with `+` for the space: ?name=a+b",
+            request("POST /queue?name=a+b", "x", stale),
+            409,
+        ),
+        (
+            "query key encoded: ?n%61me=a%20b",
+            request("POST /queue?n%61me=a%20b", "x", stale),
+            409,
+        ),
+        (
+            "query key with `+`: ?name+=x&name=a%20b",
+            request("POST /queue?name+=x&name=a%20b", "x", stale),
+            409,
+        ),
+        (
+            "query given twice: ?name=c&name=a%20b",
+            request("POST /queue?name=c&name=a%20b", "x", stale),
+            400,
+        ),
+        (
+            "query split on `;`: ?name=c;name=a%20b",
+            request("POST /queue?name=c;name=a%20b", "x", stale),
+            400,
+        ),
+        (
             "token with `_`: Fencing_Token",
             request("PUT /accounts/u:1", "x", "Fencing_Token: 5\r\n"),
             400,
@@ -440,14 +496,16 @@ async fn hostile_variants_reach_the_upstream_only_as_fenced() {
     assert_eq!(answered, want);
     // The current writes and the one write to another site; nothing else.
     assert_eq!(history.len(), current().len() + 1);
-    assert_eq!(history[4].headers["x-forwarded-host"], "b.example");
-    assert_eq!(history[4].token(), Some(5));
+    let spoofed = &history[current().len()];
+    assert_eq!(spoofed.headers["x-forwarded-host"], "b.example");
+    assert_eq!(spoofed.token(), Some(5));
     assert_eq!(recorded(&fg, "account:u:1").await, Some(10));
     assert_eq!(recorded(&fg, "tenant:default").await, Some(10));
     assert_eq!(recorded(&fg, "tenant:fresh").await, None);
     assert_eq!(recorded(&fg, "shard:AQ").await, Some(10));
     assert_eq!(recorded(&fg, "site:a.example").await, Some(10));
     assert_eq!(recorded(&fg, "site:b.example").await, Some(5));
+    assert_eq!(recorded(&fg, "queue:a%20b").await, Some(10));
 }
 
 /// The spellings the fence reads as one resource are one resource to it, whichever comes
