@@ -1,7 +1,7 @@
 //! gRPC through fencegate, with a real client and server (tonic, over prost messages written by
 //! hand): refusals as gRPC statuses, admitted calls, a server-streaming call proxied intact
-//! (messages and trailers) over h2c and over TLS, to an h2c and to an `https` upstream, and keyed
-//! calls replayed with their status.
+//! (messages and trailers) over h2c and over TLS, to an h2c and to an `https` upstream, keyed
+//! calls replayed with their status, and a content type in another case told a gRPC call.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -524,5 +524,104 @@ async fn a_keyed_unary_write_is_replayed_with_its_status() {
     assert_eq!(replayed.message(), "no negative deposits: -1 é%");
     assert_eq!(metadata(&replayed, "idempotent-replayed"), Some("true"));
     assert_eq!(ledger.calls().len(), 2, "{:?}", ledger.calls());
+    server.shutdown();
+}
+
+/// A response read whole: head, body and trailers.
+struct Whole {
+    status: http::StatusCode,
+    headers: HeaderMap,
+    body: bytes::Bytes,
+    trailers: Option<HeaderMap>,
+}
+
+/// A `Deposit` of 5 sent by hand over h2c, with the `content-type` given (tonic always sends
+/// its own spelling) and `extra` metadata.
+async fn deposit_by_hand(
+    addr: SocketAddr,
+    content_type: &str,
+    account: &str,
+    token: &str,
+    extra: &[(&str, &str)],
+) -> Whole {
+    use http_body_util::BodyExt;
+
+    let tcp = TcpStream::connect(addr).await.unwrap();
+    let (mut sender, conn) =
+        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tcp))
+            .await
+            .unwrap();
+    tokio::spawn(conn);
+    // One message: uncompressed, its length (big-endian), then the message.
+    let message = prost::Message::encode_to_vec(&Deposit { amount: 5 });
+    let mut frame = vec![0u8];
+    frame.extend_from_slice(&(message.len() as u32).to_be_bytes());
+    frame.extend_from_slice(&message);
+    let mut req = Request::builder()
+        .method("POST")
+        .uri(format!("http://{addr}{DEPOSIT}"))
+        .header("content-type", content_type)
+        .header("te", "trailers")
+        .header("x-account-id", account)
+        .header("fencing-token", token);
+    for (name, value) in extra {
+        req = req.header(*name, *value);
+    }
+    let req = req
+        .body(http_body_util::Full::new(bytes::Bytes::from(frame)))
+        .unwrap();
+    let (parts, body) = sender.send_request(req).await.unwrap().into_parts();
+    let collected = body.collect().await.unwrap();
+    let trailers = collected.trailers().cloned();
+    Whole {
+        status: parts.status,
+        headers: parts.headers,
+        body: collected.to_bytes(),
+        trailers,
+    }
+}
+
+/// The `Balance` in a response body of one gRPC message.
+fn balance(body: &[u8]) -> i64 {
+    assert_eq!(body[0], 0, "compressed");
+    let len = u32::from_be_bytes(body[1..5].try_into().unwrap()) as usize;
+    assert_eq!(body.len(), 5 + len);
+    <Balance as prost::Message>::decode(&body[5..])
+        .unwrap()
+        .amount
+}
+
+#[tokio::test]
+async fn a_grpc_content_type_is_told_in_any_case() {
+    let (ledger, addr) = Ledger::start(false).await;
+    let server = fencegate(&format!("http://{addr}"), ROUTES).await;
+
+    // Admitted, and forwarded over HTTP/2 (the server speaks nothing else): the server's
+    // message and its status in the trailers.
+    let fresh = deposit_by_hand(server.listen, "Application/GRPC", "c1", "7", &[]).await;
+    assert_eq!(fresh.status, 200);
+    assert_eq!(balance(&fresh.body), 105);
+    let trailers = fresh.trailers.expect("trailers");
+    assert_eq!(trailers["grpc-status"], "0");
+    let calls = ledger.calls();
+    assert_eq!(calls.len(), 1, "{calls:?}");
+    assert_eq!(calls[0].token.as_deref(), Some("7"));
+    assert_eq!(calls[0].te.as_deref(), Some("trailers"));
+
+    // Refused the gRPC way: trailers-only ABORTED, not problem+json.
+    let stale = deposit_by_hand(server.listen, "APPLICATION/Grpc+proto", "c1", "6", &[]).await;
+    assert_eq!(stale.status, 200);
+    assert_eq!(stale.headers["content-type"], "application/grpc");
+    assert_eq!(stale.headers["grpc-status"], "10");
+    assert_eq!(
+        stale.headers["grpc-message"],
+        "token 6 is below 7, the highest token recorded for account:c1; the lease was granted \
+         to a newer holder"
+    );
+    assert_eq!(stale.headers["fencing-token-current"], "7");
+    assert!(stale.body.is_empty());
+    assert!(stale.trailers.is_none());
+    assert_eq!(ledger.calls().len(), 1);
+    assert_eq!(recorded(&server, "account:c1").await, Some(7));
     server.shutdown();
 }
