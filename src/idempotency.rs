@@ -16,7 +16,8 @@
 //!   at least the recorded one (and past the fence as usual): an older epoch cannot redo it.
 //!
 //! The same key with a different fingerprint (method, normalised path, query, body) is
-//! refused with 422 `idempotency-key-reused`, in every phase.
+//! refused with 422 `idempotency-key-reused`, in every phase. The method is the one the
+//! upstream acts on: a method override header's when the request has one.
 //!
 //! [`decide`] is the whole decision, pure; every store runs it (or, for Redis, its Lua
 //! transcription) in the same atomic step as the raise of the resource's maximum.
@@ -36,7 +37,8 @@ use crate::fence::verdict::{decide as fence, Verdict};
 /// Longest accepted key, in bytes (keys are visible ASCII).
 pub const MAX_KEY_BYTES: usize = 255;
 
-/// SHA-256 of what identifies a request: method, normalised path, query and body.
+/// SHA-256 of what identifies a request: method (the one a method override header names,
+/// when there is one: the method the upstream acts on), normalised path, query and body.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub struct Fingerprint(pub [u8; 32]);
 
