@@ -94,7 +94,8 @@ pub fn mark(response: &mut Response<ProxyBody>, refusal: &Refusal, detail: Strin
 /// Whether a request is a gRPC call: `content-type: application/grpc`, alone or with a
 /// `+format` or parameters (`application/grpc+proto`), in any case (media types are
 /// case-insensitive, RFC 9110 §8.3.1, and gRPC servers compare them so). gRPC-Web
-/// (`application/grpc-web`), which carries its status in the body, is not.
+/// (`application/grpc-web`), which carries its status in the body, is not. Asked of a
+/// response's headers too, to tell a gRPC answer (see [`crate::proxy::recording`]).
 pub fn is_grpc(headers: &HeaderMap) -> bool {
     const GRPC: &[u8] = b"application/grpc";
     let Some(value) = headers.get(CONTENT_TYPE) else {
