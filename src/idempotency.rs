@@ -11,12 +11,14 @@
 //!   response (`Idempotent-Replayed: true`), whatever tokens were admitted since: a replay
 //!   reports what happened and executes nothing. A response larger than `max_response` is
 //!   recorded without its body ("completed, not replayable").
-//! - `unknown`: the upstream failed, timed out, or answered with a retryable status, so the
-//!   write may or may not have happened. A retry may execute it again, but only with a token
+//! - `unknown`: the upstream failed, timed out, or answered with a retryable status (HTTP,
+//!   or gRPC's `grpc-status`: [`grpc_outcome_unknown`]), so the write may or may not have
+//!   happened. A retry may execute it again, but only with a token
 //!   at least the recorded one (and past the fence as usual): an older epoch cannot redo it.
 //!
 //! The same key with a different fingerprint (method, normalised path, query, body) is
-//! refused with 422 `idempotency-key-reused`, in every phase.
+//! refused with 422 `idempotency-key-reused`, in every phase. The method is the one the
+//! upstream acts on: a method override header's when the request has one.
 //!
 //! [`decide`] is the whole decision, pure; every store runs it (or, for Redis, its Lua
 //! transcription) in the same atomic step as the raise of the resource's maximum.
@@ -36,7 +38,8 @@ use crate::fence::verdict::{decide as fence, Verdict};
 /// Longest accepted key, in bytes (keys are visible ASCII).
 pub const MAX_KEY_BYTES: usize = 255;
 
-/// SHA-256 of what identifies a request: method, normalised path, query and body.
+/// SHA-256 of what identifies a request: method (the one a method override header names,
+/// when there is one: the method the upstream acts on), normalised path, query and body.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub struct Fingerprint(pub [u8; 32]);
 
@@ -384,6 +387,26 @@ pub fn decide(existing: Option<&Record>, current: Option<u64>, claim: &Claim) ->
 /// completed and replayed.
 pub fn outcome_unknown(status: u16) -> bool {
     matches!(status, 408 | 425 | 429) || status >= 500
+}
+
+/// Whether a gRPC status (a `grpc-status` value) leaves the outcome unknown: the rule of
+/// [`outcome_unknown`], read through the canonical mapping of gRPC codes to HTTP statuses
+/// (`google.rpc.Code`).
+///
+/// Final, recorded and replayed: OK (0, HTTP 200), INVALID_ARGUMENT (3, 400), NOT_FOUND (5,
+/// 404), ALREADY_EXISTS (6, 409), PERMISSION_DENIED (7, 403), FAILED_PRECONDITION (9, 400),
+/// ABORTED (10, 409), OUT_OF_RANGE (11, 400), UNAUTHENTICATED (16, 401).
+///
+/// Unknown, the key left free for a retry: UNKNOWN (2, 500), DEADLINE_EXCEEDED (4, 504),
+/// RESOURCE_EXHAUSTED (8, 429), UNIMPLEMENTED (12, 501), INTERNAL (13, 500), UNAVAILABLE (14,
+/// 503), DATA_LOSS (15, 500); CANCELLED (1), whose HTTP form (499, "client closed request")
+/// the HTTP rule does not list, but which says what 408 says: the call was not seen through;
+/// and a value that is no code (a client reads it as UNKNOWN).
+pub fn grpc_outcome_unknown(grpc_status: &[u8]) -> bool {
+    let code = std::str::from_utf8(grpc_status)
+        .ok()
+        .and_then(|s| s.parse::<u32>().ok());
+    !matches!(code, Some(0 | 3 | 5 | 6 | 7 | 9 | 10 | 11 | 16))
 }
 
 #[cfg(test)]

@@ -229,3 +229,44 @@ fn retryable_statuses_leave_the_outcome_unknown() {
         assert!(!outcome_unknown(s), "{s}");
     }
 }
+
+/// The gRPC rule is the HTTP rule through the canonical mapping (`google.rpc.Code`), and
+/// CANCELLED (499) counts as the 408 it stands for.
+#[test]
+fn grpc_statuses_follow_the_http_rule() {
+    let canonical: [(u32, u16); 17] = [
+        (0, 200),
+        (1, 408), // CANCELLED: 499 "client closed request", read as 408
+        (2, 500),
+        (3, 400),
+        (4, 504),
+        (5, 404),
+        (6, 409),
+        (7, 403),
+        (8, 429),
+        (9, 400),
+        (10, 409),
+        (11, 400),
+        (12, 501),
+        (13, 500),
+        (14, 503),
+        (15, 500),
+        (16, 401),
+    ];
+    for (code, http) in canonical {
+        let text = code.to_string();
+        assert_eq!(
+            grpc_outcome_unknown(text.as_bytes()),
+            outcome_unknown(http),
+            "{code}"
+        );
+    }
+    let unknown: Vec<u32> = (0..=16)
+        .filter(|c| grpc_outcome_unknown(c.to_string().as_bytes()))
+        .collect();
+    assert_eq!(unknown, [1, 2, 4, 8, 12, 13, 14, 15]);
+    // Not a code: read as UNKNOWN.
+    for bad in [&b"17"[..], b"", b"14 ", b"-1", b"ok", b"\xff"] {
+        assert!(grpc_outcome_unknown(bad), "{bad:?}");
+    }
+}

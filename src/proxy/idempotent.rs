@@ -18,6 +18,7 @@ use super::recording::{Attempt, Writer};
 use super::{Proxy, Write};
 use crate::body::ProxyBody;
 use crate::config::Ordering;
+use crate::fence::method::method_override;
 use crate::idempotency::{Begin, Claim, Fingerprint, Record, StoredResponse, MAX_KEY_BYTES};
 use crate::metrics::Outcome;
 use crate::store::StoreError;
@@ -127,8 +128,11 @@ impl Proxy {
                 )))
             }
         };
-        let fingerprint =
-            Fingerprint::of(parts.method.as_str(), normalised, parts.uri.query(), &body);
+        // The method the upstream acts on: an override header's when there is one (a
+        // malformed or repeated override was refused before this), or the request's own.
+        let effective = method_override(&parts.headers).ok().flatten();
+        let effective = effective.as_ref().unwrap_or(&parts.method);
+        let fingerprint = Fingerprint::of(effective.as_str(), normalised, parts.uri.query(), &body);
         // Authoritative mode, asked once the body is in (a slow body gives the lease all the
         // time it needs to pass on): a superseded token may still have its outcome replayed.
         let mut superseded = None;

@@ -6,7 +6,9 @@
 //! retry sent after the response never finds the key still in flight. A client that goes away
 //! early does not stop the recording: the rest of the upstream's body is drained and recorded
 //! in the background, and an attempt that ends without an answer to record (never sent, or the
-//! upstream failed) is recorded `unknown`.
+//! upstream failed) is recorded `unknown`. So is an answer whose status says "try again": an
+//! HTTP status ([`outcome_unknown`]) or a gRPC one ([`grpc_outcome_unknown`]), in the response
+//! headers (trailers-only) or its trailers.
 //!
 //! Apart from [`super::idempotent`] (which decides whether a write executes) so that the
 //! response body type ([`crate::body::ProxyBody`]) can hold a recording without importing the
@@ -19,13 +21,16 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
+use http::header::{HeaderName, HeaderValue};
 use http::{HeaderMap, StatusCode};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 
 use crate::fence::barrier::Ticket;
-use crate::idempotency::{outcome_unknown, Claim, Phase, Record, StoredResponse};
+use crate::idempotency::{
+    grpc_outcome_unknown, outcome_unknown, Claim, Phase, Record, StoredResponse,
+};
 use crate::metrics::IdempotencyMetrics;
 use crate::store::{BoxFuture, FenceStore, StoreError};
 
@@ -155,9 +160,9 @@ impl Attempt {
         Finish::new(writer.write(self.claim, record))
     }
 
-    /// The upstream answered without a body.
+    /// The upstream answered without a body (a gRPC trailers-only response among them).
     pub fn record_empty(self, status: StatusCode, head: &HeaderMap) -> Finish {
-        let record = self.outcome(status, head, Some(Kept::default()));
+        let record = self.outcome(status, head, None, Some(Kept::default()));
         self.finish(record)
     }
 
@@ -167,11 +172,17 @@ impl Attempt {
         self.finish(record)
     }
 
-    /// The record of an answer; `copy` is `None` when the response cannot be replayed (too
-    /// large, or its body broke).
-    fn outcome(&self, status: StatusCode, head: &HeaderMap, copy: Option<Kept>) -> Record {
+    /// The record of an answer: `trailed` is the `grpc-status` its trailers carried, `copy`
+    /// is `None` when the response cannot be replayed (too large, or its body broke).
+    fn outcome(
+        &self,
+        status: StatusCode,
+        head: &HeaderMap,
+        trailed: Option<&HeaderValue>,
+        copy: Option<Kept>,
+    ) -> Record {
         let (token, fingerprint) = (self.claim.token, self.claim.fingerprint);
-        if outcome_unknown(status.as_u16()) {
+        if outcome_unknown(status.as_u16()) || grpc_unknown(head, trailed) {
             return Record::unknown(token, fingerprint);
         }
         let response = copy.map(|copy| StoredResponse {
@@ -200,6 +211,31 @@ impl Drop for Attempt {
             let record = Record::unknown(self.claim.token, self.claim.fingerprint);
             Finish::new(writer.write(self.claim, record)).detach();
         }
+    }
+}
+
+static GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
+
+/// Whether a response's gRPC status leaves the outcome unknown ([`grpc_outcome_unknown`]): the
+/// status in its headers (a trailers-only response) or in its trailers (`trailed`), either
+/// one not final; or none at all on a gRPC response (its body broke before the trailers, or
+/// they had none), which its client reads as an error. A response that is not gRPC and
+/// carries no status is left to its HTTP status.
+fn grpc_unknown(head: &HeaderMap, trailed: Option<&HeaderValue>) -> bool {
+    let headed = head.get(&GRPC_STATUS);
+    if headed.is_none() && trailed.is_none() {
+        return super::problem::grpc::is_grpc(head);
+    }
+    headed
+        .into_iter()
+        .chain(trailed)
+        .any(|s| grpc_outcome_unknown(s.as_bytes()))
+}
+
+/// The `grpc-status` of a trailers frame, noted into `trailed`.
+fn note_status(trailed: &mut Option<HeaderValue>, frame: &Frame<Bytes>) {
+    if let Some(status) = frame.trailers_ref().and_then(|t| t.get(&GRPC_STATUS)) {
+        *trailed = Some(status.clone());
     }
 }
 
@@ -252,6 +288,9 @@ pub struct Recording {
     head: HeaderMap,
     /// The copy so far; `None` once it outgrew `max_response`.
     copy: Option<Kept>,
+    /// The trailers' `grpc-status`, kept apart from the copy: it decides the outcome also
+    /// when the copy was given up.
+    trailed: Option<HeaderValue>,
     attempt: Option<Attempt>,
     /// Dropped unfinished (the client left), it completes in the background.
     finishing: Option<Finish>,
@@ -274,6 +313,7 @@ impl Recording {
             status,
             head,
             copy: Some(Kept::default()),
+            trailed: None,
             attempt: Some(attempt),
             finishing: None,
             held: None,
@@ -308,12 +348,15 @@ impl Body for Recording {
                 Poll::Ready(Some(Ok(frame))) => {
                     if let Some(attempt) = &this.attempt {
                         Kept::keep(&mut this.copy, &frame, attempt.max_response);
+                        note_status(&mut this.trailed, &frame);
                     }
                     let last = this.inner.as_ref().is_some_and(|i| i.is_end_stream());
                     match (last, this.attempt.take()) {
                         (true, Some(attempt)) => {
                             this.inner = None;
-                            let record = attempt.outcome(this.status, &this.head, this.copy.take());
+                            let trailed = this.trailed.as_ref();
+                            let record =
+                                attempt.outcome(this.status, &this.head, trailed, this.copy.take());
                             this.finishing = Some(attempt.finish(record));
                             this.held = Some(frame);
                         }
@@ -325,10 +368,12 @@ impl Body for Recording {
                 }
                 Poll::Ready(Some(Err(e))) => {
                     // The upstream answered, then its body broke: the write happened (or
-                    // not, for a retryable status) but the response cannot be replayed.
+                    // not, for a retryable status, or a gRPC call whose status never came)
+                    // but the response cannot be replayed.
                     this.inner = None;
                     if let Some(attempt) = this.attempt.take() {
-                        let record = attempt.outcome(this.status, &this.head, None);
+                        let trailed = this.trailed.as_ref();
+                        let record = attempt.outcome(this.status, &this.head, trailed, None);
                         attempt.finish(record).detach();
                     }
                     return Poll::Ready(Some(Err(e)));
@@ -337,7 +382,9 @@ impl Body for Recording {
                     this.inner = None;
                     match this.attempt.take() {
                         Some(attempt) => {
-                            let record = attempt.outcome(this.status, &this.head, this.copy.take());
+                            let trailed = this.trailed.as_ref();
+                            let record =
+                                attempt.outcome(this.status, &this.head, trailed, this.copy.take());
                             this.finishing = Some(attempt.finish(record));
                         }
                         None => return Poll::Ready(None),
@@ -373,10 +420,11 @@ impl Drop for Recording {
             // No body left to read: the attempt, if still here, records `unknown` as it drops.
             return;
         };
-        let (status, head, mut copy) = (
+        let (status, head, mut copy, mut trailed) = (
             self.status,
             std::mem::take(&mut self.head),
             self.copy.take(),
+            self.trailed.take(),
         );
         let ticket = self.ticket.take();
         background(Box::pin(async move {
@@ -387,6 +435,7 @@ impl Drop for Recording {
                 while let Some(frame) = inner.frame().await {
                     let frame = frame.ok()?;
                     Kept::keep(&mut copy, &frame, attempt.max_response);
+                    note_status(&mut trailed, &frame);
                 }
                 Some(())
             })
@@ -395,7 +444,7 @@ impl Drop for Recording {
                 Ok(Some(())) => copy,
                 Ok(None) | Err(_) => None,
             };
-            let record = attempt.outcome(status, &head, copy);
+            let record = attempt.outcome(status, &head, trailed.as_ref(), copy);
             attempt.finish(record).await
         }));
     }
@@ -416,6 +465,43 @@ mod tests {
             Kept::keep(&mut copy, &frame, limit);
         }
         copy
+    }
+
+    fn head(lines: &[(&'static str, &'static str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (n, v) in lines {
+            h.append(*n, HeaderValue::from_static(v));
+        }
+        h
+    }
+
+    #[test]
+    fn a_grpc_status_in_the_headers_or_the_trailers_decides() {
+        let grpc = [("content-type", "application/grpc")];
+        let status = |s: &'static str| HeaderValue::from_static(s);
+        // Trailers-only: the status is in the headers.
+        assert!(grpc_unknown(&head(&[grpc[0], ("grpc-status", "14")]), None));
+        assert!(!grpc_unknown(&head(&[grpc[0], ("grpc-status", "5")]), None));
+        // After a body: in the trailers.
+        assert!(grpc_unknown(&head(&grpc), Some(&status("13"))));
+        assert!(!grpc_unknown(&head(&grpc), Some(&status("0"))));
+        // Either one not final is enough.
+        assert!(grpc_unknown(
+            &head(&[grpc[0], ("grpc-status", "0")]),
+            Some(&status("14"))
+        ));
+        // A gRPC response without a status: its client reads an error.
+        assert!(grpc_unknown(&head(&grpc), None));
+        assert!(grpc_unknown(
+            &head(&[("content-type", "Application/GRPC+proto")]),
+            None
+        ));
+        // Anything else without a status is left to its HTTP status.
+        assert!(!grpc_unknown(
+            &head(&[("content-type", "text/plain")]),
+            None
+        ));
+        assert!(!grpc_unknown(&HeaderMap::new(), None));
     }
 
     #[test]

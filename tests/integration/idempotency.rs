@@ -399,6 +399,50 @@ async fn bad_keys_and_bodies_are_refused_and_record_nothing() {
     assert_eq!(up.executions(), 2);
 }
 
+/// A method override names the method the upstream acts on, so it is the method the
+/// fingerprint takes: the same key for another overridden method is another request (422), and
+/// the overridden method sent as itself is the same request (replayed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_fingerprint_takes_the_method_an_override_names() {
+    let up = Ledger::start(false).await;
+    let fg = fencegate(&up.url(), &section("1m")).await;
+    let url = format!("http://{}/accounts/1", fg.listen);
+    let keyed = |header, method| {
+        [
+            ("fencing-token", "5"),
+            ("idempotency-key", "m"),
+            (header, method),
+        ]
+    };
+    let put = send("POST", &url, &keyed("x-http-method-override", "PUT"), "v").await;
+    assert_eq!(put.status, 201);
+    assert_eq!(put.text(), "{\"execution\":1,\"applied\":\"v\"}");
+    assert!(put.headers.get("idempotent-replayed").is_none());
+    for (header, method) in [
+        ("x-http-method-override", "DELETE"),
+        ("x-http-method", "delete"),
+        ("x-method-override", "PATCH"),
+    ] {
+        let other = send("POST", &url, &keyed(header, method), "v").await;
+        let body = other.assert_problem(422, "urn:fencegate:idempotency-key-reused");
+        assert_eq!(body["resource"], "account:1");
+        assert!(other.headers.get("idempotent-replayed").is_none());
+    }
+    let same = send(
+        "PUT",
+        &url,
+        &[("fencing-token", "5"), ("idempotency-key", "m")],
+        "v",
+    )
+    .await;
+    assert_eq!(same.status, 201);
+    assert_eq!(same.headers["idempotent-replayed"], "true");
+    assert_eq!(same.body, put.body);
+    assert_eq!(head_without_marker(&same), head_without_marker(&put));
+    assert_eq!(up.executions(), 1);
+    assert_eq!(recorded(&fg, "account:1").await, Some(5));
+}
+
 /// Two fencegate processes sharing one store: a retry that lands on the other replica is
 /// replayed from the shared record, not executed.
 async fn retry_on_the_other_replica(kind: &str) {

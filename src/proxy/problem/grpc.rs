@@ -92,16 +92,19 @@ pub fn mark(response: &mut Response<ProxyBody>, refusal: &Refusal, detail: Strin
 }
 
 /// Whether a request is a gRPC call: `content-type: application/grpc`, alone or with a
-/// `+format` or parameters (`application/grpc+proto`). gRPC-Web (`application/grpc-web`),
-/// which carries its status in the body, is not.
+/// `+format` or parameters (`application/grpc+proto`), in any case (media types are
+/// case-insensitive, RFC 9110 §8.3.1, and gRPC servers compare them so). gRPC-Web
+/// (`application/grpc-web`), which carries its status in the body, is not. Asked of a
+/// response's headers too, to tell a gRPC answer (see [`crate::proxy::recording`]).
 pub fn is_grpc(headers: &HeaderMap) -> bool {
+    const GRPC: &[u8] = b"application/grpc";
     let Some(value) = headers.get(CONTENT_TYPE) else {
         return false;
     };
-    let Some(rest) = value.as_bytes().strip_prefix(b"application/grpc") else {
+    let Some((prefix, rest)) = value.as_bytes().split_at_checked(GRPC.len()) else {
         return false;
     };
-    matches!(rest.first(), None | Some(b'+' | b';'))
+    prefix.eq_ignore_ascii_case(GRPC) && matches!(rest.first(), None | Some(b'+' | b';'))
 }
 
 /// Whether a request is a gRPC call over HTTP/2, the only transport gRPC has: its refusals
@@ -206,6 +209,10 @@ mod tests {
             "application/grpc",
             "application/grpc+proto",
             "application/grpc;charset=utf-8",
+            // Media types are case-insensitive (RFC 9110 §8.3.1), and gRPC servers agree.
+            "Application/GRPC",
+            "APPLICATION/Grpc+proto",
+            "application/gRPC;charset=utf-8",
         ] {
             assert!(is_grpc(&headers(yes)), "{yes}");
         }
@@ -213,6 +220,8 @@ mod tests {
             "application/grpc-web",
             "application/json",
             "application/grpcx",
+            "Application/GRPC-Web",
+            "application/grp",
         ] {
             assert!(!is_grpc(&headers(no)), "{no}");
         }
