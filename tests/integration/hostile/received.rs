@@ -20,6 +20,7 @@
 //! strips a fenced header after the fence decided.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex};
 
 use base64::Engine;
 use http::Method;
@@ -221,15 +222,89 @@ fn fence_name(resource: &str) -> String {
     }
 }
 
+/// The fence under test: the proxy, or the in-process layer in front of an axum app that
+/// records what it receives (and the store the layer raises, to read its maxima).
+enum Front<'a> {
+    Proxy(&'a fencegate::app::Server),
+    Layer {
+        addr: SocketAddr,
+        store: Arc<dyn fencegate::store::FenceStore>,
+        seen: Arc<Mutex<Vec<Seen>>>,
+    },
+}
+
+impl Front<'_> {
+    fn addr(&self) -> SocketAddr {
+        match self {
+            Front::Proxy(fg) => fg.listen,
+            Front::Layer { addr, .. } => *addr,
+        }
+    }
+
+    /// The fence's maximum for a resource, by its fence name.
+    async fn recorded(&self, name: &str) -> Option<u64> {
+        match self {
+            Front::Proxy(fg) => {
+                let path =
+                    percent_encoding::utf8_percent_encode(name, percent_encoding::NON_ALPHANUMERIC);
+                recorded(fg, &path.to_string()).await
+            }
+            Front::Layer { store, .. } => store.current(name).await.unwrap(),
+        }
+    }
+
+    /// What the service behind the fence received, in order.
+    fn history(&self, up: Option<&Upstream>) -> Vec<Seen> {
+        match self {
+            Front::Proxy(_) => up.expect("the proxy's upstream").seen(),
+            Front::Layer { seen, .. } => seen.lock().unwrap().clone(),
+        }
+    }
+}
+
+/// The layer of a config with `routes`, the memory store, in front of an axum app that records
+/// every request it receives and answers 200.
+async fn layer_front(routes: &str) -> Front<'static> {
+    use tower_layer::Layer;
+    let yaml = format!("upstream: http://unused.invalid\nstore: {{ kind: memory }}\n{routes}");
+    let config = fencegate::config::Config::parse(&yaml).unwrap();
+    let store: Arc<dyn fencegate::store::FenceStore> =
+        Arc::new(fencegate::store::MemoryStore::new());
+    let fence =
+        fencegate::layer::FenceLayer::new(&config, Arc::clone(&store), prometheus::Registry::new())
+            .unwrap();
+    let seen: Arc<Mutex<Vec<Seen>>> = Arc::default();
+    let log = Arc::clone(&seen);
+    let app = tower::service_fn(move |req: http::Request<axum::body::Body>| {
+        let log = Arc::clone(&log);
+        async move {
+            let (parts, _) = req.into_parts();
+            log.lock().unwrap().push(Seen {
+                method: parts.method,
+                target: parts
+                    .uri
+                    .path_and_query()
+                    .map(|p| p.to_string())
+                    .unwrap_or_default(),
+                headers: parts.headers,
+                body: bytes::Bytes::new(),
+            });
+            Ok::<_, std::convert::Infallible>(http::Response::new(axum::body::Body::from("ok")))
+        }
+    });
+    let router = axum::Router::new().fallback_service(fence.layer(app));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    Front::Layer { addr, store, seen }
+}
+
 /// What the fence recorded for every resource the history's readings name.
-async fn maxima(fg: &fencegate::app::Server, history: &[Seen]) -> BTreeMap<String, Option<u64>> {
+async fn maxima(front: &Front<'_>, history: &[Seen]) -> BTreeMap<String, Option<u64>> {
     let mut out = BTreeMap::new();
     for reading in history.iter().flat_map(readings) {
         if let std::collections::btree_map::Entry::Vacant(entry) = out.entry(reading.resource) {
-            let name = fence_name(entry.key());
-            let path =
-                percent_encoding::utf8_percent_encode(&name, percent_encoding::NON_ALPHANUMERIC);
-            let max = recorded(fg, &path.to_string()).await;
+            let max = front.recorded(&fence_name(entry.key())).await;
             entry.insert(max);
         }
     }
@@ -454,14 +529,11 @@ fn hostile() -> Vec<(&'static str, String, u16)> {
     ]
 }
 
-/// Sends `requests` in order; returns each with the status it got.
-async fn run(
-    fg: &fencegate::app::Server,
-    requests: Vec<(&'static str, String)>,
-) -> Vec<(&'static str, u16)> {
+/// Sends `requests` in order to `addr`; returns each with the status it got.
+async fn run(addr: SocketAddr, requests: Vec<(&'static str, String)>) -> Vec<(&'static str, u16)> {
     let mut out = Vec::new();
     for (what, request) in requests {
-        let resp = raw(fg.listen, request.as_bytes()).await;
+        let resp = raw(addr, request.as_bytes()).await;
         out.push((what, status_of(&resp)));
     }
     out
@@ -471,14 +543,14 @@ async fn run(
 async fn hostile_variants_reach_the_upstream_only_as_fenced() {
     let up = Upstream::start().await;
     let fg = fencegate(&up.url(), ROUTES).await;
-    for (what, status) in run(&fg, current()).await {
+    for (what, status) in run(fg.listen, current()).await {
         assert_eq!(status, 200, "{what}");
     }
     let variants = hostile();
     let sent = variants.iter().map(|(w, r, _)| (*w, r.clone())).collect();
-    let answered = run(&fg, sent).await;
+    let answered = run(fg.listen, sent).await;
     let history = up.seen();
-    let found = violations(&history, &maxima(&fg, &history).await);
+    let found = violations(&history, &maxima(&Front::Proxy(&fg), &history).await);
     println!(
         "received = fenced: {} hostile variants, stale token 5 after 10",
         answered.len()
@@ -554,7 +626,10 @@ async fn one_resource_whatever_its_spelling() {
         ["/accounts/u%3A1", "/accounts/u:1", "/shards", "/shards"]
     );
     let history = up.seen();
-    assert_eq!(violations(&history, &maxima(&fg, &history).await), []);
+    assert_eq!(
+        violations(&history, &maxima(&Front::Proxy(&fg), &history).await),
+        []
+    );
 }
 
 /// The negative control on a known-bad history: a stale token applied after a newer one, a
@@ -628,15 +703,58 @@ async fn the_checker_fires_when_a_fenced_header_is_stripped() {
             request("POST /jobs", "x", "X-Tenant: fresh\r\nFencing-Token: 5\r\n"),
         ),
     ];
-    for (what, status) in run(&fg, writes).await {
+    for (what, status) in run(fg.listen, writes).await {
         assert_eq!(status, 200, "{what}");
     }
     let history = up.seen();
-    let found = violations(&history, &maxima(&fg, &history).await);
+    let found = violations(&history, &maxima(&Front::Proxy(&fg), &history).await);
     println!("received = fenced, negative control (X-Tenant stripped after the fence): {found:?}");
     let rules: Vec<(usize, &str)> = found.iter().map(|v| (v.at, v.rule)).collect();
     assert_eq!(
         rules,
         [(1, "monotonic as applied: a token below one already applied")]
     );
+}
+
+/// The same hostile variants through the in-process layer, in front of an axum app: what the
+/// app received, read as a permissive app reads it, is what the fence decided on. (The site
+/// variants are the proxy's: in-process, nothing rewrites `X-Forwarded-Host`, and which host
+/// the app reads is its own choice.)
+#[tokio::test]
+async fn hostile_variants_reach_the_app_behind_the_layer_only_as_fenced() {
+    let routes = ROUTES
+        .lines()
+        .filter(|l| !l.contains("/site"))
+        .collect::<Vec<_>>()
+        .join("\n");
+    let front = layer_front(&format!("{routes}\n")).await;
+    let current: Vec<_> = current()
+        .into_iter()
+        .filter(|(w, _)| !w.starts_with("site"))
+        .collect();
+    let writes = current.len();
+    for (what, status) in run(front.addr(), current).await {
+        assert_eq!(status, 200, "{what}");
+    }
+    let variants: Vec<_> = hostile()
+        .into_iter()
+        .filter(|(_, r, _)| !r.contains("/site "))
+        .collect();
+    let sent = variants.iter().map(|(w, r, _)| (*w, r.clone())).collect();
+    let answered = run(front.addr(), sent).await;
+    let history = front.history(None);
+    let found = violations(&history, &maxima(&front, &history).await);
+    println!(
+        "received = fenced, in-process: {} hostile variants; the app received {} requests; violations: {}",
+        answered.len(),
+        history.len(),
+        found.len()
+    );
+    assert_eq!(found, [], "{history:#?}");
+    let want: Vec<(&str, u16)> = variants.iter().map(|(w, _, s)| (*w, *s)).collect();
+    assert_eq!(answered, want);
+    assert_eq!(history.len(), writes);
+    assert_eq!(front.recorded("account:u:1").await, Some(10));
+    assert_eq!(front.recorded("shard:AQ").await, Some(10));
+    assert_eq!(front.recorded("queue:a b").await, Some(10));
 }
