@@ -177,7 +177,11 @@ impl RouteTable {
         // resource to the fence too. (`normalise` refuses an encoded `/`, so decoding cannot
         // move a segment boundary.) A path that decodes to no text is matched as it is, and
         // names no resource.
-        let decoded = percent_encoding::percent_decode_str(path).decode_utf8();
+        let decoded = match path.contains('%') {
+            // Most paths have no escape: nothing to decode, nothing to validate again.
+            false => Ok(Cow::Borrowed(path)),
+            true => percent_encoding::percent_decode_str(path).decode_utf8(),
+        };
         let text = decoded.is_ok();
         let path: &str = match &decoded {
             Ok(decoded) => decoded,
