@@ -190,6 +190,7 @@ fn restart_only_changes(running: &Config, new: &Config) -> Vec<&'static str> {
             "timeouts.shutdown",
             a.timeouts.shutdown != b.timeouts.shutdown,
         ),
+        ("log.format", a.log != b.log),
     ];
     checks
         .into_iter()

@@ -26,10 +26,13 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Run the proxy; logs JSON to stderr.
+    /// Run the proxy; logs to stderr, JSON unless stderr is a terminal (see --log-format).
     Run {
         #[arg(long, short, env = "FENCEGATE_CONFIG")]
         config: PathBuf,
+        /// json, text, or auto (text on a terminal, JSON otherwise); overrides `log.format`.
+        #[arg(long, env = "FENCEGATE_LOG_FORMAT")]
+        log_format: Option<crate::config::LogFormat>,
     },
     /// Validate a config and print the effective configuration.
     Check {
@@ -215,16 +218,20 @@ pub fn main() -> ExitCode {
                 }
             }
         }
-        Command::Run { config } => {
-            init_logging();
+        Command::Run { config, log_format } => {
             let path = config;
+            // The configuration names the log format, so it is read before logging starts; a
+            // configuration that cannot be read is reported in the format of the flag (or
+            // `auto`).
             let config = match Config::load(&path) {
                 Ok(c) => c,
                 Err(e) => {
+                    init_logging(log_format.unwrap_or_default());
                     tracing::error!(error = %e, "invalid configuration");
                     return ExitCode::from(1);
                 }
             };
+            init_logging(log_format.unwrap_or(config.log.format));
             for warning in config.warnings() {
                 tracing::warn!(warning, "configuration warning");
             }
@@ -281,7 +288,7 @@ pub fn main() -> ExitCode {
             image,
             sidecar,
         } => {
-            init_logging();
+            init_logging(crate::config::LogFormat::Auto);
             let options = match sidecar.options(image, classic) {
                 Ok(options) => options,
                 Err(e) => {
@@ -398,16 +405,21 @@ async fn shutdown_signal() -> &'static str {
     }
 }
 
-fn init_logging() {
+fn init_logging(format: crate::config::LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("FENCEGATE_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt()
-        .json()
-        .flatten_event(true)
-        .with_current_span(false)
+    let lines = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
+        .with_writer(std::io::stderr);
+    if format.json() {
+        lines
+            .json()
+            .flatten_event(true)
+            .with_current_span(false)
+            .init();
+    } else {
+        lines.init();
+    }
 }
 
 #[cfg(test)]

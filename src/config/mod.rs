@@ -91,6 +91,61 @@ pub struct Config {
     /// One `INFO` line per request on the `fencegate::access` log target; off by default.
     #[serde(default)]
     pub access_log: bool,
+    /// How log lines are written (`log.format`).
+    #[serde(default, skip_serializing_if = "LogConfig::is_default")]
+    pub log: LogConfig,
+}
+
+/// The `log` section.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, expecting = "a mapping with `format`")]
+pub struct LogConfig {
+    #[serde(default)]
+    pub format: LogFormat,
+}
+
+impl LogConfig {
+    fn is_default(&self) -> bool {
+        *self == LogConfig::default()
+    }
+}
+
+/// How log lines are written: one JSON object per line (for collectors), a readable line
+/// (for people), or `auto`: readable when stderr is a terminal, JSON otherwise (a container's
+/// stderr never is one, so deployments get JSON).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    Json,
+    Text,
+    #[default]
+    Auto,
+}
+
+impl LogFormat {
+    /// Whether lines are JSON, `auto` resolved against whether stderr is a terminal.
+    pub fn json(self) -> bool {
+        match self {
+            LogFormat::Json => true,
+            LogFormat::Text => false,
+            LogFormat::Auto => !std::io::IsTerminal::is_terminal(&std::io::stderr()),
+        }
+    }
+}
+
+impl std::str::FromStr for LogFormat {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "json" => Ok(LogFormat::Json),
+            "text" => Ok(LogFormat::Text),
+            "auto" => Ok(LogFormat::Auto),
+            other => Err(format!(
+                "`{other}` is not a log format: write json, text or auto"
+            )),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

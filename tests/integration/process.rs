@@ -560,3 +560,92 @@ fn demo_refuses_both_late_writes() {
     assert!(text.contains("urn:fencegate:lease-not-held"), "{text}");
     assert_eq!(text.matches("ledger write 3").count(), 0, "{text}");
 }
+
+/// `run`'s log lines are JSON when stderr is not a terminal (a container's never is), a
+/// readable line on a terminal, and as `--log-format` or `log.format` say otherwise. Start-up
+/// errors follow the same rule: a configuration that cannot be read is reported in the
+/// format of the flag, or by the terminal test.
+#[test]
+fn run_logs_json_to_a_pipe_and_text_to_a_terminal() {
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("bad.yaml");
+    std::fs::write(&bad, "upstream: http://127.0.0.1:8080\nlisten: nowhere\n").unwrap();
+    let (code, _, stderr) = fencegate_cli(&["run".as_ref(), "--config".as_ref(), bad.as_os_str()]);
+    assert_eq!(code, Some(1));
+    let line: Value =
+        serde_json::from_str(stderr.trim()).unwrap_or_else(|e| panic!("{e}: {stderr}"));
+    assert_eq!(line["level"], "ERROR", "{line}");
+    assert_eq!(line["message"], "invalid configuration", "{line}");
+    let error = line["error"].as_str().unwrap();
+    assert!(
+        error.contains("bad.yaml: listen: `nowhere` has no port"),
+        "{line}"
+    );
+
+    // The same under a pseudo-terminal (util-linux `script` gives the process one).
+    let on_terminal = |args: &str| {
+        let out = std::process::Command::new("script")
+            .args([
+                "-qec",
+                &format!("{BIN} run --config {} {args}", bad.display()),
+                "/dev/null",
+            ])
+            .output()
+            .unwrap();
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let text = on_terminal("");
+    assert!(text.contains(" ERROR "), "{text}");
+    assert!(text.contains("invalid configuration error="), "{text}");
+    assert!(
+        text.contains("bad.yaml: listen: `nowhere` has no port"),
+        "{text}"
+    );
+    assert!(!text.trim_start().starts_with('{'), "{text}");
+    // `--log-format json` on a terminal, `--log-format text` to a pipe.
+    let json = on_terminal("--log-format json");
+    assert!(json.trim_start().starts_with("{\""), "{json}");
+    let (_, _, text) = fencegate_cli(&[
+        "run".as_ref(),
+        "--config".as_ref(),
+        bad.as_os_str(),
+        "--log-format".as_ref(),
+        "text".as_ref(),
+    ]);
+    assert!(text.contains(" ERROR ") && !text.starts_with('{'), "{text}");
+
+    // `log.format` in the file governs a running process's lines.
+    let good = dir.path().join("good.yaml");
+    std::fs::write(
+        &good,
+        "listen: 127.0.0.1:0\nadmin: 127.0.0.1:0\nupstream: http://127.0.0.1:9\nstore: { kind: memory }\nlog: { format: text }\nroutes: [{ name: a, path: /a }]\n",
+    )
+    .unwrap();
+    let mut child = std::process::Command::new(BIN)
+        .args(["run", "--config"])
+        .arg(&good)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stderr.take().unwrap()),
+        &mut first,
+    )
+    .unwrap();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(
+        first.contains(" INFO ") && !first.starts_with('{'),
+        "{first}"
+    );
+    // A wrong value is a configuration error with its place.
+    std::fs::write(
+        &bad,
+        "upstream: http://127.0.0.1:8080\nlog: { format: yaml }\n",
+    )
+    .unwrap();
+    let (code, _, stderr) = check_file(&bad);
+    assert_eq!(code, Some(1));
+    assert!(stderr.contains("log.format"), "{stderr}");
+}
