@@ -138,7 +138,7 @@ pub struct Metrics {
     request_duration: HistogramVec,
     pub store_raise: Histogram,
     pub store_get: Histogram,
-    pub store_errors: IntCounter,
+    store_errors: IntCounterVec,
     pub reloads_ok: IntCounter,
     pub reloads_refused: IntCounter,
     pub lease: LeaseMetrics,
@@ -167,7 +167,7 @@ pub struct LeaseMetrics {
     /// `fencegate_lease_held{resource}`: a series only while the lease is held (see
     /// [`LeaseMetrics::held`]), so per-job leases do not leave one series each behind.
     held: IntGaugeVec,
-    /// `fencegate_leases_held`: how many resources have a `fencegate_lease_held` series.
+    /// `fencegate_held_lease_count`: how many resources have a `fencegate_lease_held` series.
     held_count: IntGauge,
 }
 
@@ -194,6 +194,11 @@ impl LeaseMetrics {
 pub const UNMATCHED: &str = "-";
 
 impl Metrics {
+    /// One failed or silent store operation: `source` is `store` (the fence store) or
+    /// `leases` (the lease backend), `cause` the error's kind (`StoreError::label`).
+    pub fn store_error(&self, source: &'static str, cause: &'static str) {
+        self.store_errors.with_label_values(&[source, cause]).inc();
+    }
     pub fn new(registry: Registry) -> prometheus::Result<Self> {
         let requests = IntCounterVec::new(
             Opts::new("fencegate_requests_total", "Requests by route and outcome."),
@@ -229,9 +234,14 @@ impl Metrics {
             .buckets(LATENCY_BUCKETS.to_vec()),
             &["op"],
         )?;
-        let store_errors = IntCounter::new(
-            "fencegate_store_errors_total",
-            "Store operations that failed or timed out (the write was refused with 503).",
+        let store_errors = IntCounterVec::new(
+            Opts::new(
+                "fencegate_store_errors_total",
+                "Store and lease backend operations that failed or timed out, by source (store, \
+                 leases) and cause (unreachable, timeout, refused, corrupt, contended, config, \
+                 internal).",
+            ),
+            &["source", "cause"],
         )?;
         let reloads = IntCounterVec::new(
             Opts::new(
@@ -267,7 +277,7 @@ impl Metrics {
             &["resource"],
         )?;
         let held_count = IntGauge::new(
-            "fencegate_leases_held",
+            "fencegate_held_lease_count",
             "Leases this fencegate holds (held or draining), over all resources.",
         )?;
         let request_duration = HistogramVec::new(

@@ -377,11 +377,11 @@ impl Proxy {
             },
             Ok(Ok(None)) => Some(Refusal::Unissued { latest: None }),
             Ok(Err(e)) => {
-                self.metrics.store_errors.inc();
+                self.metrics.store_error("leases", e.label());
                 Some(Refusal::StoreUnavailable(Unavailable::Leases(e)))
             }
             Err(_) => {
-                self.metrics.store_errors.inc();
+                self.metrics.store_error("leases", "timeout");
                 Some(Refusal::StoreUnavailable(Unavailable::LeasesSilent(
                     self.timeouts.store,
                 )))
@@ -430,8 +430,8 @@ impl Proxy {
         self.metrics
             .store_raise
             .observe(started.elapsed().as_secs_f64());
-        if answer.is_err() {
-            self.metrics.store_errors.inc();
+        if let Err(e) = answer {
+            self.metrics.store_error("store", e.label());
         }
     }
 }

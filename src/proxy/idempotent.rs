@@ -176,7 +176,7 @@ impl Proxy {
         let route_metrics = &self.route_metrics[route.index];
         match begin {
             Err(e) => {
-                self.metrics.store_errors.inc();
+                self.metrics.store_error("store", e.label());
                 // The claim may have landed before the answer was lost: mark it unknown so
                 // retries are not refused as in flight for nothing. Only a record carrying
                 // this attempt's id is replaced: another attempt's live record, with the same

@@ -85,7 +85,7 @@ impl Writer {
                 "idempotency record changed while the attempt ran (expired?); outcome not recorded"
             ),
             Err(e) => {
-                self.metrics.store_errors.inc();
+                self.metrics.store_error("store", e.label());
                 tracing::error!(
                     resource = %self.resource,
                     fencing_token = claim.token,

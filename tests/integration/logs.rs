@@ -59,11 +59,11 @@ async fn metrics(p: &Process) -> String {
         .text()
 }
 
-/// `fencegate_lease_held` and `fencegate_leases_held`, as exported.
+/// `fencegate_lease_held` and `fencegate_held_lease_count`, as exported.
 fn held_series(text: &str) -> (Vec<&str>, Vec<&str>) {
     (
         series(text, "fencegate_lease_held"),
-        series(text, "fencegate_leases_held"),
+        series(text, "fencegate_held_lease_count"),
     )
 }
 
@@ -241,7 +241,7 @@ async fn lease_lines_for_acquire_renew_lose_and_release() {
         held_series(&metrics(&p).await),
         (
             vec![r#"fencegate_lease_held{resource="job:1"} 1"#],
-            vec!["fencegate_leases_held 1"]
+            vec!["fencegate_held_lease_count 1"]
         )
     );
     assert_eq!(
@@ -272,7 +272,7 @@ async fn lease_lines_for_acquire_renew_lose_and_release() {
     );
     assert_eq!(
         held_series(&metrics(&p).await),
-        (vec![], vec!["fencegate_leases_held 0"])
+        (vec![], vec!["fencegate_held_lease_count 0"])
     );
 
     let (id, token) = acquire().await;
@@ -288,7 +288,7 @@ async fn lease_lines_for_acquire_renew_lose_and_release() {
     );
     assert_eq!(
         held_series(&metrics(&p).await),
-        (vec![], vec!["fencegate_leases_held 0"])
+        (vec![], vec!["fencegate_held_lease_count 0"])
     );
     // The drain at shutdown has nothing left to release.
     let rest = lines_to_exit(&mut p).await;

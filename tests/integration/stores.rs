@@ -334,10 +334,17 @@ async fn store_killed_and_back(kind: Kind) {
     let metrics = send("GET", &format!("http://{}/metrics", fg.admin), &[], "")
         .await
         .text();
-    assert!(
-        metrics.contains("fencegate_store_errors_total 3"),
-        "{metrics}"
-    );
+    // The three refused writes, by what the store did (a refused connection, a timeout).
+    let errors: Vec<(&str, u64)> = metrics
+        .lines()
+        .filter_map(|l| l.strip_prefix("fencegate_store_errors_total{cause=\""))
+        .filter_map(|l| l.split_once("\",source=\"store\"} "))
+        .map(|(cause, n)| (cause, n.parse().unwrap()))
+        .collect();
+    assert_eq!(errors.iter().map(|(_, n)| n).sum::<u64>(), 3, "{metrics}");
+    for (cause, _) in &errors {
+        assert!(["unreachable", "timeout"].contains(cause), "{metrics}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

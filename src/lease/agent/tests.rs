@@ -23,7 +23,7 @@ impl Pause {
     }
 }
 
-/// The `fencegate_lease_held` series of `resource` and `fencegate_leases_held`, as exported.
+/// The `fencegate_lease_held` series of `resource` and `fencegate_held_lease_count`, as exported.
 fn gauge(agent: &Agent, resource: &str) -> (Option<String>, String) {
     let text = agent.metrics.render();
     let value = |prefix: &str| {
@@ -32,7 +32,8 @@ fn gauge(agent: &Agent, resource: &str) -> (Option<String>, String) {
             .map(str::to_owned)
     };
     let held = value(&format!("fencegate_lease_held{{resource=\"{resource}\"}} "));
-    let count = value("fencegate_leases_held ").unwrap_or_else(|| panic!("no count in\n{text}"));
+    let count =
+        value("fencegate_held_lease_count ").unwrap_or_else(|| panic!("no count in\n{text}"));
     (held, count)
 }
 
