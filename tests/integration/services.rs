@@ -236,9 +236,11 @@ impl Service {
             let pid = pid.lines().next().unwrap().trim().to_owned();
             let mut pids = children_of(&pid);
             pids.push(pid);
+            // A backend may exit between the listing and the kill: not worth a message.
             std::process::Command::new("kill")
                 .arg("-9")
                 .args(&pids)
+                .stderr(Stdio::null())
                 .status()
                 .unwrap();
         }
@@ -337,4 +339,108 @@ fn children_of(pid: &str) -> Vec<String> {
             (ppid == pid).then_some(name)
         })
         .collect()
+}
+
+impl Service {
+    /// Runs `sql` on this PostgreSQL server (a fresh connection) and returns the first
+    /// column of each row, NULL as an empty string.
+    pub async fn sql(&self, sql: &str) -> Result<Vec<String>, tokio_postgres::Error> {
+        assert_eq!(self.kind, Kind::Postgres);
+        let (client, conn) = tokio_postgres::connect(&self.url(), tokio_postgres::NoTls).await?;
+        tokio::spawn(conn);
+        let rows = client.simple_query(sql).await?;
+        Ok(rows
+            .into_iter()
+            .filter_map(|m| match m {
+                tokio_postgres::SimpleQueryMessage::Row(row) => {
+                    Some(row.get(0).unwrap_or_default().to_owned())
+                }
+                _ => None,
+            })
+            .collect())
+    }
+
+    /// Polls `sql` on this server until its first row is `want` (60 s at most).
+    pub async fn wait_sql(&self, sql: &str, want: &str) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let got = self.sql(sql).await.ok().and_then(|r| r.into_iter().next());
+            if got.as_deref() == Some(want) {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "`{sql}` on port {} never answered {want} (last: {got:?})",
+                self.port
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// A streaming standby of this PostgreSQL primary (`pg_basebackup -R`), started and
+    /// replaying; it connects as `application_name` `name`.
+    pub async fn standby(&self, name: &str) -> Service {
+        assert_eq!(self.kind, Kind::Postgres);
+        let dir = tempfile::tempdir().unwrap();
+        let status = Command::new("chown")
+            .args(["-R", "postgres:postgres"])
+            .arg(dir.path())
+            .status()
+            .await
+            .unwrap();
+        assert!(status.success());
+        let conninfo = format!(
+            "host=127.0.0.1 port={} user=postgres application_name={name}",
+            self.port
+        );
+        let status = Command::new("runuser")
+            .args(["-u", "postgres", "--"])
+            .arg(postgres_bin("pg_basebackup"))
+            .args(["-d", &conninfo, "-R", "-X", "stream", "--no-sync", "-D"])
+            .arg(dir.path().join("data"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .await
+            .unwrap();
+        assert!(status.success(), "pg_basebackup failed");
+        let mut standby = Service {
+            kind: Kind::Postgres,
+            port: free_port(),
+            child: None,
+            dir,
+        };
+        for _ in 0..5 {
+            if standby.spawn().await {
+                self.wait_sql(
+                    &format!(
+                        "SELECT count(*) FROM pg_stat_replication \
+                         WHERE application_name = '{name}' AND state = 'streaming'"
+                    ),
+                    "1",
+                )
+                .await;
+                return standby;
+            }
+            standby.child = None;
+            standby.port = free_port();
+        }
+        panic!("the standby exited at start five times");
+    }
+
+    /// Promotes this standby (`pg_ctl promote`) and waits until it accepts writes.
+    pub async fn promote(&self) {
+        let status = Command::new("runuser")
+            .args(["-u", "postgres", "--"])
+            .arg(postgres_bin("pg_ctl"))
+            .args(["promote", "-D"])
+            .arg(self.dir.path().join("data"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .await
+            .unwrap();
+        assert!(status.success(), "pg_ctl promote failed");
+        self.wait_sql("SELECT pg_is_in_recovery()", "f").await;
+    }
 }
