@@ -1,9 +1,11 @@
 //! Store failovers on replicated topologies started by the tests, on loopback: a PostgreSQL
 //! primary with a streaming standby (`pg_basebackup -R`, promoted with `pg_ctl promote` after
-//! the primary is killed with `kill -9`). Two fencegate replicas share the store; the second one never sees the fenced
+//! the primary is killed with `kill -9`), and a three-member etcd cluster whose leader is
+//! killed. Two fencegate replicas share the store; the second one never sees the fenced
 //! resource before the failover, so its verdicts after it come from the store, not from a
 //! cache. Recovery times (failover to the first admitted write) are printed.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fencegate::app::Server;
@@ -348,4 +350,59 @@ async fn postgres_pool_leaves_a_read_only_primary() {
          grant {:?}",
         admitted.1, granted.1
     );
+}
+
+/// A three-member etcd cluster loses its leader to `kill -9`: the two remaining members elect
+/// another, a stale token is still 409 through the replica that never saw it, a fresh one is
+/// admitted, and lease grants do not repeat a token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_cluster_keeps_fencing_when_its_leader_is_killed() {
+    let mut cluster = EtcdCluster::start().await;
+    let url = cluster.url();
+    let prefix = fresh_prefix();
+    let up = Upstream::start().await;
+    let fg1 = replica(&up, "etcd", &url, &prefix, "").await;
+    let fg2 = replica(&up, "etcd", &url, &prefix, "").await;
+    let leases: Arc<dyn LeaseBackend> =
+        lease::open(&BackendConfig::Etcd(remote(&url, &fresh_prefix())))
+            .await
+            .unwrap();
+    let mut before = Vec::new();
+    for _ in 0..3 {
+        before.push(grant_and_release(&*leases, "job", "a").await);
+    }
+
+    assert_eq!(put(&fg1, "1", "7").await.status, 200);
+    let leader = cluster.leader().await;
+    cluster.kill(leader).await;
+    let failover = Instant::now();
+
+    assert_eq!(
+        put_through(&fg2, "1", "6").await,
+        409,
+        "the raise to 7 was lost"
+    );
+    assert_eq!(put_through(&fg1, "1", "8").await, 200);
+    let recovered = failover.elapsed();
+    assert_eq!(put_through(&fg2, "1", "9").await, 200);
+    // From then on no call fails for the dead member: every write is admitted, every read
+    // answered, through both replicas.
+    for token in 10..50 {
+        let fg = if token % 2 == 0 { &fg1 } else { &fg2 };
+        let reply = put(fg, "1", &token.to_string()).await;
+        assert_eq!(reply.status, 200, "token {token}: {}", reply.text());
+        assert_eq!(recorded(fg, "account:1").await, Some(token));
+    }
+    let after = grant_through(&*leases, "job", "b").await;
+    assert!(
+        before.iter().all(|t| *t < after),
+        "a grant after the failover repeated a token: {before:?} then {after}"
+    );
+    let new_leader = cluster.leader().await;
+    assert_ne!(new_leader, leader);
+    eprintln!(
+        "etcd 3-member cluster: leader m{leader} killed -> first admitted write {recovered:?}; \
+         new leader m{new_leader}; lease tokens {before:?} then {after}"
+    );
+    assert_eq!(up.count(), 43);
 }

@@ -444,3 +444,150 @@ impl Service {
         self.wait_sql("SELECT pg_is_in_recovery()", "f").await;
     }
 }
+
+/// A three-member etcd cluster on loopback, each member its own process and data directory.
+pub struct EtcdCluster {
+    /// Client ports, in member order (member `m{i}`).
+    pub ports: Vec<u16>,
+    children: Vec<Option<Child>>,
+    _dir: tempfile::TempDir,
+}
+
+impl EtcdCluster {
+    pub async fn start() -> EtcdCluster {
+        // Ports picked free may be taken before a member binds them: then start afresh.
+        for _ in 0..5 {
+            if let Some(cluster) = Self::try_start().await {
+                return cluster;
+            }
+        }
+        panic!("the etcd cluster did not start five times");
+    }
+
+    async fn try_start() -> Option<EtcdCluster> {
+        let dir = tempfile::tempdir().unwrap();
+        let ports: Vec<(u16, u16)> = (0..3).map(|_| (free_port(), free_port())).collect();
+        let initial: Vec<String> = ports
+            .iter()
+            .enumerate()
+            .map(|(i, (_, peer))| format!("m{i}=http://127.0.0.1:{peer}"))
+            .collect();
+        let mut children = Vec::new();
+        for (i, (client, peer)) in ports.iter().enumerate() {
+            let log = std::fs::File::create(dir.path().join(format!("m{i}.log"))).unwrap();
+            let child = Command::new("etcd")
+                .args(["--name", &format!("m{i}"), "--data-dir"])
+                .arg(dir.path().join(format!("m{i}")))
+                .args([
+                    "--listen-client-urls",
+                    &format!("http://127.0.0.1:{client}"),
+                    "--advertise-client-urls",
+                    &format!("http://127.0.0.1:{client}"),
+                    "--listen-peer-urls",
+                    &format!("http://127.0.0.1:{peer}"),
+                    "--initial-advertise-peer-urls",
+                    &format!("http://127.0.0.1:{peer}"),
+                    "--initial-cluster",
+                    &initial.join(","),
+                    "--initial-cluster-state",
+                    "new",
+                    "--initial-cluster-token",
+                    "fencegate-test",
+                    "--log-level",
+                    "error",
+                ])
+                .stdout(Stdio::null())
+                .stderr(log)
+                .kill_on_drop(true)
+                .spawn()
+                .expect("cannot start etcd");
+            children.push(Some(child));
+        }
+        let mut cluster = EtcdCluster {
+            ports: ports.iter().map(|(c, _)| *c).collect(),
+            children,
+            _dir: dir,
+        };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let mut healthy = 0;
+            for port in &cluster.ports {
+                if etcd_healthy(*port).await {
+                    healthy += 1;
+                }
+            }
+            if healthy == 3 {
+                return Some(cluster);
+            }
+            for child in cluster.children.iter_mut().flatten() {
+                if matches!(child.try_wait(), Ok(Some(_))) {
+                    return None;
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "etcd cluster never became healthy"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// `etcd://` with every member's endpoint.
+    pub fn url(&self) -> String {
+        let endpoints: Vec<String> = self
+            .ports
+            .iter()
+            .map(|p| format!("127.0.0.1:{p}"))
+            .collect();
+        format!("etcd://{}", endpoints.join(","))
+    }
+
+    /// The index of the current leader among the running members, as their status says
+    /// (`etcdctl endpoint status`: each member's id and the leader's id).
+    pub async fn leader(&self) -> usize {
+        let alive: Vec<usize> = (0..self.ports.len())
+            .filter(|i| self.children[*i].is_some())
+            .collect();
+        let endpoints: Vec<String> = alive
+            .iter()
+            .map(|i| format!("http://127.0.0.1:{}", self.ports[*i]))
+            .collect();
+        let out = Command::new("etcdctl")
+            .env("ETCDCTL_API", "3")
+            .args(["--endpoints", &endpoints.join(","), "endpoint", "status"])
+            .args(["-w", "json"])
+            .output()
+            .await
+            .unwrap();
+        assert!(out.status.success(), "etcdctl endpoint status failed");
+        let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let members = status.as_array().unwrap();
+        let leader = &members[0]["Status"]["leader"];
+        let at = members
+            .iter()
+            .position(|m| &m["Status"]["header"]["member_id"] == leader)
+            .expect("no running member is the leader");
+        alive[at]
+    }
+
+    /// `kill -9` of member `i`.
+    pub async fn kill(&mut self, i: usize) {
+        let mut child = self.children[i].take().expect("running");
+        child.start_kill().unwrap();
+        child.wait().await.unwrap();
+    }
+
+    /// Whether member `i` is up, healthy and in a cluster with a leader.
+    pub async fn healthy(&self, i: usize) -> bool {
+        etcd_healthy(self.ports[i]).await
+    }
+}
+
+async fn etcd_healthy(port: u16) -> bool {
+    let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)).await else {
+        return false;
+    };
+    let mut buf = vec![0u8; 1024];
+    s.write_all(b"GET /health HTTP/1.0\r\n\r\n").await.is_ok()
+        && matches!(s.read(&mut buf).await, Ok(n) if String::from_utf8_lossy(&buf[..n]).contains("\"health\":\"true\""))
+}
