@@ -43,6 +43,7 @@ struct RawBackend {
     #[serde(default = "default_prefix")]
     prefix: String,
     tls: Option<ClientTlsConfig>,
+    replicas: Option<u32>,
 }
 
 const DEFAULT_LEASE_PATH: &str = "/var/lib/fencegate/leases.db";
@@ -60,10 +61,14 @@ impl TryFrom<RawBackend> for BackendConfig {
                 return Err(KindError::PathWithServer { holder });
             }
             url.check(kind, raw.tls.as_ref())?;
+            if raw.replicas.is_some() && kind != RemoteKind::Postgres {
+                return Err(KindError::ReplicasWithoutPostgres { holder });
+            }
             Ok(Remote {
                 url,
                 tls: raw.tls,
                 prefix: raw.prefix,
+                replicas: raw.replicas,
             })
         };
         match raw.kind {
@@ -72,6 +77,9 @@ impl TryFrom<RawBackend> for BackendConfig {
             }
             BackendKind::Embedded if raw.tls.is_some() => {
                 Err(KindError::TlsWithoutServer { holder })
+            }
+            BackendKind::Embedded if raw.replicas.is_some() => {
+                Err(KindError::ReplicasWithoutPostgres { holder })
             }
             BackendKind::Embedded => Ok(BackendConfig::Embedded {
                 path: raw.path.unwrap_or_else(|| DEFAULT_LEASE_PATH.into()),
@@ -101,6 +109,8 @@ struct PrintedBackend<'a> {
     prefix: &'a str,
     #[serde(skip_serializing_if = "Option::is_none")]
     tls: Option<&'a ClientTlsConfig>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    replicas: Option<u32>,
 }
 
 impl<'a> PrintedBackend<'a> {
@@ -111,6 +121,7 @@ impl<'a> PrintedBackend<'a> {
             path: None,
             prefix: &remote.prefix,
             tls: remote.tls.as_ref(),
+            replicas: remote.replicas,
         }
     }
 }
@@ -124,6 +135,7 @@ impl Serialize for BackendConfig {
                 path: Some(path),
                 prefix,
                 tls: None,
+                replicas: None,
             },
             BackendConfig::Redis(r) => PrintedBackend::remote(BackendKind::Redis, r),
             BackendConfig::Postgres(r) => PrintedBackend::remote(BackendKind::Postgres, r),

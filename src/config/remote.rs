@@ -18,6 +18,11 @@ pub struct Remote {
     pub tls: Option<ClientTlsConfig>,
     /// Key / table namespace, an identifier ([`check_prefix`]).
     pub prefix: String,
+    /// PostgreSQL only: how many synchronous standbys must hold a commit before it is
+    /// acknowledged, checked against the server's replication settings on every new
+    /// connection (`crate::conn::postgres`). `None` (the default) asks for one when the server
+    /// streams to any standby, and none for a lone primary.
+    pub replicas: Option<u32>,
 }
 
 /// The kinds of [`Remote`], for checking a URL against the kind it was written for.
@@ -83,6 +88,8 @@ pub enum KindError {
     PathWithServer { holder: Holder },
     #[error("this {} kind needs a `url`", holder.noun())]
     NoUrl { holder: Holder },
+    #[error("`replicas` is for the postgres {}", holder.noun())]
+    ReplicasWithoutPostgres { holder: Holder },
     #[error(transparent)]
     Url(#[from] UrlError),
     #[error(transparent)]

@@ -96,6 +96,7 @@ struct RawStore {
     )]
     cache_size: usize,
     tls: Option<ClientTlsConfig>,
+    replicas: Option<u32>,
 }
 
 fn default_cache_size() -> usize {
@@ -122,10 +123,14 @@ impl TryFrom<RawStore> for StoreConfig {
                 return Err(KindError::PathWithServer { holder });
             }
             check_prefix(&raw.prefix)?;
+            if raw.replicas.is_some() && kind != RemoteKind::Postgres {
+                return Err(KindError::ReplicasWithoutPostgres { holder });
+            }
             let remote = Remote {
                 url,
                 tls: raw.tls,
                 prefix: raw.prefix,
+                replicas: raw.replicas,
             };
             Ok((remote, raw.cache_size))
         };
@@ -135,6 +140,9 @@ impl TryFrom<RawStore> for StoreConfig {
             }
             StoreKind::Memory | StoreKind::Embedded if raw.tls.is_some() => {
                 Err(KindError::TlsWithoutServer { holder })
+            }
+            StoreKind::Memory | StoreKind::Embedded if raw.replicas.is_some() => {
+                Err(KindError::ReplicasWithoutPostgres { holder })
             }
             StoreKind::Memory if raw.path.is_some() => Err(KindError::PathWithServer { holder }),
             StoreKind::Memory => {
@@ -185,6 +193,8 @@ struct PrintedStore<'a> {
     cache_size: Option<usize>,
     #[serde(skip_serializing_if = "Option::is_none")]
     tls: Option<&'a ClientTlsConfig>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    replicas: Option<u32>,
 }
 
 impl<'a> PrintedStore<'a> {
@@ -196,6 +206,7 @@ impl<'a> PrintedStore<'a> {
             prefix: Some(&remote.prefix),
             cache_size: Some(cache_size),
             tls: remote.tls.as_ref(),
+            replicas: remote.replicas,
         }
     }
 }
@@ -210,6 +221,7 @@ impl Serialize for StoreConfig {
                 prefix: None,
                 cache_size: None,
                 tls: None,
+                replicas: None,
             },
             StoreConfig::Embedded {
                 path,
@@ -222,6 +234,7 @@ impl Serialize for StoreConfig {
                 prefix: Some(prefix),
                 cache_size: Some(*cache_size),
                 tls: None,
+                replicas: None,
             },
             StoreConfig::Redis {
                 remote: r,

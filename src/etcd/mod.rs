@@ -3,8 +3,9 @@
 //! The gRPC code under [`pb`] is generated from etcd's API protos (`proto/`) by
 //! `scripts/regen-etcd` and committed, so building fencegate needs no `protoc`.
 //!
-//! - [`Client::connect`]: one tonic channel balanced over the endpoints, connecting lazily and
-//!   again after failures, with connect and per-request timeouts and HTTP/2 keep-alive.
+//! - [`Client::connect`]: one tonic channel to one endpoint at a time ([`Connector`]),
+//!   connecting lazily and, after a failure, to the next endpoint that answers, with connect
+//!   and per-request timeouts and HTTP/2 keep-alive.
 //! - [`KvClient`]: `Range` and `Txn` (transactions built from [`Txn`], [`TxnOp`], [`Compare`]).
 //! - [`LeaseClient`]: `LeaseGrant`, `LeaseRevoke`, one `LeaseKeepAlive` round trip,
 //!   `LeaseTimeToLive`.
@@ -14,12 +15,13 @@
 //! answers are the generated messages, with accessors for the fields the users read.
 //!
 //! Every client goes through [`Transport`]:
-//! - TLS: `https://` endpoints are dialled by fencegate's own connector ([`TlsConnector`]):
-//!   TCP, then the handshake through [`ClientTls`] (the `tls` mapping's CA, client certificate
-//!   and `server_name`, its files as they are at each new connection, ALPN `h2`). One channel
-//!   connects to one endpoint at a time and, when that connection fails, to the next that
-//!   answers (etcd's own clients also pin one endpoint), each endpoint given its share of the
-//!   connect timeout; `http://` endpoints stay balanced.
+//! - Endpoints are dialled by fencegate's own connector ([`Connector`]): TCP and, for
+//!   `https://` endpoints, the handshake through [`ClientTls`] (the `tls` mapping's CA, client
+//!   certificate and `server_name`, its files as they are at each new connection, ALPN `h2`).
+//!   One channel connects to one endpoint at a time and, when that connection fails, to the
+//!   next that answers (etcd's own clients also pin one endpoint), each endpoint given its
+//!   share of the connect timeout. A channel balanced over the endpoints would keep sending a
+//!   share of the calls to a member that died, each failing, for as long as it is down.
 //! - Authentication: with a user and password, [`Transport`] gets a token from
 //!   `Auth.Authenticate` before the first call and sends it as the `token` metadata on every
 //!   call. It authenticates again when the token is older than [`TOKEN_REFRESH`] (etcd's
@@ -51,6 +53,7 @@ use std::time::{Duration, Instant};
 
 use http::HeaderValue;
 use hyper_util::rt::TokioIo;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tonic::codegen::Service;
 use tonic::transport::{Channel, Endpoint, Uri};
 
@@ -314,23 +317,17 @@ impl Client {
         let Some(first) = endpoints.first() else {
             return Err(Error::InvalidArgs("empty endpoints".into()));
         };
-        let channel = match &options.tls {
-            Some(tls) => {
-                let hosts = endpoints.iter().map(|e| host_port(e.uri())).collect();
-                let count = u32::try_from(endpoints.len()).unwrap_or(u32::MAX);
-                let connector = TlsConnector {
-                    hosts: Arc::new(hosts),
-                    next: Arc::new(AtomicUsize::new(0)),
-                    tls: Arc::clone(tls),
-                    // Each endpoint gets its share of the channel's connect timeout, so that
-                    // one that hangs leaves time for the next within the same connection.
-                    attempt_timeout: options.connect_timeout.map(|t| t / count),
-                };
-                first.connect_with_connector_lazy(connector)
-            }
-            // Balanced even over one endpoint, so a broken connection is replaced.
-            None => Channel::balance_list(endpoints.into_iter()),
+        let hosts = endpoints.iter().map(|e| host_port(e.uri())).collect();
+        let count = u32::try_from(endpoints.len()).unwrap_or(u32::MAX);
+        let connector = Connector {
+            hosts: Arc::new(hosts),
+            next: Arc::new(AtomicUsize::new(0)),
+            tls: options.tls.clone(),
+            // Each endpoint gets its share of the channel's connect timeout, so that one that
+            // hangs leaves time for the next within the same connection.
+            attempt_timeout: options.connect_timeout.map(|t| t / count),
         };
+        let channel = first.connect_with_connector_lazy(connector);
         let auth = options.user.map(|(name, password)| {
             Arc::new(Auth {
                 name,
@@ -395,24 +392,88 @@ fn host_port(uri: &Uri) -> (String, u16) {
     (host.to_owned(), uri.port_u16().unwrap_or(2379))
 }
 
-/// Dials `https://` endpoints: TCP, then TLS through [`ClientTls`], to the endpoint that
-/// answered last, else the next ones in turn.
+/// Dials the endpoints: TCP, then (for `https://`) TLS through [`ClientTls`], to the endpoint
+/// that answered last, else the next ones in turn.
 #[derive(Clone)]
-struct TlsConnector {
+struct Connector {
     hosts: Arc<Vec<(String, u16)>>,
     /// The endpoint to try first.
     next: Arc<AtomicUsize>,
-    tls: Arc<ClientTls>,
+    tls: Option<Arc<ClientTls>>,
     /// How long one endpoint may take (TCP and TLS) before the next is tried.
     attempt_timeout: Option<Duration>,
 }
 
-type TlsIo = TokioIo<tokio_rustls::client::TlsStream<tokio::net::TcpStream>>;
+/// A connection to one endpoint, plaintext or TLS.
+enum Stream {
+    Plain(tokio::net::TcpStream),
+    Tls(Box<tokio_rustls::client::TlsStream<tokio::net::TcpStream>>),
+}
 
-impl Service<Uri> for TlsConnector {
-    type Response = TlsIo;
+impl AsyncRead for Stream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Stream::Plain(s) => Pin::new(s).poll_read(cx, buf),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for Stream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        match self.get_mut() {
+            Stream::Plain(s) => Pin::new(s).poll_write(cx, buf),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Stream::Plain(s) => Pin::new(s).poll_flush(cx),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Stream::Plain(s) => Pin::new(s).poll_shutdown(cx),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+        }
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        match self.get_mut() {
+            Stream::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        match self {
+            Stream::Plain(s) => s.is_write_vectored(),
+            Stream::Tls(s) => s.is_write_vectored(),
+        }
+    }
+}
+
+type Io = TokioIo<Stream>;
+
+impl Service<Uri> for Connector {
+    type Response = Io;
     type Error = std::io::Error;
-    type Future = Pin<Box<dyn Future<Output = Result<TlsIo, std::io::Error>> + Send>>;
+    type Future = Pin<Box<dyn Future<Output = Result<Io, std::io::Error>> + Send>>;
 
     fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), std::io::Error>> {
         Poll::Ready(Ok(()))
@@ -433,7 +494,10 @@ impl Service<Uri> for TlsConnector {
                 let attempt = async {
                     let tcp = tokio::net::TcpStream::connect((host.as_str(), *port)).await?;
                     let _ = tcp.set_nodelay(true);
-                    this.tls.connect(host, tcp).await
+                    match &this.tls {
+                        Some(tls) => Ok(Stream::Tls(Box::new(tls.connect(host, tcp).await?))),
+                        None => Ok(Stream::Plain(tcp)),
+                    }
                 };
                 let result = match this.attempt_timeout {
                     Some(limit) => {
@@ -442,7 +506,7 @@ impl Service<Uri> for TlsConnector {
                             .unwrap_or_else(|_| {
                                 Err(std::io::Error::new(
                                     std::io::ErrorKind::TimedOut,
-                                    format!("{host}:{port}: no TLS connection within {limit:?}"),
+                                    format!("{host}:{port}: no connection within {limit:?}"),
                                 ))
                             })
                     }

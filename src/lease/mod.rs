@@ -42,11 +42,16 @@ pub async fn open(config: &BackendConfig) -> Result<Arc<dyn LeaseBackend>, Lease
             &remote.prefix,
             tls(remote, &[])?,
         )?)),
-        BackendConfig::Postgres(remote) => Ok(Arc::new(postgres::PostgresLeases::new(
-            remote.url.expose(),
-            &remote.prefix,
-            tls(remote, &[])?,
-        )?)),
+        BackendConfig::Postgres(remote) => {
+            let leases = postgres::PostgresLeases::new(
+                remote.url.expose(),
+                &remote.prefix,
+                tls(remote, &[])?,
+                remote.replicas,
+            )?;
+            leases.check_at_start().await?;
+            Ok(Arc::new(leases))
+        }
         BackendConfig::Etcd(remote) => Ok(Arc::new(
             etcd::EtcdLeases::connect(remote.url.expose(), &remote.prefix, tls(remote, &[b"h2"])?)
                 .await?,

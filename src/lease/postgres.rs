@@ -33,7 +33,7 @@ use tokio_postgres::{AsyncMessage, NoTls, Socket};
 
 use super::backend::{Acquired, Grant, GrantEvents, LeaseBackend, LeaseError};
 use super::shared::{self, new_lease_id, GrantFeed, Waiters, HEARTBEAT};
-use crate::conn::postgres::{describe, failure, pool, PgTls};
+use crate::conn::postgres::{describe, failure, pool, Guard, PgTls, START_CHECK};
 use crate::conn::BoxFuture;
 use crate::tls::ClientTls;
 
@@ -42,6 +42,8 @@ const MAX_PAYLOAD: usize = 7900;
 
 pub struct PostgresLeases {
     pool: Pool,
+    /// Which connections may be used ([`Guard`]).
+    guard: Arc<Guard>,
     config: tokio_postgres::Config,
     /// TLS for every connection, the listener's too (the pool's carry it already).
     tls: Option<Arc<ClientTls>>,
@@ -75,8 +77,13 @@ impl Drop for Listener {
 
 impl PostgresLeases {
     /// `prefix` is validated as an SQL identifier when the config is loaded.
-    pub fn new(url: &str, prefix: &str, tls: Option<Arc<ClientTls>>) -> Result<Self, LeaseError> {
-        let (pool, config) = pool(url, tls.clone()).map_err(LeaseError::Config)?;
+    pub fn new(
+        url: &str,
+        prefix: &str,
+        tls: Option<Arc<ClientTls>>,
+        replicas: Option<u32>,
+    ) -> Result<Self, LeaseError> {
+        let (pool, config, guard) = pool(url, tls.clone(), replicas).map_err(LeaseError::Config)?;
         let table = format!("{prefix}_leases");
         // Unquoted identifiers fold to lower case; channel names given as strings do not.
         let channel = table.to_ascii_lowercase();
@@ -84,6 +91,7 @@ impl PostgresLeases {
         let ttl = "now() + $4::float8 * interval '1 millisecond'";
         Ok(PostgresLeases {
             pool,
+            guard,
             config,
             tls,
             schema: OnceCell::new(),
@@ -137,8 +145,24 @@ impl PostgresLeases {
         })
     }
 
+    /// At start-up: refuses a server whose replication falls short of `replicas`
+    /// ([`Guard::check_at_start`]).
+    pub async fn check_at_start(&self) -> Result<(), LeaseError> {
+        self.guard
+            .check_at_start(&self.pool, START_CHECK)
+            .await
+            .map_err(|e| LeaseError::Config(format!("leases.backend: {e}")))
+    }
+
+    /// A failed call, with the error's causes ([`describe`]); a read-only answer retires the
+    /// pool's connections ([`Guard::note`]).
+    fn failed(&self, e: &(dyn std::error::Error + 'static)) -> LeaseError {
+        self.guard.note(e);
+        failed(e)
+    }
+
     async fn client(&self) -> Result<deadpool_postgres::Object, LeaseError> {
-        let client = self.pool.get().await.map_err(|e| failed(&e))?;
+        let client = self.pool.get().await.map_err(|e| self.failed(&e))?;
         self.schema
             .get_or_try_init(|| async {
                 client
@@ -153,7 +177,7 @@ impl PostgresLeases {
                         self.table
                     ))
                     .await
-                    .map_err(|e| failed(&e))
+                    .map_err(|e| self.failed(&e))
             })
             .await?;
         Ok(client)
@@ -299,12 +323,12 @@ impl LeaseBackend for PostgresLeases {
             let statement = client
                 .prepare_cached(&self.acquire_sql)
                 .await
-                .map_err(|e| failed(&e))?;
+                .map_err(|e| self.failed(&e))?;
             let lease_id = new_lease_id();
             let row = client
                 .query_opt(&statement, &[&resource, &holder, &lease_id, &ttl_ms(ttl)])
                 .await
-                .map_err(|e| failed(&e))?;
+                .map_err(|e| self.failed(&e))?;
             let Some(row) = row else {
                 // Held by a row committed after this statement's snapshot.
                 return Ok(Acquired::Held { holder: None });
@@ -335,14 +359,14 @@ impl LeaseBackend for PostgresLeases {
             let statement = client
                 .prepare_cached(&self.renew_sql)
                 .await
-                .map_err(|e| failed(&e))?;
+                .map_err(|e| self.failed(&e))?;
             let n = client
                 .execute(
                     &statement,
                     &[&grant.resource, &grant.lease_id, &token, &ttl_ms(ttl)],
                 )
                 .await
-                .map_err(|e| failed(&e))?;
+                .map_err(|e| self.failed(&e))?;
             Ok(n == 1)
         })
     }
@@ -356,11 +380,11 @@ impl LeaseBackend for PostgresLeases {
             let statement = client
                 .prepare_cached(&self.release_sql)
                 .await
-                .map_err(|e| failed(&e))?;
+                .map_err(|e| self.failed(&e))?;
             let rows = client
                 .query(&statement, &[&grant.resource, &grant.lease_id, &token])
                 .await
-                .map_err(|e| failed(&e))?;
+                .map_err(|e| self.failed(&e))?;
             Ok(rows.len() == 1)
         })
     }
@@ -374,11 +398,11 @@ impl LeaseBackend for PostgresLeases {
             let statement = client
                 .prepare_cached(&self.latest_sql)
                 .await
-                .map_err(|e| failed(&e))?;
+                .map_err(|e| self.failed(&e))?;
             let row = client
                 .query_opt(&statement, &[&resource])
                 .await
-                .map_err(|e| failed(&e))?;
+                .map_err(|e| self.failed(&e))?;
             row.map(|r| token_of(r.get(0))).transpose()
         })
     }
@@ -392,11 +416,11 @@ impl LeaseBackend for PostgresLeases {
                 let statement = client
                     .prepare_cached(&self.live_sql)
                     .await
-                    .map_err(|e| failed(&e))?;
+                    .map_err(|e| self.failed(&e))?;
                 let row = client
                     .query_opt(&statement, &[&resource])
                     .await
-                    .map_err(|e| failed(&e))?;
+                    .map_err(|e| self.failed(&e))?;
                 Ok::<_, LeaseError>(row.is_some())
             };
             matches!(live.await, Ok(false))

@@ -143,8 +143,13 @@ pub async fn open_with_clock(
         }
         StoreConfig::Postgres { remote, cache_size } => {
             let tls = tls(remote, &[])?;
-            let store =
-                self::postgres::PostgresRemote::new(remote.url.expose(), &remote.prefix, tls)?;
+            let store = self::postgres::PostgresRemote::new(
+                remote.url.expose(),
+                &remote.prefix,
+                tls,
+                remote.replicas,
+            )?;
+            store.check_at_start().await?;
             Ok(Arc::new(shared::SharedStore::with_clock(
                 store,
                 *cache_size,

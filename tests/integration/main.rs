@@ -6,6 +6,7 @@ mod common;
 mod admin;
 mod authority;
 mod concurrency;
+mod failover;
 mod fence;
 mod grants;
 mod grpc;

@@ -236,9 +236,11 @@ impl Service {
             let pid = pid.lines().next().unwrap().trim().to_owned();
             let mut pids = children_of(&pid);
             pids.push(pid);
+            // A backend may exit between the listing and the kill: not worth a message.
             std::process::Command::new("kill")
                 .arg("-9")
                 .args(&pids)
+                .stderr(Stdio::null())
                 .status()
                 .unwrap();
         }
@@ -337,4 +339,255 @@ fn children_of(pid: &str) -> Vec<String> {
             (ppid == pid).then_some(name)
         })
         .collect()
+}
+
+impl Service {
+    /// Runs `sql` on this PostgreSQL server (a fresh connection) and returns the first
+    /// column of each row, NULL as an empty string.
+    pub async fn sql(&self, sql: &str) -> Result<Vec<String>, tokio_postgres::Error> {
+        assert_eq!(self.kind, Kind::Postgres);
+        let (client, conn) = tokio_postgres::connect(&self.url(), tokio_postgres::NoTls).await?;
+        tokio::spawn(conn);
+        let rows = client.simple_query(sql).await?;
+        Ok(rows
+            .into_iter()
+            .filter_map(|m| match m {
+                tokio_postgres::SimpleQueryMessage::Row(row) => {
+                    Some(row.get(0).unwrap_or_default().to_owned())
+                }
+                _ => None,
+            })
+            .collect())
+    }
+
+    /// Polls `sql` on this server until its first row is `want` (60 s at most).
+    pub async fn wait_sql(&self, sql: &str, want: &str) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let got = self.sql(sql).await.ok().and_then(|r| r.into_iter().next());
+            if got.as_deref() == Some(want) {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "`{sql}` on port {} never answered {want} (last: {got:?})",
+                self.port
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// A streaming standby of this PostgreSQL primary (`pg_basebackup -R`), started and
+    /// replaying; it connects as `application_name` `name`.
+    pub async fn standby(&self, name: &str) -> Service {
+        assert_eq!(self.kind, Kind::Postgres);
+        let dir = tempfile::tempdir().unwrap();
+        let status = Command::new("chown")
+            .args(["-R", "postgres:postgres"])
+            .arg(dir.path())
+            .status()
+            .await
+            .unwrap();
+        assert!(status.success());
+        let conninfo = format!(
+            "host=127.0.0.1 port={} user=postgres application_name={name}",
+            self.port
+        );
+        let status = Command::new("runuser")
+            .args(["-u", "postgres", "--"])
+            .arg(postgres_bin("pg_basebackup"))
+            .args(["-d", &conninfo, "-R", "-X", "stream", "--no-sync", "-D"])
+            .arg(dir.path().join("data"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .await
+            .unwrap();
+        assert!(status.success(), "pg_basebackup failed");
+        let mut standby = Service {
+            kind: Kind::Postgres,
+            port: free_port(),
+            child: None,
+            dir,
+        };
+        for _ in 0..5 {
+            if standby.spawn().await {
+                self.wait_sql(
+                    &format!(
+                        "SELECT count(*) FROM pg_stat_replication \
+                         WHERE application_name = '{name}' AND state = 'streaming'"
+                    ),
+                    "1",
+                )
+                .await;
+                return standby;
+            }
+            standby.child = None;
+            standby.port = free_port();
+        }
+        panic!("the standby exited at start five times");
+    }
+
+    /// Promotes this standby (`pg_ctl promote`) and waits until it accepts writes.
+    pub async fn promote(&self) {
+        let status = Command::new("runuser")
+            .args(["-u", "postgres", "--"])
+            .arg(postgres_bin("pg_ctl"))
+            .args(["promote", "-D"])
+            .arg(self.dir.path().join("data"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .await
+            .unwrap();
+        assert!(status.success(), "pg_ctl promote failed");
+        self.wait_sql("SELECT pg_is_in_recovery()", "f").await;
+    }
+}
+
+/// A three-member etcd cluster on loopback, each member its own process and data directory.
+pub struct EtcdCluster {
+    /// Client ports, in member order (member `m{i}`).
+    pub ports: Vec<u16>,
+    children: Vec<Option<Child>>,
+    _dir: tempfile::TempDir,
+}
+
+impl EtcdCluster {
+    pub async fn start() -> EtcdCluster {
+        // Ports picked free may be taken before a member binds them: then start afresh.
+        for _ in 0..5 {
+            if let Some(cluster) = Self::try_start().await {
+                return cluster;
+            }
+        }
+        panic!("the etcd cluster did not start five times");
+    }
+
+    async fn try_start() -> Option<EtcdCluster> {
+        let dir = tempfile::tempdir().unwrap();
+        let ports: Vec<(u16, u16)> = (0..3).map(|_| (free_port(), free_port())).collect();
+        let initial: Vec<String> = ports
+            .iter()
+            .enumerate()
+            .map(|(i, (_, peer))| format!("m{i}=http://127.0.0.1:{peer}"))
+            .collect();
+        let mut children = Vec::new();
+        for (i, (client, peer)) in ports.iter().enumerate() {
+            let log = std::fs::File::create(dir.path().join(format!("m{i}.log"))).unwrap();
+            let child = Command::new("etcd")
+                .args(["--name", &format!("m{i}"), "--data-dir"])
+                .arg(dir.path().join(format!("m{i}")))
+                .args([
+                    "--listen-client-urls",
+                    &format!("http://127.0.0.1:{client}"),
+                    "--advertise-client-urls",
+                    &format!("http://127.0.0.1:{client}"),
+                    "--listen-peer-urls",
+                    &format!("http://127.0.0.1:{peer}"),
+                    "--initial-advertise-peer-urls",
+                    &format!("http://127.0.0.1:{peer}"),
+                    "--initial-cluster",
+                    &initial.join(","),
+                    "--initial-cluster-state",
+                    "new",
+                    "--initial-cluster-token",
+                    "fencegate-test",
+                    "--log-level",
+                    "error",
+                ])
+                .stdout(Stdio::null())
+                .stderr(log)
+                .kill_on_drop(true)
+                .spawn()
+                .expect("cannot start etcd");
+            children.push(Some(child));
+        }
+        let mut cluster = EtcdCluster {
+            ports: ports.iter().map(|(c, _)| *c).collect(),
+            children,
+            _dir: dir,
+        };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let mut healthy = 0;
+            for port in &cluster.ports {
+                if etcd_healthy(*port).await {
+                    healthy += 1;
+                }
+            }
+            if healthy == 3 {
+                return Some(cluster);
+            }
+            for child in cluster.children.iter_mut().flatten() {
+                if matches!(child.try_wait(), Ok(Some(_))) {
+                    return None;
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "etcd cluster never became healthy"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// `etcd://` with every member's endpoint.
+    pub fn url(&self) -> String {
+        let endpoints: Vec<String> = self
+            .ports
+            .iter()
+            .map(|p| format!("127.0.0.1:{p}"))
+            .collect();
+        format!("etcd://{}", endpoints.join(","))
+    }
+
+    /// The index of the current leader among the running members, as their status says
+    /// (`etcdctl endpoint status`: each member's id and the leader's id).
+    pub async fn leader(&self) -> usize {
+        let alive: Vec<usize> = (0..self.ports.len())
+            .filter(|i| self.children[*i].is_some())
+            .collect();
+        let endpoints: Vec<String> = alive
+            .iter()
+            .map(|i| format!("http://127.0.0.1:{}", self.ports[*i]))
+            .collect();
+        let out = Command::new("etcdctl")
+            .env("ETCDCTL_API", "3")
+            .args(["--endpoints", &endpoints.join(","), "endpoint", "status"])
+            .args(["-w", "json"])
+            .output()
+            .await
+            .unwrap();
+        assert!(out.status.success(), "etcdctl endpoint status failed");
+        let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let members = status.as_array().unwrap();
+        let leader = &members[0]["Status"]["leader"];
+        let at = members
+            .iter()
+            .position(|m| &m["Status"]["header"]["member_id"] == leader)
+            .expect("no running member is the leader");
+        alive[at]
+    }
+
+    /// `kill -9` of member `i`.
+    pub async fn kill(&mut self, i: usize) {
+        let mut child = self.children[i].take().expect("running");
+        child.start_kill().unwrap();
+        child.wait().await.unwrap();
+    }
+
+    /// Whether member `i` is up, healthy and in a cluster with a leader.
+    pub async fn healthy(&self, i: usize) -> bool {
+        etcd_healthy(self.ports[i]).await
+    }
+}
+
+async fn etcd_healthy(port: u16) -> bool {
+    let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)).await else {
+        return false;
+    };
+    let mut buf = vec![0u8; 1024];
+    s.write_all(b"GET /health HTTP/1.0\r\n\r\n").await.is_ok()
+        && matches!(s.read(&mut buf).await, Ok(n) if String::from_utf8_lossy(&buf[..n]).contains("\"health\":\"true\""))
 }

@@ -106,3 +106,48 @@ fn store_and_lease_backend_prefixes_are_checked_alike() {
         format!("leases.backend: {rule} at line 2 column 20")
     );
 }
+
+#[test]
+fn replicas_is_for_postgres_and_prints_back() {
+    let c = Config::parse(
+        "upstream: http://a:1\n\
+         store: { kind: postgres, url: 'postgres://app@db1,db2/f?target_session_attrs=read-write', replicas: 1 }\n\
+         leases: { backend: { kind: postgres, url: 'postgres://app@db1/f', replicas: 0 }, ttl: 1s }\n",
+    )
+    .unwrap();
+    assert_eq!(c.store.remote().unwrap().replicas, Some(1));
+    let leases = c.leases.as_ref().unwrap();
+    assert_eq!(leases.backend.remote().unwrap().replicas, Some(0));
+    let yaml = c.to_yaml();
+    assert!(
+        yaml.contains("replicas: 1") && yaml.contains("replicas: 0"),
+        "{yaml}"
+    );
+    let again = Config::parse(&yaml).unwrap();
+    assert_eq!(again.store.remote().unwrap().replicas, Some(1));
+    let unset =
+        Config::parse("upstream: http://a:1\nstore: { kind: postgres, url: 'postgres://db/f' }\n")
+            .unwrap();
+    assert_eq!(unset.store.remote().unwrap().replicas, None);
+    assert!(!unset.to_yaml().contains("replicas"));
+    for store in [
+        "{ kind: redis, url: 'redis://r/', replicas: 1 }",
+        "{ kind: etcd, url: 'etcd://e:2379', replicas: 1 }",
+        "{ kind: embedded, replicas: 1 }",
+        "{ kind: memory, replicas: 0 }",
+    ] {
+        let e = Config::parse(&format!("upstream: http://a:1\nstore: {store}\n"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("`replicas` is for the postgres store"),
+            "{store}: {e}"
+        );
+    }
+    let e = Config::parse(
+        "upstream: http://a:1\nleases: { backend: { kind: etcd, url: 'etcd://e:2379', replicas: 1 }, ttl: 1s }\n",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("`replicas` is for the postgres backend"), "{e}");
+}

@@ -42,7 +42,7 @@ use tokio::sync::OnceCell;
 use super::shared::{Claimed, Remote};
 use super::{decide, StoreError, Verdict};
 use crate::config::EqualTokens;
-use crate::conn::postgres::{describe, failure, pool};
+use crate::conn::postgres::{describe, failure, pool, Guard, START_CHECK};
 use crate::conn::BoxFuture;
 use crate::idempotency::{AttemptId, Claim, Record};
 use crate::tls::ClientTls;
@@ -52,6 +52,8 @@ use retention::Forget;
 
 pub struct PostgresRemote {
     pool: Pool,
+    /// Which connections may be used ([`Guard`]).
+    guard: Arc<Guard>,
     /// Table created (idempotently) before the first statement.
     schema: OnceCell<()>,
     table: String,
@@ -67,12 +69,18 @@ pub struct PostgresRemote {
 
 impl PostgresRemote {
     /// `prefix` is validated as an SQL identifier when the config is loaded.
-    pub fn new(url: &str, prefix: &str, tls: Option<Arc<ClientTls>>) -> Result<Self, StoreError> {
-        let (pool, _) = pool(url, tls).map_err(StoreError::Config)?;
+    pub fn new(
+        url: &str,
+        prefix: &str,
+        tls: Option<Arc<ClientTls>>,
+        replicas: Option<u32>,
+    ) -> Result<Self, StoreError> {
+        let (pool, _, guard) = pool(url, tls, replicas).map_err(StoreError::Config)?;
         let table = format!("{prefix}_fences");
         let records = format!("{prefix}_idempotency");
         Ok(PostgresRemote {
             pool,
+            guard,
             schema: OnceCell::new(),
             raise_sql: format!(
                 "INSERT INTO {table} AS f (resource, max_token, prev_token, raised_at) \
@@ -92,8 +100,24 @@ impl PostgresRemote {
         })
     }
 
+    /// At start-up: refuses a server whose replication falls short of `replicas`
+    /// ([`Guard::check_at_start`]).
+    pub async fn check_at_start(&self) -> Result<(), StoreError> {
+        self.guard
+            .check_at_start(&self.pool, START_CHECK)
+            .await
+            .map_err(|e| StoreError::Config(format!("store: {e}")))
+    }
+
+    /// A failed call, with the error's causes ([`describe`]); a read-only answer retires the
+    /// pool's connections ([`Guard::note`]).
+    fn failed(&self, e: &(dyn std::error::Error + 'static)) -> StoreError {
+        self.guard.note(e);
+        failed(e)
+    }
+
     async fn client(&self) -> Result<deadpool_postgres::Object, StoreError> {
-        let client = self.pool.get().await.map_err(|e| failed(&e))?;
+        let client = self.pool.get().await.map_err(|e| self.failed(&e))?;
         self.schema
             .get_or_try_init(|| async {
                 let (table, records) = (&self.table, &self.records);
@@ -153,7 +177,7 @@ impl PostgresRemote {
                             db.message(),
                             db.code().code()
                         )),
-                        None => failed(&e),
+                        None => self.failed(&e),
                     });
                 }
                 Ok(())
@@ -199,11 +223,11 @@ impl Remote for PostgresRemote {
             let statement = client
                 .prepare_cached(&self.raise_sql)
                 .await
-                .map_err(|e| failed(&e))?;
+                .map_err(|e| self.failed(&e))?;
             let raised = client
                 .query_opt(&statement, &[&resource, &signed, &self.aging()])
                 .await
-                .map_err(|e| failed(&e))?;
+                .map_err(|e| self.failed(&e))?;
             if let Some(row) = raised {
                 let previous: Option<i64> = row.get(0);
                 return Ok(Verdict::Admitted {
@@ -213,11 +237,11 @@ impl Remote for PostgresRemote {
             let statement = client
                 .prepare_cached(&self.get_sql)
                 .await
-                .map_err(|e| failed(&e))?;
+                .map_err(|e| self.failed(&e))?;
             let row = client
                 .query_one(&statement, &[&resource])
                 .await
-                .map_err(|e| failed(&e))?;
+                .map_err(|e| self.failed(&e))?;
             Ok(decide(Some(token_of(row.get(0))?), token, equal))
         })
     }
@@ -228,7 +252,7 @@ impl Remote for PostgresRemote {
             let row = client
                 .query_opt(&self.get_sql, &[&resource])
                 .await
-                .map_err(|e| failed(&e))?;
+                .map_err(|e| self.failed(&e))?;
             row.map(|r| token_of(r.get(0))).transpose()
         })
     }
@@ -239,7 +263,7 @@ impl Remote for PostgresRemote {
             client
                 .simple_query("SELECT 1")
                 .await
-                .map_err(|e| failed(&e))?;
+                .map_err(|e| self.failed(&e))?;
             self.maybe_forget(false);
             Ok(())
         })

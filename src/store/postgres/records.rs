@@ -10,6 +10,7 @@ use tokio_postgres::types::ToSql;
 use tokio_postgres::Row;
 
 use super::{encoded, failed, signed, token_of, PostgresRemote};
+use crate::conn::postgres::Guard;
 use crate::idempotency::{self, AttemptId, Begin, Claim, Record};
 use crate::store::record_key;
 use crate::store::shared::{Claimed, Owner};
@@ -138,7 +139,7 @@ impl PostgresRemote {
         let statement = client
             .prepare_cached(&self.idem.finish)
             .await
-            .map_err(|e| failed(&e))?;
+            .map_err(|e| self.failed(&e))?;
         let written = client
             .execute(
                 &statement,
@@ -156,7 +157,7 @@ impl PostgresRemote {
                 ],
             )
             .await
-            .map_err(|e| failed(&e))?;
+            .map_err(|e| self.failed(&e))?;
         Ok(written == 1)
     }
 
@@ -172,7 +173,10 @@ impl PostgresRemote {
     ) -> Result<Option<Claimed>, StoreError> {
         let sql = &self.idem;
         let token = signed(claim.token)?;
-        let tx = Tx(client.transaction().await.map_err(|e| failed(&e))?);
+        let tx = Tx(
+            client.transaction().await.map_err(|e| self.failed(&e))?,
+            &self.guard,
+        );
         // Serialises claims of one key, also while no row exists for it yet.
         let lock = format!("{}\u{1f}{}", self.records, record_key(resource, key));
         tx.execute(&sql.lock, &[&lock]).await?;
@@ -222,7 +226,7 @@ impl PostgresRemote {
                         .query_opt(&sql.insert_max, &[&resource, &token, &self.aging()])
                         .await?;
                     if inserted.is_none() {
-                        tx.0.rollback().await.map_err(|e| failed(&e))?;
+                        tx.0.rollback().await.map_err(|e| self.failed(&e))?;
                         return Ok(None);
                     }
                 }
@@ -246,7 +250,7 @@ impl PostgresRemote {
             ];
             tx.execute(&sql.write, &params).await?;
         }
-        tx.0.commit().await.map_err(|e| failed(&e))?;
+        tx.0.commit().await.map_err(|e| self.failed(&e))?;
         Ok(Some(Claimed {
             begin,
             owner,
@@ -270,15 +274,18 @@ impl PostgresRemote {
 }
 
 /// A transaction whose statements are prepared once per connection.
-struct Tx<'a>(deadpool_postgres::Transaction<'a>);
+struct Tx<'a>(deadpool_postgres::Transaction<'a>, &'a Guard);
 
 impl Tx<'_> {
     async fn execute(&self, sql: &str, params: &[&(dyn ToSql + Sync)]) -> Result<u64, StoreError> {
-        let statement = self.0.prepare_cached(sql).await.map_err(|e| failed(&e))?;
-        self.0
-            .execute(&statement, params)
-            .await
-            .map_err(|e| failed(&e))
+        let statement = self.0.prepare_cached(sql).await.map_err(|e| {
+            self.1.note(&e);
+            failed(&e)
+        })?;
+        self.0.execute(&statement, params).await.map_err(|e| {
+            self.1.note(&e);
+            failed(&e)
+        })
     }
 
     async fn query_opt(
@@ -286,11 +293,14 @@ impl Tx<'_> {
         sql: &str,
         params: &[&(dyn ToSql + Sync)],
     ) -> Result<Option<Row>, StoreError> {
-        let statement = self.0.prepare_cached(sql).await.map_err(|e| failed(&e))?;
-        self.0
-            .query_opt(&statement, params)
-            .await
-            .map_err(|e| failed(&e))
+        let statement = self.0.prepare_cached(sql).await.map_err(|e| {
+            self.1.note(&e);
+            failed(&e)
+        })?;
+        self.0.query_opt(&statement, params).await.map_err(|e| {
+            self.1.note(&e);
+            failed(&e)
+        })
     }
 }
 
