@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use serde::{Deserialize, Deserializer, Serialize};
 
 use super::checked;
-use super::remote::{check_prefix, Holder};
+use super::remote::{check_prefix, Holder, RedisHa, SentinelConfig};
 use super::store::default_prefix;
 use super::{ClientTlsConfig, KindError, Remote, RemoteKind, SecretUrl};
 
@@ -43,6 +43,8 @@ struct RawBackend {
     #[serde(default = "default_prefix")]
     prefix: String,
     tls: Option<ClientTlsConfig>,
+    sentinel: Option<SentinelConfig>,
+    replicas: Option<u32>,
 }
 
 const DEFAULT_LEASE_PATH: &str = "/var/lib/fencegate/leases.db";
@@ -60,10 +62,19 @@ impl TryFrom<RawBackend> for BackendConfig {
                 return Err(KindError::PathWithServer { holder });
             }
             url.check(kind, raw.tls.as_ref())?;
+            let redis = RedisHa::from_raw(
+                holder,
+                kind,
+                raw.sentinel,
+                raw.replicas,
+                &url,
+                raw.tls.as_ref(),
+            )?;
             Ok(Remote {
                 url,
                 tls: raw.tls,
                 prefix: raw.prefix,
+                redis,
             })
         };
         match raw.kind {
@@ -73,6 +84,14 @@ impl TryFrom<RawBackend> for BackendConfig {
             BackendKind::Embedded if raw.tls.is_some() => {
                 Err(KindError::TlsWithoutServer { holder })
             }
+            BackendKind::Embedded if raw.sentinel.is_some() => Err(KindError::RedisOnly {
+                holder,
+                field: "sentinel",
+            }),
+            BackendKind::Embedded if raw.replicas.is_some() => Err(KindError::RedisOnly {
+                holder,
+                field: "replicas",
+            }),
             BackendKind::Embedded => Ok(BackendConfig::Embedded {
                 path: raw.path.unwrap_or_else(|| DEFAULT_LEASE_PATH.into()),
                 prefix: raw.prefix,
@@ -101,6 +120,10 @@ struct PrintedBackend<'a> {
     prefix: &'a str,
     #[serde(skip_serializing_if = "Option::is_none")]
     tls: Option<&'a ClientTlsConfig>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    sentinel: Option<&'a SentinelConfig>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    replicas: Option<u32>,
 }
 
 impl<'a> PrintedBackend<'a> {
@@ -111,6 +134,8 @@ impl<'a> PrintedBackend<'a> {
             path: None,
             prefix: &remote.prefix,
             tls: remote.tls.as_ref(),
+            sentinel: remote.redis.sentinel.as_ref(),
+            replicas: (kind == BackendKind::Redis).then_some(remote.redis.replicas),
         }
     }
 }
@@ -124,6 +149,8 @@ impl Serialize for BackendConfig {
                 path: Some(path),
                 prefix,
                 tls: None,
+                sentinel: None,
+                replicas: None,
             },
             BackendConfig::Redis(r) => PrintedBackend::remote(BackendKind::Redis, r),
             BackendConfig::Postgres(r) => PrintedBackend::remote(BackendKind::Postgres, r),

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Deserializer, Serialize};
 
-use super::remote::{check_prefix, Holder};
+use super::remote::{check_prefix, Holder, RedisHa, SentinelConfig};
 use super::{checked, values, ClientTlsConfig, KindError, Remote, RemoteKind, SecretUrl};
 
 /// The fence store, with its defaults filled in.
@@ -96,6 +96,8 @@ struct RawStore {
     )]
     cache_size: usize,
     tls: Option<ClientTlsConfig>,
+    sentinel: Option<SentinelConfig>,
+    replicas: Option<u32>,
 }
 
 fn default_cache_size() -> usize {
@@ -122,10 +124,19 @@ impl TryFrom<RawStore> for StoreConfig {
                 return Err(KindError::PathWithServer { holder });
             }
             check_prefix(&raw.prefix)?;
+            let redis = RedisHa::from_raw(
+                holder,
+                kind,
+                raw.sentinel,
+                raw.replicas,
+                &url,
+                raw.tls.as_ref(),
+            )?;
             let remote = Remote {
                 url,
                 tls: raw.tls,
                 prefix: raw.prefix,
+                redis,
             };
             Ok((remote, raw.cache_size))
         };
@@ -135,6 +146,18 @@ impl TryFrom<RawStore> for StoreConfig {
             }
             StoreKind::Memory | StoreKind::Embedded if raw.tls.is_some() => {
                 Err(KindError::TlsWithoutServer { holder })
+            }
+            StoreKind::Memory | StoreKind::Embedded if raw.sentinel.is_some() => {
+                Err(KindError::RedisOnly {
+                    holder,
+                    field: "sentinel",
+                })
+            }
+            StoreKind::Memory | StoreKind::Embedded if raw.replicas.is_some() => {
+                Err(KindError::RedisOnly {
+                    holder,
+                    field: "replicas",
+                })
             }
             StoreKind::Memory if raw.path.is_some() => Err(KindError::PathWithServer { holder }),
             StoreKind::Memory => {
@@ -185,6 +208,10 @@ struct PrintedStore<'a> {
     cache_size: Option<usize>,
     #[serde(skip_serializing_if = "Option::is_none")]
     tls: Option<&'a ClientTlsConfig>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    sentinel: Option<&'a SentinelConfig>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    replicas: Option<u32>,
 }
 
 impl<'a> PrintedStore<'a> {
@@ -196,6 +223,8 @@ impl<'a> PrintedStore<'a> {
             prefix: Some(&remote.prefix),
             cache_size: Some(cache_size),
             tls: remote.tls.as_ref(),
+            sentinel: remote.redis.sentinel.as_ref(),
+            replicas: (kind == StoreKind::Redis).then_some(remote.redis.replicas),
         }
     }
 }
@@ -210,6 +239,8 @@ impl Serialize for StoreConfig {
                 prefix: None,
                 cache_size: None,
                 tls: None,
+                sentinel: None,
+                replicas: None,
             },
             StoreConfig::Embedded {
                 path,
@@ -222,6 +253,8 @@ impl Serialize for StoreConfig {
                 prefix: Some(prefix),
                 cache_size: Some(*cache_size),
                 tls: None,
+                sentinel: None,
+                replicas: None,
             },
             StoreConfig::Redis {
                 remote: r,

@@ -41,6 +41,7 @@ pub async fn open(config: &BackendConfig) -> Result<Arc<dyn LeaseBackend>, Lease
             remote.url.expose(),
             &remote.prefix,
             tls(remote, &[])?,
+            &remote.redis,
         )?)),
         BackendConfig::Postgres(remote) => Ok(Arc::new(postgres::PostgresLeases::new(
             remote.url.expose(),

@@ -144,6 +144,7 @@ async fn cache_follows_grants(kind: &str) {
         url: SecretUrl::try_from(service.as_ref().unwrap().url()).unwrap(),
         tls: None,
         prefix: fresh_prefix(),
+        redis: Default::default(),
     };
     let config = match kind {
         "embedded" => BackendConfig::Embedded {
@@ -276,6 +277,7 @@ async fn authoritative_fence_with_redis_fails_closed_while_the_backend_is_down()
         url: SecretUrl::try_from(redis.url()).unwrap(),
         tls: None,
         prefix,
+        redis: Default::default(),
     }))
     .await
     .unwrap();

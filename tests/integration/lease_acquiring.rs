@@ -25,6 +25,7 @@ async fn a_waiting_acquisition_is_reported_as_acquiring() {
         url: SecretUrl::try_from(REDIS_URL.to_owned()).unwrap(),
         tls: None,
         prefix,
+        redis: Default::default(),
     }))
     .await
     .unwrap();

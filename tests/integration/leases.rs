@@ -25,6 +25,7 @@ impl Fixture {
             url: SecretUrl::try_from(url).unwrap(),
             tls: None,
             prefix: fresh_prefix(),
+            redis: Default::default(),
         };
         let (config, service) = match kind {
             "embedded" => (
@@ -442,6 +443,7 @@ async fn events_survive_a_server_restart(kind: Kind) {
         url: SecretUrl::try_from(service.url()).unwrap(),
         tls: None,
         prefix: fresh_prefix(),
+        redis: Default::default(),
     };
     let config = match kind {
         Kind::Redis => BackendConfig::Redis(remote),
