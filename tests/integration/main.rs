@@ -22,6 +22,7 @@ mod logs;
 mod process;
 mod proxy;
 mod retention;
+mod sentinel;
 mod services;
 mod store_tls;
 mod stores;
