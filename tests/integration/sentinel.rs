@@ -288,3 +288,48 @@ async fn an_equal_token_waits_for_the_replicas_like_the_raise() {
     // Once the replica acknowledges again, the same retry is admitted.
     assert!(retrier.compare_and_raise("r", 7, Allow).await.is_ok());
 }
+
+/// A Sentinel that names a replica as the primary (its view is stale, or it was misconfigured),
+/// and a replica that accepts writes (`replica-read-only no`): fencegate asks `ROLE` and refuses
+/// to use it, so no raise is acknowledged by a server whose writes its primary will overwrite.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_the_sentinels_name_is_used_only_if_it_is_a_primary() {
+    let primary = Service::start(Kind::Redis).await;
+    let replica = Service::start_redis_with(&[
+        "--replicaof",
+        "127.0.0.1",
+        &primary.port.to_string(),
+        "--replica-read-only",
+        "no",
+    ])
+    .await;
+    let sentinel = Service::start_sentinel(format!(
+        "sentinel monitor {MASTER} 127.0.0.1 {} 1\n",
+        replica.port
+    ))
+    .await;
+    let config = fencegate::config::Config::parse(&format!(
+        "upstream: http://127.0.0.1:1\nstore: {{ kind: redis, url: 'redis://{MASTER}/', prefix: {}, \
+         replicas: 0, sentinel: {{ master: {MASTER}, urls: ['redis://127.0.0.1:{}'] }} }}\n",
+        fresh_prefix(),
+        sentinel.port
+    ))
+    .unwrap();
+    let store = fencegate::store::open(&config.store).await.unwrap();
+    let refused = store
+        .compare_and_raise("r", 7, fencegate::config::EqualTokens::Allow)
+        .await
+        .expect_err("a raise acknowledged by a replica");
+    assert!(
+        refused.to_string().contains(&format!(
+            "the Sentinels name 127.0.0.1:{} as the primary of `{MASTER}`, but it is a slave",
+            replica.port
+        )),
+        "{refused}"
+    );
+    assert_eq!(
+        redis_cli_at(replica.port, &["DBSIZE"]).await.trim(),
+        "0",
+        "the replica was written to"
+    );
+}

@@ -66,8 +66,13 @@ impl Service {
 
     /// A Redis replica of the server on `primary`.
     pub async fn start_redis_replica(primary: u16) -> Service {
-        let args = ["--replicaof", "127.0.0.1", &primary.to_string()];
-        Self::start_with(Kind::Redis, args.map(str::to_owned).to_vec(), None).await
+        Self::start_redis_with(&["--replicaof", "127.0.0.1", &primary.to_string()]).await
+    }
+
+    /// A Redis server with more `redis-server` arguments.
+    pub async fn start_redis_with(args: &[&str]) -> Service {
+        let args = args.iter().map(|a| (*a).to_owned()).collect();
+        Self::start_with(Kind::Redis, args, None).await
     }
 
     /// A Redis Sentinel with configuration `conf` (its `port` comes from the command line).
