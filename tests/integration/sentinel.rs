@@ -260,14 +260,7 @@ async fn an_equal_token_waits_for_the_replicas_like_the_raise() {
     let raiser = fencegate::store::open(&config.store).await.unwrap();
     let retrier = fencegate::store::open(&config.store).await.unwrap();
     // Both connected, each with a write the replica acknowledged.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !redis_cli_at(replica.port, &["INFO", "replication"])
-        .await
-        .contains("master_link_status:up")
-    {
-        assert!(Instant::now() < deadline, "the replica never synced");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_synced(&replica).await;
     use fencegate::config::EqualTokens::Allow;
     assert!(raiser.compare_and_raise("warm", 1, Allow).await.is_ok());
     assert!(retrier.compare_and_raise("warm", 2, Allow).await.is_ok());
@@ -332,4 +325,60 @@ async fn a_server_the_sentinels_name_is_used_only_if_it_is_a_primary() {
         "0",
         "the replica was written to"
     );
+}
+
+/// `/readyz` with `replicas: 1` turns 503 while the replica does not acknowledge (stopped,
+/// still connected), and 200 again once it does: the probe waits for the replicas as the writes
+/// do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_waits_for_the_replicas() {
+    let primary = Service::start(Kind::Redis).await;
+    let replica = Service::start_redis_replica(primary.port).await;
+    wait_synced(&replica).await;
+    let up = Upstream::start().await;
+    let fg = fencegate(
+        &up.url(),
+        &format!(
+            "store: {{ kind: redis, url: '{}', prefix: {}, replicas: 1 }}\n{ACCOUNTS}",
+            primary.url(),
+            fresh_prefix()
+        ),
+    )
+    .await;
+    let ready_is = |want: u16| {
+        let admin = fg.admin;
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(20);
+            loop {
+                let status = send("GET", &format!("http://{admin}/readyz"), &[], "")
+                    .await
+                    .status
+                    .as_u16();
+                if status == want {
+                    return;
+                }
+                assert!(Instant::now() < deadline, "readiness never became {want}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+    ready_is(200).await;
+    assert_eq!(put(&fg, "1", "1").await.status, 200);
+    replica.pause();
+    ready_is(503).await;
+    replica.resume();
+    ready_is(200).await;
+    assert_eq!(put(&fg, "1", "2").await.status, 200);
+}
+
+/// Waits until `replica` is in sync with its primary.
+async fn wait_synced(replica: &Service) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !redis_cli_at(replica.port, &["INFO", "replication"])
+        .await
+        .contains("master_link_status:up")
+    {
+        assert!(Instant::now() < deadline, "the replica never synced");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
