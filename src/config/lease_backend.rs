@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use serde::{Deserialize, Deserializer, Serialize};
 
 use super::checked;
-use super::remote::{check_prefix, Holder};
+use super::remote::{check_prefix, Holder, RedisHa, SentinelConfig};
 use super::store::default_prefix;
 use super::{ClientTlsConfig, KindError, Remote, RemoteKind, SecretUrl};
 
@@ -43,6 +43,7 @@ struct RawBackend {
     #[serde(default = "default_prefix")]
     prefix: String,
     tls: Option<ClientTlsConfig>,
+    sentinel: Option<SentinelConfig>,
     replicas: Option<u32>,
 }
 
@@ -61,14 +62,20 @@ impl TryFrom<RawBackend> for BackendConfig {
                 return Err(KindError::PathWithServer { holder });
             }
             url.check(kind, raw.tls.as_ref())?;
-            if raw.replicas.is_some() && kind != RemoteKind::Postgres {
-                return Err(KindError::ReplicasWithoutPostgres { holder });
-            }
+            let redis = RedisHa::from_raw(
+                holder,
+                kind,
+                raw.sentinel,
+                raw.replicas,
+                &url,
+                raw.tls.as_ref(),
+            )?;
             Ok(Remote {
                 url,
                 tls: raw.tls,
                 prefix: raw.prefix,
-                replicas: raw.replicas,
+                replicas: raw.replicas.filter(|_| kind == RemoteKind::Postgres),
+                redis,
             })
         };
         match raw.kind {
@@ -78,8 +85,12 @@ impl TryFrom<RawBackend> for BackendConfig {
             BackendKind::Embedded if raw.tls.is_some() => {
                 Err(KindError::TlsWithoutServer { holder })
             }
+            BackendKind::Embedded if raw.sentinel.is_some() => Err(KindError::RedisOnly {
+                holder,
+                field: "sentinel",
+            }),
             BackendKind::Embedded if raw.replicas.is_some() => {
-                Err(KindError::ReplicasWithoutPostgres { holder })
+                Err(KindError::ReplicasWithoutReplication { holder })
             }
             BackendKind::Embedded => Ok(BackendConfig::Embedded {
                 path: raw.path.unwrap_or_else(|| DEFAULT_LEASE_PATH.into()),
@@ -110,6 +121,8 @@ struct PrintedBackend<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     tls: Option<&'a ClientTlsConfig>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    sentinel: Option<&'a SentinelConfig>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     replicas: Option<u32>,
 }
 
@@ -121,7 +134,11 @@ impl<'a> PrintedBackend<'a> {
             path: None,
             prefix: &remote.prefix,
             tls: remote.tls.as_ref(),
-            replicas: remote.replicas,
+            sentinel: remote.redis.sentinel.as_ref(),
+            replicas: match kind {
+                BackendKind::Redis => Some(remote.redis.replicas),
+                _ => remote.replicas,
+            },
         }
     }
 }
@@ -135,6 +152,7 @@ impl Serialize for BackendConfig {
                 path: Some(path),
                 prefix,
                 tls: None,
+                sentinel: None,
                 replicas: None,
             },
             BackendConfig::Redis(r) => PrintedBackend::remote(BackendKind::Redis, r),

@@ -35,7 +35,10 @@ pub use lease_ttl::{LeaseTtl, TtlError};
 pub use leases::{AcquireConfig, LeasesConfig};
 pub use limits::{BoundError, Limits, Timeouts, MAX_TIMEOUT};
 pub use path::{PathError, PathTemplate};
-pub use remote::{Holder, KindError, PrefixError, Remote, RemoteKind, SecretUrl, UrlError};
+pub use remote::{
+    Holder, KindError, PrefixError, RedisHa, Remote, RemoteKind, SecretUrl, SentinelConfig,
+    SentinelError, UrlError, MAX_REPLICAS, WAIT_TIMEOUT,
+};
 pub use routes::{MissingToken, Ordering, RouteConfig, RouteError, Unmatched};
 pub use store::StoreConfig;
 pub use store_tls::{ClientTlsConfig, ClientTlsError};

@@ -18,11 +18,51 @@ pub struct Remote {
     pub tls: Option<ClientTlsConfig>,
     /// Key / table namespace, an identifier ([`check_prefix`]).
     pub prefix: String,
-    /// PostgreSQL only: how many synchronous standbys must hold a commit before it is
+    /// PostgreSQL: how many synchronous standbys must hold a commit before it is
     /// acknowledged, checked against the server's replication settings on every new
     /// connection (`crate::conn::postgres`). `None` (the default) asks for one when the server
     /// streams to any standby, and none for a lone primary.
     pub replicas: Option<u32>,
+    /// Redis only: Sentinel discovery and replica acknowledgement (the defaults elsewhere).
+    pub redis: RedisHa,
+}
+
+/// How a Redis store or lease backend finds its primary, and how many replicas must hold a
+/// write before it is acknowledged (docs/stores.md#redis-sentinel).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RedisHa {
+    /// The Sentinels that say which server is the primary; `None`: the `url` names it.
+    pub sentinel: Option<SentinelConfig>,
+    /// `WAIT` for this many replicas after each raise, idempotency record and grant; fewer
+    /// within [`WAIT_TIMEOUT`] refuse the write (`503`). Default: 1 with `sentinel`, else 0.
+    pub replicas: u32,
+}
+
+/// How long a write waits for its replicas (`WAIT`'s timeout): below the Redis connection's
+/// 800ms per-command timeout and the default `timeouts.store` of 2s.
+pub const WAIT_TIMEOUT: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// At most this many replicas can be asked for (a typo like `replicas: 10` for `1` would
+/// refuse every write).
+pub const MAX_REPLICAS: u32 = 8;
+
+/// `sentinel:` of a Redis store or lease backend.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SentinelConfig {
+    /// The master name the Sentinels monitor (`sentinel monitor <name> …`).
+    pub master: String,
+    /// The Sentinels, asked in order (the last that answered first): `redis://` or, with the
+    /// `tls` mapping, `rediss://`, with the Sentinel's own `user:password@` if it has one.
+    pub urls: Vec<SecretUrl>,
+}
+
+/// The `redis://host:port` part of a url: after the scheme and any `user:password@`, up to the
+/// path.
+pub(crate) fn url_host_port(url: &str) -> &str {
+    let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
+    let rest = rest.split(['/', '?']).next().unwrap_or(rest);
+    rest.rfind('@').map_or(rest, |at| &rest[at + 1..])
 }
 
 /// The kinds of [`Remote`], for checking a URL against the kind it was written for.
@@ -88,12 +128,123 @@ pub enum KindError {
     PathWithServer { holder: Holder },
     #[error("this {} kind needs a `url`", holder.noun())]
     NoUrl { holder: Holder },
-    #[error("`replicas` is for the postgres {}", holder.noun())]
-    ReplicasWithoutPostgres { holder: Holder },
+    #[error("`replicas` is for the redis and postgres {}s", holder.noun())]
+    ReplicasWithoutReplication { holder: Holder },
     #[error(transparent)]
     Url(#[from] UrlError),
     #[error(transparent)]
     Prefix(#[from] PrefixError),
+    #[error("`{field}` is for the redis {}", holder.noun())]
+    RedisOnly { holder: Holder, field: &'static str },
+    #[error(transparent)]
+    Sentinel(#[from] SentinelError),
+    #[error("`replicas` is at most {MAX_REPLICAS} (it is {0})")]
+    TooManyReplicas(u32),
+}
+
+/// A `sentinel` mapping that cannot find a primary.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SentinelError {
+    #[error("`sentinel.master` is the master name the Sentinels monitor: non-empty, no spaces")]
+    BadMaster,
+    #[error("`sentinel.urls` lists at least one Sentinel, like redis://127.0.0.1:26379")]
+    NoSentinels,
+    #[error("`sentinel.urls[{0}]`: {1}")]
+    Url(usize, UrlError),
+    #[error(
+        "`sentinel.urls[{0}]` and `url` differ in scheme: Sentinels and data nodes are reached \
+         alike, all over TLS (`rediss://`) or none"
+    )]
+    SchemeDiffers(usize),
+    #[error(
+        "`sentinel.urls[{0}]` names a database: a Sentinel has none (the data nodes' is in `url`)"
+    )]
+    SentinelDatabase(usize),
+    /// `master` and `shown` (the url's host and port) as written.
+    #[error(
+        "with `sentinel`, the `url` gives the data nodes' user, password and database, and \
+         names the master instead of a server: write `redis://user:password@{master}/0` (its \
+         host is `{shown}`, which would never be dialled)"
+    )]
+    UrlNamesAServer { master: String, shown: String },
+}
+
+impl RedisHa {
+    /// `sentinel` and `replicas` as written for a store or backend of `kind`: refused unless
+    /// it is Redis; `replicas` defaults to 1 with Sentinel (a failover promotes a replica, and
+    /// an acknowledged raise must be on it), 0 without (a lone server has no replica to wait
+    /// for).
+    pub(super) fn from_raw(
+        holder: Holder,
+        kind: RemoteKind,
+        sentinel: Option<SentinelConfig>,
+        replicas: Option<u32>,
+        url: &SecretUrl,
+        tls: Option<&ClientTlsConfig>,
+    ) -> Result<Self, KindError> {
+        if kind != RemoteKind::Redis {
+            if sentinel.is_some() {
+                return Err(KindError::RedisOnly {
+                    holder,
+                    field: "sentinel",
+                });
+            }
+            // PostgreSQL's `replicas` is `Remote::replicas`, checked against the server.
+            if replicas.is_some() && kind != RemoteKind::Postgres {
+                return Err(KindError::ReplicasWithoutReplication { holder });
+            }
+            return Ok(RedisHa::default());
+        }
+        if let Some(sentinel) = &sentinel {
+            sentinel.check(url, tls)?;
+        }
+        let replicas = replicas.unwrap_or(u32::from(sentinel.is_some()));
+        if replicas > MAX_REPLICAS {
+            return Err(KindError::TooManyReplicas(replicas));
+        }
+        Ok(RedisHa { sentinel, replicas })
+    }
+}
+
+impl SentinelConfig {
+    /// Checks the mapping against the store's `url` and `tls`: every Sentinel is reached like a
+    /// data node (TLS exactly when `tls` is given), and the `url` names the master, not a
+    /// server, so that no one reads it as the address in use.
+    pub(super) fn check(
+        &self,
+        url: &SecretUrl,
+        tls: Option<&ClientTlsConfig>,
+    ) -> Result<(), SentinelError> {
+        if self.master.is_empty() || self.master.chars().any(char::is_whitespace) {
+            return Err(SentinelError::BadMaster);
+        }
+        if self.urls.is_empty() {
+            return Err(SentinelError::NoSentinels);
+        }
+        for (i, sentinel) in self.urls.iter().enumerate() {
+            sentinel
+                .check(RemoteKind::Redis, tls)
+                .map_err(|e| SentinelError::Url(i, e))?;
+            if sentinel.is_tls() != url.is_tls() {
+                return Err(SentinelError::SchemeDiffers(i));
+            }
+            let path = sentinel.expose().split_once("://").map(|(_, r)| r);
+            let db = path
+                .and_then(|r| r.split_once('/'))
+                .map(|(_, db)| db.split('?').next().unwrap_or(""));
+            if db.is_some_and(|db| !db.is_empty() && db != "0") {
+                return Err(SentinelError::SentinelDatabase(i));
+            }
+        }
+        let shown = url_host_port(url.expose());
+        if shown != self.master {
+            return Err(SentinelError::UrlNamesAServer {
+                master: self.master.clone(),
+                shown: shown.to_owned(),
+            });
+        }
+        Ok(())
+    }
 }
 
 /// A `prefix` that is not an identifier.

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Deserializer, Serialize};
 
-use super::remote::{check_prefix, Holder};
+use super::remote::{check_prefix, Holder, RedisHa, SentinelConfig};
 use super::{checked, values, ClientTlsConfig, KindError, Remote, RemoteKind, SecretUrl};
 
 /// The fence store, with its defaults filled in.
@@ -96,6 +96,7 @@ struct RawStore {
     )]
     cache_size: usize,
     tls: Option<ClientTlsConfig>,
+    sentinel: Option<SentinelConfig>,
     replicas: Option<u32>,
 }
 
@@ -123,14 +124,20 @@ impl TryFrom<RawStore> for StoreConfig {
                 return Err(KindError::PathWithServer { holder });
             }
             check_prefix(&raw.prefix)?;
-            if raw.replicas.is_some() && kind != RemoteKind::Postgres {
-                return Err(KindError::ReplicasWithoutPostgres { holder });
-            }
+            let redis = RedisHa::from_raw(
+                holder,
+                kind,
+                raw.sentinel,
+                raw.replicas,
+                &url,
+                raw.tls.as_ref(),
+            )?;
             let remote = Remote {
                 url,
                 tls: raw.tls,
                 prefix: raw.prefix,
-                replicas: raw.replicas,
+                replicas: raw.replicas.filter(|_| kind == RemoteKind::Postgres),
+                redis,
             };
             Ok((remote, raw.cache_size))
         };
@@ -141,8 +148,14 @@ impl TryFrom<RawStore> for StoreConfig {
             StoreKind::Memory | StoreKind::Embedded if raw.tls.is_some() => {
                 Err(KindError::TlsWithoutServer { holder })
             }
+            StoreKind::Memory | StoreKind::Embedded if raw.sentinel.is_some() => {
+                Err(KindError::RedisOnly {
+                    holder,
+                    field: "sentinel",
+                })
+            }
             StoreKind::Memory | StoreKind::Embedded if raw.replicas.is_some() => {
-                Err(KindError::ReplicasWithoutPostgres { holder })
+                Err(KindError::ReplicasWithoutReplication { holder })
             }
             StoreKind::Memory if raw.path.is_some() => Err(KindError::PathWithServer { holder }),
             StoreKind::Memory => {
@@ -194,6 +207,8 @@ struct PrintedStore<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     tls: Option<&'a ClientTlsConfig>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    sentinel: Option<&'a SentinelConfig>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     replicas: Option<u32>,
 }
 
@@ -206,7 +221,11 @@ impl<'a> PrintedStore<'a> {
             prefix: Some(&remote.prefix),
             cache_size: Some(cache_size),
             tls: remote.tls.as_ref(),
-            replicas: remote.replicas,
+            sentinel: remote.redis.sentinel.as_ref(),
+            replicas: match kind {
+                StoreKind::Redis => Some(remote.redis.replicas),
+                _ => remote.replicas,
+            },
         }
     }
 }
@@ -221,6 +240,7 @@ impl Serialize for StoreConfig {
                 prefix: None,
                 cache_size: None,
                 tls: None,
+                sentinel: None,
                 replicas: None,
             },
             StoreConfig::Embedded {
@@ -234,6 +254,7 @@ impl Serialize for StoreConfig {
                 prefix: Some(prefix),
                 cache_size: Some(*cache_size),
                 tls: None,
+                sentinel: None,
                 replicas: None,
             },
             StoreConfig::Redis {

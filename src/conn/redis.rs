@@ -6,6 +6,18 @@
 //!
 //! [`RedisTarget`] says where and how to connect; [`RedisConn`] is one shared connection,
 //! dialled on first use and again after it broke.
+//!
+//! With Sentinel ([`RedisTarget::with_sentinel`]), each new connection first asks the
+//! Sentinels where the primary is (`SENTINEL GET-MASTER-ADDR-BY-NAME`, the last Sentinel that
+//! answered asked first), dials it with the url's user, password and database (and the same
+//! TLS), and checks with `ROLE` that it is the primary: a server a Sentinel still names during
+//! a failover, but that is a replica now, is never written to. No primary known: no connection
+//! (the caller answers 503). The redis crate's own `sentinel` feature is not used: it dials
+//! with its own TCP and TLS (not [`ClientTls`], its CA rotation and `server_name`), and asks
+//! `SENTINEL MASTERS`, a wider permission than the one command needed here.
+//!
+//! [`RedisConn::replicated`] is `WAIT`: after a write, the caller waits until the configured
+//! number of replicas acknowledged it, so that a failover keeps what was acknowledged.
 
 use redis::aio::MultiplexedConnection;
 use redis::{
@@ -13,11 +25,12 @@ use redis::{
     RedisConnectionInfo, RedisError,
 };
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use super::Failure;
+use crate::config::{RedisHa, WAIT_TIMEOUT};
 use crate::tls::ClientTls;
 
 /// Connect timeout (TCP, TLS handshake and `AUTH` together) and per-command response
@@ -41,6 +54,60 @@ pub(crate) struct RedisTarget {
     port: u16,
     settings: RedisConnectionInfo,
     tls: Option<Arc<ClientTls>>,
+    /// With Sentinel, where the primary is found; `host` and `port` are then not dialled.
+    sentinel: Option<Arc<Sentinels>>,
+}
+
+/// The Sentinels of one master name.
+struct Sentinels {
+    master: String,
+    nodes: Vec<RedisTarget>,
+    /// The Sentinel that answered last, asked first next time.
+    first: AtomicUsize,
+}
+
+/// An I/O error (unreachable, never a server's refusal): no primary to connect to.
+fn no_primary(detail: String) -> RedisError {
+    std::io::Error::new(std::io::ErrorKind::NotConnected, detail).into()
+}
+
+impl Sentinels {
+    /// The primary's host and port, as the first Sentinel that knows says.
+    async fn primary(&self) -> Result<(String, u16), RedisError> {
+        let n = self.nodes.len();
+        let first = self.first.load(Ordering::Relaxed);
+        let mut failures = Vec::new();
+        for i in 0..n {
+            let at = (first + i) % n;
+            let node = &self.nodes[at];
+            match self.ask(node).await {
+                Ok(Some(addr)) => {
+                    self.first.store(at, Ordering::Relaxed);
+                    return Ok(addr);
+                }
+                Ok(None) => failures.push(format!(
+                    "{}:{} knows no master `{}`",
+                    node.host, node.port, self.master
+                )),
+                Err(e) => failures.push(format!("{}:{}: {e}", node.host, node.port)),
+            }
+        }
+        Err(no_primary(format!(
+            "no Sentinel named the primary of `{}` ({})",
+            self.master,
+            failures.join("; ")
+        )))
+    }
+
+    async fn ask(&self, node: &RedisTarget) -> Result<Option<(String, u16)>, RedisError> {
+        let config = AsyncConnectionConfig::new().set_response_timeout(Some(RESPONSE_TIMEOUT));
+        let mut conn = node.dial(&node.host, node.port, config).await?;
+        redis::cmd("SENTINEL")
+            .arg("GET-MASTER-ADDR-BY-NAME")
+            .arg(&self.master)
+            .query_async(&mut conn)
+            .await
+    }
 }
 
 impl RedisTarget {
@@ -70,7 +137,45 @@ impl RedisTarget {
             port,
             settings: info.redis_settings().clone(),
             tls,
+            sentinel: None,
         })
+    }
+
+    /// The url's target with `ha`'s Sentinels, if it names any: each Sentinel url is read like
+    /// the data nodes' (its own user and password; the same TLS).
+    pub(crate) fn with_ha(self, ha: &RedisHa) -> Result<Self, String> {
+        match &ha.sentinel {
+            None => Ok(self),
+            Some(sentinel) => {
+                let urls: Vec<&str> = sentinel.urls.iter().map(|u| u.expose()).collect();
+                self.with_sentinel(&sentinel.master, &urls)
+            }
+        }
+    }
+
+    /// The primary of `master` as the Sentinels at `urls` say, reached with this target's
+    /// settings (user, password, database) and TLS.
+    pub(crate) fn with_sentinel(mut self, master: &str, urls: &[&str]) -> Result<Self, String> {
+        let nodes = urls
+            .iter()
+            .map(|url| {
+                let node = RedisTarget::new(url, self.tls.clone())
+                    .map_err(|e| format!("sentinel: {e}"))?;
+                if node.settings.db() != 0 {
+                    return Err("a Sentinel url names no database".to_owned());
+                }
+                Ok(node)
+            })
+            .collect::<Result<Vec<_>, String>>()?;
+        if nodes.is_empty() {
+            return Err("sentinel: no Sentinel urls".into());
+        }
+        self.sentinel = Some(Arc::new(Sentinels {
+            master: master.to_owned(),
+            nodes,
+            first: AtomicUsize::new(0),
+        }));
+        Ok(self)
     }
 
     /// The same server, speaking `protocol` (push messages need RESP3).
@@ -82,12 +187,41 @@ impl RedisTarget {
 
     /// A new connection (TLS handshake with the TLS files as they are now), set up and
     /// authenticated, with its driver task running; within [`CONNECT_TIMEOUT`].
+    /// With Sentinel, to the primary the Sentinels name, checked with `ROLE`.
     pub(crate) async fn connect(
         &self,
         config: AsyncConnectionConfig,
     ) -> Result<MultiplexedConnection, RedisError> {
+        let Some(sentinels) = &self.sentinel else {
+            return self.dial(&self.host, self.port, config).await;
+        };
+        let (host, port) = sentinels.primary().await?;
+        let mut conn = self.dial(&host, port, config).await?;
+        let role: Vec<redis::Value> = redis::cmd("ROLE").query_async(&mut conn).await?;
+        let role = match role.first() {
+            Some(redis::Value::BulkString(b)) => String::from_utf8_lossy(b).into_owned(),
+            Some(redis::Value::SimpleString(s)) => s.clone(),
+            _ => String::new(),
+        };
+        if role != "master" {
+            // A failover under way: the Sentinels will name the new primary shortly.
+            return Err(no_primary(format!(
+                "the Sentinels name {host}:{port} as the primary of `{}`, but it is a {role}",
+                sentinels.master
+            )));
+        }
+        Ok(conn)
+    }
+
+    /// A new connection to `host:port` with this target's settings and TLS.
+    async fn dial(
+        &self,
+        host: &str,
+        port: u16,
+        config: AsyncConnectionConfig,
+    ) -> Result<MultiplexedConnection, RedisError> {
         let connect = async {
-            let tcp = tokio::net::TcpStream::connect((self.host.as_str(), self.port)).await?;
+            let tcp = tokio::net::TcpStream::connect((host, port)).await?;
             let _ = tcp.set_nodelay(true);
             let keepalive = socket2::TcpKeepalive::new()
                 .with_time(KEEPALIVE_IDLE)
@@ -96,7 +230,7 @@ impl RedisTarget {
             let _ = socket2::SockRef::from(&tcp).set_tcp_keepalive(&keepalive);
             match &self.tls {
                 Some(tls) => {
-                    let stream = tls.connect(&self.host, tcp).await?;
+                    let stream = tls.connect(host, tcp).await?;
                     self.set_up(stream, config).await
                 }
                 None => self.set_up(tcp, config).await,
@@ -143,16 +277,64 @@ pub(crate) struct RedisConn {
     /// health latch logs for the store).
     log_as: Option<&'static str>,
     failing: AtomicBool,
+    /// How many replicas [`RedisConn::replicated`] waits for.
+    replicas: u32,
+}
+
+/// A write the primary holds but fewer replicas than configured acknowledged in time.
+#[derive(Debug)]
+pub(crate) struct Lagging {
+    pub acked: u32,
+    pub wanted: u32,
+}
+
+impl std::fmt::Display for Lagging {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "redis: {} of the {} replicas asked for acknowledged the write within {}ms (WAIT); \
+             it is on the primary, but a failover could lose it",
+            self.acked,
+            self.wanted,
+            WAIT_TIMEOUT.as_millis()
+        )
+    }
 }
 
 impl RedisConn {
-    pub(crate) fn new(target: RedisTarget, log_as: Option<&'static str>) -> Self {
+    pub(crate) fn new(target: RedisTarget, log_as: Option<&'static str>, replicas: u32) -> Self {
         RedisConn {
             target,
             current: tokio::sync::Mutex::new((0, None)),
             broken: AtomicU64::new(0),
             log_as,
             failing: AtomicBool::new(false),
+            replicas,
+        }
+    }
+
+    /// `WAIT` on `conn` after a write sent on it: `Ok(Err(_))` when fewer replicas than
+    /// configured acknowledged every write of the connection so far within [`WAIT_TIMEOUT`];
+    /// nothing to wait for when none are configured.
+    pub(crate) async fn replicated(
+        &self,
+        conn: &mut MultiplexedConnection,
+    ) -> Result<Result<(), Lagging>, RedisError> {
+        if self.replicas == 0 {
+            return Ok(Ok(()));
+        }
+        let acked: u32 = redis::cmd("WAIT")
+            .arg(self.replicas)
+            .arg(u64::try_from(WAIT_TIMEOUT.as_millis()).unwrap_or(u64::MAX))
+            .query_async(conn)
+            .await?;
+        if acked >= self.replicas {
+            Ok(Ok(()))
+        } else {
+            Ok(Err(Lagging {
+                acked,
+                wanted: self.replicas,
+            }))
         }
     }
 
@@ -285,6 +467,19 @@ mod tests {
         assert_eq!(target.settings.password(), Some("pw"));
         assert_eq!(target.settings.db(), 2);
         let plain = RedisTarget::new("redis://127.0.0.1/", None).unwrap();
+        let sentinel = plain
+            .clone()
+            .with_sentinel("mymaster", &["redis://:spw@127.0.0.1:26379"])
+            .unwrap();
+        let nodes = &sentinel.sentinel.as_ref().unwrap().nodes;
+        assert_eq!(
+            (nodes[0].port, nodes[0].settings.password()),
+            (26379, Some("spw"))
+        );
+        assert!(plain
+            .clone()
+            .with_sentinel("mymaster", &["redis://127.0.0.1:26379/1"])
+            .is_err());
         assert_eq!(plain.port, 6379);
         assert!(plain.tls.is_none());
         // Never without verification, and never TLS settings on a plaintext url.

@@ -41,6 +41,7 @@ pub async fn open(config: &BackendConfig) -> Result<Arc<dyn LeaseBackend>, Lease
             remote.url.expose(),
             &remote.prefix,
             tls(remote, &[])?,
+            &remote.redis,
         )?)),
         BackendConfig::Postgres(remote) => {
             let leases = postgres::PostgresLeases::new(

@@ -37,7 +37,8 @@ use tokio::sync::{mpsc, watch};
 
 use super::backend::{Acquired, Grant, GrantEvents, LeaseBackend, LeaseError};
 use super::shared::{self, new_lease_id, GrantFeed, Waiters, HEARTBEAT};
-use crate::conn::redis::{failure, RedisConn, RedisTarget};
+use crate::config::RedisHa;
+use crate::conn::redis::{failure, Lagging, RedisConn, RedisTarget};
 use crate::conn::BoxFuture;
 use crate::tls::ClientTls;
 
@@ -104,10 +105,18 @@ impl Drop for Events {
 }
 
 impl RedisLeases {
-    pub fn new(url: &str, prefix: &str, tls: Option<Arc<ClientTls>>) -> Result<Self, LeaseError> {
-        let target = RedisTarget::new(url, tls).map_err(LeaseError::Config)?;
+    /// `ha`: the Sentinels that name the primary, and the replicas every grant waits for.
+    pub fn new(
+        url: &str,
+        prefix: &str,
+        tls: Option<Arc<ClientTls>>,
+        ha: &RedisHa,
+    ) -> Result<Self, LeaseError> {
+        let target = RedisTarget::new(url, tls)
+            .and_then(|t| t.with_ha(ha))
+            .map_err(LeaseError::Config)?;
         Ok(RedisLeases {
-            conn: RedisConn::new(target, Some("lease backend")),
+            conn: RedisConn::new(target, Some("lease backend"), ha.replicas),
             events: OnceLock::new(),
             acquire: Script::new(ACQUIRE),
             renew: Script::new(RENEW),
@@ -228,6 +237,12 @@ fn unavailable(e: redis::RedisError) -> LeaseError {
     LeaseError::new(failure(&e), format!("redis: {e}"))
 }
 
+/// Too few replicas acknowledged a grant in time: not granted as far as the caller knows
+/// (`503`); the counter did move on the primary, so no later grant repeats its token.
+fn lagging(lag: Lagging) -> LeaseError {
+    LeaseError::new(crate::conn::Failure::Timeout, lag.to_string())
+}
+
 fn parse_token(raw: &str) -> Result<u64, LeaseError> {
     raw.parse()
         .map_err(|_| LeaseError::Corrupt(format!("redis holds a non-token counter `{raw}`")))
@@ -256,13 +271,23 @@ impl LeaseBackend for RedisLeases {
                 .arg(holder)
                 .arg(ttl_ms(ttl))
                 .arg(self.key(resource, "granted"))
-                .invoke_async(&mut conn)
+                .invoke_async::<(u8, String)>(&mut conn)
                 .await;
-            let (granted, value): (u8, String) = self
+            let result = match result {
+                // A grant (and its counter) survives a failover only once replicated.
+                Ok((1, token)) => self
+                    .conn
+                    .replicated(&mut conn)
+                    .await
+                    .map(|lag| ((1, token), lag)),
+                other => other.map(|reply| (reply, Ok(()))),
+            };
+            let ((granted, value), lag) = self
                 .conn
                 .done(generation, result)
                 .await
                 .map_err(unavailable)?;
+            lag.map_err(lagging)?;
             if granted == 1 {
                 return Ok(Acquired::Granted(Grant {
                     resource: resource.to_owned(),
@@ -374,7 +399,8 @@ mod tests {
 
     #[test]
     fn keys_share_a_hash_tag() {
-        let leases = RedisLeases::new("redis://127.0.0.1:1/", "fg", None).unwrap();
+        let leases =
+            RedisLeases::new("redis://127.0.0.1:1/", "fg", None, &RedisHa::default()).unwrap();
         assert_eq!(leases.key("a:1", "lease"), "fg:{a:1}:lease");
         assert_eq!(leases.key("a:1", "token"), "fg:{a:1}:token");
         assert_eq!(ttl_ms(Duration::from_micros(10)), 1);

@@ -134,7 +134,12 @@ pub async fn open_with_clock(
         } => Ok(Arc::new(EmbeddedStore::open(path, prefix, *cache_size)?)),
         StoreConfig::Redis { remote, cache_size } => {
             let tls = tls(remote, &[])?;
-            let store = self::redis::RedisRemote::new(remote.url.expose(), &remote.prefix, tls)?;
+            let store = self::redis::RedisRemote::new(
+                remote.url.expose(),
+                &remote.prefix,
+                tls,
+                &remote.redis,
+            )?;
             Ok(Arc::new(shared::SharedStore::with_clock(
                 store,
                 *cache_size,

@@ -29,19 +29,26 @@ use std::time::Duration;
 
 use super::shared::{Claimed, Owner, Remote};
 use super::{decide, StoreError, Verdict};
-use crate::config::EqualTokens;
-use crate::conn::redis::{failure, RedisConn, RedisTarget};
+use crate::config::{EqualTokens, RedisHa};
+use crate::conn::redis::{failure, Lagging, RedisConn, RedisTarget};
 use crate::conn::BoxFuture;
 use crate::idempotency::{AttemptId, Begin, Claim, Record};
 use crate::tls::ClientTls;
 
 /// KEYS[1] = maximum key, ARGV[1] = token (canonical decimal), ARGV[2] = `fence.retention` in
-/// milliseconds ('0': none): a raised maximum expires that long after its raise.
+/// milliseconds ('0': none): a raised maximum expires that long after its raise; ARGV[3] =
+/// '1' when writes are acknowledged by replicas (`WAIT`) and equal tokens pass: a token equal to the maximum then
+/// writes the maximum again, unchanged (`KEEPTTL`), so that this connection's `WAIT` covers it
+/// (`WAIT` counts only what the waiting connection wrote, and the maximum may be another's,
+/// refused `503` because its replicas did not acknowledge it).
 /// Returns the previous maximum ('' if none) and whether the token raised it.
 const RAISE: &str = r"
 local current = redis.call('GET', KEYS[1])
 local token = ARGV[1]
 if current then
+  if token == current and ARGV[3] == '1' then
+    redis.call('SET', KEYS[1], current, 'KEEPTTL')
+  end
   if #token < #current or (#token == #current and token <= current) then
     return {current, 0}
   end
@@ -148,13 +155,24 @@ pub struct RedisRemote {
     prefix: String,
     /// `fence.retention` in ms (0: none), the expiry of every maximum raised.
     retention_ms: AtomicU64,
+    /// How many replicas acknowledge each write (`WAIT`); 0: none.
+    replicas: u32,
 }
 
 impl RedisRemote {
-    pub fn new(url: &str, prefix: &str, tls: Option<Arc<ClientTls>>) -> Result<Self, StoreError> {
-        let target = RedisTarget::new(url, tls).map_err(StoreError::Config)?;
+    /// `ha`: the Sentinels that name the primary, and the replicas every write waits for.
+    pub fn new(
+        url: &str,
+        prefix: &str,
+        tls: Option<Arc<ClientTls>>,
+        ha: &RedisHa,
+    ) -> Result<Self, StoreError> {
+        let target = RedisTarget::new(url, tls)
+            .and_then(|t| t.with_ha(ha))
+            .map_err(StoreError::Config)?;
         Ok(RedisRemote {
-            conn: RedisConn::new(target, None),
+            conn: RedisConn::new(target, None, ha.replicas),
+            replicas: ha.replicas,
             script: Script::new(RAISE),
             begin: Script::new(BEGIN),
             finish: Script::new(FINISH),
@@ -175,6 +193,12 @@ impl RedisRemote {
 
 fn unavailable(e: redis::RedisError) -> StoreError {
     StoreError::new(failure(&e), format!("redis: {e}"))
+}
+
+/// Too few replicas acknowledged a write in time: not acknowledged (`503`), though the
+/// primary holds it (a raise that stays only makes later stale tokens fail).
+fn lagging(lag: Lagging) -> StoreError {
+    StoreError::Timeout(lag.to_string())
 }
 
 fn parse(raw: &str) -> Result<u64, StoreError> {
@@ -260,18 +284,33 @@ impl Remote for RedisRemote {
     ) -> BoxFuture<'a, Result<Verdict, StoreError>> {
         Box::pin(async move {
             let (generation, mut conn) = self.conn.get().await.map_err(unavailable)?;
-            let result = self
-                .script
-                .key(self.key(resource))
-                .arg(token.to_string())
-                .arg(self.retention_ms.load(Ordering::Relaxed))
-                .invoke_async(&mut conn)
-                .await;
-            let (previous, raised): (String, u8) = self
+            let result = async {
+                let reply: (String, u8) = self
+                    .script
+                    .key(self.key(resource))
+                    .arg(token.to_string())
+                    .arg(self.retention_ms.load(Ordering::Relaxed))
+                    .arg(flag(self.replicas > 0 && equal == EqualTokens::Allow))
+                    .invoke_async(&mut conn)
+                    .await?;
+                // An equal token admitted is acknowledged like a raise: the script wrote the
+                // maximum again for this WAIT to cover.
+                let admitted =
+                    reply.1 == 1 || (reply.0 == token.to_string() && equal == EqualTokens::Allow);
+                let lag = if admitted {
+                    self.conn.replicated(&mut conn).await?
+                } else {
+                    Ok(())
+                };
+                Ok((reply, lag))
+            }
+            .await;
+            let ((previous, raised), lag) = self
                 .conn
                 .done(generation, result)
                 .await
                 .map_err(unavailable)?;
+            lag.map_err(lagging)?;
             let previous = if previous.is_empty() {
                 None
             } else {
@@ -304,12 +343,17 @@ impl Remote for RedisRemote {
     fn ping(&self) -> BoxFuture<'_, Result<(), StoreError>> {
         Box::pin(async move {
             let (generation, mut conn) = self.conn.get().await.map_err(unavailable)?;
-            let result = redis::cmd("PING").query_async::<String>(&mut conn).await;
+            // Ready only while the replicas asked for acknowledge what this connection wrote.
+            let result = async {
+                redis::cmd("PING").query_async::<String>(&mut conn).await?;
+                self.conn.replicated(&mut conn).await
+            }
+            .await;
             self.conn
                 .done(generation, result)
                 .await
-                .map_err(unavailable)?;
-            Ok(())
+                .map_err(unavailable)?
+                .map_err(lagging)
         })
     }
 
@@ -336,13 +380,24 @@ impl Remote for RedisRemote {
                 .arg(claim.attempt.hex())
                 .arg(takeover.map(|a| a.hex()).unwrap_or_default())
                 .arg(self.retention_ms.load(Ordering::Relaxed))
-                .invoke_async(&mut conn)
+                .invoke_async::<Vec<Vec<u8>>>(&mut conn)
                 .await;
-            let reply: Vec<Vec<u8>> = self
+            let result = match result {
+                // Executing wrote the in-flight record (and any raise): acknowledged only once
+                // replicated.
+                Ok(reply) if reply.first().is_some_and(|k| k == b"execute") => self
+                    .conn
+                    .replicated(&mut conn)
+                    .await
+                    .map(|lag| (reply, lag)),
+                other => other.map(|reply| (reply, Ok(()))),
+            };
+            let (reply, lag) = self
                 .conn
                 .done(generation, result)
                 .await
                 .map_err(unavailable)?;
+            lag.map_err(lagging)?;
             begin_reply(&reply)
         })
     }
@@ -367,13 +422,20 @@ impl Remote for RedisRemote {
                 .arg(outcome.encode())
                 .arg(window_ms(claim))
                 .arg(claim.attempt.hex())
-                .invoke_async(&mut conn)
+                .invoke_async::<u8>(&mut conn)
                 .await;
-            let wrote: u8 = self
+            let result = match result {
+                // The outcome a retry is answered with: kept through a failover only once
+                // replicated.
+                Ok(1) => self.conn.replicated(&mut conn).await.map(|lag| (1, lag)),
+                other => other.map(|wrote| (wrote, Ok(()))),
+            };
+            let (wrote, lag) = self
                 .conn
                 .done(generation, result)
                 .await
                 .map_err(unavailable)?;
+            lag.map_err(lagging)?;
             Ok(wrote == 1)
         })
     }

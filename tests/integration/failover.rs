@@ -44,6 +44,7 @@ fn remote(url: &str, prefix: &str) -> Remote {
         tls: None,
         prefix: prefix.to_owned(),
         replicas: None,
+        redis: Default::default(),
     }
 }
 

@@ -145,6 +145,7 @@ async fn cache_follows_grants(kind: &str) {
         tls: None,
         prefix: fresh_prefix(),
         replicas: None,
+        redis: Default::default(),
     };
     let config = match kind {
         "embedded" => BackendConfig::Embedded {
@@ -278,6 +279,7 @@ async fn authoritative_fence_with_redis_fails_closed_while_the_backend_is_down()
         tls: None,
         prefix,
         replicas: None,
+        redis: Default::default(),
     }))
     .await
     .unwrap();

@@ -26,6 +26,7 @@ async fn a_waiting_acquisition_is_reported_as_acquiring() {
         tls: None,
         prefix,
         replicas: None,
+        redis: Default::default(),
     }))
     .await
     .unwrap();

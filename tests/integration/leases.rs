@@ -26,6 +26,7 @@ impl Fixture {
             tls: None,
             prefix: fresh_prefix(),
             replicas: None,
+            redis: Default::default(),
         };
         let (config, service) = match kind {
             "embedded" => (
@@ -444,6 +445,7 @@ async fn events_survive_a_server_restart(kind: Kind) {
         tls: None,
         prefix: fresh_prefix(),
         replicas: None,
+        redis: Default::default(),
     };
     let config = match kind {
         Kind::Redis => BackendConfig::Redis(remote),

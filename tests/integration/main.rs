@@ -23,6 +23,7 @@ mod logs;
 mod process;
 mod proxy;
 mod retention;
+mod sentinel;
 mod services;
 mod store_tls;
 mod stores;

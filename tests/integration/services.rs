@@ -53,10 +53,34 @@ pub struct Service {
     pub port: u16,
     child: Option<Child>,
     dir: tempfile::TempDir,
+    /// Redis: more arguments for `redis-server` (`--replicaof …`).
+    extra: Vec<String>,
+    /// Redis: run as a Sentinel with this configuration (it rewrites the file, kept in `dir`).
+    sentinel_conf: Option<String>,
 }
 
 impl Service {
     pub async fn start(kind: Kind) -> Service {
+        Self::start_with(kind, Vec::new(), None).await
+    }
+
+    /// A Redis replica of the server on `primary`.
+    pub async fn start_redis_replica(primary: u16) -> Service {
+        Self::start_redis_with(&["--replicaof", "127.0.0.1", &primary.to_string()]).await
+    }
+
+    /// A Redis server with more `redis-server` arguments.
+    pub async fn start_redis_with(args: &[&str]) -> Service {
+        let args = args.iter().map(|a| (*a).to_owned()).collect();
+        Self::start_with(Kind::Redis, args, None).await
+    }
+
+    /// A Redis Sentinel with configuration `conf` (its `port` comes from the command line).
+    pub async fn start_sentinel(conf: String) -> Service {
+        Self::start_with(Kind::Redis, Vec::new(), Some(conf)).await
+    }
+
+    async fn start_with(kind: Kind, extra: Vec<String>, sentinel_conf: Option<String>) -> Service {
         let dir = tempfile::tempdir().unwrap();
         if kind == Kind::Postgres {
             init_postgres(&dir.path().to_path_buf()).await;
@@ -66,6 +90,8 @@ impl Service {
             port: free_port(),
             child: None,
             dir,
+            extra,
+            sentinel_conf,
         };
         // A port picked free can be taken (by another test's server, or as an outgoing
         // connection's source port) before the server binds it: then the server exits, and it
@@ -100,8 +126,25 @@ impl Service {
         let dir = self.dir.path();
         let port = self.port.to_string();
         let mut cmd = match self.kind {
+            Kind::Redis if self.sentinel_conf.is_some() => {
+                let conf = dir.join("sentinel.conf");
+                std::fs::write(&conf, self.sentinel_conf.as_deref().unwrap()).unwrap();
+                let mut c = Command::new("redis-server");
+                c.arg(&conf)
+                    .args([
+                        "--sentinel",
+                        "--port",
+                        &port,
+                        "--bind",
+                        "127.0.0.1",
+                        "--dir",
+                    ])
+                    .arg(dir);
+                c
+            }
             Kind::Redis => {
                 let mut c = Command::new("redis-server");
+                c.args(&self.extra);
                 // Durable like production should be: a maximum survives kill -9.
                 c.args([
                     "--port",
@@ -260,6 +303,25 @@ impl Service {
         }
     }
 
+    /// Stops the process (SIGSTOP): it keeps its sockets but reads, writes and reconnects
+    /// nothing until [`Service::resume`].
+    pub fn pause(&self) {
+        self.signal("-STOP");
+    }
+
+    pub fn resume(&self) {
+        self.signal("-CONT");
+    }
+
+    fn signal(&self, signal: &str) {
+        let pid = self.child.as_ref().and_then(Child::id).expect("running");
+        let status = std::process::Command::new("kill")
+            .args([signal, &pid.to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+
     pub async fn restart(&mut self) {
         assert!(self.child.is_none(), "kill first");
         // A PostgreSQL killed with -9 leaves its shared memory until the last of its processes
@@ -341,6 +403,151 @@ fn children_of(pid: &str) -> Vec<String> {
         .collect()
 }
 
+/// `redis-cli` against `port`: its output, one line per value.
+pub async fn redis_cli_at(port: u16, args: &[&str]) -> String {
+    let out = tokio::process::Command::new("redis-cli")
+        .args(["-p", &port.to_string()])
+        .args(args)
+        .output()
+        .await
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// The master name the Sentinels of a [`SentinelTopology`] monitor.
+pub const MASTER: &str = "mymaster";
+
+/// A Redis primary with two replicas, watched by three Sentinels (quorum 2, down after 1s): a
+/// failover a test can cause with `kill -9`. Two replicas, as production runs them: after a
+/// failover the one not promoted replicates the new primary, so writes that wait for one
+/// replica (`replicas: 1`) go on.
+pub struct SentinelTopology {
+    pub primary: Service,
+    pub replicas: Vec<Service>,
+    pub sentinels: Vec<Service>,
+}
+
+impl SentinelTopology {
+    /// Started, and settled: the replica is in sync and every Sentinel knows it and the two
+    /// other Sentinels (else a failover could not be agreed or could find no replica).
+    pub async fn start() -> SentinelTopology {
+        let primary = Service::start(Kind::Redis).await;
+        let mut replicas = Vec::new();
+        for _ in 0..2 {
+            replicas.push(Service::start_redis_replica(primary.port).await);
+        }
+        let conf = format!(
+            "sentinel monitor {MASTER} 127.0.0.1 {} 2\n\
+             sentinel down-after-milliseconds {MASTER} 1000\n\
+             sentinel failover-timeout {MASTER} 2000\n",
+            primary.port
+        );
+        let mut sentinels = Vec::new();
+        for _ in 0..3 {
+            sentinels.push(Service::start_sentinel(conf.clone()).await);
+        }
+        let topology = SentinelTopology {
+            primary,
+            replicas,
+            sentinels,
+        };
+        topology.wait_settled().await;
+        topology
+    }
+
+    async fn wait_settled(&self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let mut settled = true;
+            for replica in &self.replicas {
+                let info = redis_cli_at(replica.port, &["INFO", "replication"]).await;
+                settled &= info.contains("master_link_status:up");
+            }
+            for sentinel in &self.sentinels {
+                let master = sentinel_master(sentinel.port).await;
+                settled &= master.get("num-slaves").map(String::as_str) == Some("2")
+                    && master.get("num-other-sentinels").map(String::as_str) == Some("2");
+            }
+            if settled {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the Sentinel topology never settled"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// `sentinel: { … }` for a store or lease backend config.
+    pub fn yaml(&self) -> String {
+        let urls: Vec<String> = self.urls();
+        format!("{{ master: {MASTER}, urls: [{}] }}", urls.join(", "))
+    }
+
+    pub fn urls(&self) -> Vec<String> {
+        self.sentinels
+            .iter()
+            .map(|s| format!("redis://127.0.0.1:{}", s.port))
+            .collect()
+    }
+
+    /// The primary's port as the first Sentinel names it.
+    pub async fn primary_port(&self) -> u16 {
+        let out = redis_cli_at(
+            self.sentinels[0].port,
+            &["SENTINEL", "GET-MASTER-ADDR-BY-NAME", MASTER],
+        )
+        .await;
+        out.lines().nth(1).unwrap().trim().parse().unwrap()
+    }
+
+    /// Waits until every Sentinel names the same replica as the primary, and it is one;
+    /// returns its port.
+    pub async fn wait_promoted(&self) -> u16 {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let mut named = Vec::new();
+            for sentinel in &self.sentinels {
+                let out = redis_cli_at(
+                    sentinel.port,
+                    &["SENTINEL", "GET-MASTER-ADDR-BY-NAME", MASTER],
+                )
+                .await;
+                named.push(out.lines().nth(1).map(|p| p.trim().parse::<u16>().unwrap()));
+            }
+            let promoted = named[0].filter(|port| {
+                named.iter().all(|n| *n == Some(*port))
+                    && self.replicas.iter().any(|r| r.port == *port)
+            });
+            if let Some(port) = promoted {
+                if redis_cli_at(port, &["ROLE"]).await.starts_with("master") {
+                    return port;
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the Sentinels never promoted the replica"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+/// `SENTINEL MASTER mymaster` as field → value.
+async fn sentinel_master(port: u16) -> std::collections::HashMap<String, String> {
+    let out = redis_cli_at(port, &["SENTINEL", "MASTER", MASTER]).await;
+    let lines: Vec<&str> = out.lines().collect();
+    lines
+        .chunks(2)
+        .filter_map(|pair| match pair {
+            [k, v] => Some((k.trim().to_owned(), v.trim().to_owned())),
+            _ => None,
+        })
+        .collect()
+}
+
 impl Service {
     /// Runs `sql` on this PostgreSQL server (a fresh connection) and returns the first
     /// column of each row, NULL as an empty string.
@@ -409,6 +616,8 @@ impl Service {
             port: free_port(),
             child: None,
             dir,
+            extra: Vec::new(),
+            sentinel_conf: None,
         };
         for _ in 0..5 {
             if standby.spawn().await {

@@ -131,7 +131,6 @@ fn replicas_is_for_postgres_and_prints_back() {
     assert_eq!(unset.store.remote().unwrap().replicas, None);
     assert!(!unset.to_yaml().contains("replicas"));
     for store in [
-        "{ kind: redis, url: 'redis://r/', replicas: 1 }",
         "{ kind: etcd, url: 'etcd://e:2379', replicas: 1 }",
         "{ kind: embedded, replicas: 1 }",
         "{ kind: memory, replicas: 0 }",
@@ -140,7 +139,7 @@ fn replicas_is_for_postgres_and_prints_back() {
             .unwrap_err()
             .to_string();
         assert!(
-            e.contains("`replicas` is for the postgres store"),
+            e.contains("`replicas` is for the redis and postgres stores"),
             "{store}: {e}"
         );
     }
@@ -149,5 +148,82 @@ fn replicas_is_for_postgres_and_prints_back() {
     )
     .unwrap_err()
     .to_string();
-    assert!(e.contains("`replicas` is for the postgres backend"), "{e}");
+    assert!(
+        e.contains("`replicas` is for the redis and postgres backends"),
+        "{e}"
+    );
+}
+
+#[test]
+fn redis_sentinel_and_replicas() {
+    let c = Config::parse(
+        "upstream: http://a:1\n\
+         store:\n  kind: redis\n  url: 'rediss://app:pw@mymaster/2'\n  tls: { ca: /etc/ca.pem }\n  \
+         sentinel: { master: mymaster, urls: ['rediss://:spw@s1:26379', 'rediss://s2:26379'] }\n\
+         leases: { backend: { kind: redis, url: 'redis://mymaster/', sentinel: { master: mymaster, urls: ['redis://s1:26379'] }, replicas: 0 }, ttl: 1s }\n",
+    )
+    .unwrap();
+    let remote = c.store.remote().unwrap();
+    let sentinel = remote.redis.sentinel.as_ref().unwrap();
+    assert_eq!(sentinel.master, "mymaster");
+    assert_eq!(sentinel.urls[0].expose(), "rediss://:spw@s1:26379");
+    // With Sentinel a write waits for one replica unless told otherwise.
+    assert_eq!(remote.redis.replicas, 1);
+    let backend = c.leases.as_ref().unwrap().backend.remote().unwrap();
+    assert_eq!(backend.redis.replicas, 0);
+    // Printed with the Sentinel passwords masked, and read back the same.
+    let yaml = c.to_yaml();
+    assert!(!yaml.contains("spw"), "{yaml}");
+    assert!(yaml.contains("replicas: 1"), "{yaml}");
+    // A lone server waits for none.
+    let lone =
+        Config::parse("upstream: http://a:1\nstore: { kind: redis, url: 'redis://r:6379/' }\n")
+            .unwrap();
+    assert_eq!(lone.store.remote().unwrap().redis.replicas, 0);
+
+    for (yaml, wanted) in [
+        (
+            "store: { kind: redis, url: 'redis://10.0.0.5:6379/', sentinel: { master: mymaster, urls: ['redis://s:26379'] } }",
+            "store: with `sentinel`, the `url` gives the data nodes' user, password and database, and names the master instead of a server: write `redis://user:password@mymaster/0` (its host is `10.0.0.5:6379`, which would never be dialled) at line 2",
+        ),
+        (
+            "store: { kind: redis, url: 'redis://m/', sentinel: { master: m, urls: [] } }",
+            "store: `sentinel.urls` lists at least one Sentinel",
+        ),
+        (
+            "store: { kind: redis, url: 'redis://m/', sentinel: { master: m, urls: ['http://s:26379'] } }",
+            "store: `sentinel.urls[0]`: the `url` does not fit kind redis",
+        ),
+        (
+            "store: { kind: redis, url: 'rediss://m/', sentinel: { master: m, urls: ['rediss://s:1', 'redis://s:2'] } }",
+            "store: `sentinel.urls[1]` and `url` differ in scheme",
+        ),
+        (
+            "store: { kind: redis, url: 'redis://m/', sentinel: { master: m, urls: ['redis://s:1/3'] } }",
+            "store: `sentinel.urls[0]` names a database",
+        ),
+        (
+            "store: { kind: redis, url: 'redis://m/', sentinel: { master: m, urls: ['redis://s:1'], quorum: 2 } }",
+            "store.sentinel: unknown field `quorum`",
+        ),
+        (
+            "store: { kind: etcd, url: 'etcd://e:2379', replicas: 1 }",
+            "store: `replicas` is for the redis and postgres stores",
+        ),
+        (
+            "store: { kind: embedded, sentinel: { master: m, urls: ['redis://s:1'] } }",
+            "store: `sentinel` is for the redis store",
+        ),
+        (
+            "store: { kind: redis, url: 'redis://r/', replicas: 9 }",
+            "store: `replicas` is at most 8 (it is 9)",
+        ),
+        (
+            "leases: { backend: { kind: etcd, url: 'etcd://e:2379', sentinel: { master: m, urls: ['redis://s:1'] } }, ttl: 1s }",
+            "leases.backend: `sentinel` is for the redis backend",
+        ),
+    ] {
+        let got = err(&format!("upstream: http://a:1\n{yaml}\n"));
+        assert!(got.contains(wanted), "{yaml}\n got: {got}\nwant: {wanted}");
+    }
 }

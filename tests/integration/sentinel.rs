@@ -1,0 +1,385 @@
+//! Redis with Sentinel: a primary, a replica and three Sentinels, all real, on loopback. The
+//! primary is killed with `kill -9`; fencegate follows the promotion without a restart, and
+//! what a failover keeps or loses is measured per `replicas` setting (docs/guarantees.md).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use fencegate::app::Server;
+use fencegate::config::{BackendConfig, RedisHa, Remote, SecretUrl, SentinelConfig};
+use fencegate::lease::{self, Acquired, LeaseBackend};
+
+use crate::common::*;
+use crate::services::*;
+
+/// The fence store through the topology's Sentinels (`replicas` as written, or the default).
+fn store_yaml(topology: &SentinelTopology, replicas: Option<u32>) -> String {
+    let replicas = replicas.map_or(String::new(), |n| format!(", replicas: {n}"));
+    format!(
+        "store: {{ kind: redis, url: 'redis://{MASTER}/', prefix: {}, sentinel: {}{replicas} }}\n{ACCOUNTS}",
+        fresh_prefix(),
+        topology.yaml()
+    )
+}
+
+/// Writes `resource` with rising tokens from `first` until one is admitted; every other answer
+/// must be `503 store-unavailable` (never forwarded). Returns the admitted token.
+async fn first_admitted(fg: &Server, id: &str, first: u64) -> u64 {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut token = first;
+    loop {
+        let reply = put(fg, id, &token.to_string()).await;
+        if reply.status == 200 {
+            return token;
+        }
+        reply.assert_problem(503, "urn:fencegate:store-unavailable");
+        assert!(
+            Instant::now() < deadline,
+            "no write admitted after the failover"
+        );
+        token += 1;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The answer to `token` on `id` once the store answers at all (not 503).
+async fn once_answered(fg: &Server, id: &str, token: &str) -> Reply {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let reply = put(fg, id, token).await;
+        if reply.status != 503 {
+            return reply;
+        }
+        assert!(Instant::now() < deadline, "the store never answered again");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Tokens the upstream received for `account:<id>`, in order.
+fn received(up: &Upstream, id: &str) -> Vec<u64> {
+    let target = format!("/accounts/{id}");
+    up.seen()
+        .iter()
+        .filter(|s| s.target == target)
+        .filter_map(|s| s.token())
+        .collect()
+}
+
+async fn lease_backend(topology: &SentinelTopology) -> Arc<dyn LeaseBackend> {
+    let urls = topology
+        .urls()
+        .into_iter()
+        .map(|u| SecretUrl::try_from(u).unwrap())
+        .collect();
+    lease::open(&BackendConfig::Redis(Remote {
+        url: SecretUrl::try_from(format!("redis://{MASTER}/")).unwrap(),
+        tls: None,
+        prefix: fresh_prefix(),
+        replicas: None,
+        redis: RedisHa {
+            sentinel: Some(SentinelConfig {
+                master: MASTER.into(),
+                urls,
+            }),
+            replicas: 1,
+        },
+    }))
+    .await
+    .unwrap()
+}
+
+/// An acquire of `resource` by `holder`, retried while the backend is unavailable (a
+/// failover).
+async fn acquire(leases: &dyn LeaseBackend, resource: &str, holder: &str) -> Acquired {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        match leases
+            .try_acquire(resource, holder, Duration::from_secs(30))
+            .await
+        {
+            Ok(acquired) => return acquired,
+            Err(e) => assert!(Instant::now() < deadline, "no answer after failover: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn grant(leases: &dyn LeaseBackend, resource: &str) -> fencegate::lease::Grant {
+    match acquire(leases, resource, "holder").await {
+        Acquired::Granted(grant) => grant,
+        Acquired::Held { holder } => panic!("held by {holder:?}"),
+    }
+}
+
+/// The safe setting (Sentinel's default, `replicas: 1`): token 7 admitted, the primary killed
+/// right after; once the replica is promoted, stale token 6 is 409 through both fencegates
+/// (each asking the store, not its cache), fresh tokens pass, no restart. Lease grants never
+/// repeat a token across the failover.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sentinel_failover_keeps_every_acknowledged_raise_and_grant() {
+    let topology = SentinelTopology::start().await;
+    let up = Upstream::start().await;
+    let yaml = store_yaml(&topology, None);
+    let a = fencegate(&up.url(), &yaml).await;
+    let b = fencegate(&up.url(), &yaml).await;
+    let leases = lease_backend(&topology).await;
+
+    let mut granted = Vec::new();
+    for _ in 0..3 {
+        let grant = grant(&*leases, "job").await;
+        granted.push(grant.token);
+        assert!(leases.release(&grant).await.unwrap());
+    }
+    let held = grant(&*leases, "job").await;
+    granted.push(held.token);
+
+    assert_eq!(put(&a, "1", "7").await.status, 200);
+    assert_eq!(put(&b, "2", "7").await.status, 200);
+    let mut topology = topology;
+    topology.primary.kill().await;
+    let killed = Instant::now();
+
+    let admitted = first_admitted(&a, "3", 1).await;
+    let recovery = killed.elapsed();
+    println!(
+        "sentinel failover (replicas: 1): primary killed -> first admitted write {}ms",
+        recovery.as_millis()
+    );
+    // The promotion is complete, as every Sentinel sees it.
+    topology.wait_promoted().await;
+    assert!(admitted >= 1);
+
+    // Stale through both, each from the store: A never saw account 2, B never saw account 1.
+    for (fg, id) in [(&a, "2"), (&b, "1")] {
+        let refused = once_answered(fg, id, "6").await;
+        refused.assert_problem(409, "urn:fencegate:stale-token");
+        assert_eq!(refused.headers["fencing-token-current"], "7");
+        assert_eq!(put(fg, id, "8").await.status, 200);
+    }
+    assert_eq!(received(&up, "1"), [7, 8]);
+    assert_eq!(received(&up, "2"), [7, 8]);
+
+    // The lease held through the failover is still held; released, the next grant's token is
+    // above every earlier one.
+    let lease_killed = Instant::now();
+    assert!(matches!(
+        acquire(&*leases, "job", "other").await,
+        Acquired::Held { .. }
+    ));
+    assert!(leases.release(&held).await.unwrap());
+    let next = grant(&*leases, "job").await;
+    println!(
+        "lease tokens before the failover {granted:?}, after {} ({}ms to grant)",
+        next.token,
+        lease_killed.elapsed().as_millis()
+    );
+    assert!(next.token > *granted.iter().max().unwrap());
+}
+
+/// The replicas miss the last raise: they are stopped (SIGSTOP) and their replication links
+/// cut, token 7 is written, the primary is killed with `kill -9`, the replicas resumed and one
+/// promoted.
+/// Returns the answer to 7, the answer to stale token 6 through the other fencegate after the
+/// failover, and what the upstream received.
+async fn lagging_replica(replicas: u32) -> (Reply, Reply, Vec<u64>) {
+    let mut topology = SentinelTopology::start().await;
+    let up = Upstream::start().await;
+    let yaml = store_yaml(&topology, Some(replicas));
+    let a = fencegate(&up.url(), &yaml).await;
+    let b = fencegate(&up.url(), &yaml).await;
+    // Both connected and in sync before the fault.
+    assert_eq!(put(&a, "9", "1").await.status, 200);
+    assert_eq!(put(&b, "9", "2").await.status, 200);
+
+    for replica in &topology.replicas {
+        replica.pause();
+    }
+    let cut = redis_cli_at(
+        topology.primary.port,
+        &["CLIENT", "KILL", "TYPE", "replica"],
+    )
+    .await;
+    assert_eq!(cut.trim(), "2", "the replication links were not cut");
+    let seven = put(&a, "1", "7").await;
+    topology.primary.kill().await;
+    let killed = Instant::now();
+    for replica in &topology.replicas {
+        replica.resume();
+    }
+
+    let six = once_answered(&b, "1", "6").await;
+    println!(
+        "sentinel failover (replicas: {replicas}, replica lagging): 7 answered {}, then stale 6 \
+         through the other fencegate {} after {}ms",
+        seven.status,
+        six.status,
+        killed.elapsed().as_millis()
+    );
+    topology.wait_promoted().await;
+    (seven, six, received(&up, "1"))
+}
+
+/// `replicas: 0`: the documented window, measured. The raise of 7 was acknowledged (and its
+/// write forwarded), the promoted replica never had it, and stale token 6 passes after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sentinel_without_replica_acknowledgement_loses_a_raise_in_a_failover() {
+    let (seven, six, received) = lagging_replica(0).await;
+    assert_eq!(seven.status, 200);
+    assert_eq!(six.status, 200, "the lost raise did not let 6 pass");
+    assert_eq!(
+        received,
+        [7, 6],
+        "the upstream saw a stale token after a newer one"
+    );
+}
+
+/// `replicas: 1`, same fault: the raise of 7 is refused 503 (never forwarded) since no replica
+/// acknowledged it; 6 after the failover is then no violation: the upstream never saw 7.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sentinel_with_replica_acknowledgement_refuses_a_raise_a_failover_could_lose() {
+    let (seven, six, received) = lagging_replica(1).await;
+    seven.assert_problem(503, "urn:fencegate:store-unavailable");
+    assert!(seven.text().contains("replicas"), "{}", seven.text());
+    assert_eq!(six.status, 200);
+    assert_eq!(received, [6]);
+}
+
+/// A token equal to a maximum another connection raised, while the replicas do not acknowledge
+/// (stopped, still connected): refused like the raise itself. `WAIT` covers only what the
+/// waiting connection wrote, so the script writes the maximum again before it; without that,
+/// the retry of a raise refused 503 would be admitted on a maximum no replica holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_equal_token_waits_for_the_replicas_like_the_raise() {
+    let primary = Service::start(Kind::Redis).await;
+    let replica = Service::start_redis_replica(primary.port).await;
+    let config = fencegate::config::Config::parse(&format!(
+        "upstream: http://127.0.0.1:1\nstore: {{ kind: redis, url: '{}', prefix: {}, replicas: 1 }}\n",
+        primary.url(),
+        fresh_prefix()
+    ))
+    .unwrap();
+    let raiser = fencegate::store::open(&config.store).await.unwrap();
+    let retrier = fencegate::store::open(&config.store).await.unwrap();
+    // Both connected, each with a write the replica acknowledged.
+    wait_synced(&replica).await;
+    use fencegate::config::EqualTokens::Allow;
+    assert!(raiser.compare_and_raise("warm", 1, Allow).await.is_ok());
+    assert!(retrier.compare_and_raise("warm", 2, Allow).await.is_ok());
+
+    replica.pause();
+    let raised = raiser.compare_and_raise("r", 7, Allow).await.unwrap_err();
+    assert!(
+        raised.to_string().contains("0 of the 1 replicas"),
+        "{raised}"
+    );
+    let retried = retrier.compare_and_raise("r", 7, Allow).await;
+    replica.resume();
+    let retried = retried.expect_err("an equal token admitted on a maximum no replica holds");
+    assert!(
+        retried.to_string().contains("0 of the 1 replicas"),
+        "{retried}"
+    );
+    // Once the replica acknowledges again, the same retry is admitted.
+    assert!(retrier.compare_and_raise("r", 7, Allow).await.is_ok());
+}
+
+/// A Sentinel that names a replica as the primary (its view is stale, or it was misconfigured),
+/// and a replica that accepts writes (`replica-read-only no`): fencegate asks `ROLE` and refuses
+/// to use it, so no raise is acknowledged by a server whose writes its primary will overwrite.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_the_sentinels_name_is_used_only_if_it_is_a_primary() {
+    let primary = Service::start(Kind::Redis).await;
+    let replica = Service::start_redis_with(&[
+        "--replicaof",
+        "127.0.0.1",
+        &primary.port.to_string(),
+        "--replica-read-only",
+        "no",
+    ])
+    .await;
+    let sentinel = Service::start_sentinel(format!(
+        "sentinel monitor {MASTER} 127.0.0.1 {} 1\n",
+        replica.port
+    ))
+    .await;
+    let config = fencegate::config::Config::parse(&format!(
+        "upstream: http://127.0.0.1:1\nstore: {{ kind: redis, url: 'redis://{MASTER}/', prefix: {}, \
+         replicas: 0, sentinel: {{ master: {MASTER}, urls: ['redis://127.0.0.1:{}'] }} }}\n",
+        fresh_prefix(),
+        sentinel.port
+    ))
+    .unwrap();
+    let store = fencegate::store::open(&config.store).await.unwrap();
+    let refused = store
+        .compare_and_raise("r", 7, fencegate::config::EqualTokens::Allow)
+        .await
+        .expect_err("a raise acknowledged by a replica");
+    assert!(
+        refused.to_string().contains(&format!(
+            "the Sentinels name 127.0.0.1:{} as the primary of `{MASTER}`, but it is a slave",
+            replica.port
+        )),
+        "{refused}"
+    );
+    assert_eq!(
+        redis_cli_at(replica.port, &["DBSIZE"]).await.trim(),
+        "0",
+        "the replica was written to"
+    );
+}
+
+/// `/readyz` with `replicas: 1` turns 503 while the replica does not acknowledge (stopped,
+/// still connected), and 200 again once it does: the probe waits for the replicas as the writes
+/// do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_waits_for_the_replicas() {
+    let primary = Service::start(Kind::Redis).await;
+    let replica = Service::start_redis_replica(primary.port).await;
+    wait_synced(&replica).await;
+    let up = Upstream::start().await;
+    let fg = fencegate(
+        &up.url(),
+        &format!(
+            "store: {{ kind: redis, url: '{}', prefix: {}, replicas: 1 }}\n{ACCOUNTS}",
+            primary.url(),
+            fresh_prefix()
+        ),
+    )
+    .await;
+    let ready_is = |want: u16| {
+        let admin = fg.admin;
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(20);
+            loop {
+                let status = send("GET", &format!("http://{admin}/readyz"), &[], "")
+                    .await
+                    .status
+                    .as_u16();
+                if status == want {
+                    return;
+                }
+                assert!(Instant::now() < deadline, "readiness never became {want}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+    ready_is(200).await;
+    assert_eq!(put(&fg, "1", "1").await.status, 200);
+    replica.pause();
+    ready_is(503).await;
+    replica.resume();
+    ready_is(200).await;
+    assert_eq!(put(&fg, "1", "2").await.status, 200);
+}
+
+/// Waits until `replica` is in sync with its primary.
+async fn wait_synced(replica: &Service) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !redis_cli_at(replica.port, &["INFO", "replication"])
+        .await
+        .contains("master_link_status:up")
+    {
+        assert!(Instant::now() < deadline, "the replica never synced");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
