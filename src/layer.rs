@@ -232,7 +232,7 @@ where
         let fence = Arc::clone(&self.fence);
         match fence.decide(&req) {
             Decision::Refuse(refused) => {
-                let response = fence.answer_refused(refused, &req, started);
+                let response = fence.answer_refused(refused, &req, None, started);
                 ResponseFuture::Refused {
                     response: Some(refusal(response, grpc)),
                 }
@@ -258,7 +258,7 @@ where
                     let route = Some(later.route);
                     match fence.admit_later(later).await {
                         Err(refused) => {
-                            let response = fence.answer_refused(refused, &req, started);
+                            let response = fence.answer_refused(refused, &req, None, started);
                             Ok(refusal(response, grpc))
                         }
                         Ok(None) => {

@@ -190,7 +190,7 @@ fn restart_only_changes(running: &Config, new: &Config) -> Vec<&'static str> {
             "timeouts.shutdown",
             a.timeouts.shutdown != b.timeouts.shutdown,
         ),
-        ("log.format", a.log != b.log),
+        ("log.format", a.log.format != b.log.format),
     ];
     checks
         .into_iter()

@@ -105,6 +105,20 @@ pub struct Config {
 pub struct LogConfig {
     #[serde(default)]
     pub format: LogFormat,
+    /// How the access log writes a request's query (`log.query`).
+    #[serde(default)]
+    pub query: LogQuery,
+}
+
+/// How the access log writes a request's query: whole, its names with each value masked
+/// (`account=…&shard=…`, the default: queries carry ids and secrets), or not at all.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogQuery {
+    Full,
+    #[default]
+    Names,
+    None,
 }
 
 impl LogConfig {

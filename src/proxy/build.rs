@@ -165,6 +165,7 @@ impl Proxy {
             idempotency,
             idempotent,
             access_log: config.access_log,
+            log_query: config.log.query,
         }
     }
 }

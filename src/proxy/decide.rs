@@ -11,7 +11,7 @@ use http::{Request, Response};
 use hyper::body::Incoming;
 use tokio::time::Instant;
 
-use super::access::{Subject, Timing};
+use super::access::{Head, Subject, Timing};
 use super::forwarding::Answering;
 use super::problem::{host_problem, Refusal, Unavailable};
 use super::{idempotent, Check, Proxy, Write};
@@ -220,6 +220,7 @@ impl Proxy {
         &self,
         refused: Refused,
         req: &Request<B>,
+        peer: Option<std::net::SocketAddr>,
         started: Instant,
     ) -> Response<ProxyBody> {
         let Refused {
@@ -235,7 +236,10 @@ impl Proxy {
             token,
         };
         let (method, path) = (req.method(), req.uri().path());
-        let timing = Timing::without_upstream(started);
+        let head = self
+            .access_log
+            .then(|| Head::of(req, peer.map(|p| p.ip()), self.log_query));
+        let timing = Timing::without_upstream(started).head(head.as_deref());
         self.refuse(refusal, route, subject, method, path, timing)
     }
 
@@ -304,7 +308,10 @@ impl Proxy {
             Ok(ticket) => ticket,
             Err(refusal) => {
                 let (method, path) = (req.method(), req.uri().path());
-                let timing = Timing::without_upstream(write.started);
+                let head = self
+                    .access_log
+                    .then(|| Head::of(&req, Some(write.peer.ip()), self.log_query));
+                let timing = Timing::without_upstream(write.started).head(head.as_deref());
                 let subject = write.subject(route);
                 return self.refuse(refusal, Some(route), subject, method, path, timing);
             }

@@ -15,7 +15,7 @@ use http::{Method, Request, Response, Uri, Version};
 use hyper::body::Incoming;
 use tokio::time::Instant;
 
-use super::access::{log_access, Access, Subject, Timing};
+use super::access::{log_access, Access, Head, Subject, Timing};
 use super::grpc;
 use super::headers;
 use super::problem::Refusal;
@@ -35,8 +35,8 @@ pub(super) struct Answer<'a> {
     outcome: Outcome,
     method: &'a Method,
     normalised: &'a str,
-    /// The path as received, for the access log, when it is on and normalising changed it.
-    received: Option<&'a str>,
+    /// The request as it came, for the access log when it is on.
+    head: Option<&'a Head>,
     started: Instant,
 }
 
@@ -49,8 +49,8 @@ pub(super) struct Answering {
     outcome: Outcome,
     /// When the request's head was handed to fencegate.
     started: Instant,
-    /// The path as received, kept only for the access log and only when normalising changed it.
-    received: Option<Box<str>>,
+    /// The request as it came, kept only for the access log.
+    head: Option<Box<Head>>,
 }
 
 impl Answering {
@@ -61,7 +61,7 @@ impl Answering {
             token: None,
             outcome,
             started,
-            received: None,
+            head: None,
         }
     }
 
@@ -78,7 +78,7 @@ impl Answering {
             token,
             outcome,
             started,
-            received: None,
+            head: None,
         }
     }
 
@@ -109,9 +109,8 @@ impl Proxy {
     ) -> Handling<impl Future<Output = Response<ProxyBody>> + Send + 'static> {
         let method = req.method().clone();
         let mut answering = answering;
-        if self.access_log && req.uri().path() != normalised {
-            answering.received = Some(req.uri().path().into());
-        }
+        let mut req = req;
+        answering.head = self.access_head(&mut req, Some(peer));
         let req = req.map(http_body_util::Either::Left);
         let (exchange, sent_at) = match self.send(req, &normalised, true, peer, own) {
             Ok(sending) => sending,
@@ -119,8 +118,8 @@ impl Proxy {
                 let route = answering.route.map(|i| &self.table.routes()[i]);
                 let subject = answering.subject(route);
                 let refusal = Refusal::InvalidPath(e);
-                let timing = Timing::without_upstream(answering.started)
-                    .received(answering.received.as_deref());
+                let timing =
+                    Timing::without_upstream(answering.started).head(answering.head.as_deref());
                 return Handling::done(self.refuse(
                     refusal,
                     route,
@@ -143,7 +142,7 @@ impl Proxy {
                     outcome: answering.outcome,
                     method: &method,
                     normalised: &normalised,
-                    received: answering.received.as_deref(),
+                    head: answering.head.as_deref(),
                     started: answering.started,
                 };
                 self.answer(answer, ended - sent_at, ended, pass_on(sent, None))
@@ -186,8 +185,8 @@ impl Proxy {
         let method = req.method().clone();
         let route = Some(route);
         // The request is still as received here (`send` rewrites its URI).
-        let received = (self.access_log && req.uri().path() != normalised)
-            .then(|| req.uri().path().to_owned());
+        let mut req = req;
+        let head = self.access_head(&mut req, Some(peer));
         let (exchange, sent_at) = match self.send(req, normalised, false, peer, own) {
             Ok(sending) => sending,
             Err(e) => {
@@ -196,7 +195,7 @@ impl Proxy {
                     attempt.unknown().await;
                 }
                 let refusal = Refusal::InvalidPath(e);
-                let timing = Timing::without_upstream(started).received(received.as_deref());
+                let timing = Timing::without_upstream(started).head(head.as_deref());
                 return self.refuse(refusal, route, subject, &method, normalised, timing);
             }
         };
@@ -212,7 +211,7 @@ impl Proxy {
             outcome: Outcome::Admitted,
             method: &method,
             normalised,
-            received: received.as_deref(),
+            head: head.as_deref(),
             started,
         };
         match rx.await {
@@ -222,7 +221,7 @@ impl Proxy {
             }
             Err(_) => {
                 let refusal = Refusal::UpstreamError("the upstream exchange failed".into());
-                let timing = Timing::without_upstream(started).received(received.as_deref());
+                let timing = Timing::without_upstream(started).head(head.as_deref());
                 self.refuse(refusal, route, subject, &method, normalised, timing)
             }
         }
@@ -243,7 +242,7 @@ impl Proxy {
             started: answer.started,
             ended,
             upstream: Some(took),
-            received: answer.received,
+            head: answer.head,
         };
         let refusal = match settled {
             Ok(response) => {
@@ -252,11 +251,13 @@ impl Proxy {
                     log_access(Access {
                         subject: answer.subject,
                         method: answer.method,
-                        path: answer.received.unwrap_or(answer.normalised),
+                        path: answer.normalised,
                         status: response.status().as_u16(),
                         outcome: answer.outcome,
                         problem: None,
                         timing,
+                        bytes_out: http_body::Body::size_hint(response.body()).exact(),
+                        upstream: Some(self.upstream.authority.as_str()),
                     });
                 }
                 return response;
@@ -379,6 +380,23 @@ impl Proxy {
             .path_and_query(path_and_query)
             .build()
             .map_err(|_| path::PathError::Control)
+    }
+}
+
+impl Proxy {
+    /// The request as it came, for its access line, when the access log is on; a request id
+    /// made for it is set on the request, to go upstream with it.
+    pub(super) fn access_head<B>(
+        &self,
+        req: &mut Request<B>,
+        peer: Option<SocketAddr>,
+    ) -> Option<Box<Head>> {
+        if !self.access_log {
+            return None;
+        }
+        let head = Head::of(req, peer.map(|p| p.ip()), self.log_query);
+        head.forward_id(req.headers_mut());
+        Some(head)
     }
 }
 

@@ -99,11 +99,12 @@ impl Proxy {
             .as_ref()
             .expect("idempotent routes exist only with the idempotency section");
         let method = req.method().clone();
-        // The path as received, for the access line (the other lines have the normalised one).
-        let received = (self.access_log && req.uri().path() != normalised)
-            .then(|| req.uri().path().to_owned());
+        // The request as it came, for the access line (the other lines have the normalised
+        // path).
+        let mut req = req;
+        let head = self.access_head(&mut req, Some(write.peer));
         let refuse = |refusal| {
-            let timing = Timing::without_upstream(started).received(received.as_deref());
+            let timing = Timing::without_upstream(started).head(head.as_deref());
             self.refuse(refusal, Some(route), subject, &method, normalised, timing)
         };
 
@@ -209,17 +210,19 @@ impl Proxy {
             Ok(Begin::Completed(record)) => match record.response {
                 Some(response) => {
                     m.replays.inc();
-                    let timing = Timing::without_upstream(started);
+                    let timing = Timing::without_upstream(started).head(head.as_deref());
                     route_metrics.finish(Outcome::Replayed, timing.took());
                     if self.access_log {
                         log_access(Access {
                             subject,
                             method: &method,
-                            path: received.as_deref().unwrap_or(normalised),
+                            path: normalised,
                             status: response.status,
                             outcome: Outcome::Replayed,
                             problem: None,
                             timing,
+                            bytes_out: u64::try_from(response.body.len()).ok(),
+                            upstream: None,
                         });
                     }
                     tracing::info!(

@@ -81,6 +81,8 @@ pub struct Proxy {
     idempotent: Vec<bool>,
     /// `access_log`: one line per request (target `fencegate::access`).
     access_log: bool,
+    /// `log.query`: how the access line writes a query.
+    log_query: crate::config::LogQuery,
 }
 
 /// How a proxy fences writes.
@@ -200,7 +202,7 @@ impl Proxy {
         let started = Instant::now();
         match self.decide(&req) {
             Decision::Refuse(refused) => {
-                Handling::done(self.answer_refused(refused, &req, started))
+                Handling::done(self.answer_refused(refused, &req, Some(peer), started))
             }
             Decision::Forward(Pass {
                 normalised,

@@ -483,18 +483,23 @@ impl Proxy {
                 "write refused"
             }
         );
-        if self.access_log {
+        let status = problem.status().as_u16();
+        let kind = self.access_log.then(|| problem.kind().to_owned());
+        let response = refusal.respond(problem);
+        if let Some(kind) = kind.as_deref() {
             log_access(Access {
                 subject,
                 method,
-                path: timing.received.unwrap_or(path),
-                status: problem.status().as_u16(),
+                path,
+                status,
                 outcome,
-                problem: Some(problem.kind()),
+                problem: Some(kind),
                 timing,
+                bytes_out: http_body::Body::size_hint(response.body()).exact(),
+                upstream: (fault == Fault::Upstream).then_some(self.upstream.authority.as_str()),
             });
         }
-        refusal.respond(problem)
+        response
     }
 
     pub(super) fn metrics_for(&self, route: Option<&Route>) -> &RouteMetrics {

@@ -13,7 +13,8 @@ use crate::process::{put_to, wait_log, Process};
 use crate::services::{fresh_prefix, REDIS_URL};
 
 /// The line as compact JSON, in the order the process wrote its fields, with `timestamp` and
-/// the `varying` fields (checked to be numbers) replaced by `"…"`.
+/// the `varying` fields (checked to be numbers, or for `request_id` an id fencegate made: 32
+/// hex digits) replaced by `"…"`.
 fn exact(mut line: Value, varying: &[&str]) -> String {
     let text = line.to_string();
     let fields = line
@@ -23,9 +24,13 @@ fn exact(mut line: Value, varying: &[&str]) -> String {
         let value = fields
             .get_mut(*key)
             .unwrap_or_else(|| panic!("no {key} in {text}"));
+        let made_id = |v: &Value| {
+            v.as_str()
+                .is_some_and(|id| id.len() == 32 && id.bytes().all(|b| b.is_ascii_hexdigit()))
+        };
         assert!(
-            *key == "timestamp" || value.is_u64(),
-            "{key} is not a number in {text}"
+            *key == "timestamp" || value.is_u64() || (*key == "request_id" && made_id(value)),
+            "{key} is not a number (or a request id fencegate made) in {text}"
         );
         *value = Value::String("…".into());
     }
@@ -107,10 +112,25 @@ async fn access_log_lines_follow_the_switch_and_a_reload_says_what_it_changed() 
         exact(reloaded, &[]),
         r#"{"timestamp":"…","level":"INFO","message":"configuration reloaded","trigger":"file changed","routes":1,"changed":"access_log","not_applied_until_restart":"","target":"fencegate::reload"}"#
     );
-    assert_eq!(put_to(p.proxy, "1", "6").await.status, 200);
-    put_to(p.proxy, "1", "5")
-        .await
-        .assert_problem(409, "urn:fencegate:stale-token");
+    // The client's request id is kept, its trace context logged, its query's values masked.
+    let traced = send(
+        "PUT",
+        &format!("http://{}/accounts/1?account=1&mode=x", p.proxy),
+        &[
+            ("fencing-token", "6"),
+            ("x-request-id", "req-42"),
+            (
+                "traceparent",
+                "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            ),
+        ],
+        "w",
+    )
+    .await;
+    assert_eq!(traced.status, 200);
+    let refused = put_to(p.proxy, "1", "5").await;
+    refused.assert_problem(409, "urn:fencegate:stale-token");
+    let refused_bytes = refused.body.len();
     assert_eq!(get(&p).await.status, 200);
     // The path as it came, where normalising changed it (`%31` is `1`).
     let odd = format!("http://{}/accounts/%31", p.proxy);
@@ -130,22 +150,44 @@ async fn access_log_lines_follow_the_switch_and_a_reload_says_what_it_changed() 
             "{line}"
         );
     }
+    // The ids fencegate made went upstream with the requests they name.
+    let seen = up.seen();
+    let sent_ids: Vec<&str> = seen
+        .iter()
+        .rev()
+        .take(3)
+        .map(|s| s.headers["x-request-id"].to_str().unwrap())
+        .collect();
+    assert_eq!(sent_ids[2], "req-42");
+    assert_eq!(sent_ids[1], read["request_id"].as_str().unwrap());
+    assert_eq!(sent_ids[0], encoded["request_id"].as_str().unwrap());
+    assert_ne!(stale["request_id"], read["request_id"]);
+    let upstream = up.addr.to_string();
     let both = ["duration_us", "upstream_duration_us"];
+    let made = ["request_id", "duration_us", "upstream_duration_us"];
     assert_eq!(
         exact(admitted, &both),
-        r#"{"timestamp":"…","level":"INFO","message":"request","route":"accounts","method":"PUT","path":"/accounts/1","resource":"account:1","fencing_token":6,"status":200,"outcome":"admitted","duration_us":"…","upstream_duration_us":"…","target":"fencegate::access"}"#
+        format!(
+            r#"{{"timestamp":"…","level":"INFO","message":"request","route":"accounts","method":"PUT","path":"/accounts/1","query":"account=…&mode=…","protocol":"HTTP/1.1","client":"127.0.0.1","request_id":"req-42","traceparent":"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01","resource":"account:1","fencing_token":6,"status":200,"outcome":"admitted","bytes_in":1,"bytes_out":2,"upstream":"{upstream}","duration_us":"…","upstream_duration_us":"…","target":"fencegate::access"}}"#
+        )
     );
     assert_eq!(
-        exact(stale, &["duration_us"]),
-        r#"{"timestamp":"…","level":"INFO","message":"request","route":"accounts","method":"PUT","path":"/accounts/1","resource":"account:1","fencing_token":5,"status":409,"outcome":"stale","refusal":"stale-token","duration_us":"…","target":"fencegate::access"}"#
+        exact(stale, &["request_id", "duration_us"]),
+        format!(
+            r#"{{"timestamp":"…","level":"INFO","message":"request","route":"accounts","method":"PUT","path":"/accounts/1","protocol":"HTTP/1.1","client":"127.0.0.1","request_id":"…","resource":"account:1","fencing_token":5,"status":409,"outcome":"stale","refusal":"stale-token","bytes_in":1,"bytes_out":{refused_bytes},"duration_us":"…","target":"fencegate::access"}}"#
+        )
     );
     assert_eq!(
-        exact(read, &both),
-        r#"{"timestamp":"…","level":"INFO","message":"request","route":"accounts","method":"GET","path":"/accounts/1","status":200,"outcome":"forwarded","duration_us":"…","upstream_duration_us":"…","target":"fencegate::access"}"#
+        exact(read, &made),
+        format!(
+            r#"{{"timestamp":"…","level":"INFO","message":"request","route":"accounts","method":"GET","path":"/accounts/1","protocol":"HTTP/1.1","client":"127.0.0.1","request_id":"…","status":200,"outcome":"forwarded","bytes_out":2,"upstream":"{upstream}","duration_us":"…","upstream_duration_us":"…","target":"fencegate::access"}}"#
+        )
     );
     assert_eq!(
-        exact(encoded, &both),
-        r#"{"timestamp":"…","level":"INFO","message":"request","route":"accounts","method":"GET","path":"/accounts/%31","status":200,"outcome":"forwarded","duration_us":"…","upstream_duration_us":"…","target":"fencegate::access"}"#
+        exact(encoded, &made),
+        format!(
+            r#"{{"timestamp":"…","level":"INFO","message":"request","route":"accounts","method":"GET","path":"/accounts/%31","protocol":"HTTP/1.1","client":"127.0.0.1","request_id":"…","status":200,"outcome":"forwarded","bytes_out":2,"upstream":"{upstream}","duration_us":"…","upstream_duration_us":"…","target":"fencegate::access"}}"#
+        )
     );
 
     // The end-to-end histogram: a series per route and outcome that happened, none for the
