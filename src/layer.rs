@@ -226,6 +226,7 @@ where
     fn call(&mut self, req: Request<B>) -> Self::Future {
         let started = Instant::now();
         let grpc = grpc::is_call(req.version(), req.headers());
+        let method = req.method().clone();
         // The service that was polled ready serves this request; its clone waits for the next.
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
@@ -247,6 +248,7 @@ where
                     answered: Some(Counted {
                         fence,
                         route,
+                        method,
                         outcome,
                         started,
                         ticket: None,
@@ -266,6 +268,7 @@ where
                             let answered = Counted {
                                 fence,
                                 route,
+                                method,
                                 outcome: Outcome::Admitted,
                                 started,
                                 ticket: None,
@@ -287,6 +290,7 @@ where
                             let answered = Counted {
                                 fence,
                                 route,
+                                method,
                                 outcome: Outcome::Admitted,
                                 started,
                                 ticket: Some(ticket),
@@ -304,6 +308,7 @@ where
 pub struct Counted {
     fence: Arc<Proxy>,
     route: Option<usize>,
+    method: http::Method,
     outcome: Outcome,
     started: Instant,
     ticket: Option<Ticket>,
@@ -311,7 +316,10 @@ pub struct Counted {
 
 impl Counted {
     fn finish<RB>(self, response: Response<RB>) -> Response<FenceBody<RB>> {
-        self.fence.answered(self.route, self.outcome, self.started);
+        let code = response.status().as_u16();
+        let (route, outcome) = (self.route, self.outcome);
+        self.fence
+            .answered(route, outcome, &self.method, code, self.started);
         let ticket = self.ticket;
         response.map(|body| FenceBody::Inner {
             body,

@@ -6,7 +6,6 @@
 
 mod process;
 
-use std::sync::OnceLock;
 use std::time::Duration;
 
 use prometheus::{
@@ -95,14 +94,37 @@ impl Outcome {
     }
 }
 
+/// The `method` label: the methods of RFC 9110 and PATCH by name, every other one `other`
+/// (a client cannot grow the label's values without bound).
+pub fn method_label(method: &http::Method) -> (u8, &'static str) {
+    match *method {
+        http::Method::GET => (0, "GET"),
+        http::Method::HEAD => (1, "HEAD"),
+        http::Method::POST => (2, "POST"),
+        http::Method::PUT => (3, "PUT"),
+        http::Method::PATCH => (4, "PATCH"),
+        http::Method::DELETE => (5, "DELETE"),
+        http::Method::OPTIONS => (6, "OPTIONS"),
+        _ => (7, "other"),
+    }
+}
+
+/// The children of one (outcome, method, code): the request counter and the end-to-end
+/// histogram.
+struct Answered {
+    key: u32,
+    count: IntCounter,
+    duration: Histogram,
+}
+
 /// Pre-resolved children for one route label.
 pub struct RouteMetrics {
     label: String,
-    outcomes: Vec<IntCounter>,
-    /// `fencegate_request_duration_seconds{route, outcome}`, indexed like `outcomes`; each
-    /// child is resolved on the route's first request with that outcome, so a route does not
-    /// export 19 empty histograms.
-    durations: Box<[OnceLock<Histogram>]>,
+    /// `fencegate_requests_total` and `fencegate_request_duration_seconds` by (outcome,
+    /// method, code), sorted by key: resolved on a route's first request with each, so the hot
+    /// path reads a snapshot and searches a few entries, and never hashes label values.
+    answered: arc_swap::ArcSwap<Vec<Answered>>,
+    requests: IntCounterVec,
     duration_vec: HistogramVec,
     pub stale: IntCounter,
     pub increments: IntCounter,
@@ -110,22 +132,45 @@ pub struct RouteMetrics {
 }
 
 impl RouteMetrics {
-    pub fn outcome(&self, outcome: Outcome) -> &IntCounter {
-        &self.outcomes[outcome as usize]
-    }
-
-    /// One request answered: counted under its outcome, its end-to-end time observed.
-    pub fn finish(&self, outcome: Outcome, took: Duration) {
-        self.outcome(outcome).inc();
-        self.duration(outcome).observe(took.as_secs_f64());
-    }
-
-    /// The request-duration child for `outcome` (one atomic load once resolved).
-    pub fn duration(&self, outcome: Outcome) -> &Histogram {
-        self.durations[outcome as usize].get_or_init(|| {
-            self.duration_vec
-                .with_label_values(&[self.label.as_str(), outcome.label()])
-        })
+    /// One request answered: counted under its outcome, method and status code, its
+    /// end-to-end time observed.
+    pub fn finish(&self, outcome: Outcome, method: &http::Method, code: u16, took: Duration) {
+        let (m, method) = method_label(method);
+        let key = (outcome as u32) << 16 | u32::from(m) << 12 | u32::from(code & 0xfff);
+        let seen = self.answered.load();
+        if let Ok(i) = seen.binary_search_by_key(&key, |a| a.key) {
+            seen[i].count.inc();
+            seen[i].duration.observe(took.as_secs_f64());
+            return;
+        }
+        drop(seen);
+        let code = code.to_string();
+        let labels = [self.label.as_str(), outcome.label(), method, code.as_str()];
+        let count = self.requests.with_label_values(&labels);
+        let duration = self.duration_vec.with_label_values(&labels);
+        count.inc();
+        duration.observe(took.as_secs_f64());
+        // A new snapshot with this entry (a race adds the same children twice at worst: the
+        // vec hands out the same series for the same labels).
+        self.answered.rcu(|old| {
+            let mut next: Vec<Answered> = old
+                .iter()
+                .map(|a| Answered {
+                    key: a.key,
+                    count: a.count.clone(),
+                    duration: a.duration.clone(),
+                })
+                .collect();
+            if let Err(at) = next.binary_search_by_key(&key, |a| a.key) {
+                let entry = Answered {
+                    key,
+                    count: count.clone(),
+                    duration: duration.clone(),
+                };
+                next.insert(at, entry);
+            }
+            next
+        });
     }
 }
 
@@ -201,8 +246,11 @@ impl Metrics {
     }
     pub fn new(registry: Registry) -> prometheus::Result<Self> {
         let requests = IntCounterVec::new(
-            Opts::new("fencegate_requests_total", "Requests by route and outcome."),
-            &["route", "outcome"],
+            Opts::new(
+                "fencegate_requests_total",
+                "Requests by route, outcome, method and response status code.",
+            ),
+            &["route", "outcome", "method", "code"],
         )?;
         let stale = IntCounterVec::new(
             Opts::new(
@@ -284,10 +332,10 @@ impl Metrics {
             HistogramOpts::new(
                 "fencegate_request_duration_seconds",
                 "Time from a request's head to its response's head (upstream time included), \
-                 by route and outcome.",
+                 by route, outcome, method and response status code.",
             )
             .buckets(LATENCY_BUCKETS.to_vec()),
-            &["route", "outcome"],
+            &["route", "outcome", "method", "code"],
         )?;
         let build_info = IntGaugeVec::new(
             Opts::new(
@@ -367,12 +415,9 @@ impl Metrics {
     pub fn route(&self, route: &str) -> RouteMetrics {
         RouteMetrics {
             label: route.to_owned(),
-            durations: Outcome::ALL.iter().map(|_| OnceLock::new()).collect(),
+            answered: arc_swap::ArcSwap::from_pointee(Vec::new()),
+            requests: self.requests.clone(),
             duration_vec: self.request_duration.clone(),
-            outcomes: Outcome::ALL
-                .iter()
-                .map(|o| self.requests.with_label_values(&[route, o.label()]))
-                .collect(),
             stale: self.stale.with_label_values(&[route]),
             increments: self.increments.with_label_values(&[route]),
             upstream: self.upstream.with_label_values(&[route]),
@@ -411,7 +456,8 @@ mod tests {
     fn renders_spec_names() {
         let m = Metrics::new(Registry::new()).unwrap();
         let r = m.route("accounts");
-        r.outcome(Outcome::Stale).inc();
+        let took = Duration::from_millis(1);
+        r.finish(Outcome::Stale, &http::Method::PUT, 409, took);
         r.stale.inc();
         r.increments.inc();
         r.upstream.observe(0.01);
@@ -420,7 +466,7 @@ mod tests {
         m.idempotency.reused.inc();
         let text = m.render();
         for needle in [
-            "fencegate_requests_total{outcome=\"stale\",route=\"accounts\"} 1",
+            "fencegate_requests_total{code=\"409\",method=\"PUT\",outcome=\"stale\",route=\"accounts\"} 1",
             "fencegate_stale_write_rejected_total{route=\"accounts\"} 1",
             "fencegate_fencing_token_increments_total{route=\"accounts\"} 1",
             "fencegate_upstream_duration_seconds_count{route=\"accounts\"} 1",
@@ -430,5 +476,45 @@ mod tests {
         ] {
             assert!(text.contains(needle), "missing {needle} in\n{text}");
         }
+    }
+
+    /// Each (outcome, method, code) gets its series on its first request and is counted in
+    /// it after; methods outside the standard ones share `other`.
+    #[test]
+    fn requests_by_outcome_method_and_code() {
+        let m = Metrics::new(Registry::new()).unwrap();
+        let r = m.route("accounts");
+        let took = Duration::from_millis(2);
+        let purge = http::Method::from_bytes(b"PURGE").unwrap();
+        let lock = http::Method::from_bytes(b"LOCK").unwrap();
+        for (outcome, method, code) in [
+            (Outcome::Admitted, &http::Method::PUT, 200),
+            (Outcome::Admitted, &http::Method::PUT, 200),
+            (Outcome::Admitted, &http::Method::PUT, 204),
+            (Outcome::Stale, &http::Method::PUT, 409),
+            (Outcome::Admitted, &purge, 200),
+            (Outcome::Admitted, &lock, 200),
+            (Outcome::Forwarded, &http::Method::GET, 200),
+        ] {
+            r.finish(outcome, method, code, took);
+        }
+        let text = m.render();
+        let lines: Vec<&str> = text
+            .lines()
+            .filter(|l| l.starts_with("fencegate_requests_total{"))
+            .collect();
+        assert_eq!(
+            lines,
+            [
+                r#"fencegate_requests_total{code="200",method="GET",outcome="forwarded",route="accounts"} 1"#,
+                r#"fencegate_requests_total{code="200",method="PUT",outcome="admitted",route="accounts"} 2"#,
+                r#"fencegate_requests_total{code="200",method="other",outcome="admitted",route="accounts"} 2"#,
+                r#"fencegate_requests_total{code="204",method="PUT",outcome="admitted",route="accounts"} 1"#,
+                r#"fencegate_requests_total{code="409",method="PUT",outcome="stale",route="accounts"} 1"#,
+            ]
+        );
+        assert!(text.contains(
+            r#"fencegate_request_duration_seconds_count{code="200",method="PUT",outcome="admitted",route="accounts"} 2"#
+        ));
     }
 }

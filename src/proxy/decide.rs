@@ -259,9 +259,16 @@ impl Proxy {
 
     /// Counts a request answered by whatever the fence let it through to (the in-process
     /// layer's inner service), as the proxy counts the upstream's answers.
-    pub(crate) fn answered(&self, route: Option<usize>, outcome: Outcome, started: Instant) {
+    pub(crate) fn answered(
+        &self,
+        route: Option<usize>,
+        outcome: Outcome,
+        method: &http::Method,
+        code: u16,
+        started: Instant,
+    ) {
         let metrics = &self.route_metrics[route.unwrap_or(self.route_metrics.len() - 1)];
-        metrics.finish(outcome, started.elapsed());
+        metrics.finish(outcome, method, code, started.elapsed());
     }
 
     /// The rest of a fenced write that has to wait before its send (without an idempotency

@@ -246,7 +246,8 @@ impl Proxy {
         };
         let refusal = match settled {
             Ok(response) => {
-                metrics.finish(answer.outcome, timing.took());
+                let code = response.status().as_u16();
+                metrics.finish(answer.outcome, answer.method, code, timing.took());
                 if self.access_log {
                     log_access(Access {
                         subject: answer.subject,

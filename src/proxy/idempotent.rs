@@ -211,7 +211,12 @@ impl Proxy {
                 Some(response) => {
                     m.replays.inc();
                     let timing = Timing::without_upstream(started).head(head.as_deref());
-                    route_metrics.finish(Outcome::Replayed, timing.took());
+                    route_metrics.finish(
+                        Outcome::Replayed,
+                        &method,
+                        response.status,
+                        timing.took(),
+                    );
                     if self.access_log {
                         log_access(Access {
                             subject,

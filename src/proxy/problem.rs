@@ -452,8 +452,10 @@ impl Proxy {
         timing: Timing<'_>,
     ) -> Response<ProxyBody> {
         let outcome = refusal.outcome();
-        self.metrics_for(route).finish(outcome, timing.took());
         let problem = refusal.problem(&subject, &self.token_header);
+        let code = problem.status().as_u16();
+        self.metrics_for(route)
+            .finish(outcome, method, code, timing.took());
         let current_token = match refusal {
             Refusal::Stale { current } | Refusal::Superseded { latest: current } => Some(current),
             Refusal::Unissued { latest } => latest,

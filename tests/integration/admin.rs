@@ -54,10 +54,10 @@ async fn probes_metrics_and_fence_lookup() {
         .await
         .text();
     for line in [
-        r#"fencegate_requests_total{outcome="admitted",route="accounts"} 3"#,
-        r#"fencegate_requests_total{outcome="stale",route="accounts"} 1"#,
-        r#"fencegate_requests_total{outcome="token_required",route="accounts"} 1"#,
-        r#"fencegate_requests_total{outcome="forwarded",route="accounts"} 1"#,
+        r#"fencegate_requests_total{code="200",method="PUT",outcome="admitted",route="accounts"} 3"#,
+        r#"fencegate_requests_total{code="409",method="PUT",outcome="stale",route="accounts"} 1"#,
+        r#"fencegate_requests_total{code="428",method="PUT",outcome="token_required",route="accounts"} 1"#,
+        r#"fencegate_requests_total{code="200",method="GET",outcome="forwarded",route="accounts"} 1"#,
         r#"fencegate_stale_write_rejected_total{route="accounts"} 1"#,
         r#"fencegate_fencing_token_increments_total{route="accounts"} 2"#,
         r#"fencegate_upstream_duration_seconds_count{route="accounts"} 4"#,

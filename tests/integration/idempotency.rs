@@ -191,7 +191,9 @@ async fn a_retry_executes_once_and_replays_byte_for_byte(kind: &str) {
         "{text}"
     );
     assert!(
-        text.contains("fencegate_requests_total{outcome=\"replayed\",route=\"accounts\"} 4"),
+        text.contains(
+            "fencegate_requests_total{code=\"201\",method=\"POST\",outcome=\"replayed\",route=\"accounts\"} 4"
+        ),
         "{text}"
     );
 }

@@ -190,15 +190,15 @@ async fn access_log_lines_follow_the_switch_and_a_reload_says_what_it_changed() 
         )
     );
 
-    // The end-to-end histogram: a series per route and outcome that happened, none for the
-    // others; the build and the process.
+    // The end-to-end histogram: a series per route, outcome, method and code that happened,
+    // none for the others; the build and the process.
     let counts = series(&text, "fencegate_request_duration_seconds_count");
     assert_eq!(
         counts,
         [
-            r#"fencegate_request_duration_seconds_count{outcome="admitted",route="accounts"} 2"#,
-            r#"fencegate_request_duration_seconds_count{outcome="forwarded",route="accounts"} 3"#,
-            r#"fencegate_request_duration_seconds_count{outcome="stale",route="accounts"} 2"#,
+            r#"fencegate_request_duration_seconds_count{code="200",method="GET",outcome="forwarded",route="accounts"} 3"#,
+            r#"fencegate_request_duration_seconds_count{code="200",method="PUT",outcome="admitted",route="accounts"} 2"#,
+            r#"fencegate_request_duration_seconds_count{code="409",method="PUT",outcome="stale",route="accounts"} 2"#,
         ],
         "{text}"
     );
@@ -206,7 +206,7 @@ async fn access_log_lines_follow_the_switch_and_a_reload_says_what_it_changed() 
     assert_eq!(buckets.len(), 3 * 16, "{text}");
     assert!(
         buckets.contains(
-            &r#"fencegate_request_duration_seconds_bucket{outcome="stale",route="accounts",le="+Inf"} 2"#
+            &r#"fencegate_request_duration_seconds_bucket{code="409",method="PUT",outcome="stale",route="accounts",le="+Inf"} 2"#
         ),
         "{text}"
     );
