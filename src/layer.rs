@@ -174,8 +174,17 @@ impl FenceLayer {
     }
 
     /// Opens `config`'s store (and, with `fence.authority: leases`, its lease backend) and
-    /// makes the fence, its metrics in a registry of its own.
+    /// makes the fence, its metrics in a registry of its own ([`FenceLayer::registry`]).
     pub async fn open(config: &Config) -> Result<Self, LayerError> {
+        Self::open_in(config, prometheus::Registry::new()).await
+    }
+
+    /// [`FenceLayer::open`], with the `fencegate_*` metrics registered in `registry`: the
+    /// app's own, exported with its other metrics.
+    pub async fn open_in(
+        config: &Config,
+        registry: prometheus::Registry,
+    ) -> Result<Self, LayerError> {
         crate::tls::install_default_provider();
         let store = crate::store::open(&config.store).await?;
         let backend = match config.fence.authority {
@@ -185,7 +194,12 @@ impl FenceLayer {
             }
             Authority::None => None,
         };
-        Self::build(config, store, backend, prometheus::Registry::new())
+        Self::build(config, store, backend, registry)
+    }
+
+    /// The registry the fence's metrics are in, to export them (`prometheus::TextEncoder`).
+    pub fn registry(&self) -> &prometheus::Registry {
+        self.fence.metrics_registry()
     }
 }
 

@@ -257,6 +257,11 @@ impl Proxy {
             })
     }
 
+    /// The registry the fence's metrics are in.
+    pub(crate) fn metrics_registry(&self) -> &prometheus::Registry {
+        &self.metrics.registry
+    }
+
     /// Counts a request answered by whatever the fence let it through to (the in-process
     /// layer's inner service), as the proxy counts the upstream's answers.
     pub(crate) fn answered(

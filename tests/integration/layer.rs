@@ -468,3 +468,38 @@ async fn the_layer_outside_a_nest_fences_whole_paths() {
         .await
         .assert_problem(428, "urn:fencegate:token-required");
 }
+
+/// The layer's metrics go to the app's registry when it gives one, and are exported with the
+/// app's own: a refusal and an admitted write, by outcome, method and code.
+#[tokio::test]
+async fn the_layers_metrics_are_in_the_apps_registry() {
+    let registry = prometheus::Registry::new();
+    let own = prometheus::IntCounter::new("app_requests_total", "the app's own").unwrap();
+    registry.register(Box::new(own.clone())).unwrap();
+    let yaml = format!("upstream: http://unused.invalid\nstore: {{ kind: memory }}\n{ACCOUNTS}");
+    let config = Config::parse(&yaml).unwrap();
+    let layer = FenceLayer::open_in(&config, registry.clone())
+        .await
+        .unwrap();
+    let inner = tower::service_fn(|_req: Request<Full<Bytes>>| async {
+        Ok::<_, Infallible>(Response::new(Full::new(Bytes::from("stored"))))
+    });
+    let mut service = layer.layer(Inner::new(inner));
+    let put = |token: &str| request("PUT", "/accounts/1", &[("fencing-token", token)]);
+    assert_eq!(call(&mut service, put("2")).await.status, 200);
+    call(&mut service, put("1"))
+        .await
+        .assert_problem(409, "urn:fencegate:stale-token");
+    own.inc();
+    let mut text = String::new();
+    prometheus::TextEncoder::new()
+        .encode_utf8(&layer.registry().gather(), &mut text)
+        .unwrap();
+    for line in [
+        "app_requests_total 1",
+        r#"fencegate_requests_total{code="200",method="PUT",outcome="admitted",route="accounts"} 1"#,
+        r#"fencegate_requests_total{code="409",method="PUT",outcome="stale",route="accounts"} 1"#,
+    ] {
+        assert!(text.contains(line), "missing {line} in\n{text}");
+    }
+}
