@@ -203,3 +203,47 @@ async fn postgres_maxima_raised_before_the_period_are_deleted() {
     .await
     .expect("the pass did not delete `old` within 10s");
 }
+
+/// `fencegate check` refuses `fence.retention` with `token.equal: reject` (exit 1, the field
+/// and the reason on stderr) and accepts the same file with `equal: allow`: the move from
+/// `allow` to `reject` on a store with retention is stopped before any run starts.
+#[test]
+fn check_refuses_retention_with_equal_tokens_rejected() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = |equal: &str| {
+        let path = dir.path().join(format!("{equal}.yaml"));
+        std::fs::write(
+            &path,
+            format!(
+                "upstream: http://127.0.0.1:8080\ntoken: {{ equal: {equal} }}\n{}",
+                on_redis("fg", "{ authority: leases, retention: 1h }")
+            ),
+        )
+        .unwrap();
+        path
+    };
+    let check = |path: &std::path::Path| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_fencegate"))
+            .args(["check", "--config"])
+            .arg(path)
+            .output()
+            .unwrap()
+    };
+    let allowed = check(&file("allow"));
+    assert_eq!(
+        allowed.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&allowed.stderr)
+    );
+    let refused = check(&file("reject"));
+    let err = String::from_utf8(refused.stderr).unwrap();
+    assert_eq!(refused.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(
+            "fence.retention: 1h is unsafe with `token.equal: reject`: the lease backend admits \
+             its latest grant's token"
+        ),
+        "{err}"
+    );
+}
