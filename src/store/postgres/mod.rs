@@ -99,7 +99,12 @@ impl PostgresRemote {
                 let (table, records) = (&self.table, &self.records);
                 // One transaction under an advisory lock: sidecars that start together on a
                 // new prefix would otherwise race `CREATE … IF NOT EXISTS` into a unique
-                // violation on the catalog.
+                // violation on the catalog. The transaction is the implicit one of a single
+                // simple query (no `BEGIN`/`COMMIT`): the server ends it on its own, committed
+                // or rolled back, even when this call is abandoned (the proxy gives up at
+                // `timeouts.store`) while the set-up waits for the lock. An explicit `BEGIN`
+                // left the connection inside the failed transaction, back in the pool, when
+                // the abandoned set-up failed: every later statement on it failed with 25P02.
                 let add = |table: &str, column: &str, kind: &str| {
                     format!(
                         "IF NOT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = '{table}'::regclass \
@@ -113,8 +118,7 @@ impl PostgresRemote {
                 // on the maxima taken while a claim holds the records' would deadlock with it.
                 let result = client
                     .batch_execute(&format!(
-                        "BEGIN; \
-                         SELECT pg_advisory_xact_lock(hashtextextended('fencegate schema {table}', 0)); \
+                        "SELECT pg_advisory_xact_lock(hashtextextended('fencegate schema {table}', 0)); \
                          CREATE TABLE IF NOT EXISTS {table} (\
                            resource TEXT PRIMARY KEY, \
                            max_token BIGINT NOT NULL CHECK (max_token >= 0), \
@@ -135,17 +139,13 @@ impl PostgresRemote {
                            IF to_regclass('{records}_expiry') IS NULL THEN \
                              CREATE INDEX {records}_expiry ON {records} (expires_at); \
                            END IF; \
-                         END $$; \
-                         COMMIT",
+                         END $$",
                         add(records, "attempt", "TEXT"),
                         add(records, "in_flight_ms", "BIGINT"),
                         add(table, "raised_at", "TIMESTAMPTZ"),
                     ))
                     .await;
                 if let Err(e) = result {
-                    // Not back to the pool inside a failed transaction, where every later
-                    // statement on the connection would fail too.
-                    let _ = client.batch_execute("ROLLBACK").await;
                     // The server's message, not only tokio-postgres's "db error".
                     return Err(match e.as_db_error() {
                         Some(db) => StoreError::Refused(format!(
@@ -273,3 +273,6 @@ impl Remote for PostgresRemote {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests;
