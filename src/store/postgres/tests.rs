@@ -97,7 +97,9 @@ async fn an_abandoned_table_set_up_returns_no_aborted_transaction_to_the_pool() 
         Verdict::Admitted { previous: None }
     );
     admin
-        .batch_execute(&format!("DROP TABLE {prefix}_fences, {prefix}_idempotency"))
+        .batch_execute(&format!(
+            "DROP TABLE {prefix}_fences, {prefix}_idempotency, {prefix}_retention"
+        ))
         .await
         .unwrap();
 }
