@@ -23,7 +23,7 @@
 //! `{prefix}:retention` holds the retention mark ([`super::retention`]): a run with retention
 //! writes it, a run without takes the expiry off every maximum when it finds it (`SCAN`, then
 //! a script that `PERSIST`s a batch of keys: one Redis server, not a Cluster, whose slots a
-//! batch would span).
+//! batch would span). Its raises also take the expiry off any maximum they read.
 //!
 //! Connections are fencegate's own (`conn::redis`), shared with the Redis lease backend.
 
@@ -43,13 +43,17 @@ use crate::idempotency::{AttemptId, Begin, Claim, Record};
 use crate::tls::ClientTls;
 
 /// KEYS[1] = maximum key, ARGV[1] = token (canonical decimal), ARGV[2] = `fence.retention` in
-/// milliseconds ('0': none): a raised maximum expires that long after its raise.
+/// milliseconds ('0': none): a raised maximum expires that long after its raise. Without
+/// retention a maximum it reads but does not raise loses any expiry an earlier run gave it.
 /// Returns the previous maximum ('' if none) and whether the token raised it.
 const RAISE: &str = r"
 local current = redis.call('GET', KEYS[1])
 local token = ARGV[1]
 if current then
   if #token < #current or (#token == #current and token <= current) then
+    if ARGV[2] == '0' then
+      redis.call('PERSIST', KEYS[1])
+    end
     return {current, 0}
   end
 end
@@ -67,7 +71,8 @@ return {current or '', 1}
 /// lifetime in milliseconds, ARGV[6] = the encoded in_flight record to write on execute,
 /// ARGV[7] = the attempt id (hex), ARGV[8] = the attempt whose in_flight record to take over
 /// ('' for none): such a record counts as absent, and is deleted unless replaced; ARGV[9] =
-/// `fence.retention` in milliseconds ('0': none), as in [`RAISE`].
+/// `fence.retention` in milliseconds ('0': none), as in [`RAISE`] (without it, the maximum
+/// loses any expiry, raised or not).
 /// Returns {kind, '1' if it took over else '0', ...}: {'execute', _, previous or ''},
 /// {'stale', _, current}, {'inflight', _, attempt or '', lifetime or ''}, {'reused', _},
 /// {'completed', _, encoded record} or {'refused', _}.
@@ -84,6 +89,9 @@ local function raise(token)
 end
 local token = ARGV[1]
 local current = redis.call('GET', KEYS[1])
+if current and ARGV[9] == '0' then
+  redis.call('PERSIST', KEYS[1])
+end
 local record = redis.call('HMGET', KEYS[2], 'p', 't', 'f', 'r', 'a', 'w')
 local took = '0'
 if ARGV[8] ~= '' and record[1] == 'i' and record[5] == ARGV[8] then

@@ -500,6 +500,47 @@ async fn redis_a_replica_without_retention_keeps_what_one_with_retention_raises_
     }
 }
 
+/// Redis: a run without retention that reads a maximum with an expiry (its mark lost, as an
+/// eviction would lose it) takes the expiry off, whether the read raises it or not, through a
+/// plain write or an idempotent claim.
+#[tokio::test]
+async fn redis_a_maximum_read_without_retention_loses_its_expiry() {
+    let prefix = fresh_prefix();
+    let config = store_config("redis", &prefix);
+    let a = store::open(&config.store).await.unwrap();
+    a.forget_after(HOUR).unwrap();
+    for r in ["plain", "keyed"] {
+        assert_eq!(raise(&*a, r, 5).await, Verdict::Admitted { previous: None });
+        assert!(pttl(&format!("{prefix}:{{{r}}}:max")).await > 3_500_000);
+    }
+    drop(a);
+    let _: i64 = ::redis::cmd("DEL")
+        .arg(format!("{prefix}:retention"))
+        .query_async(&mut redis().await)
+        .await
+        .unwrap();
+    let b = store::open(&config.store).await.unwrap();
+    assert_eq!(raise(&*b, "plain", 4).await, Verdict::Stale { current: 5 });
+    let claim = fencegate::idempotency::Claim {
+        token: 5,
+        fingerprint: fencegate::idempotency::Fingerprint([2; 32]),
+        equal: EqualTokens::Allow,
+        window: Duration::from_secs(60),
+        may_execute: true,
+        attempt: fencegate::idempotency::AttemptId::next(),
+    };
+    let begin = b.begin_idempotent("keyed", "k", &claim).await.unwrap();
+    assert_eq!(
+        begin,
+        fencegate::idempotency::Begin::Execute { previous: Some(5) }
+    );
+    for r in ["plain", "keyed"] {
+        let key = format!("{prefix}:{{{r}}}:max");
+        assert_eq!(pttl(&key).await, -1, "{key}");
+        assert_eq!(redis_get(&key).await.as_deref(), Some("5"));
+    }
+}
+
 async fn postgres() -> tokio_postgres::Client {
     let (client, connection) = tokio_postgres::connect(POSTGRES_URL, tokio_postgres::NoTls)
         .await
