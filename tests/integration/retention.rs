@@ -442,7 +442,7 @@ async fn raise(store: &dyn FenceStore, resource: &str, token: u64) -> Verdict {
 
 /// Redis, during a rolling change: replica B (no retention) runs beside replica A (with
 /// retention). A's raises get an expiry; B, at its next check, finds A's mark and takes the
-/// expiry off; once A's mark has stayed the same for the quiet period (A stopped), B sweeps a
+/// expiry off (off maxima only: an idempotency record keeps its window); once A's mark has stayed the same for the quiet period (A stopped), B sweeps a
 /// last time and deletes the mark. B's checks run on a clock the test moves, woken by its
 /// admissions.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -468,6 +468,28 @@ async fn redis_a_replica_without_retention_keeps_what_one_with_retention_raises_
     );
     assert!(pttl(&r).await > 3_500_000);
     assert!(pttl(&mark).await > 3_600_000, "the mark outlives A's keys");
+    // A completed idempotency record whose key makes its name look like a maximum's: the
+    // sweep leaves its expiry (the window).
+    let claim = fencegate::idempotency::Claim {
+        token: 1,
+        fingerprint: fencegate::idempotency::Fingerprint([3; 32]),
+        equal: EqualTokens::Allow,
+        window: Duration::from_secs(60),
+        may_execute: true,
+        attempt: fencegate::idempotency::AttemptId::next(),
+    };
+    let done = fencegate::idempotency::Record {
+        phase: fencegate::idempotency::Phase::Completed,
+        status: Some(204),
+        ..fencegate::idempotency::Record::in_flight(1, claim.fingerprint)
+    };
+    a.begin_idempotent("x", "k}:max", &claim).await.unwrap();
+    assert!(a
+        .finish_idempotent("x", "k}:max", &claim, &done)
+        .await
+        .unwrap());
+    let record = format!("{prefix}:{{x}}:idem\u{1f}k}}:max");
+    assert!(pttl(&record).await > 0);
 
     advance(&offset, CHECK_EVERY);
     assert_eq!(
@@ -478,6 +500,7 @@ async fn redis_a_replica_without_retention_keeps_what_one_with_retention_raises_
         pttl(&r).await == -1
     })
     .await;
+    assert!(pttl(&record).await > 0, "the sweep persisted a record");
     assert_eq!(
         raise(&*a, "s", 3).await,
         Verdict::Admitted { previous: None }
