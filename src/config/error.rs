@@ -75,6 +75,15 @@ pub enum SectionsError {
     )]
     RetentionWithoutAuthority { period: Duration },
     #[error(
+        "fence.retention: {shown} is unsafe with `token.equal: reject`: the lease backend admits \
+         its latest grant's token, so a repeat of that token is refused only by the recorded \
+         maximum, and once the maximum is forgotten ({shown} after its last raise) a replica \
+         would admit the repeat; use `token.equal: allow`, or keep every maximum (no \
+         `fence.retention`)",
+        shown = display(*period)
+    )]
+    RetentionWithEqualReject { period: Duration },
+    #[error(
         "fence.retention must be at least 1h (it is {}): a maximum may be forgotten only long \
          after the grant of its token is known to every fencegate",
         display(*period)

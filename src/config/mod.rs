@@ -225,14 +225,22 @@ pub struct FenceConfig {
 pub const MIN_RETENTION: Duration = Duration::from_secs(3600);
 
 /// Whether forgetting maxima is safe with this config: only when every fenced write's token is
-/// also checked against the lease backend's latest grant, which never forgets, and only with
-/// a store that can forget.
-fn check_retention(fence: &FenceConfig, store: &StoreConfig) -> Result<(), SectionsError> {
+/// also checked against the lease backend's latest grant, which never forgets, when nothing but
+/// the recorded maximum refuses a token the lease backend admits (a repeat of the latest
+/// grant's token under `token.equal: reject`), and only with a store that can forget.
+fn check_retention(
+    fence: &FenceConfig,
+    token: &TokenConfig,
+    store: &StoreConfig,
+) -> Result<(), SectionsError> {
     let Some(period) = fence.retention else {
         return Ok(());
     };
     if fence.authority != Authority::Leases {
         return Err(SectionsError::RetentionWithoutAuthority { period });
+    }
+    if token.equal == EqualTokens::Reject {
+        return Err(SectionsError::RetentionWithEqualReject { period });
     }
     if period < MIN_RETENTION {
         return Err(SectionsError::RetentionTooShort { period });
@@ -332,7 +340,7 @@ impl Config {
         if self.fence.authority == Authority::Leases && self.leases.is_none() {
             return Err(SectionsError::AuthorityWithoutLeases);
         }
-        check_retention(&self.fence, &self.store)?;
+        check_retention(&self.fence, &self.token, &self.store)?;
         if self.egress.is_some() && self.leases.is_none() {
             return Err(SectionsError::EgressWithoutLeases);
         }

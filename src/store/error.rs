@@ -54,6 +54,20 @@ impl StoreError {
         ))
     }
 
+    /// The same error, its detail preceded by what fencegate was doing (`what: detail`).
+    pub(crate) fn with_context(self, what: &str) -> Self {
+        let wrap = |d: String| format!("{what}: {d}");
+        match self {
+            StoreError::Unreachable(d) => StoreError::Unreachable(wrap(d)),
+            StoreError::Timeout(d) => StoreError::Timeout(wrap(d)),
+            StoreError::Refused(d) => StoreError::Refused(wrap(d)),
+            StoreError::Corrupt(d) => StoreError::Corrupt(wrap(d)),
+            StoreError::Contended(d) => StoreError::Contended(wrap(d)),
+            StoreError::Config(d) => StoreError::Config(wrap(d)),
+            StoreError::Internal(d) => StoreError::Internal(wrap(d)),
+        }
+    }
+
     /// What the backend said, without the `the fence store is unavailable: ` of `Display`.
     pub fn detail(&self) -> &str {
         match self {

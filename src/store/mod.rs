@@ -8,6 +8,7 @@ mod etcd;
 mod memory;
 mod postgres;
 mod redis;
+pub mod retention;
 pub mod shared;
 
 use std::sync::Arc;

@@ -19,14 +19,21 @@
 //! in-flight lifetime on fencegate's monotonic clock ([`super::shared`]), in the script, only
 //! while the record still names that attempt.
 //!
+//! With `fence.retention`, every raise sets the maximum's expiry to the period. The key
+//! `{prefix}:retention` holds the retention mark ([`super::retention`]): a run with retention
+//! writes it, a run without takes the expiry off every maximum when it finds it (`SCAN`, then
+//! a script that `PERSIST`s a batch of keys: one Redis server, not a Cluster, whose slots a
+//! batch would span). Its raises also take the expiry off any maximum they read.
+//!
 //! Connections are fencegate's own (`conn::redis`), shared with the Redis lease backend.
 
 use redis::Script;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use super::retention::{Freshness, MARK_SLACK};
 use super::shared::{Claimed, Owner, Remote};
 use super::{decide, StoreError, Verdict};
 use crate::config::{EqualTokens, RedisHa};
@@ -36,11 +43,12 @@ use crate::idempotency::{AttemptId, Begin, Claim, Record};
 use crate::tls::ClientTls;
 
 /// KEYS[1] = maximum key, ARGV[1] = token (canonical decimal), ARGV[2] = `fence.retention` in
-/// milliseconds ('0': none): a raised maximum expires that long after its raise; ARGV[3] =
-/// '1' when writes are acknowledged by replicas (`WAIT`) and equal tokens pass: a token equal to the maximum then
-/// writes the maximum again, unchanged (`KEEPTTL`), so that this connection's `WAIT` covers it
-/// (`WAIT` counts only what the waiting connection wrote, and the maximum may be another's,
-/// refused `503` because its replicas did not acknowledge it).
+/// milliseconds ('0': none): a raised maximum expires that long after its raise; without
+/// retention a maximum it reads but does not raise loses any expiry an earlier run gave it.
+/// ARGV[3] = '1' when writes are acknowledged by replicas (`WAIT`) and equal tokens pass: a
+/// token equal to the maximum then writes the maximum again, unchanged (`KEEPTTL`), so that
+/// this connection's `WAIT` covers it (`WAIT` counts only what the waiting connection wrote,
+/// and the maximum may be another's, refused `503` because its replicas did not acknowledge it).
 /// Returns the previous maximum ('' if none) and whether the token raised it.
 const RAISE: &str = r"
 local current = redis.call('GET', KEYS[1])
@@ -50,6 +58,9 @@ if current then
     redis.call('SET', KEYS[1], current, 'KEEPTTL')
   end
   if #token < #current or (#token == #current and token <= current) then
+    if ARGV[2] == '0' then
+      redis.call('PERSIST', KEYS[1])
+    end
     return {current, 0}
   end
 end
@@ -67,7 +78,8 @@ return {current or '', 1}
 /// lifetime in milliseconds, ARGV[6] = the encoded in_flight record to write on execute,
 /// ARGV[7] = the attempt id (hex), ARGV[8] = the attempt whose in_flight record to take over
 /// ('' for none): such a record counts as absent, and is deleted unless replaced; ARGV[9] =
-/// `fence.retention` in milliseconds ('0': none), as in [`RAISE`].
+/// `fence.retention` in milliseconds ('0': none), as in [`RAISE`] (without it, the maximum
+/// loses any expiry, raised or not).
 /// Returns {kind, '1' if it took over else '0', ...}: {'execute', _, previous or ''},
 /// {'stale', _, current}, {'inflight', _, attempt or '', lifetime or ''}, {'reused', _},
 /// {'completed', _, encoded record} or {'refused', _}.
@@ -84,6 +96,9 @@ local function raise(token)
 end
 local token = ARGV[1]
 local current = redis.call('GET', KEYS[1])
+if current and ARGV[9] == '0' then
+  redis.call('PERSIST', KEYS[1])
+end
 local record = redis.call('HMGET', KEYS[2], 'p', 't', 'f', 'r', 'a', 'w')
 local took = '0'
 if ARGV[8] ~= '' and record[1] == 'i' and record[5] == ARGV[8] then
@@ -146,17 +161,46 @@ redis.call('PEXPIRE', KEYS[1], ARGV[7])
 return 1
 ";
 
+/// KEYS = keys matching `{prefix}:{*}:max`: every string among them (a maximum; an
+/// idempotency record is a hash, which `GET` refuses) loses its expiry. Returns how many had
+/// one. (`GET`, not `TYPE`: one command fewer for the ACL.)
+const KEEP: &str = r"
+local n = 0
+for _, key in ipairs(KEYS) do
+  if type(redis.pcall('GET', key)) == 'string' then
+    n = n + redis.call('PERSIST', key)
+  end
+end
+return n
+";
+
+/// KEYS[1] = the retention mark, ARGV[1] = the value it was read with: deleted only if it
+/// still holds it. Returns 1 if deleted.
+const UNMARK: &str = r"
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+";
+
+/// Keys a `SCAN` step asks for, and a [`KEEP`] call handles, at most.
+const SCAN_BATCH: usize = 1000;
+
 pub struct RedisRemote {
     /// Connected on first use, so fencegate starts (not ready) while Redis is still down.
     conn: RedisConn,
     script: Script,
     begin: Script,
     finish: Script,
+    keep: Script,
+    unmark: Script,
     prefix: String,
-    /// `fence.retention` in ms (0: none), the expiry of every maximum raised.
+    /// `fence.retention` in ms (0: none), the expiry of every maximum raised while the mark is
+    /// fresh.
     retention_ms: AtomicU64,
     /// How many replicas acknowledge each write (`WAIT`); 0: none.
     replicas: u32,
+    fresh: Freshness,
 }
 
 impl RedisRemote {
@@ -176,13 +220,32 @@ impl RedisRemote {
             script: Script::new(RAISE),
             begin: Script::new(BEGIN),
             finish: Script::new(FINISH),
+            keep: Script::new(KEEP),
+            unmark: Script::new(UNMARK),
             prefix: prefix.to_owned(),
             retention_ms: AtomicU64::new(0),
+            fresh: Freshness::default(),
         })
     }
 
     fn key(&self, resource: &str) -> String {
         format!("{}:{{{resource}}}:max", self.prefix)
+    }
+
+    /// The retention mark ([`crate::store::retention`]); outside every resource's hash tag,
+    /// so no resource id can name it.
+    fn mark_key(&self) -> String {
+        format!("{}:retention", self.prefix)
+    }
+
+    /// The expiry to give a maximum raised now, in ms: the period while the mark is fresh, 0
+    /// (none) otherwise.
+    fn aging_ms(&self) -> u64 {
+        match self.retention_ms.load(Ordering::Relaxed) {
+            0 => 0,
+            ms if self.fresh.fresh() => ms,
+            _ => 0,
+        }
     }
 
     /// The record key: the maximum's hash tag, then the idempotency key after a `\x1f`.
@@ -289,7 +352,7 @@ impl Remote for RedisRemote {
                     .script
                     .key(self.key(resource))
                     .arg(token.to_string())
-                    .arg(self.retention_ms.load(Ordering::Relaxed))
+                    .arg(self.aging_ms())
                     .arg(flag(self.replicas > 0 && equal == EqualTokens::Allow))
                     .invoke_async(&mut conn)
                     .await?;
@@ -379,7 +442,7 @@ impl Remote for RedisRemote {
                 .arg(in_flight)
                 .arg(claim.attempt.hex())
                 .arg(takeover.map(|a| a.hex()).unwrap_or_default())
-                .arg(self.retention_ms.load(Ordering::Relaxed))
+                .arg(self.aging_ms())
                 .invoke_async::<Vec<Vec<u8>>>(&mut conn)
                 .await;
             let result = match result {
@@ -448,5 +511,112 @@ impl Remote for RedisRemote {
         let ms = crate::store::retention_ms(period);
         self.retention_ms.store(ms, Ordering::Relaxed);
         Ok(())
+    }
+
+    fn forgets(&self) -> bool {
+        true
+    }
+
+    fn retention(&self) -> Option<Duration> {
+        match self.retention_ms.load(Ordering::Relaxed) {
+            0 => None,
+            ms => Some(Duration::from_millis(ms)),
+        }
+    }
+
+    fn mark<'a>(&'a self, value: &'a str) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            let sent = Instant::now();
+            let period = self.retention_ms.load(Ordering::Relaxed);
+            let slack = u64::try_from(MARK_SLACK.as_millis()).unwrap_or(u64::MAX);
+            let (generation, mut conn) = self.conn.get().await.map_err(unavailable)?;
+            let key = self.mark_key();
+            let result = redis::cmd("SET")
+                .arg(&key)
+                .arg(value)
+                .arg("PX")
+                .arg(period.saturating_add(slack))
+                .query_async::<()>(&mut conn)
+                .await;
+            self.conn
+                .done(generation, result)
+                .await
+                .map_err(|e| unavailable(e).with_context(&format!("writing the mark {key}")))?;
+            self.fresh.marked(sent);
+            Ok(())
+        })
+    }
+
+    fn read_mark(&self) -> BoxFuture<'_, Result<Option<String>, StoreError>> {
+        Box::pin(async move {
+            let (generation, mut conn) = self.conn.get().await.map_err(unavailable)?;
+            let key = self.mark_key();
+            let result = redis::cmd("GET").arg(&key).query_async(&mut conn).await;
+            self.conn
+                .done(generation, result)
+                .await
+                .map_err(|e| unavailable(e).with_context(&format!("reading the mark {key}")))
+        })
+    }
+
+    fn unmark<'a>(&'a self, value: &'a str) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(async move {
+            let (generation, mut conn) = self.conn.get().await.map_err(unavailable)?;
+            let result = self
+                .unmark
+                .key(self.mark_key())
+                .arg(value)
+                .invoke_async(&mut conn)
+                .await;
+            let deleted: u8 = self
+                .conn
+                .done(generation, result)
+                .await
+                .map_err(unavailable)?;
+            Ok(deleted == 1)
+        })
+    }
+
+    fn keep_all(&self) -> BoxFuture<'_, Result<u64, StoreError>> {
+        Box::pin(async move {
+            // The prefix is an identifier ([A-Za-z0-9_]), so it has no glob characters.
+            let pattern = format!("{}:{{*}}:max", self.prefix);
+            let mut cursor: u64 = 0;
+            let mut kept = 0;
+            loop {
+                let (generation, mut conn) = self.conn.get().await.map_err(unavailable)?;
+                let result = redis::cmd("SCAN")
+                    .arg(cursor)
+                    .arg("MATCH")
+                    .arg(&pattern)
+                    .arg("COUNT")
+                    .arg(SCAN_BATCH)
+                    .query_async(&mut conn)
+                    .await;
+                let (next, keys): (u64, Vec<Vec<u8>>) = self
+                    .conn
+                    .done(generation, result)
+                    .await
+                    .map_err(unavailable)?;
+                for chunk in keys.chunks(SCAN_BATCH) {
+                    let mut keep = self.keep.prepare_invoke();
+                    for key in chunk {
+                        keep.key(key.as_slice());
+                    }
+                    let (generation, mut conn) = self.conn.get().await.map_err(unavailable)?;
+                    let result = keep.invoke_async(&mut conn).await;
+                    let n: u64 = self
+                        .conn
+                        .done(generation, result)
+                        .await
+                        .map_err(unavailable)?;
+                    kept += n;
+                }
+                if next == 0 {
+                    return Ok(kept);
+                }
+                cursor = next;
+            }
+        })
     }
 }

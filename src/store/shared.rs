@@ -24,6 +24,8 @@ use crate::config::EqualTokens;
 use crate::idempotency::{AttemptId, Begin, Claim, Record};
 use crate::maxima::BoundedMaxima;
 
+use super::retention::Guard;
+
 /// The monotonic clock in-flight records are timed by: `Instant::now` but in tests.
 pub type Clock = Arc<dyn Fn() -> Instant + Send + Sync>;
 
@@ -106,6 +108,41 @@ pub trait Remote: Send + Sync + 'static {
     fn forget_after(&self, period: std::time::Duration) -> Result<(), StoreError> {
         let _ = period;
         Err(super::cannot_forget(self.kind()))
+    }
+
+    /// Whether this store can forget maxima, and so keeps the retention mark
+    /// ([`super::retention`]); the methods below are called only if it does.
+    fn forgets(&self) -> bool {
+        false
+    }
+
+    /// The period [`Remote::forget_after`] set, if any.
+    fn retention(&self) -> Option<Duration> {
+        None
+    }
+
+    /// A run with retention: writes the mark with `value` (a new one each time), and once it
+    /// is written ages the raises sent within [`super::retention::FRESH`] of this call.
+    fn mark<'a>(&'a self, value: &'a str) -> BoxFuture<'a, Result<(), StoreError>> {
+        let _ = value;
+        Box::pin(std::future::ready(Err(super::cannot_forget(self.kind()))))
+    }
+
+    /// The mark's value, if a run with retention left one.
+    fn read_mark(&self) -> BoxFuture<'_, Result<Option<String>, StoreError>> {
+        Box::pin(std::future::ready(Ok(None)))
+    }
+
+    /// Deletes the mark if it still holds `value`; whether it did.
+    fn unmark<'a>(&'a self, value: &'a str) -> BoxFuture<'a, Result<bool, StoreError>> {
+        let _ = value;
+        Box::pin(std::future::ready(Ok(false)))
+    }
+
+    /// Takes every maximum's age away (they are kept for good until a run with retention
+    /// raises them); how many had one.
+    fn keep_all(&self) -> BoxFuture<'_, Result<u64, StoreError>> {
+        Box::pin(std::future::ready(Ok(0)))
     }
 }
 
@@ -221,6 +258,10 @@ pub struct SharedStore<R: Remote> {
     health: Arc<Health>,
     /// The health probe; stopped when the store is dropped.
     probe: tokio::task::JoinHandle<()>,
+    /// What admissions wait for on a store that can forget ([`super::retention`]).
+    guard: Arc<Guard>,
+    /// The guard's checks; stopped when the store is dropped.
+    checks: Option<tokio::task::JoinHandle<()>>,
 }
 
 /// Probe cadence: every `HEALTHY_PROBE` while healthy; from `MIN_BACKOFF` doubling to
@@ -242,6 +283,10 @@ impl<R: Remote> SharedStore<R> {
         // Unknown until the first answer; the first probe runs at once.
         let health = Arc::new(Health::new(remote.kind()));
         let probe = tokio::spawn(probe(Arc::clone(&remote), Arc::clone(&health)));
+        let guard = Guard::new(remote.forgets(), Arc::clone(&clock));
+        let checks = remote
+            .forgets()
+            .then(|| tokio::spawn(Arc::clone(&guard).run(Arc::clone(&remote))));
         SharedStore {
             remote,
             cache: BoundedMaxima::new(cache_capacity),
@@ -249,6 +294,8 @@ impl<R: Remote> SharedStore<R> {
             clock,
             health,
             probe,
+            guard,
+            checks,
         }
     }
 
@@ -303,6 +350,9 @@ impl Health {
 impl<R: Remote> Drop for SharedStore<R> {
     fn drop(&mut self) {
         self.probe.abort();
+        if let Some(checks) = &self.checks {
+            checks.abort();
+        }
     }
 }
 
@@ -344,6 +394,7 @@ impl<R: Remote> FenceStore for SharedStore<R> {
             }
         }
         Box::pin(async move {
+            self.guard.admit().await?;
             let result = self.remote.raise(resource, token, equal).await;
             self.record(&result);
             match &result {
@@ -364,7 +415,7 @@ impl<R: Remote> FenceStore for SharedStore<R> {
     }
 
     fn healthy(&self) -> bool {
-        self.health.healthy()
+        self.health.healthy() && !self.guard.failed()
     }
 
     fn begin_idempotent<'a>(
@@ -375,6 +426,7 @@ impl<R: Remote> FenceStore for SharedStore<R> {
     ) -> BoxFuture<'a, Result<Begin, StoreError>> {
         // Never answered from the cache: a stale token may still have a record to replay.
         Box::pin(async move {
+            self.guard.admit().await?;
             let record = super::record_key(resource, key);
             let takeover = self.sightings.takeover(&record, (self.clock)());
             let result = self
@@ -431,7 +483,9 @@ impl<R: Remote> FenceStore for SharedStore<R> {
     }
 
     fn forget_after(&self, period: std::time::Duration) -> Result<(), StoreError> {
-        self.remote.forget_after(period)
+        self.remote.forget_after(period)?;
+        self.guard.restart();
+        Ok(())
     }
 
     fn kind(&self) -> &'static str {

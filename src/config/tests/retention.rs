@@ -72,3 +72,45 @@ fn retention_is_refused_where_it_would_be_unsafe() {
         plain.to_yaml()
     );
 }
+
+/// `token.equal: reject` relies on the recorded maximum alone to refuse a repeat of the latest
+/// grant's token (the lease backend admits it): with retention, a forgotten maximum would let
+/// a replica admit the repeat, so the pair is refused, on every store that offers retention.
+/// Either one alone is accepted.
+#[test]
+fn retention_is_refused_with_equal_tokens_rejected() {
+    let yaml = |store: &str, token: &str, fence: &str| {
+        format!(
+            "upstream: http://a:1\nstore: {store}\ntoken: {token}\n\
+             leases: {{ backend: {{ kind: embedded, path: /tmp/l.db }}, ttl: 5s }}\nfence: {fence}\n"
+        )
+    };
+    for store in [
+        "{ kind: redis, url: 'redis://r:6379/' }",
+        "{ kind: embedded, path: /tmp/f.db }",
+        "{ kind: postgres, url: 'postgres://p/db' }",
+    ] {
+        let both = yaml(
+            store,
+            "{ equal: reject }",
+            "{ authority: leases, retention: 2h }",
+        );
+        let err = Config::parse(&both).expect_err(&both).to_string();
+        assert_eq!(
+            err,
+            "fence.retention: 2h is unsafe with `token.equal: reject`: the lease backend admits \
+             its latest grant's token, so a repeat of that token is refused only by the recorded \
+             maximum, and once the maximum is forgotten (2h after its last raise) a replica \
+             would admit the repeat; use `token.equal: allow`, or keep every maximum (no \
+             `fence.retention`)",
+            "{both}"
+        );
+        for (token, fence) in [
+            ("{ equal: reject }", "{ authority: leases }"),
+            ("{ equal: allow }", "{ authority: leases, retention: 2h }"),
+        ] {
+            let one = yaml(store, token, fence);
+            Config::parse(&one).unwrap_or_else(|e| panic!("{one}: {e}"));
+        }
+    }
+}

@@ -607,3 +607,79 @@ async fn raise_times_do_not_outlive_a_run_without_retention() {
     );
     assert_eq!(store.read_maximum("r").unwrap(), Some(2));
 }
+
+/// The resources that have a raise time in the file at `path` (the store closed).
+fn aged(path: &std::path::Path) -> Vec<String> {
+    let db = Database::create(path).unwrap();
+    let read = db.begin_read().unwrap();
+    let names = Names::new("t");
+    match read.open_table(Raised::new(&names.raised)) {
+        Ok(raised) => raised
+            .iter()
+            .unwrap()
+            .map(|row| row.unwrap().0.value().to_owned())
+            .collect(),
+        Err(redb::TableError::TableDoesNotExist(_)) => Vec::new(),
+        Err(e) => panic!("{e}"),
+    }
+}
+
+/// Moves between configurations across restarts of the embedded store (the config side,
+/// `token.equal: reject` refused with retention, is the config's test): a run with retention
+/// ages `r` and `s`; a run without retention (observed or authoritative: the store is told no
+/// period either way) forgets nothing however far its clock goes, drops the ages at its first
+/// write, and refuses a repeat of `s` with `equal: reject`; a run with retention again keeps
+/// both past the period, since neither was raised since: the maxima have exactly the values
+/// written.
+#[tokio::test]
+async fn retention_on_then_off_then_on_across_restarts() {
+    async fn raise(store: &EmbeddedStore, r: &str, token: u64, equal: EqualTokens) -> Verdict {
+        store.compare_and_raise(r, token, equal).await.unwrap()
+    }
+    use EqualTokens::{Allow, Reject};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("f.db");
+    {
+        let store = EmbeddedStore::open(&path, "t", 1000).unwrap();
+        store.forget_after(Duration::from_secs(3600)).unwrap();
+        assert_eq!(
+            raise(&store, "r", 3, Allow).await,
+            Verdict::Admitted { previous: None }
+        );
+        assert_eq!(
+            raise(&store, "s", 4, Allow).await,
+            Verdict::Admitted { previous: None }
+        );
+    }
+    assert_eq!(aged(&path), ["r", "s"]);
+    {
+        let store = EmbeddedStore::open(&path, "t", 1000).unwrap();
+        step_clock(&store, 10 * 24 * 60 * MINUTE);
+        assert_eq!(
+            raise(&store, "other", 1, Reject).await,
+            Verdict::Admitted { previous: None }
+        );
+        assert_eq!(
+            raise(&store, "s", 4, Reject).await,
+            Verdict::Stale { current: 4 }
+        );
+        assert_eq!(store.read_maximum("r").unwrap(), Some(3));
+    }
+    assert_eq!(aged(&path), Vec::<String>::new());
+    let store = EmbeddedStore::open(&path, "t", 1000).unwrap();
+    store.forget_after(Duration::from_secs(3600)).unwrap();
+    step_clock(&store, 20 * 24 * 60 * MINUTE);
+    assert_eq!(
+        raise(&store, "new", 1, Allow).await,
+        Verdict::Admitted { previous: None }
+    );
+    step_clock(&store, 20 * 24 * 60 * MINUTE + 61 * MINUTE);
+    assert_eq!(
+        raise(&store, "later", 1, Allow).await,
+        Verdict::Admitted { previous: None }
+    );
+    assert_eq!(store.read_maximum("new").unwrap(), None, "forgotten");
+    for (r, max) in [("r", 3), ("s", 4), ("other", 1)] {
+        assert_eq!(store.read_maximum(r).unwrap(), Some(max), "{r}");
+    }
+}

@@ -26,6 +26,9 @@
 //! is one conditional `UPDATE` ([`records`]).
 //!
 //! With `fence.retention`, maxima not raised for the period are forgotten ([`retention`]).
+//! `<prefix>_retention` holds at most one row, the retention mark ([`super::retention`]): a
+//! run with retention writes it, a run without takes `raised_at` off every maximum when it
+//! finds it.
 //!
 //! Connections come from `conn::postgres`, shared with the PostgreSQL lease backend;
 //! with the `tls` mapping, they are TLS only.
@@ -34,7 +37,7 @@ mod records;
 mod retention;
 
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use deadpool_postgres::Pool;
 use tokio::sync::OnceCell;
@@ -60,6 +63,8 @@ pub struct PostgresRemote {
     raise_sql: String,
     get_sql: String,
     records: String,
+    /// The table of the retention mark ([`crate::store::retention`]).
+    marks: String,
     idem: IdempotencySql,
     /// When the last purge of expired records started.
     last_purge: Mutex<Option<Instant>>,
@@ -78,6 +83,7 @@ impl PostgresRemote {
         let (pool, _, guard) = pool(url, tls, replicas).map_err(StoreError::Config)?;
         let table = format!("{prefix}_fences");
         let records = format!("{prefix}_idempotency");
+        let marks = format!("{prefix}_retention");
         Ok(PostgresRemote {
             pool,
             guard,
@@ -91,11 +97,12 @@ impl PostgresRemote {
                  WHERE f.max_token < EXCLUDED.max_token \
                  RETURNING prev_token"
             ),
-            forget: Forget::new(&table),
+            forget: Forget::new(&table, &marks),
             get_sql: format!("SELECT max_token FROM {table} WHERE resource = $1"),
             idem: IdempotencySql::new(&table, &records),
             table,
             records,
+            marks,
             last_purge: Mutex::new(None),
         })
     }
@@ -120,10 +127,15 @@ impl PostgresRemote {
         let client = self.pool.get().await.map_err(|e| self.failed(&e))?;
         self.schema
             .get_or_try_init(|| async {
-                let (table, records) = (&self.table, &self.records);
+                let (table, records, marks) = (&self.table, &self.records, &self.marks);
                 // One transaction under an advisory lock: sidecars that start together on a
                 // new prefix would otherwise race `CREATE … IF NOT EXISTS` into a unique
-                // violation on the catalog.
+                // violation on the catalog. The transaction is the implicit one of a single
+                // simple query (no `BEGIN`/`COMMIT`): the server ends it on its own, committed
+                // or rolled back, even when this call is abandoned (the proxy gives up at
+                // `timeouts.store`) while the set-up waits for the lock. An explicit `BEGIN`
+                // left the connection inside the failed transaction, back in the pool, when
+                // the abandoned set-up failed: every later statement on it failed with 25P02.
                 let add = |table: &str, column: &str, kind: &str| {
                     format!(
                         "IF NOT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = '{table}'::regclass \
@@ -137,8 +149,7 @@ impl PostgresRemote {
                 // on the maxima taken while a claim holds the records' would deadlock with it.
                 let result = client
                     .batch_execute(&format!(
-                        "BEGIN; \
-                         SELECT pg_advisory_xact_lock(hashtextextended('fencegate schema {table}', 0)); \
+                        "SELECT pg_advisory_xact_lock(hashtextextended('fencegate schema {table}', 0)); \
                          CREATE TABLE IF NOT EXISTS {table} (\
                            resource TEXT PRIMARY KEY, \
                            max_token BIGINT NOT NULL CHECK (max_token >= 0), \
@@ -155,21 +166,21 @@ impl PostgresRemote {
                            attempt TEXT, \
                            in_flight_ms BIGINT, \
                            PRIMARY KEY (resource, idem_key)); \
+                         CREATE TABLE IF NOT EXISTS {marks} (\
+                           only_row BOOLEAN PRIMARY KEY DEFAULT true CHECK (only_row), \
+                           mark TEXT NOT NULL, \
+                           written_at TIMESTAMPTZ NOT NULL); \
                          DO $$ BEGIN {} {} {} \
                            IF to_regclass('{records}_expiry') IS NULL THEN \
                              CREATE INDEX {records}_expiry ON {records} (expires_at); \
                            END IF; \
-                         END $$; \
-                         COMMIT",
+                         END $$",
                         add(records, "attempt", "TEXT"),
                         add(records, "in_flight_ms", "BIGINT"),
                         add(table, "raised_at", "TIMESTAMPTZ"),
                     ))
                     .await;
                 if let Err(e) = result {
-                    // Not back to the pool inside a failed transaction, where every later
-                    // statement on the connection would fail too.
-                    let _ = client.batch_execute("ROLLBACK").await;
                     // The server's message, not only tokio-postgres's "db error".
                     return Err(match e.as_db_error() {
                         Some(db) => StoreError::Refused(format!(
@@ -296,4 +307,58 @@ impl Remote for PostgresRemote {
         PostgresRemote::forget_after(self, period);
         Ok(())
     }
+
+    fn forgets(&self) -> bool {
+        true
+    }
+
+    fn retention(&self) -> Option<Duration> {
+        PostgresRemote::retention(self)
+    }
+
+    fn mark<'a>(&'a self, value: &'a str) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            let sent = Instant::now();
+            let client = self.client().await?;
+            client
+                .execute(&self.forget.mark, &[&value])
+                .await
+                .map_err(|e| {
+                    failed(&e).with_context(&format!("writing the mark in {}", self.marks))
+                })?;
+            self.forget.fresh.marked(sent);
+            Ok(())
+        })
+    }
+
+    fn read_mark(&self) -> BoxFuture<'_, Result<Option<String>, StoreError>> {
+        Box::pin(async move {
+            let client = self.client().await?;
+            let row = client
+                .query_opt(&self.forget.read_mark, &[])
+                .await
+                .map_err(|e| {
+                    failed(&e).with_context(&format!("reading the mark in {}", self.marks))
+                })?;
+            Ok(row.map(|r| r.get(0)))
+        })
+    }
+
+    fn unmark<'a>(&'a self, value: &'a str) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(async move {
+            let client = self.client().await?;
+            let n = client
+                .execute(&self.forget.unmark, &[&value])
+                .await
+                .map_err(|e| failed(&e))?;
+            Ok(n == 1)
+        })
+    }
+
+    fn keep_all(&self) -> BoxFuture<'_, Result<u64, StoreError>> {
+        Box::pin(PostgresRemote::keep_all(self))
+    }
 }
+
+#[cfg(test)]
+mod tests;

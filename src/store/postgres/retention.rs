@@ -1,5 +1,7 @@
 //! Forgetting maxima not raised for `fence.retention`: every raise sets `raised_at` while it
-//! is on (`NULL` while off: such maxima are kept), and a pass every [`PURGE_EVERY`](super::records::PURGE_EVERY), started
+//! is on and this run's retention mark is fresh (`NULL` otherwise: such maxima are kept; a
+//! run without retention also takes the `raised_at` of the others away when it finds a mark,
+//! see [`crate::store::retention`]), and a pass every [`PURGE_EVERY`](super::records::PURGE_EVERY), started
 //! by the health probe, deletes the rows raised before the period, [`PURGE_BATCH`] at a time.
 //! A row raised meanwhile is a new row version, which the `ctid` re-check leaves alone.
 
@@ -11,6 +13,7 @@ use deadpool_postgres::Pool;
 
 use super::records::{pass_due, PURGE_BATCH};
 use super::{failed, PostgresRemote};
+use crate::store::retention::Freshness;
 use crate::store::StoreError;
 
 /// The statements and state of forgetting.
@@ -22,11 +25,20 @@ pub(super) struct Forget {
     retention_ms: AtomicU64,
     /// When the last pass started.
     last: Mutex<Option<Instant>>,
+    /// Whether this run's last mark is fresh enough to age raises ([`crate::store::retention`]).
+    pub(super) fresh: Freshness,
+    /// The retention mark: written, read, deleted if unchanged.
+    pub(super) mark: String,
+    pub(super) read_mark: String,
+    pub(super) unmark: String,
+    /// Takes the age of [`PURGE_BATCH`] maxima away.
+    keep: String,
 }
 
 impl Forget {
-    /// Off until [`PostgresRemote::forget_after`] turns it on.
-    pub(super) fn new(table: &str) -> Self {
+    /// Off until [`PostgresRemote::forget_after`] turns it on. `marks` is the table of the
+    /// retention mark (one row at most).
+    pub(super) fn new(table: &str, marks: &str) -> Self {
         Forget {
             index: format!(
                 "CREATE INDEX CONCURRENTLY IF NOT EXISTS {table}_raised ON {table} (raised_at)"
@@ -40,14 +52,54 @@ impl Forget {
             ),
             retention_ms: AtomicU64::new(0),
             last: Mutex::new(None),
+            fresh: Freshness::default(),
+            mark: format!(
+                "INSERT INTO {marks} (only_row, mark, written_at) VALUES (true, $1, now()) \
+                 ON CONFLICT (only_row) DO UPDATE SET mark = EXCLUDED.mark, written_at = now()"
+            ),
+            read_mark: format!("SELECT mark FROM {marks}"),
+            unmark: format!("DELETE FROM {marks} WHERE mark = $1"),
+            keep: format!(
+                "UPDATE {table} SET raised_at = NULL \
+                 WHERE ctid = ANY (ARRAY(\
+                   SELECT ctid FROM {table} WHERE raised_at IS NOT NULL LIMIT $1)) \
+                   AND raised_at IS NOT NULL"
+            ),
         }
     }
 }
 
 impl PostgresRemote {
-    /// Whether raises record when they happened (`fence.retention` is on).
+    /// Whether raises record when they happened: `fence.retention` is on and this run's mark
+    /// is fresh.
     pub(super) fn aging(&self) -> bool {
-        self.forget.retention_ms.load(Ordering::Relaxed) > 0
+        self.forget.retention_ms.load(Ordering::Relaxed) > 0 && self.forget.fresh.fresh()
+    }
+
+    /// The period `forget_after` set.
+    pub(super) fn retention(&self) -> Option<Duration> {
+        match self.forget.retention_ms.load(Ordering::Relaxed) {
+            0 => None,
+            ms => Some(Duration::from_millis(ms)),
+        }
+    }
+
+    /// Takes the age of every maximum away, [`PURGE_BATCH`] rows per statement; a row raised
+    /// meanwhile is a new row version, which the `ctid` re-check leaves (the next sweep takes
+    /// its age). Returns how many rows had one.
+    pub(super) async fn keep_all(&self) -> Result<u64, StoreError> {
+        let client = self.client().await?;
+        let mut kept = 0;
+        loop {
+            let n = client
+                .execute(&self.forget.keep, &[&PURGE_BATCH])
+                .await
+                .map_err(|e| failed(&e))?;
+            kept += n;
+            if n < PURGE_BATCH as u64 {
+                return Ok(kept);
+            }
+        }
     }
 
     /// Turns forgetting on, and starts a pass at once (the health probe starts the next ones).
