@@ -187,6 +187,11 @@ impl FenceLayer {
     ) -> Result<Self, LayerError> {
         crate::tls::install_default_provider();
         let store = crate::store::open(&config.store).await?;
+        // `fence.retention` (only ever with `fence.authority: leases`, whose backend is
+        // opened below): the store forgets idle maxima as the sidecar's does.
+        if let Some(period) = config.fence.retention {
+            store.forget_after(period)?;
+        }
         let backend = match config.fence.authority {
             Authority::Leases => {
                 let leases = config.leases.as_ref().ok_or(LayerError::NoLeases)?;

@@ -833,3 +833,42 @@ async fn postgres_a_run_whose_sweep_fails_admits_nothing() {
         [("b".into(), 1, false), ("r".into(), 5, false)]
     );
 }
+
+/// The in-process layer applies `fence.retention` as the sidecar does: a maximum it raises
+/// expires the period after its raise (it was kept for good, the setting ignored).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_layer_applies_retention_like_the_sidecar() {
+    use tower::{Service, ServiceExt};
+    use tower_layer::Layer;
+    let prefix = fresh_prefix();
+    let yaml = format!(
+        "upstream: http://unused.invalid\n{}",
+        on_redis(&prefix, "{ authority: leases, retention: 1h }")
+    );
+    let config = Config::parse(&yaml).unwrap();
+    let layer = fencegate::layer::FenceLayer::open(&config).await.unwrap();
+    let backend = fencegate::lease::open(&config.leases.as_ref().unwrap().backend)
+        .await
+        .unwrap();
+    let grant = match backend
+        .try_acquire("account:42", "worker-1", Duration::from_secs(5))
+        .await
+        .unwrap()
+    {
+        fencegate::lease::Acquired::Granted(grant) => grant,
+        other => panic!("not granted: {other:?}"),
+    };
+    let inner = tower::service_fn(|_req: http::Request<String>| async {
+        Ok::<_, std::convert::Infallible>(http::Response::new(String::from("stored")))
+    });
+    let mut service = layer.layer(inner);
+    let req = http::Request::put("/accounts/42")
+        .header("host", "ledger")
+        .header("fencing-token", grant.token.to_string())
+        .body(String::new())
+        .unwrap();
+    let response = service.ready().await.unwrap().call(req).await.unwrap();
+    assert_eq!(response.status(), 200);
+    let left = pttl(&format!("{prefix}:{{account:42}}:max")).await;
+    assert!(left > 3_500_000 && left <= 3_600_000, "PTTL {left}");
+}
