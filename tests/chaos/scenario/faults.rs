@@ -744,6 +744,29 @@ pub(super) async fn failover(
         &format!("recorded maxima >= committed after {kind}"),
         kept,
     );
+    let mut leases = String::new();
+    if fault == Fault::RedisFailover {
+        // The group's lease backend is on the same Sentinels: it granted leases again after
+        // the failover, and never the same token twice on a resource.
+        let tag = format!("account:f{group}x");
+        let acquired = ctx.rec.acquired.lock().unwrap();
+        let ours: Vec<&Acquired> = acquired
+            .iter()
+            .filter(|a| a.resource.starts_with(&tag))
+            .collect();
+        let after = ours.iter().filter(|a| a.at >= killed).count();
+        let distinct: std::collections::HashSet<(&str, u64)> = ours
+            .iter()
+            .map(|a| (a.resource.as_str(), a.token))
+            .collect();
+        let repeated = ours.len() - distinct.len();
+        note(
+            evidence,
+            "lease backend on the same Sentinels: grants again after the failover, no token granted twice",
+            after > 0 && repeated == 0,
+        );
+        leases = format!(", lease grants since the kill {after}, tokens granted twice {repeated}");
+    }
     // A token below the highest committed one, replayed straight at the fence, is refused.
     let top = ctx
         .ledger
@@ -771,7 +794,7 @@ pub(super) async fn failover(
         stale = format!(", stale {} on {}: {status}", top.token - 1, top.resource);
     }
     *note_text = format!(
-        "{}; promoted {}ms after the kill, full strength again after {}ms{stale}",
+        "{}; promoted {}ms after the kill, full strength again after {}ms{stale}{leases}",
         steps.unwrap_or_else(|e| format!("FAILED: {e}")),
         promoted.map_or("-".into(), |p| ((p - killed) / 1000).to_string()),
         (back - killed) / 1000

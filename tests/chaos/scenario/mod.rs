@@ -154,7 +154,7 @@ impl Fault {
                 "sidecar SIGTERM while an acquisition waits on its lease API; backend read after the exit"
             }
             Fault::RedisFailover => {
-                "fence store's Redis primary kill -9, Sentinel promotes a replica (replicas: 1); old primary back as a replica"
+                "Redis primary (fence store and lease backend of the group) kill -9, Sentinel promotes a replica (replicas: 1); old primary back as a replica"
             }
             Fault::PostgresFailover => {
                 "fence store's PostgreSQL primary kill -9, synchronous standby promoted (replicas: 1); new standby from it"
@@ -288,10 +288,17 @@ pub async fn run(mode: Mode, secs: u64) -> Outcome {
                 Some((_, k)) => (rig.lease_redis.url_at(k.host_addr), k.ns_addr),
                 None => (rig.lease_redis.url(), LOCAL),
             };
+            // The Sentinel group's sidecars lease from its fence store's Sentinels too: the
+            // Redis failover fault fails over its leases and its fence at once.
+            let sentinel = match rig.fences.get(g).and_then(|f| f.replicated.as_ref()) {
+                Some(Replicated::Sentinel(s)) => Some(s.yaml()),
+                _ => None,
+            };
+            let backend = lease_backend(&redis, sentinel.as_deref());
             let config = write_config(
                 ctx.dir.path(),
                 &format!("{name}.yaml"),
-                &sidecar_yaml(&ctx.lease_prefix, &redis, ip, egress_to),
+                &sidecar_yaml(&ctx.lease_prefix, &backend, ip, egress_to),
             );
             let sidecar = match (&link, &rig.lab) {
                 (Some((n, _)), Some(l)) => Fencegate::start_with(&l.exec_prefix(*n), &config).await,

@@ -79,10 +79,11 @@ pub(super) fn fence_yaml(
     )
 }
 
-/// A worker's sidecar: leases from `redis`, its lease API and egress listening on `ip`.
+/// A worker's sidecar: leases from `backend` (the fields after `kind: redis`, see
+/// [`lease_backend`]), its lease API and egress listening on `ip`.
 pub(super) fn sidecar_yaml(
     prefix: &str,
-    redis: &str,
+    backend: &str,
     ip: Ipv4Addr,
     egress_to: Option<SocketAddr>,
 ) -> String {
@@ -95,11 +96,22 @@ pub(super) fn sidecar_yaml(
     format!(
         "listen: 127.0.0.1:0\nadmin: 127.0.0.1:0\nupstream: http://127.0.0.1:9\nstore: {{ kind: memory }}\n\
          timeouts: {{ upstream: 5s, shutdown: 1s }}\n\
-         leases:\n  listen: {ip}:0\n  backend: {{ kind: redis, url: '{redis}', prefix: {prefix} }}\n  \
+         leases:\n  listen: {ip}:0\n  backend: {{ kind: redis, {backend}, prefix: {prefix} }}\n  \
          ttl: {{ p99_work: 1000ms, p99_rtt: 50ms, safety_margin: 200ms, drift_buffer: {}ms }}\n  \
          acquire: {{ base_delay: 20ms, max_delay: 200ms, jitter: 20ms }}\n{egress}",
         DRIFT.as_millis()
     )
+}
+
+/// A Redis lease backend: one server's url, or (`sentinel` given) the Sentinels of a
+/// replicated Redis, where a grant is acknowledged once a replica holds it (`replicas: 1`).
+pub(super) fn lease_backend(url: &str, sentinel: Option<&str>) -> String {
+    match sentinel {
+        Some(sentinel) => {
+            format!("url: 'redis://{MASTER}/', sentinel: {sentinel}, replicas: 1")
+        }
+        None => format!("url: '{url}'"),
+    }
 }
 
 pub(super) async fn start_fence(
