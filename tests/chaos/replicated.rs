@@ -298,6 +298,75 @@ impl Sentinels {
         .await
     }
 
+    /// What each node and Sentinel says now, and the end of each Sentinel's log (its events:
+    /// `+sdown`, `+switch-master`, `+convert-to-slave`, …): for a report when something fails.
+    pub async fn describe(&self) -> String {
+        let mut out = String::new();
+        for n in &self.nodes {
+            let info = redis_query::<String>(n.port, &["INFO", "replication"])
+                .await
+                .unwrap_or_else(|| "(no answer)".into());
+            let keep: Vec<&str> = info
+                .lines()
+                .filter(|l| {
+                    [
+                        "role:",
+                        "master_port:",
+                        "master_link_status:",
+                        "slave",
+                        "master_repl_offset:",
+                    ]
+                    .iter()
+                    .any(|k| l.starts_with(k))
+                })
+                .map(str::trim)
+                .collect();
+            out.push_str(&format!("    node :{}: {}\n", n.port, keep.join(" ")));
+            let log = std::fs::read_to_string(n.dir.path().join("redis.log")).unwrap_or_default();
+            let lines: Vec<&str> = log.lines().collect();
+            for l in &lines[lines.len().saturating_sub(30)..] {
+                out.push_str(&format!("      {l}\n"));
+            }
+        }
+        for s in &self.sentinels {
+            let master = redis_query::<Vec<String>>(s.port, &["SENTINEL", "MASTER", MASTER])
+                .await
+                .unwrap_or_default();
+            let m = fields(&master);
+            let replicas =
+                redis_query::<Vec<Vec<String>>>(s.port, &["SENTINEL", "REPLICAS", MASTER])
+                    .await
+                    .unwrap_or_default();
+            let replicas: Vec<String> = replicas
+                .iter()
+                .map(|r| {
+                    let r = fields(r);
+                    format!(
+                        ":{} {} link {} offset {}",
+                        r.get("port").unwrap_or(&"?"),
+                        r.get("flags").unwrap_or(&"?"),
+                        r.get("master-link-status").unwrap_or(&"?"),
+                        r.get("slave-repl-offset").unwrap_or(&"?")
+                    )
+                })
+                .collect();
+            out.push_str(&format!(
+                "    sentinel :{}: master :{} {} epoch {}; replicas {}\n",
+                s.port,
+                m.get("port").unwrap_or(&"?"),
+                m.get("flags").unwrap_or(&"?"),
+                m.get("config-epoch").unwrap_or(&"?"),
+                replicas.join(", ")
+            ));
+            let log = std::fs::read_to_string(s.dir.path().join("redis.log")).unwrap_or_default();
+            let lines: Vec<&str> = log.lines().collect();
+            for l in &lines[lines.len().saturating_sub(25)..] {
+                out.push_str(&format!("      {l}\n"));
+            }
+        }
+        out
+    }
+
     /// Restarts the killed node as a replica of `primary` (as Sentinel would reconfigure it),
     /// then waits until the topology has settled around `primary`.
     pub async fn rejoin(&mut self, old: u16, primary: u16) -> Result<(), String> {

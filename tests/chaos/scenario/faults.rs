@@ -745,6 +745,7 @@ pub(super) async fn failover(
         kept,
     );
     let mut leases = String::new();
+    let mut leases_ok = true;
     if fault == Fault::RedisFailover {
         // The group's lease backend is on the same Sentinels: it granted leases again after
         // the failover, and never the same token twice on a resource.
@@ -760,12 +761,18 @@ pub(super) async fn failover(
             .map(|a| (a.resource.as_str(), a.token))
             .collect();
         let repeated = ours.len() - distinct.len();
+        leases_ok = after > 0 && repeated == 0;
         note(
             evidence,
             "lease backend on the same Sentinels: grants again after the failover, no token granted twice",
-            after > 0 && repeated == 0,
+            leases_ok,
         );
         leases = format!(", lease grants since the kill {after}, tokens granted twice {repeated}");
+    }
+    if let (Some(Replicated::Sentinel(s)), false) =
+        (f.replicated.as_ref(), steps.is_ok() && kept && leases_ok)
+    {
+        println!("  the Sentinel topology now:\n{}", s.describe().await);
     }
     // A token below the highest committed one, replayed straight at the fence, is refused.
     let top = ctx
