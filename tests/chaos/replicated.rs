@@ -1,5 +1,8 @@
 //! Replicated fence stores for the failover faults, all on loopback and owned by the run:
-//! - a Redis primary with two replicas and three Sentinels (quorum 2, down after 1 s);
+//! - a Redis primary with two replicas and three Sentinels (quorum 2, down after 3 s: with 1 s,
+//!   on a loaded 2-core machine, a Sentinel sometimes took the primary it had just promoted for
+//!   down and a second failover left two primaries with a replica each for a moment, and
+//!   acknowledged writes were lost; see docs/reliability.md, finding 18);
 //! - a PostgreSQL primary with one synchronous standby (`pg_basebackup -R`), on two ports that
 //!   the fence's multi-host url names; after a promotion a new standby is made from the new
 //!   primary on the old primary's port, so every round starts replicated again;
@@ -118,7 +121,7 @@ impl RedisProc {
             &conf,
             format!(
                 "sentinel monitor {MASTER} 127.0.0.1 {primary} 2\n\
-                 sentinel down-after-milliseconds {MASTER} 1000\n\
+                 sentinel down-after-milliseconds {MASTER} 3000\n\
                  sentinel failover-timeout {MASTER} 2000\n"
             ),
         )
