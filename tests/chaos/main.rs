@@ -4,9 +4,11 @@
 //! `cargo test --test chaos` runs, in order:
 //! 1. the checker's own tests: each invariant fires on a hand-made bad history;
 //! 2. the fenced scenario for `FENCEGATE_CHAOS_SECS` seconds of fault injection (default
-//!    35, at least three rounds of every fault kind), which must show no violation. The
-//!    partition fault needs root, `ip` and `nft`; without them it is reported as
-//!    `SKIPPED partition fault: <reason>` and the other faults run;
+//!    35, at least three rounds of every fault kind: about 80 s with the failovers), which
+//!    must show no violation. The partition fault needs root, `ip` and `nft`; without them it
+//!    is reported as `SKIPPED partition fault: <reason>` and the other faults run. The
+//!    failover faults need `redis-server` (Sentinel), PostgreSQL's server binaries and
+//!    `etcd`/`etcdctl`; a topology that cannot start is reported as `SKIPPED <fault> fault`;
 //! 3. the negative control: workers bypass the fence and write straight to the ledger, one
 //!    of them frozen past its TTL, one write slower than its writer's patience (retried with
 //!    its key), and a sidecar killed without its drain; the checker must report violations of
@@ -22,6 +24,7 @@ mod ledger;
 mod netns;
 mod procs;
 mod record;
+mod replicated;
 mod scenario;
 
 use std::collections::BTreeMap;
@@ -221,7 +224,8 @@ fn report(o: &Outcome) {
         );
     }
     if !o.faults.is_empty() {
-        println!("  faults injected (count, recovery = fault end -> next successful write: min / median / max):");
+        println!("  faults injected (count, recovery = fault end -> next successful write: min / median / max;");
+        println!("  a failover ends at its kill and lasts until the promotion, or a new leader):");
         for f in Fault::ALL {
             let of: Vec<_> = o.faults.iter().filter(|i| i.fault == f).collect();
             if of.is_empty() {
@@ -231,7 +235,7 @@ fn report(o: &Outcome) {
             let dur: Vec<Duration> = of.iter().map(|i| i.duration).collect();
             let ms = |d: Option<Duration>| d.map_or("-".into(), |d| format!("{}ms", d.as_millis()));
             println!(
-                "    {:<14} {:>3}  recovery {} / {} / {}  (fault lasted median {}; {} without recovery)  {}",
+                "    {:<16} {:>3}  recovery {} / {} / {}  (fault lasted median {}; {} without recovery)  {}",
                 format!("{f:?}"),
                 of.len(),
                 ms(percentile(rec.clone(), 0.0)),

@@ -259,50 +259,12 @@ pub struct Postgres {
 impl Postgres {
     /// Starts one, or says why it cannot.
     pub async fn start() -> Result<Postgres, String> {
-        let bin = std::fs::read_dir("/usr/lib/postgresql")
-            .map_err(|e| format!("no PostgreSQL under /usr/lib/postgresql: {e}"))?
-            .filter_map(|e| e.ok().map(|e| e.path().join("bin")))
-            .filter(|b| b.join("initdb").is_file())
-            .max()
-            .ok_or("no /usr/lib/postgresql/*/bin/initdb")?;
+        let tools = PgTools::find()?;
         let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
         let data = dir.path().join("data");
-        let root = std::fs::read_to_string("/proc/self/status")
-            .is_ok_and(|s| s.lines().any(|l| l.starts_with("Uid:\t0\t")));
-        // As root: the server refuses to run as root; as the `postgres` user instead.
-        let mut run_as: Vec<String> = Vec::new();
-        if root {
-            let chown = std::process::Command::new("chown")
-                .args(["-R", "postgres:postgres"])
-                .arg(dir.path())
-                .status()
-                .map_err(|e| format!("chown: {e}"))?;
-            if !chown.success() {
-                return Err("chown to the postgres user failed (no such user?)".into());
-            }
-            run_as = [
-                "setpriv",
-                "--reuid=postgres",
-                "--regid=postgres",
-                "--init-groups",
-                "--",
-            ]
-            .map(str::to_owned)
-            .to_vec();
-        }
-        let command = |program: PathBuf| {
-            let mut c = match run_as.split_first() {
-                Some((first, rest)) => {
-                    let mut c = Command::new(first);
-                    c.args(rest).arg(&program);
-                    c
-                }
-                None => Command::new(&program),
-            };
-            c.stdin(Stdio::null()).stdout(Stdio::null());
-            c
-        };
-        let initdb = command(bin.join("initdb"))
+        tools.own(dir.path())?;
+        let initdb = tools
+            .command("initdb")
             .args(["-A", "trust", "-U", "postgres", "--no-sync", "-D"])
             .arg(&data)
             .stderr(Stdio::null())
@@ -315,7 +277,8 @@ impl Postgres {
         let port = free_port();
         let log =
             std::fs::File::create(dir.path().join("server.log")).map_err(|e| e.to_string())?;
-        let child = command(bin.join("postgres"))
+        let child = tools
+            .command("postgres")
             .arg("-D")
             .arg(&data)
             .args(["-p", &port.to_string(), "-c", "listen_addresses=127.0.0.1"])
@@ -329,7 +292,7 @@ impl Postgres {
             child,
             _dir: dir,
         };
-        pg.wait_ready(&bin).await?;
+        pg_ready(&tools, port).await?;
         Ok(pg)
     }
 
@@ -337,49 +300,10 @@ impl Postgres {
         format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
     }
 
-    /// Bounded polling of the server's own readiness answer (`pg_isready`).
-    async fn wait_ready(&self, bin: &Path) -> Result<(), String> {
-        let deadline = std::time::Instant::now() + Duration::from_secs(60);
-        loop {
-            let ready = Command::new(bin.join("pg_isready"))
-                .args(["-q", "-h", "127.0.0.1", "-p", &self.port.to_string()])
-                .status()
-                .await
-                .is_ok_and(|s| s.success());
-            if ready {
-                return Ok(());
-            }
-            if std::time::Instant::now() > deadline {
-                return Err(format!("postgres on port {} never became ready", self.port));
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
-
     /// The postmaster and its children (one backend per client connection, the background
     /// processes), from /proc.
     fn pids(&self) -> Vec<u32> {
-        let Some(master) = self.child.id() else {
-            return Vec::new();
-        };
-        let mut pids = vec![master];
-        for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-            let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
-                continue;
-            };
-            // `pid (comm) state ppid ...`; comm may hold spaces, so after the last `)`.
-            let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
-                continue;
-            };
-            let ppid = stat
-                .rsplit_once(')')
-                .and_then(|(_, rest)| rest.split_whitespace().nth(1))
-                .and_then(|p| p.parse::<u32>().ok());
-            if ppid == Some(master) {
-                pids.push(pid);
-            }
-        }
-        pids
+        self.child.id().map(process_tree).unwrap_or_default()
     }
 
     /// Sends a signal to every server process (`-STOP`/`-CONT`: the stalled-store fault).
@@ -391,6 +315,114 @@ impl Postgres {
                 .status();
         }
     }
+}
+
+/// Where PostgreSQL's server binaries are and whom they run as: as root, the `postgres` user
+/// (`setpriv`, which execs, so a started server's pid is the postmaster's own).
+pub struct PgTools {
+    bin: PathBuf,
+    run_as: Vec<String>,
+}
+
+impl PgTools {
+    /// The newest installed version, or why there is none.
+    pub fn find() -> Result<PgTools, String> {
+        let bin = std::fs::read_dir("/usr/lib/postgresql")
+            .map_err(|e| format!("no PostgreSQL under /usr/lib/postgresql: {e}"))?
+            .filter_map(|e| e.ok().map(|e| e.path().join("bin")))
+            .filter(|b| b.join("initdb").is_file())
+            .max()
+            .ok_or("no /usr/lib/postgresql/*/bin/initdb")?;
+        let root = std::fs::read_to_string("/proc/self/status")
+            .is_ok_and(|s| s.lines().any(|l| l.starts_with("Uid:\t0\t")));
+        // As root: the server refuses to run as root; as the `postgres` user instead.
+        let run_as = if root {
+            [
+                "setpriv",
+                "--reuid=postgres",
+                "--regid=postgres",
+                "--init-groups",
+                "--",
+            ]
+            .map(str::to_owned)
+            .to_vec()
+        } else {
+            Vec::new()
+        };
+        Ok(PgTools { bin, run_as })
+    }
+
+    /// Makes `dir` the server user's (as root; otherwise it is already ours).
+    pub fn own(&self, dir: &Path) -> Result<(), String> {
+        if self.run_as.is_empty() {
+            return Ok(());
+        }
+        let chown = std::process::Command::new("chown")
+            .args(["-R", "postgres:postgres"])
+            .arg(dir)
+            .status()
+            .map_err(|e| format!("chown: {e}"))?;
+        if !chown.success() {
+            return Err("chown to the postgres user failed (no such user?)".into());
+        }
+        Ok(())
+    }
+
+    /// One of the server's programs, run as its user, stdin and stdout closed.
+    pub fn command(&self, program: &str) -> Command {
+        let program = self.bin.join(program);
+        let mut c = match self.run_as.split_first() {
+            Some((first, rest)) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg(&program);
+                c
+            }
+            None => Command::new(&program),
+        };
+        c.stdin(Stdio::null()).stdout(Stdio::null());
+        c
+    }
+}
+
+/// Bounded polling of a server's own readiness answer (`pg_isready`).
+pub async fn pg_ready(tools: &PgTools, port: u16) -> Result<(), String> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let ready = Command::new(tools.bin.join("pg_isready"))
+            .args(["-q", "-h", "127.0.0.1", "-p", &port.to_string()])
+            .status()
+            .await
+            .is_ok_and(|s| s.success());
+        if ready {
+            return Ok(());
+        }
+        if std::time::Instant::now() > deadline {
+            return Err(format!("postgres on port {port} never became ready"));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A process and its children, from /proc (a postmaster and its backends).
+pub fn process_tree(master: u32) -> Vec<u32> {
+    let mut pids = vec![master];
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        // `pid (comm) state ppid ...`; comm may hold spaces, so after the last `)`.
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        let ppid = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+            .and_then(|p| p.parse::<u32>().ok());
+        if ppid == Some(master) {
+            pids.push(pid);
+        }
+    }
+    pids
 }
 
 impl Drop for Postgres {

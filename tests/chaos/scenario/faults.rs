@@ -13,6 +13,8 @@ pub(super) async fn inject(
 ) -> Injected {
     let begin = ctx.clock.now();
     let mut note_text = String::new();
+    // A failover's length: from the kill to the promotion (a new leader).
+    let mut lasted = None;
     let ran = match fault {
         Fault::WorkerFreeze => {
             worker_freeze(ctx, group, round, rig, evidence, &mut note_text).await
@@ -29,6 +31,18 @@ pub(super) async fn inject(
             sigterm_waiting(ctx, group, round, rig, evidence, &mut note_text).await
         }
         Fault::SlowUpstream => slow_upstream(ctx, &mut note_text).await,
+        Fault::RedisFailover | Fault::PostgresFailover | Fault::EtcdLeaderKill => {
+            failover(
+                ctx,
+                fault,
+                group,
+                rig,
+                evidence,
+                &mut note_text,
+                &mut lasted,
+            )
+            .await
+        }
     };
     let (end, recovery) = match ran {
         Ok(ran) => ran,
@@ -45,7 +59,7 @@ pub(super) async fn inject(
     Injected {
         fault,
         group,
-        duration: Duration::from_micros(end - begin),
+        duration: lasted.unwrap_or(Duration::from_micros(end - begin)),
         recovery: recovery.map(|t| Duration::from_micros(t.saturating_sub(end))),
         note: note_text,
     }
@@ -638,4 +652,178 @@ pub(super) async fn slow_upstream(ctx: &Ctx, note_text: &mut String) -> Injectio
     *note_text = format!("{n} commits delayed {}ms: {done}", SLOW_COMMIT.as_millis());
     let first = rec.wait_ok(end, 1, Duration::from_secs(20), |_| true).await;
     Ok((end, first))
+}
+
+/// The fence store's primary (etcd: leader) killed with `kill -9`. The topology fails over on
+/// its own (the Sentinels promote a replica; the other etcd members elect a leader) or as a
+/// failover manager would do it (`pg_ctl promote` of the synchronous standby), fencegate follows
+/// without a restart, and the topology is brought back to full strength for the next round
+/// (the old Redis primary rejoins as a replica; a new standby is made from the promoted
+/// PostgreSQL; the etcd member is restarted). Ends at the kill: the recovery is kill -> first
+/// admitted write of the group.
+pub(super) async fn failover(
+    ctx: &Ctx,
+    fault: Fault,
+    group: usize,
+    rig: &mut Rig,
+    evidence: &mut Evidence,
+    note_text: &mut String,
+    lasted: &mut Option<Duration>,
+) -> Injection {
+    let f = &mut rig.fences[group];
+    let Some(topology) = f.replicated.as_mut() else {
+        return Err("skipped: the group's store is not replicated".into());
+    };
+    let kind = match fault {
+        Fault::RedisFailover => "a Redis Sentinel failover (replicas: 1)",
+        Fault::PostgresFailover => "a PostgreSQL standby promotion (replicas: 1)",
+        _ => "an etcd leader kill",
+    };
+    let mut killed = None;
+    let mut promoted = None;
+    // Kill, fail over, back to full strength; what happened, or where it stopped.
+    let steps: Result<String, String> = async {
+        match topology {
+            Replicated::Sentinel(s) => {
+                let old = s.kill_primary().await?;
+                killed = Some(ctx.clock.now());
+                let new = s.wait_promoted(old).await?;
+                promoted = Some(ctx.clock.now());
+                s.rejoin(old, new).await?;
+                Ok(format!(
+                    "primary :{old} killed, the Sentinels promoted :{new}, :{old} rejoined as its replica"
+                ))
+            }
+            Replicated::Postgres(pg) => {
+                let old = pg.kill_primary().await?;
+                killed = Some(ctx.clock.now());
+                let new = pg.promote().await?;
+                promoted = Some(ctx.clock.now());
+                pg.rebuild_standby().await?;
+                Ok(format!(
+                    "primary :{old} killed, standby :{new} promoted, a new synchronous standby of it on :{old}"
+                ))
+            }
+            Replicated::Etcd(etcd) => {
+                let leader = etcd.leader().await?;
+                etcd.kill(leader).await;
+                killed = Some(ctx.clock.now());
+                etcd.wait_leader().await?;
+                promoted = Some(ctx.clock.now());
+                let new = etcd.leader().await?;
+                etcd.restart(leader).await?;
+                Ok(format!(
+                    "leader m{leader} killed, m{new} elected, m{leader} restarted and healthy"
+                ))
+            }
+        }
+    }
+    .await;
+    let back = ctx.clock.now();
+    note(
+        evidence,
+        &format!(
+            "{kind}: primary (leader) killed, another promoted (elected), back to full strength"
+        ),
+        steps.is_ok(),
+    );
+    let Some(killed) = killed else {
+        return Err(format!("failed before the kill: {}", steps.unwrap_err()));
+    };
+    *lasted = promoted.map(|p| Duration::from_micros(p - killed));
+    // The first write of the group sent after the kill and admitted (through the new primary).
+    let first = ctx
+        .rec
+        .wait_ok(killed, 1, Duration::from_secs(20), |o| o.group == group)
+        .await;
+    // Every raise the ledger committed was acknowledged by the store: the promoted primary
+    // (new leader) still holds it.
+    let kept = maxima_kept(ctx, f, group).await;
+    note(
+        evidence,
+        &format!("recorded maxima >= committed after {kind}"),
+        kept,
+    );
+    let mut leases = String::new();
+    let mut leases_ok = true;
+    if fault == Fault::RedisFailover {
+        // The group's lease backend is on the same Sentinels: it granted leases again after
+        // the failover, and never the same token twice on a resource.
+        let tag = format!("account:f{group}x");
+        let acquired = ctx.rec.acquired.lock().unwrap();
+        let ours: Vec<&Acquired> = acquired
+            .iter()
+            .filter(|a| a.resource.starts_with(&tag))
+            .collect();
+        let after = ours.iter().filter(|a| a.at >= killed).count();
+        let distinct: std::collections::HashSet<(&str, u64)> = ours
+            .iter()
+            .map(|a| (a.resource.as_str(), a.token))
+            .collect();
+        let repeated = ours.len() - distinct.len();
+        leases_ok = after > 0 && repeated == 0;
+        note(
+            evidence,
+            "lease backend on the same Sentinels: grants again after the failover, no token granted twice",
+            leases_ok,
+        );
+        leases = format!(", lease grants since the kill {after}, tokens granted twice {repeated}");
+    }
+    if let (Some(Replicated::Sentinel(s)), false) =
+        (f.replicated.as_ref(), steps.is_ok() && kept && leases_ok)
+    {
+        println!("  the Sentinel topology now:\n{}", s.describe().await);
+    }
+    // A token below the highest committed one, replayed straight at the fence, is refused.
+    let top = ctx
+        .ledger
+        .log()
+        .into_iter()
+        .map(|(c, _)| c)
+        .filter(|c| c.resource.starts_with(&format!("account:f{group}x")))
+        .max_by_key(|c| c.token);
+    let mut stale = String::new();
+    if let Some(top) = top.filter(|c| c.token > 1) {
+        let status = replay_answered(
+            ctx,
+            &top.writer,
+            group,
+            f.process.proxy,
+            &top.resource,
+            top.token - 1,
+        )
+        .await;
+        note(
+            evidence,
+            &format!("stale token replayed at the fence refused with 409 after {kind}"),
+            status == 409,
+        );
+        stale = format!(", stale {} on {}: {status}", top.token - 1, top.resource);
+    }
+    *note_text = format!(
+        "{}; promoted {}ms after the kill, full strength again after {}ms{stale}{leases}",
+        steps.unwrap_or_else(|e| format!("FAILED: {e}")),
+        promoted.map_or("-".into(), |p| ((p - killed) / 1000).to_string()),
+        (back - killed) / 1000
+    );
+    Ok((killed, first))
+}
+
+/// [`replay`] until the fence answers other than `503` (its store failing over), bounded.
+async fn replay_answered(
+    ctx: &Ctx,
+    writer: &str,
+    group: usize,
+    fence: SocketAddr,
+    resource: &str,
+    token: u64,
+) -> u16 {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let status = replay(ctx, writer, group, fence, resource, token).await;
+        if status != 503 || tokio::time::Instant::now() >= deadline {
+            return status;
+        }
+        pace().await;
+    }
 }

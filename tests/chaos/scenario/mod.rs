@@ -1,8 +1,10 @@
 //! The chaos run: a ledger, fence sidecars in front of it, workers that acquire leases
 //! through their own sidecars (Redis lease backend) and write through egress with an
 //! idempotency key (retrying a write with the same key), and a fault loop. Group 2's fence is
-//! authoritative (`fence.authority: leases`). Also the negative control: the same workers
-//! writing straight to the ledger.
+//! authoritative (`fence.authority: leases`). Groups 3 to 5 fence through replicated stores
+//! (Redis with Sentinel, PostgreSQL with a synchronous standby, a three-member etcd cluster)
+//! whose primary or leader the failover faults kill. Also the negative control: the same
+//! workers writing straight to the ledger.
 
 use std::collections::HashMap;
 use std::net::{Ipv4Addr, SocketAddr};
@@ -39,6 +41,7 @@ use crate::procs::{
     free_port, fresh_prefix, leases_held_by, wait_log, write_config, Fencegate, Postgres, Redis,
 };
 use crate::record::{Acquired, LeaseEvent, Op, Recorder};
+use crate::replicated::{EtcdCluster, PgPair, Replicated, Sentinels, MASTER};
 
 /// Where everything listens unless it must be reachable from a namespace.
 const LOCAL: Ipv4Addr = Ipv4Addr::LOCALHOST;
@@ -75,6 +78,12 @@ const STORE_TIMEOUT: Duration = Duration::from_millis(500);
 const STALL_SHORT: Duration = Duration::from_millis(250);
 const STALL_LONG: Duration = Duration::from_millis(1500);
 const STALL_COMMIT: Duration = Duration::from_secs(2);
+/// The groups the faults other than the failovers are injected on.
+const BASE_GROUPS: usize = 3;
+/// The groups whose fence store is replicated, one per failover fault.
+const SENTINEL_GROUP: usize = 3;
+const PG_HA_GROUP: usize = 4;
+const ETCD_GROUP: usize = 5;
 /// The resource id the slow-body fault hands over mid-body (in the authoritative group).
 const SLOW_BODY_ID: &str = "f2s";
 
@@ -100,10 +109,13 @@ pub enum Fault {
     StoreStall,
     SlowBody,
     SigtermWaiting,
+    RedisFailover,
+    PostgresFailover,
+    EtcdLeaderKill,
 }
 
 impl Fault {
-    pub const ALL: [Fault; 10] = [
+    pub const ALL: [Fault; 13] = [
         Fault::WorkerFreeze,
         Fault::FenceKill9,
         Fault::RedisKill9,
@@ -114,6 +126,9 @@ impl Fault {
         Fault::StoreStall,
         Fault::SlowBody,
         Fault::SigtermWaiting,
+        Fault::RedisFailover,
+        Fault::PostgresFailover,
+        Fault::EtcdLeaderKill,
     ];
 
     pub fn describe(self) -> &'static str {
@@ -137,6 +152,15 @@ impl Fault {
             }
             Fault::SigtermWaiting => {
                 "sidecar SIGTERM while an acquisition waits on its lease API; backend read after the exit"
+            }
+            Fault::RedisFailover => {
+                "Redis primary (fence store and lease backend of the group) kill -9, Sentinel promotes a replica (replicas: 1); old primary back as a replica"
+            }
+            Fault::PostgresFailover => {
+                "fence store's PostgreSQL primary kill -9, synchronous standby promoted (replicas: 1); new standby from it"
+            }
+            Fault::EtcdLeaderKill => {
+                "fence store's etcd leader kill -9 (3 members), the others elect a leader; member restarted"
             }
         }
     }
@@ -184,14 +208,14 @@ pub async fn run(mode: Mode, secs: u64) -> Outcome {
         lease_prefix: fresh_prefix(),
     });
     let groups = match mode {
-        Mode::Fenced => 3,
+        Mode::Fenced => BASE_GROUPS + 3,
         Mode::Naive => 1,
     };
     // The partition fault's namespaces (one per group), when this machine allows them.
     let mut skipped = Vec::new();
     let mut lab = None;
     if mode == Mode::Fenced {
-        match Lab::setup(groups) {
+        match Lab::setup(BASE_GROUPS) {
             Ok(l) => lab = Some(l),
             Err(reason) => skipped.push((Fault::Partition, reason)),
         }
@@ -220,12 +244,17 @@ pub async fn run(mode: Mode, secs: u64) -> Outcome {
         lease_redis,
     };
     // Reachable from the host and from the group's namespace: the host end of its veth.
-    let host_ip = |rig: &Rig, g: usize| rig.lab.as_ref().map_or(LOCAL, |l| l.links[g].host_addr);
+    let host_ip = |rig: &Rig, g: usize| {
+        rig.lab
+            .as_ref()
+            .and_then(|l| l.links.get(g))
+            .map_or(LOCAL, |k| k.host_addr)
+    };
     if mode == Mode::Fenced {
         let lease_url = rig.lease_redis.url();
         for g in 0..groups {
             let authority = (g == AUTH_GROUP).then_some((lease_url.as_str(), &*ctx.lease_prefix));
-            let fence = start_fence(
+            let (fence, unavailable) = start_fence(
                 ctx.dir.path(),
                 g,
                 &ctx.ledger.url(),
@@ -233,6 +262,11 @@ pub async fn run(mode: Mode, secs: u64) -> Outcome {
                 authority,
             )
             .await;
+            if let (Some(fault), Some(reason)) = (failover_fault(g), unavailable) {
+                let kind = format!("{fault:?}").to_lowercase();
+                println!("  SKIPPED {kind} fault (group {g} fences with a memory store): {reason}");
+                skipped.push((fault, reason));
+            }
             rig.fences.push(fence);
         }
     }
@@ -243,20 +277,28 @@ pub async fn run(mode: Mode, secs: u64) -> Outcome {
         for i in 0..WORKERS_PER_GROUP {
             let name = format!("w{g}{i}");
             let egress_to = rig.fences.get(g).map(|f| f.process.proxy);
-            // The group's last worker runs its sidecar in the group's namespace.
+            // The group's last worker runs its sidecar in the group's namespace (the groups
+            // the partition fault is injected on have one).
             let link = rig
                 .lab
                 .as_ref()
-                .filter(|_| i == WORKERS_PER_GROUP - 1)
+                .filter(|l| i == WORKERS_PER_GROUP - 1 && g < l.links.len())
                 .map(|l| (g, l.links[g].clone()));
             let (redis, ip) = match &link {
                 Some((_, k)) => (rig.lease_redis.url_at(k.host_addr), k.ns_addr),
                 None => (rig.lease_redis.url(), LOCAL),
             };
+            // The Sentinel group's sidecars lease from its fence store's Sentinels too: the
+            // Redis failover fault fails over its leases and its fence at once.
+            let sentinel = match rig.fences.get(g).and_then(|f| f.replicated.as_ref()) {
+                Some(Replicated::Sentinel(s)) => Some(s.yaml()),
+                _ => None,
+            };
+            let backend = lease_backend(&redis, sentinel.as_deref());
             let config = write_config(
                 ctx.dir.path(),
                 &format!("{name}.yaml"),
-                &sidecar_yaml(&ctx.lease_prefix, &redis, ip, egress_to),
+                &sidecar_yaml(&ctx.lease_prefix, &backend, ip, egress_to),
             );
             let sidecar = match (&link, &rig.lab) {
                 (Some((n, _)), Some(l)) => Fencegate::start_with(&l.exec_prefix(*n), &config).await,
@@ -322,7 +364,9 @@ pub async fn run(mode: Mode, secs: u64) -> Outcome {
                 .filter(|f| !skipped.iter().any(|(s, _)| s == f))
                 .collect();
             let budget = Duration::from_secs(secs);
-            let hard_stop = budget * 3 + Duration::from_secs(60);
+            // Only against a runaway: three rounds with the failovers take about 85 s on a
+            // loaded 2-core machine, and a slower one must still finish them.
+            let hard_stop = budget * 3 + Duration::from_secs(180);
             let mut round = 0usize;
             loop {
                 let elapsed = started.elapsed();
@@ -339,7 +383,10 @@ pub async fn run(mode: Mode, secs: u64) -> Outcome {
                     Fault::SlowBody => AUTH_GROUP,
                     // Long on group 2's store, long on group 1's, short, short.
                     Fault::StoreStall => [AUTH_GROUP, 1][rounds_done % 2],
-                    _ => rounds_done % groups,
+                    Fault::RedisFailover => SENTINEL_GROUP,
+                    Fault::PostgresFailover => PG_HA_GROUP,
+                    Fault::EtcdLeaderKill => ETCD_GROUP,
+                    _ => rounds_done % BASE_GROUPS,
                 };
                 let injected = inject(&ctx, fault, group, round, &mut rig, &mut evidence).await;
                 println!(

@@ -87,7 +87,12 @@ pub(super) async fn lone_sidecar(ctx: &Ctx, lease_url: &str, holder: &str) -> Fe
     let config = write_config(
         ctx.dir.path(),
         &format!("{holder}.yaml"),
-        &sidecar_yaml(&ctx.lease_prefix, lease_url, LOCAL, None),
+        &sidecar_yaml(
+            &ctx.lease_prefix,
+            &lease_backend(lease_url, None),
+            LOCAL,
+            None,
+        ),
     );
     Fencegate::start(&config).await
 }

@@ -10,6 +10,8 @@ pub(super) struct Fence {
     pub(super) redis: Option<Redis>,
     /// The fence store's own PostgreSQL (group 2).
     pub(super) postgres: Option<Postgres>,
+    /// The fence store's replicated topology (the failover groups).
+    pub(super) replicated: Option<Replicated>,
 }
 
 pub(super) struct Worker {
@@ -77,10 +79,11 @@ pub(super) fn fence_yaml(
     )
 }
 
-/// A worker's sidecar: leases from `redis`, its lease API and egress listening on `ip`.
+/// A worker's sidecar: leases from `backend` (the fields after `kind: redis`, see
+/// [`lease_backend`]), its lease API and egress listening on `ip`.
 pub(super) fn sidecar_yaml(
     prefix: &str,
-    redis: &str,
+    backend: &str,
     ip: Ipv4Addr,
     egress_to: Option<SocketAddr>,
 ) -> String {
@@ -93,11 +96,22 @@ pub(super) fn sidecar_yaml(
     format!(
         "listen: 127.0.0.1:0\nadmin: 127.0.0.1:0\nupstream: http://127.0.0.1:9\nstore: {{ kind: memory }}\n\
          timeouts: {{ upstream: 5s, shutdown: 1s }}\n\
-         leases:\n  listen: {ip}:0\n  backend: {{ kind: redis, url: '{redis}', prefix: {prefix} }}\n  \
+         leases:\n  listen: {ip}:0\n  backend: {{ kind: redis, {backend}, prefix: {prefix} }}\n  \
          ttl: {{ p99_work: 1000ms, p99_rtt: 50ms, safety_margin: 200ms, drift_buffer: {}ms }}\n  \
          acquire: {{ base_delay: 20ms, max_delay: 200ms, jitter: 20ms }}\n{egress}",
         DRIFT.as_millis()
     )
+}
+
+/// A Redis lease backend: one server's url, or (`sentinel` given) the Sentinels of a
+/// replicated Redis, where a grant is acknowledged once a replica holds it (`replicas: 1`).
+pub(super) fn lease_backend(url: &str, sentinel: Option<&str>) -> String {
+    match sentinel {
+        Some(sentinel) => {
+            format!("url: 'redis://{MASTER}/', sentinel: {sentinel}, replicas: 1")
+        }
+        None => format!("url: '{url}'"),
+    }
 }
 
 pub(super) async fn start_fence(
@@ -106,10 +120,43 @@ pub(super) async fn start_fence(
     ledger: &str,
     ip: Ipv4Addr,
     authority: Option<(&str, &str)>,
-) -> Fence {
+) -> (Fence, Option<String>) {
     let port = free_port();
-    let (mut redis, mut postgres) = (None, None);
-    let store = if group == 0 {
+    let (mut redis, mut postgres, mut replicated) = (None, None, None);
+    let mut unavailable = None;
+    let store = if let Some(fault) = failover_fault(group) {
+        // A replicated store with the safe settings: Redis acknowledges a write once a replica
+        // holds it (`replicas: 1`), PostgreSQL once its synchronous standby does, etcd on a
+        // quorum. Without the servers, a memory store, and the fault is skipped.
+        let started = match fault {
+            Fault::RedisFailover => Sentinels::start().await.map(Replicated::Sentinel),
+            Fault::PostgresFailover => PgPair::start()
+                .await
+                .map(|pg| Replicated::Postgres(Box::new(pg))),
+            _ => EtcdCluster::start().await.map(Replicated::Etcd),
+        };
+        let prefix = fresh_prefix();
+        let store = match &started {
+            Ok(Replicated::Sentinel(s)) => format!(
+                "store: {{ kind: redis, url: 'redis://{MASTER}/', prefix: {prefix}, sentinel: {}, replicas: 1 }}\n",
+                s.yaml()
+            ),
+            Ok(Replicated::Postgres(pg)) => format!(
+                "store: {{ kind: postgres, url: '{}', prefix: {prefix}, replicas: 1 }}\n",
+                pg.url()
+            ),
+            Ok(Replicated::Etcd(etcd)) => format!(
+                "store: {{ kind: etcd, url: '{}', prefix: {prefix} }}\n",
+                etcd.url()
+            ),
+            Err(_) => "store: { kind: memory }\n".to_owned(),
+        };
+        match started {
+            Ok(r) => replicated = Some(r),
+            Err(reason) => unavailable = Some(reason),
+        }
+        store
+    } else if group == 0 {
         format!(
             "store: {{ kind: embedded, path: {} }}\n",
             dir.join("fences.db").display()
@@ -150,10 +197,22 @@ pub(super) async fn start_fence(
         &fence_yaml(ip, port, ledger, &store, upstream, authority),
     );
     let process = Fencegate::start(&config).await;
-    Fence {
+    let fence = Fence {
         config,
         process,
         redis,
         postgres,
+        replicated,
+    };
+    (fence, unavailable)
+}
+
+/// The failover fault of a group whose store is replicated, if it is one.
+pub(super) fn failover_fault(group: usize) -> Option<Fault> {
+    match group {
+        SENTINEL_GROUP => Some(Fault::RedisFailover),
+        PG_HA_GROUP => Some(Fault::PostgresFailover),
+        ETCD_GROUP => Some(Fault::EtcdLeaderKill),
+        _ => None,
     }
 }
