@@ -503,3 +503,28 @@ async fn the_layers_metrics_are_in_the_apps_registry() {
         assert!(text.contains(line), "missing {line} in\n{text}");
     }
 }
+
+/// Inside a nest, the layer sees the path without the nest's prefix: a configuration written
+/// for whole paths matches nothing there. With `unmatched: reject`, as docs/library.md asks
+/// of a layer that must sit inside a nest, that mistake refuses every request loudly (404
+/// `no-route`) instead of forwarding writes unfenced.
+#[tokio::test]
+async fn a_layer_misplaced_inside_a_nest_refuses_loudly_with_unmatched_reject() {
+    let yaml =
+        "upstream: http://unused.invalid\nstore: { kind: memory }\nunmatched: reject\nroutes:
+  - { name: accounts, path: '/v1/accounts/{id}', methods: [PUT], resource: 'account:{id}' }
+";
+    let config = Config::parse(yaml).unwrap();
+    let fence = FenceLayer::open(&config).await.unwrap();
+    let accounts = axum::Router::new()
+        .route("/accounts/{id}", axum::routing::put(|| async { "stored" }))
+        .layer(fence);
+    let app = axum::Router::new().nest("/v1", accounts);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    let url = format!("http://{addr}/v1/accounts/42");
+    send("PUT", &url, &[("fencing-token", "33")], "")
+        .await
+        .assert_problem(404, "urn:fencegate:no-route");
+}
