@@ -8,8 +8,9 @@ mod etcd;
 mod memory;
 mod postgres;
 mod redis;
-pub mod retention;
 pub mod shared;
+/// The retention mark and its sweep ([`shared::retention`]), under its usual name.
+pub use shared::retention;
 
 use std::sync::Arc;
 

@@ -15,6 +15,7 @@
 //! The first sighting is no earlier than the attempt's start, so the takeover is never early,
 //! whatever any wall clock does.
 
+pub mod retention;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -24,7 +25,7 @@ use crate::config::EqualTokens;
 use crate::idempotency::{AttemptId, Begin, Claim, Record};
 use crate::maxima::BoundedMaxima;
 
-use super::retention::Guard;
+use retention::Guard;
 
 /// The monotonic clock in-flight records are timed by: `Instant::now` but in tests.
 pub type Clock = Arc<dyn Fn() -> Instant + Send + Sync>;
@@ -122,7 +123,7 @@ pub trait Remote: Send + Sync + 'static {
     }
 
     /// A run with retention: writes the mark with `value` (a new one each time), and once it
-    /// is written ages the raises sent within [`super::retention::FRESH`] of this call.
+    /// is written ages the raises sent within [`retention::FRESH`] of this call.
     fn mark<'a>(&'a self, value: &'a str) -> BoxFuture<'a, Result<(), StoreError>> {
         let _ = value;
         Box::pin(std::future::ready(Err(super::cannot_forget(self.kind()))))

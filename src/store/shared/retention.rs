@@ -43,8 +43,8 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::{watch, Notify};
 
-use super::shared::{Clock, Remote};
-use super::StoreError;
+use super::{Clock, Remote};
+use crate::store::StoreError;
 
 /// How often a run with retention writes its mark, and a run without reads it.
 pub const CHECK_EVERY: Duration = Duration::from_secs(60);
@@ -67,7 +67,7 @@ const MAX_BACKOFF: Duration = Duration::from_secs(2);
 pub fn mark_value(period: Duration) -> String {
     format!(
         "{} {}",
-        super::retention_ms(period),
+        crate::store::retention_ms(period),
         crate::idempotency::AttemptId::next().hex()
     )
 }
