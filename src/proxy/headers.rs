@@ -141,6 +141,22 @@ pub fn request_headers(
     };
 }
 
+/// Whether a request is a gRPC call: `content-type: application/grpc`, alone or with a
+/// `+format` or parameters (`application/grpc+proto`), in any case (media types are
+/// case-insensitive, RFC 9110 §8.3.1, and gRPC servers compare them so). gRPC-Web
+/// (`application/grpc-web`), which carries its status in the body, is not. Asked of a
+/// response's headers too, to tell a gRPC answer (see [`crate::proxy::recording`]).
+pub fn is_grpc(headers: &HeaderMap) -> bool {
+    const GRPC: &[u8] = b"application/grpc";
+    let Some(value) = headers.get(header::CONTENT_TYPE) else {
+        return false;
+    };
+    let Some((prefix, rest)) = value.as_bytes().split_at_checked(GRPC.len()) else {
+        return false;
+    };
+    prefix.eq_ignore_ascii_case(GRPC) && matches!(rest.first(), None | Some(b'+' | b';'))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

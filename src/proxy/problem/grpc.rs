@@ -91,21 +91,7 @@ pub fn mark(response: &mut Response<ProxyBody>, refusal: &Refusal, detail: Strin
     });
 }
 
-/// Whether a request is a gRPC call: `content-type: application/grpc`, alone or with a
-/// `+format` or parameters (`application/grpc+proto`), in any case (media types are
-/// case-insensitive, RFC 9110 §8.3.1, and gRPC servers compare them so). gRPC-Web
-/// (`application/grpc-web`), which carries its status in the body, is not. Asked of a
-/// response's headers too, to tell a gRPC answer (see [`crate::proxy::recording`]).
-pub fn is_grpc(headers: &HeaderMap) -> bool {
-    const GRPC: &[u8] = b"application/grpc";
-    let Some(value) = headers.get(CONTENT_TYPE) else {
-        return false;
-    };
-    let Some((prefix, rest)) = value.as_bytes().split_at_checked(GRPC.len()) else {
-        return false;
-    };
-    prefix.eq_ignore_ascii_case(GRPC) && matches!(rest.first(), None | Some(b'+' | b';'))
-}
+pub use crate::proxy::headers::is_grpc;
 
 /// Whether a request is a gRPC call over HTTP/2, the only transport gRPC has: its refusals
 /// are answered in gRPC form, and it goes upstream over HTTP/2 (gRPC servers speak nothing
