@@ -135,9 +135,11 @@ fn made_id() -> HeaderValue {
             .as_nanos();
         bytes = now.to_be_bytes();
     }
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
     let mut hex = String::with_capacity(32);
     for b in bytes {
-        hex.push_str(&format!("{b:02x}"));
+        hex.push(char::from(DIGITS[usize::from(b >> 4)]));
+        hex.push(char::from(DIGITS[usize::from(b & 0xf)]));
     }
     HeaderValue::try_from(hex).expect("hex is a valid header value")
 }

@@ -346,7 +346,7 @@ impl Proxy {
             }
             ticket => {
                 let req = req.map(http_body_util::Either::Left);
-                self.forward_held(req, write, ticket, None).await
+                self.forward_held(req, write, ticket, None, None).await
             }
         }
     }

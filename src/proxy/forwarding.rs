@@ -164,6 +164,7 @@ impl Proxy {
         write: Write,
         ticket: Option<Ticket>,
         attempt: Option<Attempt>,
+        head: Option<Box<Head>>,
     ) -> Response<ProxyBody> {
         // Taken apart: `own` goes with the send, the rest is borrowed until the answer.
         let Write {
@@ -184,9 +185,13 @@ impl Proxy {
         let normalised = normalised.as_str();
         let method = req.method().clone();
         let route = Some(route);
-        // The request is still as received here (`send` rewrites its URI).
+        // The request is still as received here (`send` rewrites its URI). A caller that
+        // read the head already (an idempotent write) hands it over.
         let mut req = req;
-        let head = self.access_head(&mut req, Some(peer));
+        let head = match head {
+            Some(head) => Some(head),
+            None => self.access_head(&mut req, Some(peer)),
+        };
         let (exchange, sent_at) = match self.send(req, normalised, false, peer, own) {
             Ok(sending) => sending,
             Err(e) => {

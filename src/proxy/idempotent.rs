@@ -283,7 +283,8 @@ impl Proxy {
                     return refuse(refusal);
                 }
                 let req = Request::from_parts(parts, Either::Right(Full::new(body)));
-                self.forward_held(req, write, ticket, Some(attempt)).await
+                self.forward_held(req, write, ticket, Some(attempt), head)
+                    .await
             }
         }
     }
