@@ -36,6 +36,11 @@ fn hop_index(name: &str) -> Option<usize> {
     })
 }
 
+/// Whether `name` (lower case) is a hop-by-hop header, which never crosses a proxy.
+pub fn is_hop_by_hop(name: &str) -> bool {
+    hop_index(name).is_some()
+}
+
 /// Removes hop-by-hop headers, including every header the `Connection` header names.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     // One pass over the (few) header names notes which hop-by-hop ones are there; only those
