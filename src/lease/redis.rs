@@ -287,7 +287,19 @@ impl LeaseBackend for RedisLeases {
                 .done(generation, result)
                 .await
                 .map_err(unavailable)?;
-            lag.map_err(lagging)?;
+            if let Err(lag) = lag {
+                // Refused, so nobody will ever release it: the grant is given back at once
+                // rather than holding the resource for its TTL (best effort; should this fail
+                // too, the TTL frees it).
+                let _: Result<u8, _> = self
+                    .release
+                    .key(self.key(resource, "lease"))
+                    .arg(&lease_id)
+                    .arg(self.key(resource, "released"))
+                    .invoke_async(&mut conn)
+                    .await;
+                return Err(lagging(lag));
+            }
             if granted == 1 {
                 return Ok(Acquired::Granted(Grant {
                     resource: resource.to_owned(),
@@ -314,13 +326,21 @@ impl LeaseBackend for RedisLeases {
                 .key(self.key(&grant.resource, "lease"))
                 .arg(&grant.lease_id)
                 .arg(ttl_ms(ttl))
-                .invoke_async(&mut conn)
+                .invoke_async::<u8>(&mut conn)
                 .await;
-            let renewed: u8 = self
+            // A renewal extends the holder's belief in its lease: like a grant, it counts only
+            // once the replicas hold it (else a failover could hand the lease on before the
+            // holder's new deadline).
+            let result = match result {
+                Ok(1) => self.conn.replicated(&mut conn).await.map(|lag| (1, lag)),
+                other => other.map(|renewed| (renewed, Ok(()))),
+            };
+            let (renewed, lag) = self
                 .conn
                 .done(generation, result)
                 .await
                 .map_err(unavailable)?;
+            lag.map_err(lagging)?;
             Ok(renewed == 1)
         })
     }

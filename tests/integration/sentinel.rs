@@ -383,3 +383,49 @@ async fn wait_synced(replica: &Service) {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// The lease backend with `replicas: 1` while its replica does not acknowledge (stopped, still
+/// connected): a renewal is not reported done (the holder's deadline must not move on a renewal
+/// a failover could lose), and a grant refused `503` is given back at once instead of holding
+/// the resource for its TTL with nobody to release it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_renewal_or_grant_the_replicas_did_not_acknowledge_counts_for_nothing() {
+    let primary = Service::start(Kind::Redis).await;
+    let replica = Service::start_redis_replica(primary.port).await;
+    let config = fencegate::config::Config::parse(&format!(
+        "upstream: http://127.0.0.1:1\nleases: {{ backend: {{ kind: redis, url: '{}', prefix: {}, replicas: 1 }}, ttl: 1s }}\n",
+        primary.url(),
+        fresh_prefix()
+    ))
+    .unwrap();
+    let leases = fencegate::lease::open(&config.leases.unwrap().backend)
+        .await
+        .unwrap();
+    wait_synced(&replica).await;
+    let ttl = Duration::from_secs(60);
+    let held = match leases.try_acquire("held", "w1", ttl).await.unwrap() {
+        Acquired::Granted(grant) => grant,
+        other => panic!("not granted: {other:?}"),
+    };
+
+    replica.pause();
+    let renewed = leases.renew(&held, ttl).await;
+    let refused = leases.try_acquire("other", "w1", ttl).await;
+    replica.resume();
+    let renewed = renewed.expect_err("a renewal no replica acknowledged was reported done");
+    assert!(
+        renewed.to_string().contains("0 of the 1 replicas"),
+        "{renewed}"
+    );
+    let refused = refused.expect_err("a grant no replica acknowledged was handed out");
+    assert!(
+        refused.to_string().contains("0 of the 1 replicas"),
+        "{refused}"
+    );
+    // The refused grant was given back: another holder gets the resource now, not in 60 s.
+    wait_synced(&replica).await;
+    match leases.try_acquire("other", "w2", ttl).await.unwrap() {
+        Acquired::Granted(grant) => assert_eq!(grant.holder, "w2"),
+        other => panic!("the refused grant still holds the resource: {other:?}"),
+    }
+}
