@@ -182,6 +182,10 @@ impl RedisHa {
         url: &SecretUrl,
         tls: Option<&ClientTlsConfig>,
     ) -> Result<Self, KindError> {
+        // A typo like `replicas: 10` for `1` would refuse every write, whatever the kind.
+        if let Some(n) = replicas.filter(|&n| n > MAX_REPLICAS) {
+            return Err(KindError::TooManyReplicas(n));
+        }
         if kind != RemoteKind::Redis {
             if sentinel.is_some() {
                 return Err(KindError::RedisOnly {
@@ -199,9 +203,6 @@ impl RedisHa {
             sentinel.check(url, tls)?;
         }
         let replicas = replicas.unwrap_or(u32::from(sentinel.is_some()));
-        if replicas > MAX_REPLICAS {
-            return Err(KindError::TooManyReplicas(replicas));
-        }
         Ok(RedisHa { sentinel, replicas })
     }
 }

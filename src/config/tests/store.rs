@@ -219,6 +219,14 @@ fn redis_sentinel_and_replicas() {
             "store: `replicas` is at most 8 (it is 9)",
         ),
         (
+            "store: { kind: postgres, url: 'postgres://u@h/d', replicas: 1000 }",
+            "store: `replicas` is at most 8 (it is 1000)",
+        ),
+        (
+            "leases: { backend: { kind: postgres, url: 'postgres://u@h/d', replicas: 9 }, ttl: 1s }",
+            "leases.backend: `replicas` is at most 8 (it is 9)",
+        ),
+        (
             "leases: { backend: { kind: etcd, url: 'etcd://e:2379', sentinel: { master: m, urls: ['redis://s:1'] } }, ttl: 1s }",
             "leases.backend: `sentinel` is for the redis backend",
         ),
