@@ -31,7 +31,7 @@ enum Command {
         #[arg(long, short, env = "FENCEGATE_CONFIG")]
         config: PathBuf,
         /// json, text, or auto (text on a terminal, JSON otherwise); overrides `log.format`.
-        #[arg(long, env = "FENCEGATE_LOG_FORMAT")]
+        #[arg(long, env = "FENCEGATE_LOG_FORMAT", value_enum)]
         log_format: Option<crate::config::LogFormat>,
     },
     /// Validate a config and print the effective configuration.

@@ -101,7 +101,7 @@ pub struct Config {
 
 /// The `log` section.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, expecting = "a mapping with `format`")]
+#[serde(deny_unknown_fields, expecting = "a mapping with `format` and `query`")]
 pub struct LogConfig {
     #[serde(default)]
     pub format: LogFormat,
@@ -130,7 +130,7 @@ impl LogConfig {
 /// How log lines are written: one JSON object per line (for collectors), a readable line
 /// (for people), or `auto`: readable when stderr is a terminal, JSON otherwise (a container's
 /// stderr never is one, so deployments get JSON).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum LogFormat {
     Json,
@@ -146,21 +146,6 @@ impl LogFormat {
             LogFormat::Json => true,
             LogFormat::Text => false,
             LogFormat::Auto => !std::io::IsTerminal::is_terminal(&std::io::stderr()),
-        }
-    }
-}
-
-impl std::str::FromStr for LogFormat {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "json" => Ok(LogFormat::Json),
-            "text" => Ok(LogFormat::Text),
-            "auto" => Ok(LogFormat::Auto),
-            other => Err(format!(
-                "`{other}` is not a log format: write json, text or auto"
-            )),
         }
     }
 }

@@ -524,8 +524,8 @@ async fn redis_a_replica_without_retention_keeps_what_one_with_retention_raises_
 }
 
 /// Redis: a run without retention that reads a maximum with an expiry (its mark lost, as an
-/// eviction would lose it) takes the expiry off, whether the read raises it or not, through a
-/// plain write or an idempotent claim.
+/// eviction would lose it) without raising it (a stale plain write, an idempotent claim of the
+/// equal token) takes the expiry off. (A raise writes the maximum anew, without an expiry.)
 #[tokio::test]
 async fn redis_a_maximum_read_without_retention_loses_its_expiry() {
     let prefix = fresh_prefix();

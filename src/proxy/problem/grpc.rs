@@ -91,7 +91,7 @@ pub fn mark(response: &mut Response<ProxyBody>, refusal: &Refusal, detail: Strin
     });
 }
 
-pub use crate::proxy::headers::is_grpc;
+use crate::proxy::headers::is_grpc;
 
 /// Whether a request is a gRPC call over HTTP/2, the only transport gRPC has: its refusals
 /// are answered in gRPC form, and it goes upstream over HTTP/2 (gRPC servers speak nothing

@@ -658,6 +658,7 @@ fn the_checker_fires_on_a_bad_history() {
         ),
         seen("POST", "/jobs", &[("fencing-token", "7")]),
         seen("PUT", "/accounts/u:2", &[]),
+        seen("PUT", "/accounts/u:1", &[("fencing-token", "9")]),
         seen("GET", "/accounts/u:1", &[("fencing-token", "1")]),
     ];
     let recorded: BTreeMap<String, Option<u64>> = [
@@ -678,6 +679,7 @@ fn the_checker_fires_on_a_bad_history() {
                 "fenced as applied: the fence recorded no such token for this resource"
             ),
             (3, "a fenced write reached the upstream without a token"),
+            (4, "monotonic as applied: a token below one already applied"),
         ]
     );
 }
