@@ -726,6 +726,81 @@ async fn postgres_a_replica_without_retention_keeps_what_one_with_retention_rais
     .await;
 }
 
+/// PostgreSQL: a run without retention sweeps at every check that finds a mark, not only
+/// when the mark's value changed. B's first sweep under A's mark finds `first`; A then raises
+/// `r` under the same mark, and B's next check (the mark unchanged, not quiet yet) must take
+/// the raise time off `r` too. Sweeping only on a changed value left `r` aged until the quiet
+/// period ran out, and how B's checks fell against A's marks (an early check, a slow start)
+/// decided which raises a sweep reached.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_run_without_retention_sweeps_at_every_check_that_finds_a_mark() {
+    let prefix = fresh_prefix();
+    let config = store_config("postgres", &prefix);
+    let pg = postgres().await;
+    let (clock, offset) = test_clock();
+    let b = store::open_with_clock(&config.store, clock).await.unwrap();
+    assert_eq!(
+        raise(&*b, "b", 1).await,
+        Verdict::Admitted { previous: None }
+    );
+    let a = store::open(&config.store).await.unwrap();
+    a.forget_after(HOUR).unwrap();
+    assert_eq!(
+        raise(&*a, "first", 2).await,
+        Verdict::Admitted { previous: None }
+    );
+    let mark = pg_mark(&pg, &prefix).await.expect("A marked the store");
+
+    advance(&offset, CHECK_EVERY);
+    assert_eq!(
+        raise(&*b, "b", 1).await,
+        Verdict::Admitted { previous: Some(1) }
+    );
+    until("B takes the raise time off first", || async {
+        pg_rows(&pg, &prefix)
+            .await
+            .contains(&("first".into(), 2, false))
+    })
+    .await;
+
+    assert_eq!(
+        raise(&*a, "r", 3).await,
+        Verdict::Admitted { previous: None }
+    );
+    assert!(pg_rows(&pg, &prefix).await.contains(&("r".into(), 3, true)));
+    advance(&offset, CHECK_EVERY);
+    assert!(
+        CHECK_EVERY * 2 < QUIET,
+        "B's checks come before the quiet period ends"
+    );
+    assert_eq!(
+        raise(&*b, "b", 1).await,
+        Verdict::Admitted { previous: Some(1) }
+    );
+    until(
+        "B takes the raise time off r under the same mark",
+        || async {
+            pg_rows(&pg, &prefix)
+                .await
+                .contains(&("r".into(), 3, false))
+        },
+    )
+    .await;
+    assert_eq!(
+        pg_mark(&pg, &prefix).await,
+        Some(mark),
+        "A marked only once"
+    );
+    assert_eq!(
+        pg_rows(&pg, &prefix).await,
+        [
+            ("b".into(), 1, false),
+            ("first".into(), 2, false),
+            ("r".into(), 3, false)
+        ]
+    );
+}
+
 /// Until `store` admits `resource` at `token` (its retention check retried with backoff).
 async fn until_admitted(store: &dyn FenceStore, resource: &str, token: u64) -> Verdict {
     let wait = async {

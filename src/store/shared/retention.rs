@@ -19,7 +19,7 @@
 //! [`CHECK_EVERY`]. When it finds one, it makes every maximum under its prefix permanent
 //! (Redis: `PERSIST` on every `{prefix}:{…}:max` key; PostgreSQL: `raised_at` set to `NULL`).
 //! A run with retention may still be raising (a rolling change of the config), so the sweep is
-//! repeated at each check while the mark's value changes. Once the value has stayed the same
+//! repeated at every check that finds a mark. Once the value has stayed the same
 //! for [`QUIET`] (longer than [`FRESH`]), no run with retention can age a raise any more
 //! without writing a new value: one last sweep, and the mark is deleted if it still holds that
 //! value (compare and delete; a new value written meanwhile starts over).
@@ -340,15 +340,11 @@ async fn check<R: Remote>(
         return Ok(());
     };
     let now = clock();
-    let quiet = match seen {
-        Some(s) if s.value == value => {
-            if now.saturating_duration_since(s.first) < QUIET {
-                return Ok(());
-            }
-            true
-        }
-        _ => false,
-    };
+    // Swept at every check that finds a mark, not only when its value changed: whatever
+    // raise a run with retention aged since the last sweep loses its age within one check,
+    // however this run's checks fall against that run's marks.
+    let quiet = matches!(seen, Some(s) if s.value == value
+        && now.saturating_duration_since(s.first) >= QUIET);
     let kept = remote.keep_all().await.map_err(sweeping)?;
     let period = period_of(&value)
         .map(|p| crate::duration::display(p).to_string())
@@ -372,7 +368,9 @@ async fn check<R: Remote>(
         );
     }
     if !quiet {
-        *seen = Some(Seen { value, first: now });
+        if seen.as_ref().is_none_or(|s| s.value != value) {
+            *seen = Some(Seen { value, first: now });
+        }
         return Ok(());
     }
     if remote.unmark(&value).await.map_err(sweeping)? {
