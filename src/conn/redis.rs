@@ -17,7 +17,11 @@
 //! `SENTINEL MASTERS`, a wider permission than the one command needed here.
 //!
 //! [`RedisConn::replicated`] is `WAIT`: after a write, the caller waits until the configured
-//! number of replicas acknowledged it, so that a failover keeps what was acknowledged.
+//! number of replicas acknowledged it, so that a failover keeps what was acknowledged; with
+//! Sentinel, nothing is acknowledged while a Sentinel says a failover may be under way
+//! ([`watch`]).
+
+mod watch;
 
 use redis::aio::MultiplexedConnection;
 use redis::{
@@ -26,7 +30,7 @@ use redis::{
 };
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use super::Failure;
@@ -64,6 +68,18 @@ struct Sentinels {
     nodes: Vec<RedisTarget>,
     /// The Sentinel that answered last, asked first next time.
     first: AtomicUsize,
+    /// What the Sentinels' events say of the master.
+    watch: watch::Watch,
+    /// The tasks following each Sentinel's events, started with the first connection.
+    followers: OnceLock<Vec<tokio::task::AbortHandle>>,
+}
+
+impl Drop for Sentinels {
+    fn drop(&mut self) {
+        for task in self.followers.get().into_iter().flatten() {
+            task.abort();
+        }
+    }
 }
 
 /// An I/O error (unreachable, never a server's refusal): no primary to connect to.
@@ -72,6 +88,15 @@ fn no_primary(detail: String) -> RedisError {
 }
 
 impl Sentinels {
+    /// Starts following every Sentinel's events, once.
+    fn follow(self: &Arc<Self>) {
+        self.followers.get_or_init(|| {
+            (0..self.nodes.len())
+                .map(|at| tokio::spawn(watch::follow(Arc::downgrade(self), at)).abort_handle())
+                .collect()
+        });
+    }
+
     /// The primary's host and port, as the first Sentinel that knows says.
     async fn primary(&self) -> Result<(String, u16), RedisError> {
         let n = self.nodes.len();
@@ -172,10 +197,24 @@ impl RedisTarget {
         }
         self.sentinel = Some(Arc::new(Sentinels {
             master: master.to_owned(),
+            watch: watch::Watch::new(nodes.len()),
             nodes,
             first: AtomicUsize::new(0),
+            followers: OnceLock::new(),
         }));
         Ok(self)
+    }
+
+    /// Why a write on the primary may not be acknowledged now: a Sentinel says a failover
+    /// may be under way.
+    fn doubt(&self) -> Option<String> {
+        let sentinels = self.sentinel.as_ref()?;
+        sentinels.watch.doubt(&sentinels.master)
+    }
+
+    /// How many times the Sentinels announced a new primary.
+    fn switches(&self) -> u64 {
+        self.sentinel.as_ref().map_or(0, |s| s.watch.switches())
     }
 
     /// The same server, speaking `protocol` (push messages need RESP3).
@@ -195,6 +234,7 @@ impl RedisTarget {
         let Some(sentinels) = &self.sentinel else {
             return self.dial(&self.host, self.port, config).await;
         };
+        sentinels.follow();
         let (host, port) = sentinels.primary().await?;
         let mut conn = self.dial(&host, port, config).await?;
         let role: Vec<redis::Value> = redis::cmd("ROLE").query_async(&mut conn).await?;
@@ -266,9 +306,10 @@ impl RedisTarget {
 /// One shared connection, dialled on first use and again after it broke.
 pub(crate) struct RedisConn {
     target: RedisTarget,
-    /// The connection and its generation (so that a failure drops only the connection it
-    /// happened on).
-    current: tokio::sync::Mutex<(u64, Option<MultiplexedConnection>)>,
+    /// The connection, its generation (so that a failure drops only the connection it
+    /// happened on) and the Sentinels' switch count when it was made (a connection made
+    /// before a switch is to a primary that was replaced).
+    current: tokio::sync::Mutex<(u64, Option<MultiplexedConnection>, u64)>,
     /// The newest generation found broken (a command failed on it, or was abandoned before
     /// its answer): the next [`RedisConn::get`] dials anew if that is the current one.
     broken: AtomicU64,
@@ -281,23 +322,36 @@ pub(crate) struct RedisConn {
     replicas: u32,
 }
 
-/// A write the primary holds but fewer replicas than configured acknowledged in time.
+/// A write the primary holds but that a failover could lose, so it is not acknowledged.
 #[derive(Debug)]
-pub(crate) struct Lagging {
-    pub acked: u32,
-    pub wanted: u32,
+pub(crate) enum Unconfirmed {
+    /// Fewer replicas than configured acknowledged it in time.
+    Lagging { acked: u32, wanted: u32 },
+    /// A Sentinel says a failover may be under way.
+    Doubt(String),
 }
 
-impl std::fmt::Display for Lagging {
+impl Unconfirmed {
+    /// How the caller counts it: no answer in time, or no primary to trust.
+    pub(crate) fn failure(&self) -> Failure {
+        match self {
+            Unconfirmed::Lagging { .. } => Failure::Timeout,
+            Unconfirmed::Doubt(_) => Failure::Unreachable,
+        }
+    }
+}
+
+impl std::fmt::Display for Unconfirmed {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "redis: {} of the {} replicas asked for acknowledged the write within {}ms (WAIT); \
-             it is on the primary, but a failover could lose it",
-            self.acked,
-            self.wanted,
-            WAIT_TIMEOUT.as_millis()
-        )
+        match self {
+            Unconfirmed::Lagging { acked, wanted } => write!(
+                f,
+                "redis: {acked} of the {wanted} replicas asked for acknowledged the write within \
+                 {}ms (WAIT); it is on the primary, but a failover could lose it",
+                WAIT_TIMEOUT.as_millis()
+            ),
+            Unconfirmed::Doubt(why) => write!(f, "redis: {why}"),
+        }
     }
 }
 
@@ -305,7 +359,7 @@ impl RedisConn {
     pub(crate) fn new(target: RedisTarget, log_as: Option<&'static str>, replicas: u32) -> Self {
         RedisConn {
             target,
-            current: tokio::sync::Mutex::new((0, None)),
+            current: tokio::sync::Mutex::new((0, None, 0)),
             broken: AtomicU64::new(0),
             log_as,
             failing: AtomicBool::new(false),
@@ -314,28 +368,30 @@ impl RedisConn {
     }
 
     /// `WAIT` on `conn` after a write sent on it: `Ok(Err(_))` when fewer replicas than
-    /// configured acknowledged every write of the connection so far within [`WAIT_TIMEOUT`];
-    /// nothing to wait for when none are configured.
+    /// configured acknowledged every write of the connection so far within [`WAIT_TIMEOUT`]
+    /// (nothing to wait for when none are configured), or when, once they have, a Sentinel
+    /// says a failover may be under way.
     pub(crate) async fn replicated(
         &self,
         conn: &mut MultiplexedConnection,
-    ) -> Result<Result<(), Lagging>, RedisError> {
-        if self.replicas == 0 {
-            return Ok(Ok(()));
+    ) -> Result<Result<(), Unconfirmed>, RedisError> {
+        if self.replicas > 0 {
+            let acked: u32 = redis::cmd("WAIT")
+                .arg(self.replicas)
+                .arg(u64::try_from(WAIT_TIMEOUT.as_millis()).unwrap_or(u64::MAX))
+                .query_async(conn)
+                .await?;
+            if acked < self.replicas {
+                return Ok(Err(Unconfirmed::Lagging {
+                    acked,
+                    wanted: self.replicas,
+                }));
+            }
         }
-        let acked: u32 = redis::cmd("WAIT")
-            .arg(self.replicas)
-            .arg(u64::try_from(WAIT_TIMEOUT.as_millis()).unwrap_or(u64::MAX))
-            .query_async(conn)
-            .await?;
-        if acked >= self.replicas {
-            Ok(Ok(()))
-        } else {
-            Ok(Err(Lagging {
-                acked,
-                wanted: self.replicas,
-            }))
-        }
+        Ok(match self.target.doubt() {
+            Some(why) => Err(Unconfirmed::Doubt(why)),
+            None => Ok(()),
+        })
     }
 
     pub(crate) fn target(&self) -> &RedisTarget {
@@ -346,8 +402,10 @@ impl RedisConn {
     /// about to run on it: pass that to [`RedisConn::done`] with the command's result.
     pub(crate) async fn get(&self) -> Result<(Command<'_>, MultiplexedConnection), RedisError> {
         let mut current = self.current.lock().await;
-        if let (generation, Some(conn)) = &*current {
-            if self.broken.load(Ordering::Relaxed) != *generation {
+        // Read before connecting: a switch announced while connecting dials again next time.
+        let switches = self.target.switches();
+        if let (generation, Some(conn), made_at) = &*current {
+            if self.broken.load(Ordering::Relaxed) != *generation && *made_at == switches {
                 return Ok((self.command(*generation), conn.clone()));
             }
             current.1 = None;
@@ -357,6 +415,7 @@ impl RedisConn {
             Ok(conn) => {
                 current.0 += 1;
                 current.1 = Some(conn.clone());
+                current.2 = switches;
                 Ok((self.command(current.0), conn))
             }
             Err(e) => {

@@ -38,7 +38,7 @@ use tokio::sync::{mpsc, watch};
 use super::backend::{Acquired, Grant, GrantEvents, LeaseBackend, LeaseError};
 use super::shared::{self, new_lease_id, GrantFeed, Waiters, HEARTBEAT};
 use crate::config::RedisHa;
-use crate::conn::redis::{failure, Lagging, RedisConn, RedisTarget};
+use crate::conn::redis::{failure, RedisConn, RedisTarget, Unconfirmed};
 use crate::conn::BoxFuture;
 use crate::tls::ClientTls;
 
@@ -239,8 +239,8 @@ fn unavailable(e: redis::RedisError) -> LeaseError {
 
 /// Too few replicas acknowledged a grant in time: not granted as far as the caller knows
 /// (`503`); the counter did move on the primary, so no later grant repeats its token.
-fn lagging(lag: Lagging) -> LeaseError {
-    LeaseError::new(crate::conn::Failure::Timeout, lag.to_string())
+fn lagging(lag: Unconfirmed) -> LeaseError {
+    LeaseError::new(lag.failure(), lag.to_string())
 }
 
 fn parse_token(raw: &str) -> Result<u64, LeaseError> {

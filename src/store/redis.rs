@@ -37,7 +37,7 @@ use super::retention::{Freshness, MARK_SLACK};
 use super::shared::{Claimed, Owner, Remote};
 use super::{decide, StoreError, Verdict};
 use crate::config::{EqualTokens, RedisHa};
-use crate::conn::redis::{failure, Lagging, RedisConn, RedisTarget};
+use crate::conn::redis::{failure, RedisConn, RedisTarget, Unconfirmed};
 use crate::conn::BoxFuture;
 use crate::idempotency::{AttemptId, Begin, Claim, Record};
 use crate::tls::ClientTls;
@@ -260,8 +260,11 @@ fn unavailable(e: redis::RedisError) -> StoreError {
 
 /// Too few replicas acknowledged a write in time: not acknowledged (`503`), though the
 /// primary holds it (a raise that stays only makes later stale tokens fail).
-fn lagging(lag: Lagging) -> StoreError {
-    StoreError::Timeout(lag.to_string())
+fn lagging(lag: Unconfirmed) -> StoreError {
+    match lag.failure() {
+        crate::conn::Failure::Timeout => StoreError::Timeout(lag.to_string()),
+        _ => StoreError::Unreachable(lag.to_string()),
+    }
 }
 
 fn parse(raw: &str) -> Result<u64, StoreError> {

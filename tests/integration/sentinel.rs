@@ -429,3 +429,116 @@ async fn a_lease_renewal_or_grant_the_replicas_did_not_acknowledge_counts_for_no
         other => panic!("the refused grant still holds the resource: {other:?}"),
     }
 }
+
+/// A primary the Sentinels take for down while it still serves fencegate: the Sentinels' own
+/// `PING`s are refused (an ACL on their user; fencegate writes as another), so they fail it
+/// over while it stays a primary, reachable, with a replica attached until the Sentinels move
+/// it. `WAIT 1` alone acknowledges writes there that the promotion loses (the replica not yet
+/// moved acknowledges them). A writer runs throughout, each write a new resource (so a lost
+/// raise is not hidden by a later one): from the first Sentinel's `+sdown` on, fencegate
+/// acknowledges nothing on that primary (503, the detail naming the Sentinel),
+/// `+switch-master` moves it to the new primary without a broken connection (the old one
+/// never answers `READONLY`), and the new primary holds every admitted raise.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_primary_the_sentinels_take_for_down_acknowledges_nothing_until_the_switch() {
+    let topology = SentinelTopology::start().await;
+    let ports =
+        std::iter::once(topology.primary.port).chain(topology.replicas.iter().map(|r| r.port));
+    for port in ports {
+        let ok = redis_cli_at(
+            port,
+            &["ACL", "SETUSER", "fg", "on", ">pw", "~*", "&*", "+@all"],
+        )
+        .await;
+        assert_eq!(ok.trim(), "OK");
+    }
+    let up = Upstream::start().await;
+    let yaml = store_yaml(&topology, None).replace("redis://mymaster/", "redis://fg:pw@mymaster/");
+    assert!(yaml.contains("fg:pw@"), "{yaml}");
+    let a = fencegate(&up.url(), &yaml).await;
+    assert_eq!(put(&a, "0", "5").await.status, 200);
+
+    // The writer: token 5 on account 1, 2, 3, ..., one at a time, until told to stop.
+    let (stop, mut stopped) = tokio::sync::watch::channel(false);
+    let writer = {
+        let a = a.listen;
+        tokio::spawn(async move {
+            let mut answers = Vec::new();
+            let mut id = 1u64;
+            while !*stopped.borrow_and_update() {
+                let target = format!("http://{a}/accounts/{id}");
+                answers.push((
+                    id,
+                    send("PUT", &target, &[("fencing-token", "5")], "w").await,
+                ));
+                id += 1;
+            }
+            answers
+        })
+    };
+
+    let refused = redis_cli_at(
+        topology.primary.port,
+        &["ACL", "SETUSER", "default", "-ping"],
+    )
+    .await;
+    assert_eq!(refused.trim(), "OK");
+    let cut = Instant::now();
+    let promoted = topology.wait_promoted().await;
+    // Until a write is admitted after the promotion (the writer keeps writing meanwhile).
+    let before = up.seen().len();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while up.seen().len() == before {
+        assert!(
+            Instant::now() < deadline,
+            "nothing admitted after the promotion"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stop.send_replace(true);
+    let answers = writer.await.unwrap();
+
+    let mut admitted = std::collections::BTreeSet::new();
+    let mut doubted = 0;
+    for (id, reply) in &answers {
+        match reply.status.as_u16() {
+            200 => {
+                admitted.insert(*id);
+            }
+            503 => {
+                let body = reply.assert_problem(503, "urn:fencegate:store-unavailable");
+                let detail = body["detail"].as_str().unwrap_or_default();
+                doubted += usize::from(detail.contains("Sentinel"));
+            }
+            other => panic!("account {id}: {other} {}", reply.text()),
+        }
+    }
+    // What the new primary holds: the accounts with a maximum, each at 5.
+    let keys = redis_cli_at(promoted, &["KEYS", "*{account:*}:max"]).await;
+    let held: std::collections::BTreeSet<u64> = keys
+        .lines()
+        .filter_map(|k| k.split("{account:").nth(1)?.split('}').next()?.parse().ok())
+        .collect();
+    let lost: Vec<u64> = admitted.difference(&held).copied().collect();
+    println!(
+        "sentinel down-but-serving primary: {} writes in {}ms: admitted {}, refused in doubt \
+         {doubted}, admitted and lost {}",
+        answers.len(),
+        cut.elapsed().as_millis(),
+        admitted.len(),
+        lost.len()
+    );
+    assert!(
+        lost.is_empty(),
+        "{} acknowledged raises the failover lost, accounts {:?} to {:?}",
+        lost.len(),
+        lost.first(),
+        lost.last()
+    );
+    assert!(admitted.len() > 1, "writes were admitted before and after");
+    assert!(doubted > 0, "no write was refused for the Sentinels' doubt");
+    assert_eq!(
+        recorded(&a, &format!("account:{}", admitted.last().unwrap())).await,
+        Some(5)
+    );
+}
