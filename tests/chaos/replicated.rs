@@ -117,11 +117,16 @@ impl RedisProc {
     /// Starts a Sentinel watching the primary on `primary`.
     async fn spawn_sentinel(&mut self, primary: u16) -> Result<(), String> {
         let conf = self.dir.path().join("sentinel.conf");
+        // `FENCEGATE_CHAOS_DOWN_AFTER_MS` sets it shorter, to provoke back-to-back failovers.
+        let down_after: u64 = std::env::var("FENCEGATE_CHAOS_DOWN_AFTER_MS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(3000);
         std::fs::write(
             &conf,
             format!(
                 "sentinel monitor {MASTER} 127.0.0.1 {primary} 2\n\
-                 sentinel down-after-milliseconds {MASTER} 3000\n\
+                 sentinel down-after-milliseconds {MASTER} {down_after}\n\
                  sentinel failover-timeout {MASTER} 2000\n"
             ),
         )
@@ -189,7 +194,7 @@ impl Sentinels {
             s.spawn_sentinel(primary).await?;
         }
         let set = Sentinels { nodes, sentinels };
-        set.settled(primary).await?;
+        set.settled().await?;
         Ok(set)
     }
 
@@ -229,14 +234,14 @@ impl Sentinels {
             .map(|r| r.trim().to_owned())
     }
 
-    /// Waits until the Sentinels agree on the primary, it is one, both replicas replicate it
+    /// Waits until the Sentinels agree on a primary, it is one, both replicas replicate it
     /// (link up, online at the primary), and every Sentinel sees the primary, two healthy
     /// replicas and two other Sentinels: a next failover can be agreed and finds a replica.
-    async fn settled(&self, primary: u16) -> Result<(), String> {
+    /// The primary is whichever they agree on: a second failover right after the first (the
+    /// promoted node taken for down in turn) settles around the node it promoted.
+    async fn settled(&self) -> Result<(), String> {
         poll("the Sentinel topology settles", WAIT, || async move {
-            if self.named().await != Some(primary) {
-                return None;
-            }
+            let primary = self.named().await?;
             let info = redis_query::<String>(primary, &["INFO", "replication"]).await?;
             let online = info
                 .lines()
@@ -371,7 +376,8 @@ impl Sentinels {
     }
 
     /// Restarts the killed node as a replica of `primary` (as Sentinel would reconfigure it),
-    /// then waits until the topology has settled around `primary`.
+    /// then waits until the topology has settled (around `primary`, or the node a second
+    /// failover promoted).
     pub async fn rejoin(&mut self, old: u16, primary: u16) -> Result<(), String> {
         let node = self
             .nodes
@@ -379,7 +385,7 @@ impl Sentinels {
             .find(|n| n.port == old)
             .ok_or("no such node")?;
         node.spawn_node(Some(primary)).await?;
-        self.settled(primary).await
+        self.settled().await
     }
 }
 

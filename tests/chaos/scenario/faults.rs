@@ -783,7 +783,15 @@ pub(super) async fn failover(
         .filter(|c| c.resource.starts_with(&format!("account:f{group}x")))
         .max_by_key(|c| c.token);
     let mut stale = String::new();
-    if let Some(top) = top.filter(|c| c.token > 1) {
+    let top = top.filter(|c| c.token > 1);
+    // Without a committed token above 1 there is nothing stale to replay: the check is not
+    // skipped in silence.
+    note(
+        evidence,
+        &format!("a token above 1 was committed before {kind}, so a stale one can be replayed"),
+        top.is_some(),
+    );
+    if let Some(top) = top {
         let status = replay_answered(
             ctx,
             &top.writer,
