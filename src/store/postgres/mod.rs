@@ -33,6 +33,7 @@
 //! Connections come from `conn::postgres`, shared with the PostgreSQL lease backend;
 //! with the `tls` mapping, they are TLS only.
 
+mod admin;
 mod records;
 mod retention;
 
@@ -342,6 +343,10 @@ impl Remote for PostgresRemote {
                 })?;
             Ok(row.map(|r| r.get(0)))
         })
+    }
+
+    fn reset_generation(&self) -> BoxFuture<'_, Result<u64, StoreError>> {
+        Box::pin(self.read_resets())
     }
 
     fn unmark<'a>(&'a self, value: &'a str) -> BoxFuture<'a, Result<bool, StoreError>> {
