@@ -8,6 +8,7 @@ mod authority;
 mod concurrency;
 mod failover;
 mod fence;
+mod fences_cli;
 mod grants;
 mod grpc;
 mod hostile;
