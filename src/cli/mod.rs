@@ -2,6 +2,7 @@
 
 mod check;
 mod fences;
+mod leases;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -63,6 +64,11 @@ enum Command {
     Fences {
         #[command(subcommand)]
         command: FencesCommand,
+    },
+    /// Read the leases in a config's lease backend (`leases.backend`): holder, token, expiry.
+    Leases {
+        #[command(subcommand)]
+        command: LeasesCommand,
     },
     /// Add the fencegate sidecar to Kubernetes manifests (stdin or FILE to stdout).
     Inject {
@@ -149,7 +155,33 @@ enum FencesCommand {
     },
 }
 
-/// What every `fences` command takes.
+/// `fencegate leases …`.
+#[derive(Subcommand)]
+enum LeasesCommand {
+    /// Print the lease of RESOURCE: whether it is held, by whom, its token and expiry (or the
+    /// last grant's token when it is not held).
+    Get {
+        resource: String,
+        #[command(flatten)]
+        common: FencesArgs,
+    },
+    /// List the resources ever leased, in resource order, a page at a time.
+    List {
+        /// Only resources whose id starts with this.
+        #[arg(long, default_value = "")]
+        prefix: String,
+        /// Most resources in the page.
+        #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u64).range(1..=100_000))]
+        limit: u64,
+        /// Start after this resource: the `next` of the previous page.
+        #[arg(long, value_name = "CURSOR")]
+        after: Option<String>,
+        #[command(flatten)]
+        common: FencesArgs,
+    },
+}
+
+/// What every `fences` and `leases` command takes.
 #[derive(clap::Args)]
 struct FencesArgs {
     #[arg(long, short, env = "FENCEGATE_CONFIG")]
@@ -304,6 +336,7 @@ pub fn main() -> ExitCode {
         }
         Command::Demo => runtime(false).block_on(crate::demo::run()),
         Command::Fences { command } => runtime(false).block_on(fences_command(command)),
+        Command::Leases { command } => runtime(false).block_on(leases_command(command)),
         Command::Inject {
             file,
             classic,
@@ -482,6 +515,30 @@ async fn fences_command(command: FencesCommand) -> ExitCode {
                 yes,
             };
             fences::reset(&common.config, reset, common.output).await
+        }
+    }
+}
+
+async fn leases_command(command: LeasesCommand) -> ExitCode {
+    match command {
+        LeasesCommand::Get { resource, common } => {
+            leases::get(&common.config, &resource, common.output).await
+        }
+        LeasesCommand::List {
+            prefix,
+            limit,
+            after,
+            common,
+        } => {
+            let limit = usize::try_from(limit).unwrap_or(usize::MAX);
+            leases::list(
+                &common.config,
+                &prefix,
+                after.as_deref(),
+                limit,
+                common.output,
+            )
+            .await
         }
     }
 }

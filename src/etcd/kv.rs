@@ -313,6 +313,11 @@ impl KeyValue {
         self.lease
     }
 
+    /// The revision the key was created at.
+    pub fn create_revision(&self) -> i64 {
+        self.create_revision
+    }
+
     /// How many times the key was written since it was created (0: absent).
     pub fn version(&self) -> i64 {
         self.version

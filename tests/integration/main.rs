@@ -20,6 +20,7 @@ mod lease_acquiring;
 mod lease_agent;
 mod lease_e2e;
 mod leases;
+mod leases_cli;
 mod logs;
 mod process;
 mod proxy;
