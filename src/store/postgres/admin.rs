@@ -4,6 +4,8 @@
 //! kept until a raise), then the generation in `{prefix}_resets`, created by the first reset.
 //! Running fencegates read that row ([`crate::store::shared::resets`]).
 
+use std::sync::atomic::Ordering;
+
 use tokio_postgres::error::SqlState;
 use tokio_postgres::Row;
 
@@ -41,10 +43,25 @@ impl PostgresRemote {
         }
     }
 
-    /// The reset generation (0: no reset ever, or no table for it yet).
+    /// The reset generation (0: no reset ever, or no table for it yet). Until the table
+    /// exists this asks whether it does (`to_regclass`), not for its row: a statement on a
+    /// missing table would put an error in the server's log every second.
     pub(super) async fn read_resets(&self) -> Result<u64, StoreError> {
-        let sql = format!("SELECT generation FROM {}", self.resets_table());
-        let rows = self.rows(&sql, &[]).await?;
+        let table = self.resets_table();
+        if !self.resets_exist.load(Ordering::Relaxed) {
+            let client = self.pool.get().await.map_err(|e| self.failed(&e))?;
+            let row = client
+                .query_one("SELECT to_regclass($1) IS NOT NULL", &[&table])
+                .await
+                .map_err(|e| self.failed(&e))?;
+            if !row.get::<_, bool>(0) {
+                return Ok(0);
+            }
+            self.resets_exist.store(true, Ordering::Relaxed);
+        }
+        let rows = self
+            .rows(&format!("SELECT generation FROM {table}"), &[])
+            .await?;
         rows.first().map_or(Ok(0), |r| token_of(r.get(0)))
     }
 }

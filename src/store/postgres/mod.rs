@@ -71,6 +71,8 @@ pub struct PostgresRemote {
     last_purge: Mutex<Option<Instant>>,
     /// Forgetting maxima past `fence.retention` ([`retention`]).
     forget: Forget,
+    /// Whether the table of the reset generation was seen ([`admin`]).
+    resets_exist: std::sync::atomic::AtomicBool,
 }
 
 impl PostgresRemote {
@@ -105,6 +107,7 @@ impl PostgresRemote {
             records,
             marks,
             last_purge: Mutex::new(None),
+            resets_exist: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
