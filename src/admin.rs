@@ -1,4 +1,5 @@
-//! The admin listener: `/metrics`, `/healthz`, `/readyz`, `GET /v1/fences/{resource}`.
+//! The admin listener: `/metrics`, `/healthz`, `/readyz`, `GET /v1/fences/{resource}` (also
+//! at `/fences/{resource}`: read-only, like the rest).
 //!
 //! It runs on its own port so probes and scrapes answer even when the proxy port is saturated.
 //! Every path takes `GET` and `HEAD`; errors are problem+json, like the proxy's refusals.
@@ -19,6 +20,8 @@ use crate::store::FenceStore;
 
 /// The fence inspection API's path; the rest is a percent-encoded resource id.
 const FENCES: &str = "/v1/fences/";
+/// The same, without the version.
+const FENCES_UNVERSIONED: &str = "/fences/";
 /// What every admin path accepts.
 const METHODS: &[Method] = &[Method::GET, Method::HEAD];
 
@@ -52,9 +55,13 @@ impl Admin {
         let path = req.uri().path();
         let (known, encoded) = match path {
             "/metrics" | "/healthz" | "/readyz" => (path, None),
-            _ => match path.strip_prefix(FENCES) {
-                Some(encoded) => ("/v1/fences/{resource}", Some(encoded)),
-                None => return Ok(not_found(path)),
+            _ => match (
+                path.strip_prefix(FENCES),
+                path.strip_prefix(FENCES_UNVERSIONED),
+            ) {
+                (Some(encoded), _) => ("/v1/fences/{resource}", Some(encoded)),
+                (None, Some(encoded)) => ("/fences/{resource}", Some(encoded)),
+                (None, None) => return Ok(not_found(path)),
             },
         };
         if !METHODS.contains(req.method()) {
@@ -143,8 +150,8 @@ fn not_found(path: &str) -> Response<ProxyBody> {
         "urn:fencegate:not-found",
         "No such endpoint",
         format!(
-            "{path} is not an admin path: the admin listener serves /metrics, /healthz, /readyz \
-             and /v1/fences/{{resource}}"
+            "{path} is not an admin path: the admin listener serves /metrics, /healthz, /readyz, \
+             /v1/fences/{{resource}} and /fences/{{resource}}"
         ),
     )
     .response()

@@ -164,6 +164,8 @@ impl Server {
             store.forget_after(period)?;
         }
         let metrics = Arc::new(Metrics::new(prometheus::Registry::new())?);
+        let observing = Arc::clone(&store);
+        metrics.count_resets(move || observing.resets_observed())?;
         // One lease backend for the agent and, in authoritative mode, for the fence.
         let backend = match &config.leases {
             Some(leases) => Some(crate::lease::open(&leases.backend).await?),

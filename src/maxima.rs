@@ -15,10 +15,17 @@
 //! taken in half its share of other resources since the entry was last used. Dropping a
 //! generation frees its keys in one go (about 3,000 with the default capacity of 100,000) and
 //! keeps its table for the next young generation, so the cache allocates no table after warm-up.
+//!
+//! `fencegate fences reset` lowers a maximum in a shared store, which breaks "maxima never
+//! decrease" for every value cached before it: the store's follower of resets
+//! ([`crate::store::shared`]) then [`BoundedMaxima::clear`]s the cache. A value read before the
+//! clear but cached after it would bring the old maximum back, so [`BoundedMaxima::observe_in`]
+//! caches only values read since the last clear ([`BoundedMaxima::era`]).
 
 use std::collections::hash_map::RandomState;
 use std::collections::HashMap;
 use std::hash::BuildHasher;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 /// A cached maximum.
@@ -36,6 +43,8 @@ pub struct BoundedMaxima {
     /// Picks a resource's shard.
     pick: RandomState,
     capacity: usize,
+    /// How many times the cache was cleared ([`BoundedMaxima::clear`]).
+    era: AtomicU64,
 }
 
 /// Fewest entries per shard before the cache uses more than one shard.
@@ -100,6 +109,26 @@ impl Shard {
     }
 }
 
+/// A higher `value` replaces the cached one and is not exact; one at or below it changes nothing.
+fn lift(shard: &mut Shard, resource: &str, value: u64) {
+    match shard.find(resource) {
+        Some(cached) if cached.value >= value => {}
+        Some(cached) => {
+            *cached = Cached {
+                value,
+                exact: false,
+            }
+        }
+        None => shard.insert(
+            resource,
+            Cached {
+                value,
+                exact: false,
+            },
+        ),
+    }
+}
+
 impl BoundedMaxima {
     pub fn new(capacity: usize) -> Self {
         let shards = (capacity / MIN_SHARE).clamp(1, MAX_SHARDS);
@@ -116,6 +145,7 @@ impl BoundedMaxima {
                 .collect(),
             pick: RandomState::new(),
             capacity,
+            era: AtomicU64::new(0),
         }
     }
 
@@ -146,22 +176,7 @@ impl BoundedMaxima {
     /// and is not exact; a value at or below it changes nothing.
     pub fn observe(&self, resource: &str, value: u64) {
         let mut shard = self.shard(resource);
-        match shard.find(resource) {
-            Some(cached) if cached.value >= value => {}
-            Some(cached) => {
-                *cached = Cached {
-                    value,
-                    exact: false,
-                }
-            }
-            None => shard.insert(
-                resource,
-                Cached {
-                    value,
-                    exact: false,
-                },
-            ),
-        }
+        lift(&mut shard, resource, value);
     }
 
     /// Records that `value` is the maximum of `resource` now, exactly. Only the embedded
@@ -179,6 +194,34 @@ impl BoundedMaxima {
     pub fn unconfirm(&self, resource: &str) {
         if let Some(cached) = self.shard(resource).peek(resource) {
             cached.exact = false;
+        }
+    }
+
+    /// The cache's era: take it before asking the store, and give it to
+    /// [`BoundedMaxima::observe_in`] with the answer.
+    pub fn era(&self) -> u64 {
+        self.era.load(Ordering::SeqCst)
+    }
+
+    /// [`BoundedMaxima::observe`] for a value read in `era`: nothing if the cache was cleared
+    /// since (the value may predate a reset).
+    pub fn observe_in(&self, era: u64, resource: &str, value: u64) {
+        let mut shard = self.shard(resource);
+        // Checked under the shard's lock: a clear moves the era before it takes each shard's
+        // lock, so a value cached here is either still of the current era or cleared after.
+        if self.era.load(Ordering::SeqCst) != era {
+            return;
+        }
+        lift(&mut shard, resource, value);
+    }
+
+    /// Forgets every cached value (a maximum was reset in the store) and starts a new era.
+    pub fn clear(&self) {
+        self.era.fetch_add(1, Ordering::SeqCst);
+        for shard in self.shards.iter() {
+            let mut shard = shard.lock().unwrap_or_else(PoisonError::into_inner);
+            shard.young.clear();
+            shard.old.clear();
         }
     }
 
@@ -216,6 +259,20 @@ impl BoundedMaxima {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_value_read_before_a_clear_is_not_cached_after_it() {
+        let c = BoundedMaxima::new(16);
+        let before = c.era();
+        c.observe_in(before, "a", 9);
+        assert_eq!(c.get("a"), Some(9));
+        c.clear();
+        assert_eq!(c.get("a"), None);
+        c.observe_in(before, "a", 9);
+        assert_eq!(c.get("a"), None);
+        c.observe_in(c.era(), "a", 4);
+        assert_eq!(c.get("a"), Some(4));
+    }
 
     #[test]
     fn cache_is_bounded_and_only_rises() {

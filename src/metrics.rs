@@ -424,6 +424,17 @@ impl Metrics {
         }
     }
 
+    /// Registers `fencegate_fence_resets_total`, read from `observed` at each scrape: the
+    /// resets of maxima (`fencegate fences reset`, run elsewhere) this fencegate saw in its
+    /// store.
+    pub fn count_resets(
+        &self,
+        observed: impl Fn() -> u64 + Send + Sync + 'static,
+    ) -> prometheus::Result<()> {
+        self.registry
+            .register(Box::new(ResetsCollector::new(observed)?))
+    }
+
     /// The text exposition format.
     pub fn render(&self) -> String {
         let mut out = String::new();
@@ -432,6 +443,41 @@ impl Metrics {
             out = format!("# encoding failed: {e}\n");
         }
         out
+    }
+}
+
+/// `fencegate_fence_resets_total`, a counter the store keeps ([`Metrics::count_resets`]).
+struct ResetsCollector {
+    counter: IntCounter,
+    observed: Box<dyn Fn() -> u64 + Send + Sync>,
+}
+
+impl ResetsCollector {
+    fn new(observed: impl Fn() -> u64 + Send + Sync + 'static) -> prometheus::Result<Self> {
+        Ok(ResetsCollector {
+            counter: IntCounter::new(
+                "fencegate_fence_resets_total",
+                "Resets of recorded maxima (fencegate fences reset) this fencegate saw in its \
+                 shared store; each one cleared its cache of maxima.",
+            )?,
+            observed: Box::new(observed),
+        })
+    }
+}
+
+impl prometheus::core::Collector for ResetsCollector {
+    fn desc(&self) -> Vec<&prometheus::core::Desc> {
+        self.counter.desc()
+    }
+
+    fn collect(&self) -> Vec<prometheus::proto::MetricFamily> {
+        // The store's count only grows: the counter follows it.
+        let observed = (self.observed)();
+        let counted = self.counter.get();
+        if observed > counted {
+            self.counter.inc_by(observed - counted);
+        }
+        self.counter.collect()
     }
 }
 

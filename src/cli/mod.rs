@@ -1,6 +1,8 @@
 //! The command line (README.md, Commands). Exit codes: 0 ok, 1 invalid config or failure, 2 usage error.
 
 mod check;
+mod fences;
+mod leases;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -57,6 +59,17 @@ enum Command {
     },
     /// Walk through the slow-writer scenario in one process, no external services.
     Demo,
+    /// Inspect and repair the recorded maxima in a config's store (exit 0 done, 1 failed or
+    /// not confirmed, 2 usage).
+    Fences {
+        #[command(subcommand)]
+        command: FencesCommand,
+    },
+    /// Read the leases in a config's lease backend (`leases.backend`): holder, token, expiry.
+    Leases {
+        #[command(subcommand)]
+        command: LeasesCommand,
+    },
     /// Add the fencegate sidecar to Kubernetes manifests (stdin or FILE to stdout).
     Inject {
         /// Manifests to read (`-` or absent: standard input).
@@ -92,6 +105,89 @@ enum Command {
         #[command(flatten)]
         sidecar: SidecarArgs,
     },
+}
+
+/// `fencegate fences …`.
+#[derive(Subcommand)]
+enum FencesCommand {
+    /// Print the recorded maximum of RESOURCE and what else the store knows of it (exit 0
+    /// also when nothing is recorded: it says so, `"max_token": null` in JSON).
+    Get {
+        resource: String,
+        #[command(flatten)]
+        common: FencesArgs,
+    },
+    /// List recorded maxima in resource order, a page at a time.
+    List {
+        /// Only resources whose id starts with this.
+        #[arg(long, default_value = "")]
+        prefix: String,
+        /// Most resources in the page.
+        #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u64).range(1..=100_000))]
+        limit: u64,
+        /// Start after this resource: the `next` of the previous page.
+        #[arg(long, value_name = "CURSOR")]
+        after: Option<String>,
+        #[command(flatten)]
+        common: FencesArgs,
+    },
+    /// Break-glass: set the maximum of RESOURCE (or of every resource under --all-under) to
+    /// --to, lower or higher. Asks on the terminal unless --yes; refuses without either.
+    /// Running fencegates on a shared store drop their cached maxima within a second.
+    Reset {
+        #[arg(required_unless_present = "all_under", conflicts_with = "all_under")]
+        resource: Option<String>,
+        /// Reset every recorded maximum whose resource id starts with PREFIX (a token-space
+        /// restart: the tokens' issuer starts over).
+        #[arg(long, value_name = "PREFIX")]
+        all_under: Option<String>,
+        /// The new maximum (a token: at most 2^63-1).
+        #[arg(long, value_parser = clap::value_parser!(u64).range(0..=i64::MAX as u64))]
+        to: u64,
+        /// Why, for the audit line (logged with who ran it, before and after).
+        #[arg(long)]
+        reason: String,
+        /// Do not ask for confirmation.
+        #[arg(long)]
+        yes: bool,
+        #[command(flatten)]
+        common: FencesArgs,
+    },
+}
+
+/// `fencegate leases …`.
+#[derive(Subcommand)]
+enum LeasesCommand {
+    /// Print the lease of RESOURCE: whether it is held, by whom, its token and expiry (or the
+    /// last grant's token when it is not held).
+    Get {
+        resource: String,
+        #[command(flatten)]
+        common: FencesArgs,
+    },
+    /// List the resources ever leased, in resource order, a page at a time.
+    List {
+        /// Only resources whose id starts with this.
+        #[arg(long, default_value = "")]
+        prefix: String,
+        /// Most resources in the page.
+        #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u64).range(1..=100_000))]
+        limit: u64,
+        /// Start after this resource: the `next` of the previous page.
+        #[arg(long, value_name = "CURSOR")]
+        after: Option<String>,
+        #[command(flatten)]
+        common: FencesArgs,
+    },
+}
+
+/// What every `fences` and `leases` command takes.
+#[derive(clap::Args)]
+struct FencesArgs {
+    #[arg(long, short, env = "FENCEGATE_CONFIG")]
+    config: PathBuf,
+    #[arg(long, value_enum, default_value = "table")]
+    output: fences::Output,
 }
 
 /// What `inject` and `webhook` know of the sidecar config, for the pods that mount it.
@@ -239,6 +335,8 @@ pub fn main() -> ExitCode {
             runtime(embedded).block_on(run(config, path))
         }
         Command::Demo => runtime(false).block_on(crate::demo::run()),
+        Command::Fences { command } => runtime(false).block_on(fences_command(command)),
+        Command::Leases { command } => runtime(false).block_on(leases_command(command)),
         Command::Inject {
             file,
             classic,
@@ -374,6 +472,75 @@ fn runtime(embedded_store: bool) -> tokio::runtime::Runtime {
         .enable_all()
         .build()
         .expect("cannot start the async runtime")
+}
+
+async fn fences_command(command: FencesCommand) -> ExitCode {
+    match command {
+        FencesCommand::Get { resource, common } => {
+            fences::get(&common.config, &resource, common.output).await
+        }
+        FencesCommand::List {
+            prefix,
+            limit,
+            after,
+            common,
+        } => {
+            let limit = usize::try_from(limit).unwrap_or(usize::MAX);
+            fences::list(
+                &common.config,
+                &prefix,
+                after.as_deref(),
+                limit,
+                common.output,
+            )
+            .await
+        }
+        FencesCommand::Reset {
+            resource,
+            all_under,
+            to,
+            reason,
+            yes,
+            common,
+        } => {
+            let target = match (resource, all_under) {
+                (_, Some(prefix)) => fences::Target::AllUnder(prefix),
+                (Some(resource), None) => fences::Target::One(resource),
+                (None, None) => unreachable!("clap requires one"),
+            };
+            let reset = fences::Reset {
+                target,
+                to,
+                reason,
+                yes,
+            };
+            fences::reset(&common.config, reset, common.output).await
+        }
+    }
+}
+
+async fn leases_command(command: LeasesCommand) -> ExitCode {
+    match command {
+        LeasesCommand::Get { resource, common } => {
+            leases::get(&common.config, &resource, common.output).await
+        }
+        LeasesCommand::List {
+            prefix,
+            limit,
+            after,
+            common,
+        } => {
+            let limit = usize::try_from(limit).unwrap_or(usize::MAX);
+            leases::list(
+                &common.config,
+                &prefix,
+                after.as_deref(),
+                limit,
+                common.output,
+            )
+            .await
+        }
+    }
 }
 
 async fn run(config: Config, path: PathBuf) -> ExitCode {

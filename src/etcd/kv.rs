@@ -37,6 +37,27 @@ impl KvClient {
         .await
     }
 
+    /// Up to `limit` keys from `key` (included) to `range_end` (excluded), in key order
+    /// (etcd's default); `limit` 0: all of them.
+    pub async fn range(
+        &mut self,
+        key: impl Into<Vec<u8>>,
+        range_end: impl Into<Vec<u8>>,
+        limit: i64,
+    ) -> Result<RangeResponse, Error> {
+        let request = RangeRequest {
+            key: key.into(),
+            range_end: range_end.into(),
+            limit,
+            ..RangeRequest::default()
+        };
+        retry_unauthenticated(self.auth.as_deref(), request, |request| {
+            let mut inner = self.inner.clone();
+            async move { Ok(inner.range(request).await?.into_inner()) }
+        })
+        .await
+    }
+
     pub async fn txn(&mut self, txn: Txn) -> Result<TxnResponse, Error> {
         retry_unauthenticated(self.auth.as_deref(), txn.request, |request| {
             let mut inner = self.inner.clone();
@@ -290,6 +311,20 @@ impl KeyValue {
     /// The lease the key is attached to (0: none).
     pub fn lease(&self) -> i64 {
         self.lease
+    }
+
+    /// The revision the key was created at.
+    pub fn create_revision(&self) -> i64 {
+        self.create_revision
+    }
+
+    /// How many times the key was written since it was created (0: absent).
+    pub fn version(&self) -> i64 {
+        self.version
+    }
+
+    pub fn key(&self) -> &[u8] {
+        &self.key
     }
 }
 

@@ -61,6 +61,7 @@ use crate::tls::ClientTls;
 
 pub use kv::{Compare, CompareOp, GetOptions, KvClient, PutOptions, Txn, TxnOp, TxnOpResponse};
 pub use lease::{LeaseClient, LeaseTimeToLiveOptions};
+pub use pb::mvccpb::KeyValue;
 pub use watch::{EventType, WatchClient, WatchFilterType, WatchOptions};
 
 /// How long a token is used before authenticating again.

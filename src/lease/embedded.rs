@@ -18,6 +18,9 @@
 //! commit and before `try_acquire` returns (and so is an acquisition that failed with an error,
 //! since a failed commit may still have reached the disk).
 
+mod admin;
+pub use admin::EmbeddedLeasesAdmin;
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};

@@ -32,6 +32,8 @@
 //! leaves a progress request unanswered for a heartbeat counts as lost (`Lost`), and the watch
 //! is created again every half second until etcd answers.
 
+mod admin;
+
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 

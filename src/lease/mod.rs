@@ -8,6 +8,7 @@
 //! Authoritative fencing reads the latest grant through [`grants::GrantCache`], kept current
 //! by the backends' grant events.
 
+pub mod admin;
 pub mod agent;
 pub mod api;
 pub mod backend;
@@ -54,6 +55,38 @@ pub async fn open(config: &BackendConfig) -> Result<Arc<dyn LeaseBackend>, Lease
             Ok(Arc::new(leases))
         }
         BackendConfig::Etcd(remote) => Ok(Arc::new(
+            etcd::EtcdLeases::connect(remote.url.expose(), &remote.prefix, tls(remote, &[b"h2"])?)
+                .await?,
+        )),
+    }
+}
+
+/// Opens the backend a config names for `fencegate leases` ([`admin`]): it only reads, and
+/// starts nothing (no event subscription, no table set-up, no start-up check).
+pub async fn open_for_admin(
+    config: &BackendConfig,
+) -> Result<Box<dyn admin::InspectLeases>, LeaseError> {
+    let tls = |remote, alpn| {
+        crate::tls::ClientTls::for_remote(remote, "leases.backend.tls", alpn)
+            .map_err(|e| LeaseError::Config(e.to_string()))
+    };
+    match config {
+        BackendConfig::Embedded { path, prefix } => {
+            Ok(Box::new(embedded::EmbeddedLeasesAdmin::new(path, prefix)))
+        }
+        BackendConfig::Redis(remote) => Ok(Box::new(redis::RedisLeases::new(
+            remote.url.expose(),
+            &remote.prefix,
+            tls(remote, &[])?,
+            &remote.redis,
+        )?)),
+        BackendConfig::Postgres(remote) => Ok(Box::new(postgres::PostgresLeases::new(
+            remote.url.expose(),
+            &remote.prefix,
+            tls(remote, &[])?,
+            remote.replicas,
+        )?)),
+        BackendConfig::Etcd(remote) => Ok(Box::new(
             etcd::EtcdLeases::connect(remote.url.expose(), &remote.prefix, tls(remote, &[b"h2"])?)
                 .await?,
         )),

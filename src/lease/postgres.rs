@@ -23,6 +23,8 @@
 //! reconnects after a second (`Live` once it listens again); releases in that gap are left to
 //! backoff.
 
+mod admin;
+
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 

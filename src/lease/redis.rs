@@ -29,6 +29,8 @@
 //! `tls` mapping's files as they are at each new connection); when connecting starts failing,
 //! one line says why, and one more when it works again.
 
+mod admin;
+
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 

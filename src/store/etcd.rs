@@ -16,6 +16,8 @@
 //! one transaction guarded by their `mod_revision`s as read (0: absent); when another writer
 //! got in between, it starts over from the read, a bounded number of times.
 
+mod admin;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -370,6 +372,10 @@ impl Remote for EtcdRemote {
 
     fn kind(&self) -> &'static str {
         "etcd"
+    }
+
+    fn reset_generation(&self) -> BoxFuture<'_, Result<u64, StoreError>> {
+        Box::pin(self.read_resets())
     }
 }
 

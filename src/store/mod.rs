@@ -2,6 +2,7 @@
 //! compare-and-raise; the decision itself is the pure [`decide`] (in [`crate::fence::verdict`]),
 //! shared by all of them.
 
+pub mod admin;
 mod embedded;
 mod error;
 mod etcd;
@@ -56,6 +57,12 @@ pub trait FenceStore: Send + Sync + 'static {
     fn healthy(&self) -> bool;
 
     fn kind(&self) -> &'static str;
+
+    /// How many resets of maxima (`fencegate fences reset`) this process has seen in the
+    /// store since it opened it ([`shared::resets`]); 0 for stores only this process writes.
+    fn resets_observed(&self) -> u64 {
+        0
+    }
 
     /// Starts forgetting each maximum not raised for `period` (`fence.retention`, which the
     /// config allows only with `fence.authority: leases` and on the stores that implement
@@ -172,6 +179,51 @@ pub async fn open_with_clock(
                 *cache_size,
                 clock,
             )))
+        }
+    }
+}
+
+/// Opens the store a config names for `fencegate fences` ([`admin`]): connects (lazily, like
+/// [`open`]) and starts no background task: no probe, no retention check, no follower of
+/// resets, so it writes nothing but what [`admin::Inspect::reset`] writes. The memory store
+/// lives in the process that runs it: there is nothing to open.
+pub async fn open_for_admin(config: &StoreConfig) -> Result<Box<dyn admin::Inspect>, StoreError> {
+    let tls = |remote, alpn| {
+        crate::tls::ClientTls::for_remote(remote, "store.tls", alpn)
+            .map_err(|e| StoreError::Config(e.to_string()))
+    };
+    match config {
+        StoreConfig::Memory => Err(StoreError::Config(
+            "the memory store lives inside the fencegate that uses it: nothing to inspect from \
+             outside"
+                .into(),
+        )),
+        StoreConfig::Embedded { path, prefix, .. } => {
+            Ok(Box::new(embedded::EmbeddedAdmin::new(path, prefix)))
+        }
+        StoreConfig::Redis { remote, .. } => {
+            let tls = tls(remote, &[])?;
+            Ok(Box::new(self::redis::RedisRemote::new(
+                remote.url.expose(),
+                &remote.prefix,
+                tls,
+                &remote.redis,
+            )?))
+        }
+        StoreConfig::Postgres { remote, .. } => {
+            let tls = tls(remote, &[])?;
+            Ok(Box::new(self::postgres::PostgresRemote::new(
+                remote.url.expose(),
+                &remote.prefix,
+                tls,
+                remote.replicas,
+            )?))
+        }
+        StoreConfig::Etcd { remote, .. } => {
+            let tls = tls(remote, &[b"h2"])?;
+            Ok(Box::new(
+                self::etcd::EtcdRemote::connect(remote.url.expose(), &remote.prefix, tls).await?,
+            ))
         }
     }
 }

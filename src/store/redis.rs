@@ -27,6 +27,8 @@
 //!
 //! Connections are fencegate's own (`conn::redis`), shared with the Redis lease backend.
 
+mod admin;
+
 use redis::Script;
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -560,6 +562,10 @@ impl Remote for RedisRemote {
                 .await
                 .map_err(|e| unavailable(e).with_context(&format!("reading the mark {key}")))
         })
+    }
+
+    fn reset_generation(&self) -> BoxFuture<'_, Result<u64, StoreError>> {
+        Box::pin(self.read_resets())
     }
 
     fn unmark<'a>(&'a self, value: &'a str) -> BoxFuture<'a, Result<bool, StoreError>> {

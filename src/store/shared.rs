@@ -15,6 +15,7 @@
 //! The first sighting is no earlier than the attempt's start, so the takeover is never early,
 //! whatever any wall clock does.
 
+pub mod resets;
 pub mod retention;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
@@ -127,6 +128,12 @@ pub trait Remote: Send + Sync + 'static {
     fn mark<'a>(&'a self, value: &'a str) -> BoxFuture<'a, Result<(), StoreError>> {
         let _ = value;
         Box::pin(std::future::ready(Err(super::cannot_forget(self.kind()))))
+    }
+
+    /// The store's reset generation ([`resets`]): how many times `fencegate fences reset`
+    /// changed a maximum here (0: never).
+    fn reset_generation(&self) -> BoxFuture<'_, Result<u64, StoreError>> {
+        Box::pin(std::future::ready(Ok(0)))
     }
 
     /// The mark's value, if a run with retention left one.
@@ -253,7 +260,8 @@ impl Sighting {
 
 pub struct SharedStore<R: Remote> {
     remote: Arc<R>,
-    cache: BoundedMaxima,
+    /// Shared with the follower of resets, which clears it.
+    cache: Arc<BoundedMaxima>,
     sightings: InFlightSightings,
     clock: Clock,
     health: Arc<Health>,
@@ -263,6 +271,10 @@ pub struct SharedStore<R: Remote> {
     guard: Arc<Guard>,
     /// The guard's checks; stopped when the store is dropped.
     checks: Option<tokio::task::JoinHandle<()>>,
+    /// Resets seen by `follow`.
+    resets: Arc<resets::Resets>,
+    /// Follows the store's reset generation ([`resets`]); stopped when the store is dropped.
+    follow: tokio::task::JoinHandle<()>,
 }
 
 /// Probe cadence: every `HEALTHY_PROBE` while healthy; from `MIN_BACKOFF` doubling to
@@ -288,15 +300,24 @@ impl<R: Remote> SharedStore<R> {
         let checks = remote
             .forgets()
             .then(|| tokio::spawn(Arc::clone(&guard).run(Arc::clone(&remote))));
+        let cache = Arc::new(BoundedMaxima::new(cache_capacity));
+        let seen = Arc::new(resets::Resets::default());
+        let follow = tokio::spawn(resets::follow(
+            Arc::clone(&remote),
+            Arc::clone(&cache),
+            Arc::clone(&seen),
+        ));
         SharedStore {
             remote,
-            cache: BoundedMaxima::new(cache_capacity),
+            cache,
             sightings: InFlightSightings::new(SIGHTINGS),
             clock,
             health,
             probe,
             guard,
             checks,
+            resets: seen,
+            follow,
         }
     }
 
@@ -351,6 +372,7 @@ impl Health {
 impl<R: Remote> Drop for SharedStore<R> {
     fn drop(&mut self) {
         self.probe.abort();
+        self.follow.abort();
         if let Some(checks) = &self.checks {
             checks.abort();
         }
@@ -396,11 +418,12 @@ impl<R: Remote> FenceStore for SharedStore<R> {
         }
         Box::pin(async move {
             self.guard.admit().await?;
+            let era = self.cache.era();
             let result = self.remote.raise(resource, token, equal).await;
             self.record(&result);
             match &result {
-                Ok(Verdict::Admitted { .. }) => self.cache.observe(resource, token),
-                Ok(Verdict::Stale { current }) => self.cache.observe(resource, *current),
+                Ok(Verdict::Admitted { .. }) => self.cache.observe_in(era, resource, token),
+                Ok(Verdict::Stale { current }) => self.cache.observe_in(era, resource, *current),
                 Err(_) => {}
             }
             result
@@ -430,6 +453,7 @@ impl<R: Remote> FenceStore for SharedStore<R> {
             self.guard.admit().await?;
             let record = super::record_key(resource, key);
             let takeover = self.sightings.takeover(&record, (self.clock)());
+            let era = self.cache.era();
             let result = self
                 .remote
                 .begin_idempotent(resource, key, claim, takeover)
@@ -458,8 +482,8 @@ impl<R: Remote> FenceStore for SharedStore<R> {
                 );
             }
             match &begin {
-                Begin::Execute { .. } => self.cache.observe(resource, claim.token),
-                Begin::Stale { current } => self.cache.observe(resource, *current),
+                Begin::Execute { .. } => self.cache.observe_in(era, resource, claim.token),
+                Begin::Stale { current } => self.cache.observe_in(era, resource, *current),
                 _ => {}
             }
             Ok(begin)
@@ -491,6 +515,10 @@ impl<R: Remote> FenceStore for SharedStore<R> {
 
     fn kind(&self) -> &'static str {
         self.remote.kind()
+    }
+
+    fn resets_observed(&self) -> u64 {
+        self.resets.observed()
     }
 }
 

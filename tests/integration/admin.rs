@@ -122,7 +122,7 @@ async fn admin_errors_are_problems_and_405_names_get_and_head() {
             &send(method, &format!("{admin}/nothing"), &[], "").await,
             404,
             &[problem],
-            r#"{"type":"urn:fencegate:not-found","title":"No such endpoint","status":404,"detail":"/nothing is not an admin path: the admin listener serves /metrics, /healthz, /readyz and /v1/fences/{resource}"}"#,
+            r#"{"type":"urn:fencegate:not-found","title":"No such endpoint","status":404,"detail":"/nothing is not an admin path: the admin listener serves /metrics, /healthz, /readyz, /v1/fences/{resource} and /fences/{resource}"}"#,
         );
     }
     for (path, detail) in [

@@ -551,6 +551,8 @@ impl Names {
     }
 }
 
+mod admin;
+pub use admin::EmbeddedAdmin;
 mod park;
 #[cfg(test)]
 mod properties;

@@ -33,6 +33,7 @@
 //! Connections come from `conn::postgres`, shared with the PostgreSQL lease backend;
 //! with the `tls` mapping, they are TLS only.
 
+mod admin;
 mod records;
 mod retention;
 
@@ -70,6 +71,8 @@ pub struct PostgresRemote {
     last_purge: Mutex<Option<Instant>>,
     /// Forgetting maxima past `fence.retention` ([`retention`]).
     forget: Forget,
+    /// Whether the table of the reset generation was seen ([`admin`]).
+    resets_exist: std::sync::atomic::AtomicBool,
 }
 
 impl PostgresRemote {
@@ -104,6 +107,7 @@ impl PostgresRemote {
             records,
             marks,
             last_purge: Mutex::new(None),
+            resets_exist: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -342,6 +346,10 @@ impl Remote for PostgresRemote {
                 })?;
             Ok(row.map(|r| r.get(0)))
         })
+    }
+
+    fn reset_generation(&self) -> BoxFuture<'_, Result<u64, StoreError>> {
+        Box::pin(self.read_resets())
     }
 
     fn unmark<'a>(&'a self, value: &'a str) -> BoxFuture<'a, Result<bool, StoreError>> {

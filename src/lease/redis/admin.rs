@@ -1,0 +1,128 @@
+//! `fencegate leases` on Redis: the lease key (`<lease_id>|<token>|<holder>`, with its expiry)
+//! and the token counter, which every resource ever leased has; a list `SCAN`s the counters
+//! under the prefix and sorts them.
+
+use super::{parse_token, unavailable, RedisLeases};
+use crate::conn::BoxFuture;
+use crate::lease::admin::{page_of, InspectLeases, Lease, LeasePage};
+use crate::lease::LeaseError;
+
+/// Keys a `SCAN` step asks for.
+const SCAN_BATCH: usize = 1000;
+
+impl RedisLeases {
+    async fn read(&self, resources: &[String]) -> Result<Vec<Lease>, LeaseError> {
+        if resources.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut pipe = redis::pipe();
+        for resource in resources {
+            let lease = self.key(resource, "lease");
+            pipe.cmd("GET")
+                .arg(&lease)
+                .cmd("PTTL")
+                .arg(&lease)
+                .cmd("GET")
+                .arg(self.key(resource, "token"));
+        }
+        let (generation, mut conn) = self.conn.get().await.map_err(unavailable)?;
+        let result = pipe.query_async(&mut conn).await;
+        let replies: Vec<(Option<String>, i64, Option<String>)> = self
+            .conn
+            .done(generation, result)
+            .await
+            .map_err(unavailable)?;
+        resources
+            .iter()
+            .zip(replies)
+            .map(|(resource, (lease, ttl, counter))| {
+                let counter = counter.as_deref().map(parse_token).transpose()?;
+                let Some(lease) = lease else {
+                    return Ok(Lease::free(resource, counter));
+                };
+                // The holder is last, so it may contain `|`.
+                let mut parts = lease.splitn(3, '|');
+                let (Some(id), Some(token), Some(holder)) =
+                    (parts.next(), parts.next(), parts.next())
+                else {
+                    return Err(LeaseError::Corrupt(format!(
+                        "redis holds a malformed lease `{lease}`"
+                    )));
+                };
+                Ok(Lease {
+                    resource: resource.clone(),
+                    held: true,
+                    holder: Some(holder.to_owned()),
+                    lease_id: Some(id.to_owned()),
+                    token: Some(parse_token(token)?),
+                    expires_in_ms: u64::try_from(ttl).ok(),
+                })
+            })
+            .collect()
+    }
+}
+
+/// `s` with Redis glob characters escaped, for `SCAN MATCH`.
+fn glob_escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
+impl InspectLeases for RedisLeases {
+    fn kind(&self) -> &'static str {
+        "redis"
+    }
+
+    fn lease<'a>(&'a self, resource: &'a str) -> BoxFuture<'a, Result<Lease, LeaseError>> {
+        Box::pin(async move {
+            let mut leases = self.read(&[resource.to_owned()]).await?;
+            Ok(leases.pop().unwrap_or_else(|| Lease::free(resource, None)))
+        })
+    }
+
+    fn list<'a>(
+        &'a self,
+        prefix: &'a str,
+        after: Option<&'a str>,
+        limit: usize,
+    ) -> BoxFuture<'a, Result<LeasePage, LeaseError>> {
+        Box::pin(async move {
+            let pattern = format!("{}:{{{}*}}:token", self.prefix, glob_escape(prefix));
+            let head = format!("{}:{{", self.prefix);
+            let mut resources = Vec::new();
+            let mut cursor: u64 = 0;
+            loop {
+                let (generation, mut conn) = self.conn.get().await.map_err(unavailable)?;
+                let result = redis::cmd("SCAN")
+                    .arg(cursor)
+                    .arg("MATCH")
+                    .arg(&pattern)
+                    .arg("COUNT")
+                    .arg(SCAN_BATCH)
+                    .query_async(&mut conn)
+                    .await;
+                let (next, keys): (u64, Vec<String>) = self
+                    .conn
+                    .done(generation, result)
+                    .await
+                    .map_err(unavailable)?;
+                resources.extend(keys.iter().filter_map(|k| {
+                    let r = k.strip_prefix(&head)?.strip_suffix("}:token")?;
+                    r.starts_with(prefix).then(|| r.to_owned())
+                }));
+                if next == 0 {
+                    break;
+                }
+                cursor = next;
+            }
+            let resources = page_of(resources, after, limit);
+            Ok(LeasePage::of(self.read(&resources).await?, limit))
+        })
+    }
+}
