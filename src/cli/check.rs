@@ -16,6 +16,7 @@ pub(super) fn command(config: &Path) -> ExitCode {
             }
             let mut out = String::new();
             out.push_str(&format!("# {}: valid\n", config.display()));
+            out.push_str(&format!("# token.max_step: {}\n", max_step(&c)));
             if let Some(leases) = &c.leases {
                 let ttl = &leases.ttl;
                 out.push_str(&format!(
@@ -53,6 +54,21 @@ pub(super) fn command(config: &Path) -> ExitCode {
             eprintln!("error: {e}");
             ExitCode::from(1)
         }
+    }
+}
+
+/// What `token.max_step` does with this config, in words (the YAML below shows the value).
+fn max_step(c: &Config) -> String {
+    use crate::config::Authority;
+    match (c.fence.authority, c.token.max_step.get()) {
+        (Authority::Leases, _) => "not applied: with fence.authority: leases a token above the \
+                                   latest grant is refused as unissued"
+            .into(),
+        (Authority::None, None) => "off: any token above the recorded maximum is admitted".into(),
+        (Authority::None, Some(step)) => format!(
+            "a token more than {step} above the recorded maximum (or above {step} for a \
+             resource with none) is refused"
+        ),
     }
 }
 

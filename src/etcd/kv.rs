@@ -169,6 +169,7 @@ impl TxnOp {
 pub enum CompareOp {
     Equal,
     Less,
+    Greater,
 }
 
 /// A comparison of a key's target with a value, guarding a transaction.
@@ -180,6 +181,7 @@ impl Compare {
         let result = match op {
             CompareOp::Equal => compare::CompareResult::Equal,
             CompareOp::Less => compare::CompareResult::Less,
+            CompareOp::Greater => compare::CompareResult::Greater,
         };
         let kind = match target {
             compare::TargetUnion::Version(_) => compare::CompareTarget::Version,
