@@ -20,6 +20,7 @@ mod lease_agent;
 mod lease_e2e;
 mod leases;
 mod logs;
+mod poison;
 mod process;
 mod proxy;
 mod retention;
