@@ -118,3 +118,38 @@ fn check(path: &Path) -> Result<Config, CheckError> {
     })?;
     Ok(config)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_max_step_line_says_what_the_ceiling_does() {
+        let line = |extra: &str| {
+            let yaml = format!("upstream: http://a:1\nstore: {{ kind: memory }}\n{extra}");
+            max_step(&Config::parse(&yaml).unwrap())
+        };
+        assert_eq!(
+            line(""),
+            "a token more than 1099511627776 above the recorded maximum (or above \
+             1099511627776 for a resource with none) is refused"
+        );
+        assert_eq!(
+            line("token: { max_step: 10 }\n"),
+            "a token more than 10 above the recorded maximum (or above 10 for a resource with \
+             none) is refused"
+        );
+        assert_eq!(
+            line("token: { max_step: off }\n"),
+            "off: any token above the recorded maximum is admitted"
+        );
+        assert_eq!(
+            line(
+                "token: { max_step: 10 }\nfence: { authority: leases }\nleases: { backend: { kind: \
+                 embedded, path: /tmp/unused.db }, ttl: 5s }\n"
+            ),
+            "not applied: with fence.authority: leases a token above the latest grant is refused \
+             as unissued"
+        );
+    }
+}
