@@ -132,18 +132,18 @@ fn store(c: &mut Criterion) {
     let store = MemoryStore::new();
     let names: Vec<String> = (0..10_000).map(|i| format!("account:{i}")).collect();
     for n in &names {
-        store.raise(n, 0, EqualTokens::Allow);
+        store.raise(n, 0, EqualTokens::Allow.into());
     }
     let mut next = 1u64;
     g.bench_function("raise_existing_10k", |b| {
         b.iter(|| {
             let i = (next % 10_000) as usize;
             next += 1;
-            store.raise(black_box(&names[i]), next, EqualTokens::Allow)
+            store.raise(black_box(&names[i]), next, EqualTokens::Allow.into())
         })
     });
     g.bench_function("stale_existing_10k", |b| {
-        b.iter(|| store.raise(black_box(&names[42]), 0, EqualTokens::Allow))
+        b.iter(|| store.raise(black_box(&names[42]), 0, EqualTokens::Allow.into()))
     });
     // First sight of a resource: the insert path (allocates the key).
     g.bench_function("insert_new_x1000", |b| {
@@ -151,7 +151,7 @@ fn store(c: &mut Criterion) {
             || (MemoryStore::new(), names[..1000].to_vec()),
             |(s, keys)| {
                 for k in &keys {
-                    s.raise(k, 1, EqualTokens::Allow);
+                    s.raise(k, 1, EqualTokens::Allow.into());
                 }
                 s
             },

@@ -37,7 +37,7 @@ async fn measure(kind: &'static str, store: Arc<dyn FenceStore>) -> Row {
     // Warm up connections and prepared statements.
     for i in 0..50u64 {
         store
-            .compare_and_raise(&format!("warm{i}"), i, EqualTokens::Allow)
+            .compare_and_raise(&format!("warm{i}"), i, EqualTokens::Allow.into())
             .await
             .unwrap();
     }
@@ -46,21 +46,21 @@ async fn measure(kind: &'static str, store: Arc<dyn FenceStore>) -> Row {
         let resource = format!("account:{i}");
         let started = Instant::now();
         let verdict = store
-            .compare_and_raise(&resource, 7, EqualTokens::Allow)
+            .compare_and_raise(&resource, 7, EqualTokens::Allow.into())
             .await
             .unwrap();
         admit.push(started.elapsed());
         assert_eq!(verdict, Verdict::Admitted { previous: None });
     }
     store
-        .compare_and_raise("hot", 1000, EqualTokens::Allow)
+        .compare_and_raise("hot", 1000, EqualTokens::Allow.into())
         .await
         .unwrap();
     let mut refuse = Vec::with_capacity(SEQUENTIAL);
     for _ in 0..SEQUENTIAL {
         let started = Instant::now();
         let verdict = store
-            .compare_and_raise("hot", 1, EqualTokens::Allow)
+            .compare_and_raise("hot", 1, EqualTokens::Allow.into())
             .await
             .unwrap();
         refuse.push(started.elapsed());
@@ -75,7 +75,7 @@ async fn measure(kind: &'static str, store: Arc<dyn FenceStore>) -> Row {
                 for i in 0..CONCURRENT_OPS {
                     let resource = format!("c{t}:{i}");
                     store
-                        .compare_and_raise(&resource, 1, EqualTokens::Allow)
+                        .compare_and_raise(&resource, 1, EqualTokens::Allow.into())
                         .await
                         .unwrap();
                 }

@@ -33,7 +33,7 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
 use crate::config::EqualTokens;
-use crate::fence::verdict::{decide as fence, Verdict};
+use crate::fence::verdict::{decide as fence, Rule, Verdict};
 
 /// Longest accepted key, in bytes (keys are visible ASCII).
 pub const MAX_KEY_BYTES: usize = 255;
@@ -317,7 +317,8 @@ struct WireResponse {
 pub struct Claim {
     pub token: u64,
     pub fingerprint: Fingerprint,
-    pub equal: EqualTokens,
+    /// `token.equal` and `token.max_step`, as the fence applies them.
+    pub rule: Rule,
     /// How long the record lives (from its last write).
     pub window: Duration,
     /// False when the caller already knows the write may not execute (authoritative mode
@@ -345,6 +346,9 @@ pub enum Begin {
     Execute { previous: Option<u64> },
     /// The fence refused the token; nothing changed.
     Stale { current: u64 },
+    /// The token exceeds the maximum (`None`: there is none) by more than `token.max_step`;
+    /// nothing changed.
+    TooFar { current: Option<u64> },
     /// An attempt with this key is with the upstream.
     InFlight,
     /// The key was used for a different request.
@@ -371,14 +375,19 @@ pub fn decide(existing: Option<&Record>, current: Option<u64>, claim: &Claim) ->
             }
         }
         Some(r) if claim.token == r.token => EqualTokens::Allow,
-        _ => claim.equal,
+        _ => claim.rule.equal,
     };
     if !claim.may_execute {
         return Begin::Refused;
     }
-    match fence(current, claim.token, equal) {
+    let rule = Rule {
+        equal,
+        ..claim.rule
+    };
+    match fence(current, claim.token, rule) {
         Verdict::Admitted { previous } => Begin::Execute { previous },
         Verdict::Stale { current } => Begin::Stale { current },
+        Verdict::TooFar { current } => Begin::TooFar { current },
     }
 }
 

@@ -3,8 +3,8 @@
 //!
 //! [`FenceLayer`] wraps any `Service<http::Request<B>>` in a [`FenceService`] that applies the
 //! fence of a fencegate configuration: its routes and resources, the token header,
-//! `missing_token`, `token.equal`, the store's compare-and-raise, `fence.authority: leases`,
-//! and the `ordering: serialize` barrier. The decision is the proxy's own
+//! `missing_token`, `token.equal`, `token.max_step`, the store's compare-and-raise,
+//! `fence.authority: leases`, and the `ordering: serialize` barrier. The decision is the proxy's own
 //! ([`Proxy::decide`](crate::proxy::Proxy), shared, not copied), and so are the refusals: the
 //! same problem+json bodies, statuses and headers (`Fencing-Token-Current`, `Retry-After`),
 //! in gRPC form for gRPC calls ([`crate::proxy::grpc`]), counted in the same metrics and

@@ -44,10 +44,12 @@ pub enum Outcome {
     NotReplayable,
     /// Idempotency: malformed key, unreadable or oversized body.
     InvalidRequest,
+    /// Observed mode: token above the recorded maximum by more than `token.max_step`.
+    TooFar,
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 19] = [
+    pub const ALL: [Outcome; 20] = [
         Outcome::Admitted,
         Outcome::Forwarded,
         Outcome::Stale,
@@ -67,6 +69,7 @@ impl Outcome {
         Outcome::IdempotencyKeyReused,
         Outcome::NotReplayable,
         Outcome::InvalidRequest,
+        Outcome::TooFar,
     ];
 
     pub fn label(self) -> &'static str {
@@ -90,6 +93,7 @@ impl Outcome {
             Outcome::IdempotencyKeyReused => "idempotency_key_reused",
             Outcome::NotReplayable => "not_replayable",
             Outcome::InvalidRequest => "invalid_request",
+            Outcome::TooFar => "too_far",
         }
     }
 }
@@ -127,6 +131,7 @@ pub struct RouteMetrics {
     requests: IntCounterVec,
     duration_vec: HistogramVec,
     pub stale: IntCounter,
+    pub too_far: IntCounter,
     pub increments: IntCounter,
     pub upstream: Histogram,
 }
@@ -178,6 +183,7 @@ pub struct Metrics {
     pub registry: Registry,
     requests: IntCounterVec,
     stale: IntCounterVec,
+    too_far: IntCounterVec,
     increments: IntCounterVec,
     upstream: HistogramVec,
     request_duration: HistogramVec,
@@ -256,6 +262,14 @@ impl Metrics {
             Opts::new(
                 "fencegate_stale_write_rejected_total",
                 "Writes refused because their token was below the recorded maximum.",
+            ),
+            &["route"],
+        )?;
+        let too_far = IntCounterVec::new(
+            Opts::new(
+                "fencegate_token_too_far_rejected_total",
+                "Writes refused because their token exceeded the recorded maximum by more than \
+                 token.max_step (a poisoned or mistaken token).",
             ),
             &["route"],
         )?;
@@ -375,6 +389,7 @@ impl Metrics {
         registry.register(Box::new(process::ProcessCollector::new()))?;
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(stale.clone()))?;
+        registry.register(Box::new(too_far.clone()))?;
         registry.register(Box::new(increments.clone()))?;
         registry.register(Box::new(upstream.clone()))?;
         registry.register(Box::new(store.clone()))?;
@@ -383,6 +398,7 @@ impl Metrics {
             registry,
             requests,
             stale,
+            too_far,
             increments,
             upstream,
             request_duration,
@@ -419,6 +435,7 @@ impl Metrics {
             requests: self.requests.clone(),
             duration_vec: self.request_duration.clone(),
             stale: self.stale.with_label_values(&[route]),
+            too_far: self.too_far.with_label_values(&[route]),
             increments: self.increments.with_label_values(&[route]),
             upstream: self.upstream.with_label_values(&[route]),
         }
@@ -505,6 +522,8 @@ mod tests {
         let took = Duration::from_millis(1);
         r.finish(Outcome::Stale, &http::Method::PUT, 409, took);
         r.stale.inc();
+        r.finish(Outcome::TooFar, &http::Method::PUT, 409, took);
+        r.too_far.inc();
         r.increments.inc();
         r.upstream.observe(0.01);
         m.store_raise.observe(0.001);
@@ -514,6 +533,8 @@ mod tests {
         for needle in [
             "fencegate_requests_total{code=\"409\",method=\"PUT\",outcome=\"stale\",route=\"accounts\"} 1",
             "fencegate_stale_write_rejected_total{route=\"accounts\"} 1",
+            "fencegate_requests_total{code=\"409\",method=\"PUT\",outcome=\"too_far\",route=\"accounts\"} 1",
+            "fencegate_token_too_far_rejected_total{route=\"accounts\"} 1",
             "fencegate_fencing_token_increments_total{route=\"accounts\"} 1",
             "fencegate_upstream_duration_seconds_count{route=\"accounts\"} 1",
             "fencegate_store_duration_seconds_count{op=\"raise\"} 1",

@@ -16,6 +16,7 @@ pub(super) fn command(config: &Path) -> ExitCode {
             }
             let mut out = String::new();
             out.push_str(&format!("# {}: valid\n", config.display()));
+            out.push_str(&format!("# token.max_step: {}\n", max_step(&c)));
             if let Some(leases) = &c.leases {
                 let ttl = &leases.ttl;
                 out.push_str(&format!(
@@ -53,6 +54,21 @@ pub(super) fn command(config: &Path) -> ExitCode {
             eprintln!("error: {e}");
             ExitCode::from(1)
         }
+    }
+}
+
+/// What `token.max_step` does with this config, in words (the YAML below shows the value).
+fn max_step(c: &Config) -> String {
+    use crate::config::Authority;
+    match (c.fence.authority, c.token.max_step.get()) {
+        (Authority::Leases, _) => "not applied: with fence.authority: leases a token above the \
+                                   latest grant is refused as unissued"
+            .into(),
+        (Authority::None, None) => "off: any token above the recorded maximum is admitted".into(),
+        (Authority::None, Some(step)) => format!(
+            "a token more than {step} above the recorded maximum (or above {step} for a \
+             resource with none) is refused"
+        ),
     }
 }
 
@@ -101,4 +117,39 @@ fn check(path: &Path) -> Result<Config, CheckError> {
         source: Box::new(source),
     })?;
     Ok(config)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_max_step_line_says_what_the_ceiling_does() {
+        let line = |extra: &str| {
+            let yaml = format!("upstream: http://a:1\nstore: {{ kind: memory }}\n{extra}");
+            max_step(&Config::parse(&yaml).unwrap())
+        };
+        assert_eq!(
+            line(""),
+            "a token more than 1099511627776 above the recorded maximum (or above \
+             1099511627776 for a resource with none) is refused"
+        );
+        assert_eq!(
+            line("token: { max_step: 10 }\n"),
+            "a token more than 10 above the recorded maximum (or above 10 for a resource with \
+             none) is refused"
+        );
+        assert_eq!(
+            line("token: { max_step: off }\n"),
+            "off: any token above the recorded maximum is admitted"
+        );
+        assert_eq!(
+            line(
+                "token: { max_step: 10 }\nfence: { authority: leases }\nleases: { backend: { kind: \
+                 embedded, path: /tmp/unused.db }, ttl: 5s }\n"
+            ),
+            "not applied: with fence.authority: leases a token above the latest grant is refused \
+             as unissued"
+        );
+    }
 }

@@ -12,6 +12,7 @@ mod lease_backend;
 mod lease_ttl;
 mod leases;
 mod limits;
+mod max_step;
 mod path;
 mod remote;
 mod routes;
@@ -34,6 +35,7 @@ pub use lease_backend::BackendConfig;
 pub use lease_ttl::{LeaseTtl, TtlError};
 pub use leases::{AcquireConfig, LeasesConfig};
 pub use limits::{BoundError, Limits, Timeouts, MAX_TIMEOUT};
+pub use max_step::{MaxStep, DEFAULT_MAX_STEP};
 pub use path::{PathError, PathTemplate};
 pub use remote::{
     Holder, KindError, PrefixError, RedisHa, Remote, RemoteKind, SecretUrl, SentinelConfig,
@@ -161,12 +163,19 @@ pub struct TlsConfig {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, expecting = "a mapping with `header` and `equal`")]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a mapping with `header`, `equal` and `max_step`"
+)]
 pub struct TokenConfig {
     #[serde(default = "default_token_header")]
     pub header: HeaderNameCfg,
     #[serde(default)]
     pub equal: EqualTokens,
+    /// The most a token may exceed its resource's recorded maximum by, in observed fencing
+    /// ([`max_step`]): one absurd token would otherwise lock the resource for good.
+    #[serde(default)]
+    pub max_step: MaxStep,
 }
 
 impl Default for TokenConfig {
@@ -174,6 +183,7 @@ impl Default for TokenConfig {
         TokenConfig {
             header: default_token_header(),
             equal: EqualTokens::default(),
+            max_step: MaxStep::default(),
         }
     }
 }

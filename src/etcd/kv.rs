@@ -190,6 +190,7 @@ impl TxnOp {
 pub enum CompareOp {
     Equal,
     Less,
+    Greater,
 }
 
 /// A comparison of a key's target with a value, guarding a transaction.
@@ -201,6 +202,7 @@ impl Compare {
         let result = match op {
             CompareOp::Equal => compare::CompareResult::Equal,
             CompareOp::Less => compare::CompareResult::Less,
+            CompareOp::Greater => compare::CompareResult::Greater,
         };
         let kind = match target {
             compare::TargetUnion::Version(_) => compare::CompareTarget::Version,

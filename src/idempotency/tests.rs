@@ -10,7 +10,7 @@ fn claim(token: u64, f: u8) -> Claim {
     Claim {
         token,
         fingerprint: fp(f),
-        equal: EqualTokens::Allow,
+        rule: EqualTokens::Allow.into(),
         window: Duration::from_secs(5),
         may_execute: true,
         attempt: AttemptId(u128::from(token)),
@@ -42,7 +42,7 @@ fn absent_key_is_the_fence() {
         Begin::Stale { current: 5 }
     );
     let reject = Claim {
-        equal: EqualTokens::Reject,
+        rule: EqualTokens::Reject.into(),
         ..claim(5, 1)
     };
     assert_eq!(decide(None, Some(5), &reject), Begin::Stale { current: 5 });
@@ -90,7 +90,7 @@ fn unknown_redoes_only_with_a_token_at_least_the_recorded_one() {
         Begin::Stale { current: 7 }
     );
     let same = Claim {
-        equal: EqualTokens::Reject,
+        rule: EqualTokens::Reject.into(),
         ..claim(7, 1)
     };
     assert_eq!(
@@ -269,4 +269,36 @@ fn grpc_statuses_follow_the_http_rule() {
     for bad in [&b"17"[..], b"", b"14 ", b"-1", b"ok", b"\xff"] {
         assert!(grpc_outcome_unknown(bad), "{bad:?}");
     }
+}
+
+#[test]
+fn a_claim_too_far_above_the_maximum_claims_nothing() {
+    let far = Claim {
+        rule: Rule {
+            equal: EqualTokens::Allow,
+            max_step: Some(10),
+        },
+        ..claim(21, 1)
+    };
+    assert_eq!(
+        decide(None, Some(10), &far),
+        Begin::TooFar { current: Some(10) }
+    );
+    assert_eq!(
+        decide(None, Some(11), &far),
+        Begin::Execute { previous: Some(11) }
+    );
+    // No maximum counts as 0; a completed record is still replayed.
+    assert_eq!(decide(None, None, &far), Begin::TooFar { current: None });
+    let done = completed(21, 1);
+    assert_eq!(
+        decide(Some(&done), Some(10), &far),
+        Begin::Completed(done.clone())
+    );
+    // A redo of an unknown outcome with the same token is held to the step as well.
+    let unknown = Record::unknown(21, fp(1));
+    assert_eq!(
+        decide(Some(&unknown), Some(10), &far),
+        Begin::TooFar { current: Some(10) }
+    );
 }

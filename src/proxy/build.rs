@@ -123,7 +123,7 @@ impl Proxy {
     }
 
     /// A proxy from `front`, and from `config` what ingress and egress share: the token
-    /// header, `token.equal`, the upstream CA, the timeouts and the access log.
+    /// header, `token.equal` and `token.max_step`, the upstream CA, the timeouts and the access log.
     fn build(
         config: &Config,
         front: Front<'_>,
@@ -149,6 +149,7 @@ impl Proxy {
             table,
             token_header: config.token.header.0.clone(),
             equal: config.token.equal,
+            max_step: config.token.max_step.get(),
             check,
             barriers,
             metrics,

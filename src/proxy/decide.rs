@@ -22,7 +22,7 @@ use crate::fence::method::method_override;
 use crate::fence::path;
 use crate::fence::routes::{Matched, Route};
 use crate::fence::token::{connection_nominates, token_from_headers, TokenError};
-use crate::fence::verdict::Verdict;
+use crate::fence::verdict::{Rule, Verdict};
 use crate::metrics::Outcome;
 use crate::store::{FenceStore, StoreError};
 
@@ -369,6 +369,10 @@ impl Proxy {
                 self.route_metrics[route.index].stale.inc();
                 Err(Refusal::Stale { current })
             }
+            Ok(Verdict::TooFar { current }) => {
+                self.route_metrics[route.index].too_far.inc();
+                Err(self.too_far(current))
+            }
             Err(e) => Err(Refusal::StoreUnavailable(Unavailable::Store(e))),
         }
     }
@@ -416,7 +420,7 @@ impl Proxy {
         let started = Instant::now();
         let answer = bounded(
             self.timeouts.store,
-            self.store().compare_and_raise(resource, token, self.equal),
+            self.store().compare_and_raise(resource, token, self.rule()),
         )
         .await;
         self.observe_store(started, &answer);
@@ -431,9 +435,29 @@ impl Proxy {
         token: u64,
     ) -> Option<Result<Verdict, StoreError>> {
         let started = Instant::now();
-        let answer = self.store().raise_at_once(resource, token, self.equal)?;
+        let answer = self.store().raise_at_once(resource, token, self.rule())?;
         self.observe_store(started, &answer);
         Some(answer)
+    }
+
+    /// What the store holds a token to: `token.equal`, and `token.max_step` in observed mode
+    /// only. With `fence.authority: leases` every token is checked against the lease
+    /// backend's latest grant before (and after) the raise, and one above it is refused as
+    /// unissued, so an absurd token never reaches the store, and a ceiling could only refuse
+    /// a token the backend did issue.
+    pub(super) fn rule(&self) -> Rule {
+        Rule {
+            equal: self.equal,
+            max_step: self.max_step.filter(|_| self.authority.is_none()),
+        }
+    }
+
+    /// The refusal of a token too far above `current` (the store's verdict).
+    pub(super) fn too_far(&self, current: Option<u64>) -> Refusal {
+        Refusal::TooFar {
+            current,
+            max_step: self.max_step.unwrap_or(u64::MAX),
+        }
     }
 
     /// The store writes are checked against. Only an ingress proxy gets this far: an egress

@@ -158,7 +158,7 @@ impl Proxy {
         let claim = Claim {
             token,
             fingerprint,
-            equal: self.equal,
+            rule: self.rule(),
             window: in_flight,
             may_execute: superseded.is_none(),
             attempt: crate::idempotency::AttemptId::next(),
@@ -195,6 +195,10 @@ impl Proxy {
             Ok(Begin::Stale { current }) => {
                 route_metrics.stale.inc();
                 refuse(Refusal::Stale { current })
+            }
+            Ok(Begin::TooFar { current }) => {
+                route_metrics.too_far.inc();
+                refuse(self.too_far(current))
             }
             Ok(Begin::InFlight) => {
                 m.in_flight.inc();

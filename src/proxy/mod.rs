@@ -54,6 +54,8 @@ pub struct Proxy {
     table: RouteTable,
     token_header: HeaderName,
     equal: EqualTokens,
+    /// `token.max_step` (`None`: off); applied in observed mode only ([`Proxy::rule`]).
+    max_step: Option<u64>,
     /// What a fenced write's token is checked against, or where it comes from.
     check: Check,
     barriers: Arc<Barriers>,

@@ -25,7 +25,7 @@ use crate::metrics::RouteMetrics;
 use crate::problem::Problem;
 use crate::store::StoreError;
 
-/// Header carrying the recorded maximum on a stale refusal.
+/// Header carrying the recorded maximum on a stale (or too far) refusal.
 pub const TOKEN_CURRENT: &str = "fencing-token-current";
 
 /// Why a request was not forwarded, or why forwarding failed. Grouped by whose fault it is.
@@ -46,6 +46,12 @@ pub enum Refusal {
     /// Authoritative mode: a token no lease grant has issued (yet).
     Unissued {
         latest: Option<u64>,
+    },
+    /// Observed mode: the token exceeds the recorded maximum (`None`: there is none, counted
+    /// as 0) by more than `token.max_step`; admitting it would make every later token stale.
+    TooFar {
+        current: Option<u64>,
+        max_step: u64,
     },
     NoRoute,
     /// Idempotency: malformed or duplicate key header.
@@ -127,6 +133,7 @@ impl Refusal {
             | Refusal::Stale { .. }
             | Refusal::Superseded { .. }
             | Refusal::Unissued { .. }
+            | Refusal::TooFar { .. }
             | Refusal::NoRoute
             | Refusal::InvalidIdempotencyKey(_)
             | Refusal::RequestTooLarge { .. }
@@ -149,6 +156,7 @@ impl Refusal {
             Refusal::TokenRequired => Outcome::TokenRequired,
             Refusal::Stale { .. } | Refusal::Superseded { .. } => Outcome::Stale,
             Refusal::Unissued { .. } => Outcome::Unissued,
+            Refusal::TooFar { .. } => Outcome::TooFar,
             Refusal::NoRoute => Outcome::NoRoute,
             Refusal::InvalidIdempotencyKey(_)
             | Refusal::RequestTooLarge { .. }
@@ -200,6 +208,11 @@ impl Refusal {
                 StatusCode::CONFLICT,
                 "urn:fencegate:unissued-token",
                 "Fencing token was never issued",
+            ),
+            Refusal::TooFar { .. } => problem(
+                StatusCode::CONFLICT,
+                "urn:fencegate:token-too-far",
+                "Fencing token too far above the recorded maximum",
             ),
             Refusal::NoRoute => problem(
                 StatusCode::NOT_FOUND,
@@ -275,6 +288,12 @@ impl Refusal {
             Refusal::Unissued {
                 latest: Some(latest),
             } => problem = problem.with("current_token", *latest),
+            Refusal::TooFar { current, max_step } => {
+                if let Some(current) = current {
+                    problem = problem.with("current_token", *current);
+                }
+                problem = problem.with("max_step", *max_step);
+            }
             Refusal::NotReplayable {
                 status: Some(status),
             } => problem = problem.with("recorded_status", *status),
@@ -343,6 +362,22 @@ impl Refusal {
                     subject.resource.unwrap_or("this resource")
                 ),
             },
+            Refusal::TooFar { current, max_step } => {
+                let token = subject.token.unwrap_or_default();
+                let resource = subject.resource.unwrap_or("this resource");
+                match current {
+                    Some(current) => format!(
+                        "token {token} exceeds {current}, the highest token recorded for \
+                         {resource}, by more than token.max_step ({max_step}); it was not \
+                         forwarded and the recorded maximum is unchanged"
+                    ),
+                    None => format!(
+                        "no token is recorded for {resource}, and a first token may be at most \
+                         token.max_step ({max_step}); token {token} was not forwarded and \
+                         nothing was recorded"
+                    ),
+                }
+            }
             Refusal::NoRoute => "no configured route matches and `unmatched` is `reject`".into(),
             Refusal::InvalidIdempotencyKey(e) => e.clone(),
             Refusal::RequestTooLarge { limit } => format!(
@@ -408,7 +443,12 @@ impl Refusal {
         let mut response = problem.response();
         let headers = response.headers_mut();
         match self {
-            Refusal::Stale { current } | Refusal::Superseded { latest: current } => {
+            Refusal::Stale { current }
+            | Refusal::Superseded { latest: current }
+            | Refusal::TooFar {
+                current: Some(current),
+                ..
+            } => {
                 headers.insert(TOKEN_CURRENT, HeaderValue::from(*current));
             }
             Refusal::StoreUnavailable(_)
@@ -459,6 +499,7 @@ impl Proxy {
         let current_token = match refusal {
             Refusal::Stale { current } | Refusal::Superseded { latest: current } => Some(current),
             Refusal::Unissued { latest } => latest,
+            Refusal::TooFar { current, .. } => current,
             _ => None,
         };
         let fault = refusal.fault();
@@ -582,5 +623,50 @@ mod tests {
         );
         assert_eq!(Refusal::UpstreamTimeout.fault(), Fault::Upstream);
         assert_eq!(Refusal::TokenRequired.fault(), Fault::Client);
+    }
+
+    #[test]
+    fn a_token_too_far_names_the_step_and_the_maximum() {
+        let header = HeaderName::from_static("fencing-token");
+        let subject = Subject {
+            resource: Some("account:42"),
+            token: Some(9_223_372_036_854_775_807),
+            ..Subject::default()
+        };
+        let far = Refusal::TooFar {
+            current: Some(17),
+            max_step: 1 << 40,
+        };
+        let problem = far.problem(&subject, &header);
+        assert_eq!(problem.status(), StatusCode::CONFLICT);
+        assert_eq!(problem.kind(), "urn:fencegate:token-too-far");
+        assert_eq!(
+            problem.detail(),
+            "token 9223372036854775807 exceeds 17, the highest token recorded for account:42, \
+             by more than token.max_step (1099511627776); it was not forwarded and the recorded \
+             maximum is unchanged"
+        );
+        assert_eq!(
+            (far.fault(), far.outcome()),
+            (Fault::Client, Outcome::TooFar)
+        );
+        assert_eq!(grpc::code(&far), grpc::Code::Aborted);
+        let response = far.response(&subject, &header);
+        assert_eq!(response.headers()[TOKEN_CURRENT], "17");
+        let first = Refusal::TooFar {
+            current: None,
+            max_step: 100,
+        };
+        assert_eq!(
+            first.detail(&subject, &header),
+            "no token is recorded for account:42, and a first token may be at most \
+             token.max_step (100); token 9223372036854775807 was not forwarded and nothing was \
+             recorded"
+        );
+        assert!(first
+            .response(&subject, &header)
+            .headers()
+            .get(TOKEN_CURRENT)
+            .is_none());
     }
 }

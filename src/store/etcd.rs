@@ -3,7 +3,10 @@
 //! Values are 20-digit zero-padded decimals, so etcd's byte-wise value comparison is numeric
 //! comparison. The transaction: if the key does not exist, create it; else, in a nested
 //! transaction, if the stored value is below the token, read it and overwrite it; else read
-//! it. etcd applies the whole transaction atomically at one revision.
+//! it. etcd applies the whole transaction atomically at one revision. A token above
+//! `token.max_step` ([`Rule::floor`]) is raised by one transaction that compares the stored
+//! value with both bounds (below the token, above the floor minus one; a value comparison on
+//! a missing key fails, so a missing maximum is too far), reading it either way.
 //!
 //! Idempotency records live at `/{prefix}/idempotency/{resource}\x1f{key}` (the JSON of
 //! [`Record::encode`]), each attached to a lease whose TTL is the record's window rounded up
@@ -26,8 +29,7 @@ use crate::etcd::{
 };
 
 use super::shared::{Claimed, Remote};
-use super::{decide, record_key, StoreError, Verdict};
-use crate::config::EqualTokens;
+use super::{decide, record_key, Rule, StoreError, Verdict};
 use crate::conn::etcd::{client, failure};
 use crate::conn::BoxFuture;
 use crate::idempotency::{self, AttemptId, Begin, Claim, Record};
@@ -280,11 +282,31 @@ impl Remote for EtcdRemote {
         &'a self,
         resource: &'a str,
         token: u64,
-        equal: EqualTokens,
+        rule: Rule,
     ) -> BoxFuture<'a, Result<Verdict, StoreError>> {
         Box::pin(async move {
             let key = self.key(resource);
             let value = padded(token);
+            if let Some(floor) = rule.floor(token) {
+                let txn = Txn::new()
+                    .when([
+                        Compare::value(key.clone(), CompareOp::Less, value.clone()),
+                        // floor >= 1: above floor - 1 is at least the floor.
+                        Compare::value(key.clone(), CompareOp::Greater, padded(floor - 1)),
+                    ])
+                    .and_then([
+                        TxnOp::get(key.clone(), None),
+                        TxnOp::put(key.clone(), value, None),
+                    ])
+                    .or_else([TxnOp::get(key, None)]);
+                let response = self.kv.clone().txn(txn).await.map_err(unavailable)?;
+                let current = read_value(&response.op_responses())?;
+                return Ok(if response.succeeded() {
+                    Verdict::Admitted { previous: current }
+                } else {
+                    decide(current, token, rule)
+                });
+            }
             let existing = Txn::new()
                 .when([Compare::value(key.clone(), CompareOp::Less, value.clone())])
                 .and_then([
@@ -312,7 +334,7 @@ impl Remote for EtcdRemote {
             if inner.succeeded() {
                 Ok(Verdict::Admitted { previous: current })
             } else {
-                Ok(decide(current, token, equal))
+                Ok(decide(current, token, rule))
             }
         })
     }

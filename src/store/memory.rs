@@ -8,8 +8,7 @@ use dashmap::mapref::entry::Entry;
 use dashmap::DashMap;
 use tokio::time::Instant;
 
-use super::{decide, record_key, BoxFuture, FenceStore, StoreError, Verdict};
-use crate::config::EqualTokens;
+use super::{decide, record_key, BoxFuture, FenceStore, Rule, StoreError, Verdict};
 use crate::idempotency::{self, Begin, Claim, Record};
 
 /// A test's look at the maxima from inside a claim.
@@ -37,10 +36,10 @@ impl MemoryStore {
     }
 
     /// The compare-and-raise itself, synchronous: one shard lock, no await inside.
-    pub fn raise(&self, resource: &str, token: u64, equal: EqualTokens) -> Verdict {
+    pub fn raise(&self, resource: &str, token: u64, rule: Rule) -> Verdict {
         // Existing resources (the common case) take the lookup path, which allocates nothing.
         if let Some(mut current) = self.maxima.get_mut(resource) {
-            let verdict = decide(Some(*current), token, equal);
+            let verdict = decide(Some(*current), token, rule);
             if verdict.raised(token) {
                 *current = token;
             }
@@ -48,15 +47,18 @@ impl MemoryStore {
         }
         match self.maxima.entry(resource.into()) {
             Entry::Occupied(mut e) => {
-                let verdict = decide(Some(*e.get()), token, equal);
+                let verdict = decide(Some(*e.get()), token, rule);
                 if verdict.raised(token) {
                     e.insert(token);
                 }
                 verdict
             }
             Entry::Vacant(e) => {
-                e.insert(token);
-                Verdict::Admitted { previous: None }
+                let verdict = decide(None, token, rule);
+                if verdict.raised(token) {
+                    e.insert(token);
+                }
+                verdict
             }
         }
     }
@@ -161,9 +163,9 @@ impl FenceStore for MemoryStore {
         &'a self,
         resource: &'a str,
         token: u64,
-        equal: EqualTokens,
+        rule: Rule,
     ) -> BoxFuture<'a, Result<Verdict, StoreError>> {
-        let verdict = self.raise(resource, token, equal);
+        let verdict = self.raise(resource, token, rule);
         Box::pin(std::future::ready(Ok(verdict)))
     }
 
@@ -171,9 +173,9 @@ impl FenceStore for MemoryStore {
         &self,
         resource: &str,
         token: u64,
-        equal: EqualTokens,
+        rule: Rule,
     ) -> Option<Result<Verdict, StoreError>> {
-        Some(Ok(self.raise(resource, token, equal)))
+        Some(Ok(self.raise(resource, token, rule)))
     }
 
     fn current<'a>(&'a self, resource: &'a str) -> BoxFuture<'a, Result<Option<u64>, StoreError>> {
@@ -219,13 +221,14 @@ mod tests {
     use dashmap::try_result::TryResult;
 
     use super::*;
+    use crate::config::EqualTokens;
     use crate::idempotency::{AttemptId, Fingerprint};
 
     fn claim(token: u64) -> Claim {
         Claim {
             token,
             fingerprint: Fingerprint([1; 32]),
-            equal: EqualTokens::Allow,
+            rule: EqualTokens::Allow.into(),
             window: Duration::from_secs(60),
             may_execute: true,
             attempt: AttemptId::next(),
@@ -253,7 +256,7 @@ mod tests {
             ..MemoryStore::default()
         };
         assert_eq!(
-            store.raise("r", 3, EqualTokens::Allow),
+            store.raise("r", 3, EqualTokens::Allow.into()),
             Verdict::Admitted { previous: None }
         );
         let begin = store.begin("r", "k", &claim(5));
@@ -264,7 +267,7 @@ mod tests {
             (Begin::Execute { previous: Some(3) }, 5, Some("locked"))
         );
         assert_eq!(
-            store.raise("r", 9, EqualTokens::Allow),
+            store.raise("r", 9, EqualTokens::Allow.into()),
             Verdict::Admitted { previous: Some(5) }
         );
     }

@@ -21,22 +21,23 @@ pub use embedded::{defer_wakes_to_park, EmbeddedStore};
 pub use error::StoreError;
 pub use memory::MemoryStore;
 
-use crate::config::{EqualTokens, StoreConfig};
+use crate::config::StoreConfig;
 // The backends apply the decision; they import it from here.
-pub use crate::fence::verdict::{decide, Verdict};
+pub use crate::fence::verdict::{decide, Rule, Verdict};
 use crate::idempotency::{Begin, Claim, Record};
 
 pub use crate::conn::BoxFuture;
 
 /// A place that records, per resource, the highest admitted token.
 pub trait FenceStore: Send + Sync + 'static {
-    /// Atomically: if `token` passes against the recorded maximum, raise the maximum to it.
-    /// Returns only after the raise is as durable as the store promises.
+    /// Atomically: if `token` passes against the recorded maximum under `rule` (`token.equal`
+    /// and `token.max_step`, both decided in the same step that reads the maximum), raise the
+    /// maximum to it. Returns only after the raise is as durable as the store promises.
     fn compare_and_raise<'a>(
         &'a self,
         resource: &'a str,
         token: u64,
-        equal: EqualTokens,
+        rule: Rule,
     ) -> BoxFuture<'a, Result<Verdict, StoreError>>;
 
     /// [`FenceStore::compare_and_raise`] answered at once, by a store that needs no waiting
@@ -45,7 +46,7 @@ pub trait FenceStore: Send + Sync + 'static {
         &self,
         _resource: &str,
         _token: u64,
-        _equal: EqualTokens,
+        _rule: Rule,
     ) -> Option<Result<Verdict, StoreError>> {
         None
     }

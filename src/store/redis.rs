@@ -37,7 +37,7 @@ use std::time::{Duration, Instant};
 
 use super::retention::{Freshness, MARK_SLACK};
 use super::shared::{Claimed, Owner, Remote};
-use super::{decide, StoreError, Verdict};
+use super::{decide, Rule, StoreError, Verdict};
 use crate::config::{EqualTokens, RedisHa};
 use crate::conn::redis::{failure, RedisConn, RedisTarget, Unconfirmed};
 use crate::conn::BoxFuture;
@@ -51,10 +51,14 @@ use crate::tls::ClientTls;
 /// token equal to the maximum then writes the maximum again, unchanged (`KEEPTTL`), so that
 /// this connection's `WAIT` covers it (`WAIT` counts only what the waiting connection wrote,
 /// and the maximum may be another's, refused `503` because its replicas did not acknowledge it).
-/// Returns the previous maximum ('' if none) and whether the token raised it.
+/// ARGV[4] = the lowest maximum the token may be raised from (`token.max_step`,
+/// [`Rule::floor`]; '' for none): below it, or with no maximum, the token is too far.
+/// Returns the previous maximum ('' if none) and 1 if the token raised it, 0 if not, 2 if it is
+/// too far above it.
 const RAISE: &str = r"
 local current = redis.call('GET', KEYS[1])
 local token = ARGV[1]
+local floor = ARGV[4]
 if current then
   if token == current and ARGV[3] == '1' then
     redis.call('SET', KEYS[1], current, 'KEEPTTL')
@@ -65,6 +69,12 @@ if current then
     end
     return {current, 0}
   end
+end
+if floor ~= '' and (not current or #current < #floor or (#current == #floor and current < floor)) then
+  if current and ARGV[2] == '0' then
+    redis.call('PERSIST', KEYS[1])
+  end
+  return {current or '', 2}
 end
 if ARGV[2] ~= '0' then
   redis.call('SET', KEYS[1], token, 'PX', ARGV[2])
@@ -81,9 +91,10 @@ return {current or '', 1}
 /// ARGV[7] = the attempt id (hex), ARGV[8] = the attempt whose in_flight record to take over
 /// ('' for none): such a record counts as absent, and is deleted unless replaced; ARGV[9] =
 /// `fence.retention` in milliseconds ('0': none), as in [`RAISE`] (without it, the maximum
-/// loses any expiry, raised or not).
+/// loses any expiry, raised or not); ARGV[10] = the lowest maximum the token may be raised from,
+/// as in [`RAISE`] ('' for none).
 /// Returns {kind, '1' if it took over else '0', ...}: {'execute', _, previous or ''},
-/// {'stale', _, current}, {'inflight', _, attempt or '', lifetime or ''}, {'reused', _},
+/// {'stale', _, current}, {'toofar', _, current or ''}, {'inflight', _, attempt or '', lifetime or ''}, {'reused', _},
 /// {'completed', _, encoded record} or {'refused', _}.
 const BEGIN: &str = r"
 local function below(a, b)
@@ -132,14 +143,13 @@ end
 if ARGV[4] ~= '1' then
   return {'refused', took}
 end
-if current then
-  if below(token, current) or (token == current and not allow_equal) then
-    return {'stale', took, current}
-  end
-  if below(current, token) then
-    raise(token)
-  end
-else
+if current and (below(token, current) or (token == current and not allow_equal)) then
+  return {'stale', took, current}
+end
+if ARGV[10] ~= '' and (not current or below(current, ARGV[10])) then
+  return {'toofar', took, current or ''}
+end
+if not current or below(current, token) then
   raise(token)
 end
 redis.call('HSET', KEYS[2], 'p', 'i', 't', token, 'f', ARGV[2], 'a', ARGV[7], 'w', ARGV[5], 'r', ARGV[6])
@@ -319,6 +329,12 @@ fn begin_reply(reply: &[Vec<u8>]) -> Result<Claimed, StoreError> {
         "stale" => Begin::Stale {
             current: parse(text(2)?)?,
         },
+        "toofar" => Begin::TooFar {
+            current: Some(text(2)?)
+                .filter(|c| !c.is_empty())
+                .map(parse)
+                .transpose()?,
+        },
         "inflight" => {
             // A record without an attempt (or with one this cannot read) is nobody's: no
             // takeover, it keeps the TTL it was written with.
@@ -348,8 +364,10 @@ impl Remote for RedisRemote {
         &'a self,
         resource: &'a str,
         token: u64,
-        equal: EqualTokens,
+        rule: Rule,
     ) -> BoxFuture<'a, Result<Verdict, StoreError>> {
+        let floor = rule.floor(token).map(|f| f.to_string()).unwrap_or_default();
+        let equal = rule.equal;
         Box::pin(async move {
             let (generation, mut conn) = self.conn.get().await.map_err(unavailable)?;
             let result = async {
@@ -359,6 +377,7 @@ impl Remote for RedisRemote {
                     .arg(token.to_string())
                     .arg(self.aging_ms())
                     .arg(flag(self.replicas > 0 && equal == EqualTokens::Allow))
+                    .arg(&floor)
                     .invoke_async(&mut conn)
                     .await?;
                 // An equal token admitted is acknowledged like a raise: the script wrote the
@@ -384,11 +403,12 @@ impl Remote for RedisRemote {
             } else {
                 Some(parse(&previous)?)
             };
-            if raised == 1 {
-                return Ok(Verdict::Admitted { previous });
+            match raised {
+                1 => Ok(Verdict::Admitted { previous }),
+                2 => Ok(Verdict::TooFar { current: previous }),
+                // Not raised: the token is at most the maximum; equal may still pass.
+                _ => Ok(decide(previous, token, rule)),
             }
-            // Not raised: the token is at most the maximum; equal may still pass.
-            Ok(decide(previous, token, equal))
         })
     }
 
@@ -441,13 +461,20 @@ impl Remote for RedisRemote {
                 .key(self.record_key(resource, key))
                 .arg(claim.token.to_string())
                 .arg(claim.fingerprint.hex())
-                .arg(flag(claim.equal == EqualTokens::Allow))
+                .arg(flag(claim.rule.equal == EqualTokens::Allow))
                 .arg(flag(claim.may_execute))
                 .arg(window_ms(claim))
                 .arg(in_flight)
                 .arg(claim.attempt.hex())
                 .arg(takeover.map(|a| a.hex()).unwrap_or_default())
                 .arg(self.aging_ms())
+                .arg(
+                    claim
+                        .rule
+                        .floor(claim.token)
+                        .map(|f| f.to_string())
+                        .unwrap_or_default(),
+                )
                 .invoke_async::<Vec<Vec<u8>>>(&mut conn)
                 .await;
             let result = match result {

@@ -21,8 +21,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::{decide, BoxFuture, FenceStore, StoreError, Verdict};
-use crate::config::EqualTokens;
+use super::{decide, BoxFuture, FenceStore, Rule, StoreError, Verdict};
 use crate::idempotency::{AttemptId, Begin, Claim, Record};
 use crate::maxima::BoundedMaxima;
 
@@ -74,7 +73,7 @@ pub trait Remote: Send + Sync + 'static {
         &'a self,
         resource: &'a str,
         token: u64,
-        equal: EqualTokens,
+        rule: Rule,
     ) -> BoxFuture<'a, Result<Verdict, StoreError>>;
 
     fn get<'a>(&'a self, resource: &'a str) -> BoxFuture<'a, Result<Option<u64>, StoreError>>;
@@ -409,22 +408,27 @@ impl<R: Remote> FenceStore for SharedStore<R> {
         &'a self,
         resource: &'a str,
         token: u64,
-        equal: EqualTokens,
+        rule: Rule,
     ) -> BoxFuture<'a, Result<Verdict, StoreError>> {
+        // Only a stale verdict may come from the cache: a cached value is a lower bound, so a
+        // token too far above it may still be within the step of the store's maximum.
         if let Some(floor) = self.cache.get(resource) {
-            if let stale @ Verdict::Stale { .. } = decide(Some(floor), token, equal) {
+            if let stale @ Verdict::Stale { .. } = decide(Some(floor), token, rule) {
                 return Box::pin(std::future::ready(Ok(stale)));
             }
         }
         Box::pin(async move {
             self.guard.admit().await?;
             let era = self.cache.era();
-            let result = self.remote.raise(resource, token, equal).await;
+            let result = self.remote.raise(resource, token, rule).await;
             self.record(&result);
             match &result {
                 Ok(Verdict::Admitted { .. }) => self.cache.observe_in(era, resource, token),
-                Ok(Verdict::Stale { current }) => self.cache.observe_in(era, resource, *current),
-                Err(_) => {}
+                Ok(Verdict::Stale { current })
+                | Ok(Verdict::TooFar {
+                    current: Some(current),
+                }) => self.cache.observe_in(era, resource, *current),
+                Ok(Verdict::TooFar { current: None }) | Err(_) => {}
             }
             result
         })
@@ -483,7 +487,10 @@ impl<R: Remote> FenceStore for SharedStore<R> {
             }
             match &begin {
                 Begin::Execute { .. } => self.cache.observe_in(era, resource, claim.token),
-                Begin::Stale { current } => self.cache.observe_in(era, resource, *current),
+                Begin::Stale { current }
+                | Begin::TooFar {
+                    current: Some(current),
+                } => self.cache.observe_in(era, resource, *current),
                 _ => {}
             }
             Ok(begin)

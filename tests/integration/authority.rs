@@ -5,13 +5,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use fencegate::config::{Config, EqualTokens};
+use fencegate::config::Config;
 use fencegate::idempotency::{Begin, Claim, Record};
 use fencegate::lease::{Acquired, Grant};
 use fencegate::metrics::Metrics;
 use fencegate::proxy::Proxy;
 use fencegate::server::serve;
-use fencegate::store::{BoxFuture, FenceStore, MemoryStore, StoreError, Verdict};
+use fencegate::store::{BoxFuture, FenceStore, MemoryStore, Rule, StoreError, Verdict};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, Semaphore};
@@ -227,12 +227,12 @@ impl FenceStore for GatedStore {
         &'a self,
         resource: &'a str,
         token: u64,
-        equal: EqualTokens,
+        rule: Rule,
     ) -> BoxFuture<'a, Result<Verdict, StoreError>> {
         Box::pin(async move {
             let _ = self.raising.send(token);
             self.gate.acquire().await.unwrap().forget();
-            self.inner.compare_and_raise(resource, token, equal).await
+            self.inner.compare_and_raise(resource, token, rule).await
         })
     }
 

@@ -31,7 +31,11 @@ async fn setup(kind: &str, upstream: &str) -> Setup {
     let config = dir.path().join("fencegate.yaml");
     std::fs::write(
         &config,
-        format!("listen: 127.0.0.1:0\nadmin: 127.0.0.1:0\nupstream: {upstream}\n{store}{ACCOUNTS}"),
+        // `max_step: off`: the poison is recorded as it was before the ceiling refused it.
+        format!(
+            "listen: 127.0.0.1:0\nadmin: 127.0.0.1:0\nupstream: {upstream}\n\
+             token: {{ max_step: off }}\n{store}{ACCOUNTS}"
+        ),
     )
     .unwrap();
     Setup {

@@ -14,7 +14,7 @@ use fencegate::idempotency::{AttemptId, Begin, Claim, Fingerprint, Record};
 use fencegate::metrics::Metrics;
 use fencegate::proxy::Proxy;
 use fencegate::server::serve;
-use fencegate::store::{BoxFuture, FenceStore, StoreError, Verdict};
+use fencegate::store::{BoxFuture, FenceStore, Rule, StoreError, Verdict};
 use http::{Request, Response, StatusCode};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
@@ -801,9 +801,9 @@ impl FenceStore for Stalling {
         &'a self,
         resource: &'a str,
         token: u64,
-        equal: EqualTokens,
+        rule: Rule,
     ) -> BoxFuture<'a, Result<Verdict, StoreError>> {
-        self.inner.compare_and_raise(resource, token, equal)
+        self.inner.compare_and_raise(resource, token, rule)
     }
 
     fn current<'a>(&'a self, resource: &'a str) -> BoxFuture<'a, Result<Option<u64>, StoreError>> {
@@ -936,7 +936,7 @@ async fn a_timed_out_retry_does_not_free_a_running_attempts_key(kind: &str) {
     let look = Claim {
         token: 5,
         fingerprint: Fingerprint::of("POST", "/accounts/1", None, b"debit 10"),
-        equal: EqualTokens::Allow,
+        rule: EqualTokens::Allow.into(),
         window: Duration::from_secs(60),
         may_execute: false,
         attempt: AttemptId::next(),

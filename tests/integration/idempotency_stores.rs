@@ -22,7 +22,7 @@ fn claim(token: u64, f: u8) -> Claim {
     Claim {
         token,
         fingerprint: fp(f),
-        equal: EqualTokens::Allow,
+        rule: EqualTokens::Allow.into(),
         window: Duration::from_secs(60),
         may_execute: true,
         attempt: AttemptId::next(),
@@ -82,7 +82,7 @@ async fn claim_complete_replay(store: Arc<dyn FenceStore>) {
     // A newer epoch was admitted since: the record still answers, nothing executes.
     assert!(matches!(
         store
-            .compare_and_raise(r, 9, EqualTokens::Allow)
+            .compare_and_raise(r, 9, EqualTokens::Allow.into())
             .await
             .unwrap(),
         Verdict::Admitted { .. }
@@ -154,7 +154,7 @@ async fn stale_claims_nothing(store: Arc<dyn FenceStore>) {
     let r = "account:s";
     assert!(matches!(
         store
-            .compare_and_raise(r, 10, EqualTokens::Allow)
+            .compare_and_raise(r, 10, EqualTokens::Allow.into())
             .await
             .unwrap(),
         Verdict::Admitted { .. }
@@ -164,7 +164,7 @@ async fn stale_claims_nothing(store: Arc<dyn FenceStore>) {
         Begin::Stale { current: 10 }
     );
     let reject = Claim {
-        equal: EqualTokens::Reject,
+        rule: EqualTokens::Reject.into(),
         ..claim(10, 1)
     };
     assert_eq!(
@@ -208,7 +208,7 @@ async fn unknown_outcome(store: Arc<dyn FenceStore>) {
         Begin::Reused
     );
     let same = Claim {
-        equal: EqualTokens::Reject,
+        rule: EqualTokens::Reject.into(),
         ..claim(7, 1)
     };
     assert_eq!(

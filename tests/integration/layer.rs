@@ -164,6 +164,32 @@ async fn the_layer_refuses_as_the_proxy_does_byte_for_byte() {
     proxy.shutdown();
 }
 
+/// `token.max_step` in-process: a token too far above the maximum is refused before the inner
+/// service, with the proxy's problem, and the maximum stays; within the step it is admitted.
+#[tokio::test]
+async fn the_layer_refuses_a_token_too_far_above_the_maximum() {
+    let (mut layer, log) = fenced(&format!("token: {{ max_step: 100 }}\n{ACCOUNTS}")).await;
+    let put = |token: &'static str| request("PUT", "/accounts/7", &[("fencing-token", token)]);
+    assert_eq!(call(&mut layer, put("5")).await.status, StatusCode::OK);
+    let refused = call(&mut layer, put("9223372036854775807")).await;
+    refused.assert_problem(409, "urn:fencegate:token-too-far");
+    assert_eq!(
+        refused.text(),
+        r#"{"type":"urn:fencegate:token-too-far","title":"Fencing token too far above the recorded maximum","status":409,"detail":"token 9223372036854775807 exceeds 5, the highest token recorded for account:7, by more than token.max_step (100); it was not forwarded and the recorded maximum is unchanged","resource":"account:7","token":9223372036854775807,"current_token":5,"max_step":100}"#
+    );
+    assert_eq!(refused.headers["fencing-token-current"], "5");
+    call(&mut layer, put("106"))
+        .await
+        .assert_problem(409, "urn:fencegate:token-too-far");
+    // The maximum stayed at 5: 105 is within the step, and 104 is then stale.
+    assert_eq!(call(&mut layer, put("105")).await.status, StatusCode::OK);
+    call(&mut layer, put("104"))
+        .await
+        .assert_problem(409, "urn:fencegate:stale-token");
+    let tokens: Vec<Option<String>> = log.lock().unwrap().iter().map(|s| s.2.clone()).collect();
+    assert_eq!(tokens, [Some("5".to_owned()), Some("105".to_owned())]);
+}
+
 #[tokio::test]
 async fn under_serialize_a_higher_token_waits_for_the_lower_ones_body() {
     let routes = "routes:

@@ -22,6 +22,7 @@ mod lease_e2e;
 mod leases;
 mod leases_cli;
 mod logs;
+mod poison;
 mod process;
 mod proxy;
 mod retention;

@@ -282,7 +282,7 @@ fn fencegate_cli(args: &[&std::ffi::OsStr]) -> (Option<i32>, String, String) {
     )
 }
 
-fn check_file(path: &Path) -> (Option<i32>, String, String) {
+pub(crate) fn check_file(path: &Path) -> (Option<i32>, String, String) {
     fencegate_cli(&["check".as_ref(), "--config".as_ref(), path.as_os_str()])
 }
 
@@ -316,7 +316,9 @@ idempotency: {{}}
     assert_eq!(head, format!("# {}: valid", first.display()));
     assert!(
         body.starts_with(
-            "# leases: ttl 1500ms (minimum 1500ms), renew every 500ms, local deadline ttl - 100ms, \
+            "# token.max_step: a token more than 1099511627776 above the recorded maximum (or \
+             above 1099511627776 for a resource with none) is refused\n\
+             # leases: ttl 1500ms (minimum 1500ms), renew every 500ms, local deadline ttl - 100ms, \
              drain timeout 3s, dedup window 2300ms\n\
              # idempotency: header idempotency-key, window 2300ms, on routes [accounts]\n\
              listen: 0.0.0.0:7440\n"

@@ -131,14 +131,14 @@ async fn redis_maxima_expire_the_period_after_their_raise() {
     .unwrap();
     let store = store::open(&config.store).await.unwrap();
     let v = store
-        .compare_and_raise("plain", 3, EqualTokens::Allow)
+        .compare_and_raise("plain", 3, EqualTokens::Allow.into())
         .await;
     assert_eq!(v.unwrap(), Verdict::Admitted { previous: None });
     assert_eq!(pttl(&format!("{prefix}:{{plain}}:max")).await, -1);
 
     store.forget_after(2 * HOUR).unwrap();
     let v = store
-        .compare_and_raise("plain", 4, EqualTokens::Allow)
+        .compare_and_raise("plain", 4, EqualTokens::Allow.into())
         .await;
     assert_eq!(v.unwrap(), Verdict::Admitted { previous: Some(3) });
     let left = pttl(&format!("{prefix}:{{plain}}:max")).await;
@@ -146,7 +146,7 @@ async fn redis_maxima_expire_the_period_after_their_raise() {
     let claim = fencegate::idempotency::Claim {
         token: 9,
         fingerprint: fencegate::idempotency::Fingerprint([1; 32]),
-        equal: EqualTokens::Allow,
+        rule: EqualTokens::Allow.into(),
         window: Duration::from_secs(60),
         may_execute: true,
         attempt: fencegate::idempotency::AttemptId::next(),
@@ -175,11 +175,15 @@ async fn postgres_maxima_raised_before_the_period_are_deleted() {
     ))
     .unwrap();
     let store = store::open(&config.store).await.unwrap();
-    let v = store.compare_and_raise("kept", 3, EqualTokens::Allow).await;
+    let v = store
+        .compare_and_raise("kept", 3, EqualTokens::Allow.into())
+        .await;
     assert_eq!(v.unwrap(), Verdict::Admitted { previous: None });
     store.forget_after(HOUR).unwrap();
     for r in ["old", "young"] {
-        let v = store.compare_and_raise(r, 5, EqualTokens::Allow).await;
+        let v = store
+            .compare_and_raise(r, 5, EqualTokens::Allow.into())
+            .await;
         assert_eq!(v.unwrap(), Verdict::Admitted { previous: None });
     }
     let (client, connection) = tokio_postgres::connect(POSTGRES_URL, tokio_postgres::NoTls)
@@ -435,7 +439,7 @@ fn store_config(kind: &str, prefix: &str) -> Config {
 
 async fn raise(store: &dyn FenceStore, resource: &str, token: u64) -> Verdict {
     store
-        .compare_and_raise(resource, token, EqualTokens::Allow)
+        .compare_and_raise(resource, token, EqualTokens::Allow.into())
         .await
         .unwrap()
 }
@@ -473,7 +477,7 @@ async fn redis_a_replica_without_retention_keeps_what_one_with_retention_raises_
     let claim = fencegate::idempotency::Claim {
         token: 1,
         fingerprint: fencegate::idempotency::Fingerprint([3; 32]),
-        equal: EqualTokens::Allow,
+        rule: EqualTokens::Allow.into(),
         window: Duration::from_secs(60),
         may_execute: true,
         attempt: fencegate::idempotency::AttemptId::next(),
@@ -547,7 +551,7 @@ async fn redis_a_maximum_read_without_retention_loses_its_expiry() {
     let claim = fencegate::idempotency::Claim {
         token: 5,
         fingerprint: fencegate::idempotency::Fingerprint([2; 32]),
-        equal: EqualTokens::Allow,
+        rule: EqualTokens::Allow.into(),
         window: Duration::from_secs(60),
         may_execute: true,
         attempt: fencegate::idempotency::AttemptId::next(),
@@ -806,7 +810,7 @@ async fn until_admitted(store: &dyn FenceStore, resource: &str, token: u64) -> V
     let wait = async {
         loop {
             if let Ok(verdict) = store
-                .compare_and_raise(resource, token, EqualTokens::Allow)
+                .compare_and_raise(resource, token, EqualTokens::Allow.into())
                 .await
             {
                 return verdict;
@@ -836,7 +840,7 @@ async fn redis_a_run_that_cannot_check_for_the_mark_admits_nothing() {
         .await
         .unwrap();
     let refused = b
-        .compare_and_raise("b", 1, EqualTokens::Allow)
+        .compare_and_raise("b", 1, EqualTokens::Allow.into())
         .await
         .unwrap_err();
     assert!(
@@ -884,7 +888,7 @@ async fn postgres_a_run_whose_sweep_fails_admits_nothing() {
     .unwrap();
     let b = store::open(&config.store).await.unwrap();
     let refused = b
-        .compare_and_raise("b", 1, EqualTokens::Allow)
+        .compare_and_raise("b", 1, EqualTokens::Allow.into())
         .await
         .unwrap_err();
     assert!(

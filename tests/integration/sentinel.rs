@@ -263,16 +263,25 @@ async fn an_equal_token_waits_for_the_replicas_like_the_raise() {
     // Both connected, each with a write the replica acknowledged.
     wait_synced(&replica).await;
     use fencegate::config::EqualTokens::Allow;
-    assert!(raiser.compare_and_raise("warm", 1, Allow).await.is_ok());
-    assert!(retrier.compare_and_raise("warm", 2, Allow).await.is_ok());
+    assert!(raiser
+        .compare_and_raise("warm", 1, Allow.into())
+        .await
+        .is_ok());
+    assert!(retrier
+        .compare_and_raise("warm", 2, Allow.into())
+        .await
+        .is_ok());
 
     replica.pause();
-    let raised = raiser.compare_and_raise("r", 7, Allow).await.unwrap_err();
+    let raised = raiser
+        .compare_and_raise("r", 7, Allow.into())
+        .await
+        .unwrap_err();
     assert!(
         raised.to_string().contains("0 of the 1 replicas"),
         "{raised}"
     );
-    let retried = retrier.compare_and_raise("r", 7, Allow).await;
+    let retried = retrier.compare_and_raise("r", 7, Allow.into()).await;
     replica.resume();
     let retried = retried.expect_err("an equal token admitted on a maximum no replica holds");
     assert!(
@@ -280,7 +289,10 @@ async fn an_equal_token_waits_for_the_replicas_like_the_raise() {
         "{retried}"
     );
     // Once the replica acknowledges again, the same retry is admitted.
-    assert!(retrier.compare_and_raise("r", 7, Allow).await.is_ok());
+    assert!(retrier
+        .compare_and_raise("r", 7, Allow.into())
+        .await
+        .is_ok());
 }
 
 /// A Sentinel that names a replica as the primary (its view is stale, or it was misconfigured),
@@ -311,7 +323,7 @@ async fn a_server_the_sentinels_name_is_used_only_if_it_is_a_primary() {
     .unwrap();
     let store = fencegate::store::open(&config.store).await.unwrap();
     let refused = store
-        .compare_and_raise("r", 7, fencegate::config::EqualTokens::Allow)
+        .compare_and_raise("r", 7, fencegate::config::EqualTokens::Allow.into())
         .await
         .expect_err("a raise acknowledged by a replica");
     assert!(

@@ -59,41 +59,47 @@ async fn raise_equal_stale(store: Arc<dyn FenceStore>) {
     let r = "account:1";
     assert_eq!(store.current(r).await.unwrap(), None);
     assert_eq!(
-        store.compare_and_raise(r, 5, Allow).await.unwrap(),
+        store.compare_and_raise(r, 5, Allow.into()).await.unwrap(),
         Verdict::Admitted { previous: None }
     );
     assert_eq!(
-        store.compare_and_raise(r, 9, Allow).await.unwrap(),
+        store.compare_and_raise(r, 9, Allow.into()).await.unwrap(),
         Verdict::Admitted { previous: Some(5) }
     );
     assert_eq!(
-        store.compare_and_raise(r, 9, Allow).await.unwrap(),
+        store.compare_and_raise(r, 9, Allow.into()).await.unwrap(),
         Verdict::Admitted { previous: Some(9) }
     );
     assert_eq!(
-        store.compare_and_raise(r, 9, Reject).await.unwrap(),
+        store.compare_and_raise(r, 9, Reject.into()).await.unwrap(),
         Verdict::Stale { current: 9 }
     );
     assert_eq!(
-        store.compare_and_raise(r, 8, Allow).await.unwrap(),
+        store.compare_and_raise(r, 8, Allow.into()).await.unwrap(),
         Verdict::Stale { current: 9 }
     );
     assert_eq!(
-        store.compare_and_raise(r, 0, Allow).await.unwrap(),
+        store.compare_and_raise(r, 0, Allow.into()).await.unwrap(),
         Verdict::Stale { current: 9 }
     );
     assert_eq!(
-        store.compare_and_raise(r, 10, Reject).await.unwrap(),
+        store.compare_and_raise(r, 10, Reject.into()).await.unwrap(),
         Verdict::Admitted { previous: Some(9) }
     );
     assert_eq!(store.current(r).await.unwrap(), Some(10));
     // Zero is a token like any other.
     assert_eq!(
-        store.compare_and_raise("zero", 0, Allow).await.unwrap(),
+        store
+            .compare_and_raise("zero", 0, Allow.into())
+            .await
+            .unwrap(),
         Verdict::Admitted { previous: None }
     );
     assert_eq!(
-        store.compare_and_raise("zero", 0, Reject).await.unwrap(),
+        store
+            .compare_and_raise("zero", 0, Reject.into())
+            .await
+            .unwrap(),
         Verdict::Stale { current: 0 }
     );
 }
@@ -103,40 +109,55 @@ async fn very_large_tokens(store: Arc<dyn FenceStore>) {
     let two53 = 1u64 << 53;
     assert!(matches!(
         store
-            .compare_and_raise("f", two53 + 1, Allow)
+            .compare_and_raise("f", two53 + 1, Allow.into())
             .await
             .unwrap(),
         Verdict::Admitted { .. }
     ));
     assert_eq!(
-        store.compare_and_raise("f", two53, Allow).await.unwrap(),
+        store
+            .compare_and_raise("f", two53, Allow.into())
+            .await
+            .unwrap(),
         Verdict::Stale { current: two53 + 1 }
     );
     assert!(matches!(
-        store.compare_and_raise("s", 9, Allow).await.unwrap(),
+        store.compare_and_raise("s", 9, Allow.into()).await.unwrap(),
         Verdict::Admitted { .. }
     ));
     assert!(matches!(
-        store.compare_and_raise("s", 10, Allow).await.unwrap(),
+        store
+            .compare_and_raise("s", 10, Allow.into())
+            .await
+            .unwrap(),
         Verdict::Admitted { .. }
     ));
     assert_eq!(
-        store.compare_and_raise("s", 9, Allow).await.unwrap(),
+        store.compare_and_raise("s", 9, Allow.into()).await.unwrap(),
         Verdict::Stale { current: 10 }
     );
     let max = i64::MAX as u64;
     assert!(matches!(
-        store.compare_and_raise("m", max - 1, Allow).await.unwrap(),
+        store
+            .compare_and_raise("m", max - 1, Allow.into())
+            .await
+            .unwrap(),
         Verdict::Admitted { .. }
     ));
     assert_eq!(
-        store.compare_and_raise("m", max, Allow).await.unwrap(),
+        store
+            .compare_and_raise("m", max, Allow.into())
+            .await
+            .unwrap(),
         Verdict::Admitted {
             previous: Some(max - 1)
         }
     );
     assert_eq!(
-        store.compare_and_raise("m", max - 1, Allow).await.unwrap(),
+        store
+            .compare_and_raise("m", max - 1, Allow.into())
+            .await
+            .unwrap(),
         Verdict::Stale { current: max }
     );
     assert_eq!(store.current("m").await.unwrap(), Some(max));
@@ -156,7 +177,10 @@ async fn concurrent_racing(store: Arc<dyn FenceStore>) {
                 let token = x % 500;
                 out.push((
                     token,
-                    store.compare_and_raise("race", token, Allow).await.unwrap(),
+                    store
+                        .compare_and_raise("race", token, Allow.into())
+                        .await
+                        .unwrap(),
                 ));
             }
             out
@@ -176,6 +200,7 @@ async fn concurrent_racing(store: Arc<dyn FenceStore>) {
                 Verdict::Stale { current } => {
                     assert!(current > token, "{token} refused against {current}")
                 }
+                Verdict::TooFar { current } => panic!("{token} too far over {current:?}"),
             }
         }
     }
@@ -186,7 +211,10 @@ async fn many_resources(store: Arc<dyn FenceStore>) {
     let resources: Vec<String> = (0..300).map(|i| format!("account:{i}")).collect();
     for (i, r) in resources.iter().enumerate() {
         assert!(matches!(
-            store.compare_and_raise(r, i as u64, Allow).await.unwrap(),
+            store
+                .compare_and_raise(r, i as u64, Allow.into())
+                .await
+                .unwrap(),
             Verdict::Admitted { previous: None }
         ));
     }
@@ -196,7 +224,7 @@ async fn many_resources(store: Arc<dyn FenceStore>) {
     if let Some(i) = (1..300u64).step_by(37).next() {
         assert_eq!(
             store
-                .compare_and_raise(&resources[i as usize], i - 1, Allow)
+                .compare_and_raise(&resources[i as usize], i - 1, Allow.into())
                 .await
                 .unwrap(),
             Verdict::Stale { current: i }
@@ -464,19 +492,22 @@ async fn redis_readonly_reply_makes_a_new_connection() {
     ))
     .unwrap();
     let store = store::open(&config.store).await.unwrap();
-    assert!(store.compare_and_raise("r", 1, Allow).await.is_ok());
+    assert!(store.compare_and_raise("r", 1, Allow.into()).await.is_ok());
     let before = redis_connections(service.port).await;
 
     // A replica of nothing that answers: read-only at once.
     redis_cli(service.port, &["REPLICAOF", "127.0.0.1", "1"]).await;
-    let refused = store.compare_and_raise("r", 2, Allow).await.unwrap_err();
+    let refused = store
+        .compare_and_raise("r", 2, Allow.into())
+        .await
+        .unwrap_err();
     assert!(
         refused.to_string().contains("read only replica"),
         "{refused}"
     );
     redis_cli(service.port, &["REPLICAOF", "NO", "ONE"]).await;
     assert_eq!(
-        store.compare_and_raise("r", 2, Allow).await.unwrap(),
+        store.compare_and_raise("r", 2, Allow.into()).await.unwrap(),
         Verdict::Admitted { previous: Some(1) }
     );
     // Three looks by redis-cli, and fencegate's new connection.
@@ -515,7 +546,7 @@ async fn postgres_stores_starting_together_all_create_their_tables() {
             let (s, barrier) = (Arc::clone(s), Arc::clone(&barrier));
             tokio::spawn(async move {
                 barrier.wait().await;
-                s.compare_and_raise(&format!("r{i}"), 1, Allow).await
+                s.compare_and_raise(&format!("r{i}"), 1, Allow.into()).await
             })
         })
         .collect();
@@ -554,7 +585,7 @@ async fn postgres_store_starts_without_locking_existing_tables() {
     let config = postgres_config(&prefix);
     let first = store::open(&config.store).await.unwrap();
     assert_eq!(
-        first.compare_and_raise("a", 1, Allow).await.unwrap(),
+        first.compare_and_raise("a", 1, Allow.into()).await.unwrap(),
         Verdict::Admitted { previous: None }
     );
     let admin = postgres_admin().await;
@@ -568,7 +599,7 @@ async fn postgres_store_starts_without_locking_existing_tables() {
     let second = store::open(&config.store).await.unwrap();
     let raised = tokio::time::timeout(
         Duration::from_secs(10),
-        second.compare_and_raise("b", 1, Allow),
+        second.compare_and_raise("b", 1, Allow.into()),
     )
     .await
     .expect("the second store's start-up waited for the held locks");
@@ -592,7 +623,10 @@ async fn postgres_table_setup_recovers_after_a_failure() {
         .unwrap();
     let store = store::open(&postgres_config(&prefix).store).await.unwrap();
     for _ in 0..3 {
-        let failed = store.compare_and_raise("a", 1, Allow).await.unwrap_err();
+        let failed = store
+            .compare_and_raise("a", 1, Allow.into())
+            .await
+            .unwrap_err();
         assert_eq!(
             failed.to_string(),
             "the fence store is unavailable: postgres: creating the tables: column \"expires_at\" \
@@ -605,7 +639,7 @@ async fn postgres_table_setup_recovers_after_a_failure() {
         .unwrap();
     for r in ["a", "b", "c", "d"] {
         assert_eq!(
-            store.compare_and_raise(r, 1, Allow).await.unwrap(),
+            store.compare_and_raise(r, 1, Allow.into()).await.unwrap(),
             Verdict::Admitted { previous: None },
             "{r}"
         );

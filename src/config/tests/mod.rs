@@ -339,7 +339,7 @@ fn a_section_written_as_a_value_says_what_it_holds() {
     for (yaml, message) in [
         (
             "token: Fencing-Token",
-            "token: invalid type: string \"Fencing-Token\", expected a mapping with `header` and `equal` at line 2 column 8",
+            "token: invalid type: string \"Fencing-Token\", expected a mapping with `header`, `equal` and `max_step` at line 2 column 8",
         ),
         (
             "leases: 5",

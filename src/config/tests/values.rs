@@ -212,3 +212,69 @@ fn the_documented_duration_forms_load() {
         assert_eq!(c.routes[0].barrier_timeout, want, "{text}");
     }
 }
+
+#[test]
+fn max_step_is_a_whole_number_or_off() {
+    let step = |yaml: &str| Config::parse(yaml).unwrap().token.max_step.get();
+    assert_eq!(step(MINIMAL), Some(1 << 40));
+    assert_eq!(step(MINIMAL), Some(DEFAULT_MAX_STEP));
+    for (value, want) in [
+        ("1", Some(1)),
+        ("4294967296", Some(4_294_967_296)),
+        ("18446744073709551615", Some(u64::MAX)),
+        ("off", None),
+        ("none", None),
+    ] {
+        let yaml = format!("upstream: http://a:1\ntoken:\n  max_step: {value}\n");
+        assert_eq!(step(&yaml), want, "{value}");
+    }
+    // The effective config prints it back in a form the parser takes.
+    let off = Config::parse("upstream: http://a:1\ntoken: { max_step: off }\n").unwrap();
+    assert!(off.to_yaml().contains("max_step: off"), "{}", off.to_yaml());
+    let again = Config::parse(&off.to_yaml()).unwrap();
+    assert_eq!(again.token.max_step, MaxStep::OFF);
+    let default = Config::parse(MINIMAL).unwrap();
+    assert!(default.to_yaml().contains("max_step: 1099511627776"));
+}
+
+#[test]
+fn a_bad_max_step_is_refused_where_it_is_written() {
+    for (value, message) in [
+        (
+            "0",
+            "`0` would refuse every token above the recorded maximum: write a whole number of \
+             at least 1, or off to have no ceiling",
+        ),
+        (
+            "-5",
+            "`-5` is not a token step: write a whole number of at least 1, like 1099511627776 \
+             (2^40, the default), or off",
+        ),
+        (
+            "1e9",
+            "`1000000000` is not a token step: write a whole number of at least 1, like \
+             1099511627776 (2^40, the default), or off",
+        ),
+        (
+            "'100'",
+            "`\"100\"` is quoted, so it is text: write 100 without quotes",
+        ),
+        (
+            "never",
+            "`never` is not a token step: write a whole number of at least 1, like \
+             1099511627776 (2^40, the default), or off",
+        ),
+        (
+            "18446744073709551616",
+            "`18446744073709551616` is too large (tokens are at most 9223372036854775807): \
+             write off to have no ceiling",
+        ),
+    ] {
+        let yaml = format!("upstream: http://a:1\ntoken:\n  equal: allow\n  max_step: {value}\n");
+        let e = err(&yaml);
+        assert!(
+            e.contains("token.max_step") && e.contains("line 4 column 13") && e.contains(message),
+            "{value}: {e}"
+        );
+    }
+}

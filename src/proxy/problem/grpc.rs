@@ -54,9 +54,10 @@ impl Code {
 /// A refusal's gRPC status: one exhaustive match, no `_`, so a new refusal must pick one.
 pub fn code(refusal: &Refusal) -> Code {
     match refusal {
-        Refusal::Stale { .. } | Refusal::Superseded { .. } | Refusal::Unissued { .. } => {
-            Code::Aborted
-        }
+        Refusal::Stale { .. }
+        | Refusal::Superseded { .. }
+        | Refusal::Unissued { .. }
+        | Refusal::TooFar { .. } => Code::Aborted,
         Refusal::IdempotencyInFlight => Code::Aborted,
         Refusal::InvalidToken(_)
         | Refusal::InvalidPath(_)

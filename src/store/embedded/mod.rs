@@ -58,8 +58,7 @@ use arc_swap::ArcSwapOption;
 use redb::{Database, ReadableDatabase, ReadableTable, Table, TableDefinition};
 use tokio::sync::oneshot;
 
-use super::{decide, record_key, BoxFuture, FenceStore, StoreError, Verdict};
-use crate::config::EqualTokens;
+use super::{decide, record_key, BoxFuture, FenceStore, Rule, StoreError, Verdict};
 use crate::idempotency::{self, AttemptId, Begin, Claim, Phase, Record};
 use crate::maxima::BoundedMaxima;
 
@@ -98,7 +97,7 @@ enum Op {
     Raise {
         resource: Box<str>,
         token: u64,
-        equal: EqualTokens,
+        rule: Rule,
         reply: oneshot::Sender<Result<Verdict, StoreError>>,
     },
     Begin {
@@ -415,28 +414,30 @@ impl EmbeddedStore {
     }
 
     /// The verdict on `token` when it changes nothing (a refusal, or a repeat of the maximum),
-    /// decided here without the writer; `None` when it would raise the maximum, which only the
+    /// decided here without the writer against one committed state of the file (a refusal
+    /// decided there changes nothing, so it needs no write transaction); `None` when it would raise the maximum, which only the
     /// writer decides (see the module comment).
     fn decide_here(
         &self,
         resource: &str,
         token: u64,
-        equal: EqualTokens,
+        rule: Rule,
     ) -> Result<Option<Verdict>, StoreError> {
         if let Some(cached) = self.shared.cache.entry(resource) {
-            let verdict = decide(Some(cached.value), token, equal);
+            let verdict = decide(Some(cached.value), token, rule);
             match verdict {
                 // Below a lower bound: stale whatever the durable maximum is now.
                 Verdict::Stale { .. } => return Ok(Some(verdict)),
                 // Above a lower bound: the writer compares with the durable maximum.
                 _ if verdict.raised(token) => return Ok(None),
-                // A repeat of the durable maximum itself.
+                // A repeat of the durable maximum itself, or too far above it.
                 _ if cached.exact => return Ok(Some(verdict)),
-                // A repeat of a lower bound: the file says whether it is the maximum.
+                // A repeat of a lower bound, or too far above one: the file says what the
+                // maximum is (a lower bound cannot refuse a token as too far).
                 _ => {}
             }
         }
-        let verdict = decide(self.read_maximum(resource)?, token, equal);
+        let verdict = decide(self.read_maximum(resource)?, token, rule);
         Ok((!verdict.raised(token)).then_some(verdict))
     }
 }
@@ -446,9 +447,9 @@ impl FenceStore for EmbeddedStore {
         &'a self,
         resource: &'a str,
         token: u64,
-        equal: EqualTokens,
+        rule: Rule,
     ) -> BoxFuture<'a, Result<Verdict, StoreError>> {
-        match self.decide_here(resource, token, equal) {
+        match self.decide_here(resource, token, rule) {
             // Refusal, or the durable maximum itself: nothing to write.
             Ok(Some(verdict)) => return Box::pin(std::future::ready(Ok(verdict))),
             Err(e) => return Box::pin(std::future::ready(Err(e))),
@@ -458,7 +459,7 @@ impl FenceStore for EmbeddedStore {
         let raise = Op::Raise {
             resource: resource.into(),
             token,
-            equal,
+            rule,
             reply,
         };
         self.send(raise, answer)

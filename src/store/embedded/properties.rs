@@ -11,6 +11,7 @@ use std::sync::atomic::AtomicU64;
 use std::sync::Mutex;
 
 use super::*;
+use crate::config::EqualTokens;
 use crate::idempotency::{AttemptId, Fingerprint};
 
 /// Deterministic pseudo-random numbers.
@@ -47,11 +48,20 @@ fn seeds(cases: u64) -> Vec<u64> {
     }
 }
 
+/// `token.equal` either way, and `token.max_step` off or small enough to refuse some of the
+/// tokens drawn (0..24).
+fn rule(rng: &mut Rng) -> Rule {
+    Rule {
+        equal: rng.pick(&[EqualTokens::Allow, EqualTokens::Reject]),
+        max_step: rng.pick(&[None, Some(3), Some(12)]),
+    }
+}
+
 fn claim(rng: &mut Rng, token: u64) -> Claim {
     Claim {
         token,
         fingerprint: Fingerprint([rng.below(2) as u8; 32]),
-        equal: rng.pick(&[EqualTokens::Allow, EqualTokens::Reject]),
+        rule: rule(rng),
         window: Duration::from_secs(60),
         may_execute: true,
         attempt: AttemptId::next(),
@@ -77,14 +87,14 @@ async fn sequence(seed: u64) {
         let token = rng.below(24);
         match rng.below(100) {
             0..=49 => {
-                let equal = rng.pick(&[EqualTokens::Allow, EqualTokens::Reject]);
-                let verdict = store.compare_and_raise(r, token, equal).await.unwrap();
-                let want = decide(model.get(r).copied(), token, equal);
-                let at = format!("{at}: raise {r} to {token} ({equal:?})");
+                let rule = rule(&mut rng);
+                let verdict = store.compare_and_raise(r, token, rule).await.unwrap();
+                let want = decide(model.get(r).copied(), token, rule);
+                let at = format!("{at}: raise {r} to {token} ({rule:?})");
                 match (verdict, want) {
                     (Verdict::Stale { current }, Verdict::Stale { .. }) => {
                         assert!(history[r].contains(&current), "{at}: {verdict:?}");
-                        assert_eq!(decide(Some(current), token, equal), verdict, "{at}");
+                        assert_eq!(decide(Some(current), token, rule), verdict, "{at}");
                     }
                     _ => assert_eq!(verdict, want, "{at}"),
                 }
@@ -189,7 +199,11 @@ async fn race(seed: u64) {
                     let token = 1 + rng.below(60);
                     let began = clock.fetch_add(1, Ordering::SeqCst);
                     let verdict = store
-                        .compare_and_raise(&format!("r{resource}"), token, EqualTokens::Allow)
+                        .compare_and_raise(
+                            &format!("r{resource}"),
+                            token,
+                            EqualTokens::Allow.into(),
+                        )
                         .await
                         .unwrap();
                     let ended = clock.fetch_add(1, Ordering::SeqCst);
@@ -259,6 +273,7 @@ async fn race(seed: u64) {
                     "{at}: refused with a maximum nobody was admitted with"
                 );
             }
+            Verdict::TooFar { .. } => panic!("{at}: too far with no token.max_step"),
         }
     }
     for resource in 0..3 {

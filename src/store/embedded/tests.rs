@@ -1,6 +1,7 @@
 //! Unit tests of the embedded store.
 
 use super::*;
+use crate::config::EqualTokens;
 
 #[tokio::test]
 async fn survives_reopen() {
@@ -9,12 +10,12 @@ async fn survives_reopen() {
     {
         let store = EmbeddedStore::open(&path, "t", 1000).unwrap();
         let v = store
-            .compare_and_raise("r", 9, EqualTokens::Allow)
+            .compare_and_raise("r", 9, EqualTokens::Allow.into())
             .await
             .unwrap();
         assert_eq!(v, Verdict::Admitted { previous: None });
         let v = store
-            .compare_and_raise("r", 4, EqualTokens::Allow)
+            .compare_and_raise("r", 4, EqualTokens::Allow.into())
             .await
             .unwrap();
         assert_eq!(v, Verdict::Stale { current: 9 });
@@ -22,7 +23,7 @@ async fn survives_reopen() {
     let store = EmbeddedStore::open(&path, "t", 1000).unwrap();
     assert_eq!(store.current("r").await.unwrap(), Some(9));
     let v = store
-        .compare_and_raise("r", 8, EqualTokens::Allow)
+        .compare_and_raise("r", 8, EqualTokens::Allow.into())
         .await
         .unwrap();
     assert_eq!(v, Verdict::Stale { current: 9 });
@@ -32,7 +33,7 @@ fn claim(token: u64, window: Duration) -> Claim {
     Claim {
         token,
         fingerprint: crate::idempotency::Fingerprint([7; 32]),
-        equal: EqualTokens::Allow,
+        rule: EqualTokens::Allow.into(),
         window,
         may_execute: true,
         attempt: crate::idempotency::AttemptId::next(),
@@ -169,7 +170,7 @@ async fn concurrent_raises_share_commits() {
             let store = Arc::clone(&store);
             tokio::spawn(async move {
                 store
-                    .compare_and_raise(&format!("r{}", i % 20), i, EqualTokens::Allow)
+                    .compare_and_raise(&format!("r{}", i % 20), i, EqualTokens::Allow.into())
                     .await
                     .unwrap()
             })
@@ -222,7 +223,7 @@ fn raises_queued_before_the_runtime_parks_share_one_commit() {
     hooked_runtime().block_on(async {
         // The writer is idle, so this wakes it at once; the runtime parks while it waits.
         let v = store
-            .compare_and_raise("first", 1, EqualTokens::Allow)
+            .compare_and_raise("first", 1, EqualTokens::Allow.into())
             .await;
         assert_eq!(v.unwrap(), Verdict::Admitted { previous: None });
         assert_eq!(store.commits(), 1);
@@ -238,7 +239,7 @@ fn raises_queued_before_the_runtime_parks_share_one_commit() {
                 store.compare_and_raise(
                     ["a", "b", "c", "d"][i % 4],
                     2 + i as u64,
-                    EqualTokens::Allow,
+                    EqualTokens::Allow.into(),
                 )
             })
             .collect();
@@ -277,7 +278,7 @@ async fn a_thread_without_the_hook_wakes_the_writer_at_once() {
     let store = patient(&dir);
     for token in 1..=3 {
         // After the first commit the writer waits an hour unless woken.
-        let raise = store.compare_and_raise("r", token, EqualTokens::Allow);
+        let raise = store.compare_and_raise("r", token, EqualTokens::Allow.into());
         let v = tokio::time::timeout(Duration::from_secs(10), raise)
             .await
             .expect("the writer was not woken");
@@ -292,13 +293,15 @@ fn an_idle_writer_is_woken_at_once_even_from_a_hooked_runtime() {
     let poll = Duration::from_micros(1);
     let store = EmbeddedStore::open_polling(&dir.path().join("f.db"), "t", 1000, poll).unwrap();
     hooked_runtime().block_on(async {
-        let v = store.compare_and_raise("r", 1, EqualTokens::Allow).await;
+        let v = store
+            .compare_and_raise("r", 1, EqualTokens::Allow.into())
+            .await;
         assert_eq!(v.unwrap(), Verdict::Admitted { previous: None });
         until("the writer to go idle", || {
             store.shared.idle.load(Ordering::Relaxed)
         });
         // Queued without letting the runtime park: only an immediate wake commits it.
-        let raise = store.compare_and_raise("r", 2, EqualTokens::Allow);
+        let raise = store.compare_and_raise("r", 2, EqualTokens::Allow.into());
         until("the second commit", || store.commits() == 2);
         assert_eq!(
             raise.await.unwrap(),
@@ -311,7 +314,11 @@ fn an_idle_writer_is_woken_at_once_even_from_a_hooked_runtime() {
 async fn fill(store: &EmbeddedStore, resources: std::ops::Range<u64>, token: u64) {
     let raises: Vec<_> = resources
         .map(|i| format!("r{i}"))
-        .map(|r| async move { store.compare_and_raise(&r, token, EqualTokens::Allow).await })
+        .map(|r| async move {
+            store
+                .compare_and_raise(&r, token, EqualTokens::Allow.into())
+                .await
+        })
         .collect();
     for raise in raises {
         assert!(matches!(raise.await.unwrap(), Verdict::Admitted { .. }));
@@ -333,7 +340,7 @@ async fn opening_reads_no_maximum() {
     assert_eq!(store.current("r1999").await.unwrap(), Some(3));
     assert_eq!(
         store
-            .compare_and_raise("r7", 2, EqualTokens::Allow)
+            .compare_and_raise("r7", 2, EqualTokens::Allow.into())
             .await
             .unwrap(),
         Verdict::Stale { current: 3 }
@@ -352,14 +359,14 @@ async fn the_cache_is_bounded_and_an_evicted_maximum_is_read_from_the_file() {
     // Refused from the file, without the writer.
     assert_eq!(
         store
-            .compare_and_raise("r0", 4, EqualTokens::Allow)
+            .compare_and_raise("r0", 4, EqualTokens::Allow.into())
             .await
             .unwrap(),
         Verdict::Stale { current: 5 }
     );
     assert_eq!(
         store
-            .compare_and_raise("r1", 5, EqualTokens::Reject)
+            .compare_and_raise("r1", 5, EqualTokens::Reject.into())
             .await
             .unwrap(),
         Verdict::Stale { current: 5 }
@@ -367,7 +374,7 @@ async fn the_cache_is_bounded_and_an_evicted_maximum_is_read_from_the_file() {
     // A repeat of the maximum: admitted, nothing written.
     assert_eq!(
         store
-            .compare_and_raise("r2", 5, EqualTokens::Allow)
+            .compare_and_raise("r2", 5, EqualTokens::Allow.into())
             .await
             .unwrap(),
         Verdict::Admitted { previous: Some(5) }
@@ -375,7 +382,7 @@ async fn the_cache_is_bounded_and_an_evicted_maximum_is_read_from_the_file() {
     assert_eq!(store.commits(), commits);
     assert_eq!(
         store
-            .compare_and_raise("r3", 6, EqualTokens::Allow)
+            .compare_and_raise("r3", 6, EqualTokens::Allow.into())
             .await
             .unwrap(),
         Verdict::Admitted { previous: Some(5) }
@@ -393,7 +400,7 @@ async fn a_lower_bound_in_the_cache_admits_nothing_below_the_durable_maximum() {
     let store = EmbeddedStore::open(&dir.path().join("f.db"), "t", 1).unwrap();
     assert!(matches!(
         store
-            .compare_and_raise("r", 9, EqualTokens::Allow)
+            .compare_and_raise("r", 9, EqualTokens::Allow.into())
             .await
             .unwrap(),
         Verdict::Admitted { previous: None }
@@ -416,7 +423,7 @@ async fn a_lower_bound_in_the_cache_admits_nothing_below_the_durable_maximum() {
         plant();
         assert_eq!(
             store
-                .compare_and_raise("r", token, EqualTokens::Allow)
+                .compare_and_raise("r", token, EqualTokens::Allow.into())
                 .await
                 .unwrap(),
             Verdict::Stale { current: 9 },
@@ -441,7 +448,7 @@ async fn the_writer_keeps_exact_values_exact() {
     let dir = tempfile::tempdir().unwrap();
     let store = EmbeddedStore::open(&dir.path().join("f.db"), "t", 100).unwrap();
     store
-        .compare_and_raise("r", 4, EqualTokens::Allow)
+        .compare_and_raise("r", 4, EqualTokens::Allow.into())
         .await
         .unwrap();
     let exact = |value| Some(crate::maxima::Cached { value, exact: true });
@@ -452,7 +459,7 @@ async fn the_writer_keeps_exact_values_exact() {
         *saw.lock().unwrap() = cache.entry("r");
     }));
     store
-        .compare_and_raise("r", 6, EqualTokens::Allow)
+        .compare_and_raise("r", 6, EqualTokens::Allow.into())
         .await
         .unwrap();
     // While the raise to 6 committed, 4 was a lower bound only.
@@ -492,18 +499,24 @@ async fn maxima_not_raised_for_the_retention_are_forgotten() {
         let store = EmbeddedStore::open(&path, "t", 1000).unwrap();
         store.forget_after(Duration::from_secs(3600)).unwrap();
         for (r, token) in [("a", 5), ("b", 3), ("c", 7)] {
-            let v = store.compare_and_raise(r, token, EqualTokens::Allow);
+            let v = store.compare_and_raise(r, token, EqualTokens::Allow.into());
             assert_eq!(v.await.unwrap(), Verdict::Admitted { previous: None });
         }
         step_clock(&store, 30 * MINUTE);
-        let v = store.compare_and_raise("b", 4, EqualTokens::Allow).await;
+        let v = store
+            .compare_and_raise("b", 4, EqualTokens::Allow.into())
+            .await;
         assert_eq!(v.unwrap(), Verdict::Admitted { previous: Some(3) });
-        let v = store.compare_and_raise("a", 5, EqualTokens::Allow).await;
+        let v = store
+            .compare_and_raise("a", 5, EqualTokens::Allow.into())
+            .await;
         assert_eq!(v.unwrap(), Verdict::Admitted { previous: Some(5) });
         assert!(store.shared.cache.contains("a"));
         // An hour and a minute after a's and c's raise: the next batch forgets them first.
         step_clock(&store, 61 * MINUTE);
-        let v = store.compare_and_raise("d", 1, EqualTokens::Allow).await;
+        let v = store
+            .compare_and_raise("d", 1, EqualTokens::Allow.into())
+            .await;
         assert_eq!(v.unwrap(), Verdict::Admitted { previous: None });
         assert!(!store.shared.cache.contains("a"));
         assert!(!store.shared.cache.contains("c"));
@@ -513,7 +526,9 @@ async fn maxima_not_raised_for_the_retention_are_forgotten() {
         assert_eq!(store.current("d").await.unwrap(), Some(1));
         // Forgotten: any token is admitted again (which is why the config allows retention
         // only where the lease backend refuses old tokens).
-        let v = store.compare_and_raise("a", 2, EqualTokens::Allow).await;
+        let v = store
+            .compare_and_raise("a", 2, EqualTokens::Allow.into())
+            .await;
         assert_eq!(v.unwrap(), Verdict::Admitted { previous: None });
     }
     // Reopened: forgotten stays forgotten, and ages survive (b goes an hour after its raise).
@@ -522,7 +537,9 @@ async fn maxima_not_raised_for_the_retention_are_forgotten() {
     assert_eq!(store.current("c").await.unwrap(), None);
     assert_eq!(store.current("b").await.unwrap(), Some(4));
     step_clock(&store, 91 * MINUTE);
-    let v = store.compare_and_raise("e", 1, EqualTokens::Allow).await;
+    let v = store
+        .compare_and_raise("e", 1, EqualTokens::Allow.into())
+        .await;
     assert_eq!(v.unwrap(), Verdict::Admitted { previous: None });
     assert_eq!(store.read_maximum("b").unwrap(), None);
     assert_eq!(store.read_maximum("a").unwrap(), Some(2));
@@ -539,13 +556,15 @@ fn an_idle_writer_forgets_without_a_write() {
         .unwrap();
     let store = EmbeddedStore::open(&dir.path().join("f.db"), "t", 1000).unwrap();
     runtime.block_on(async {
-        let v = store.compare_and_raise("kept", 5, EqualTokens::Allow).await;
+        let v = store
+            .compare_and_raise("kept", 5, EqualTokens::Allow.into())
+            .await;
         assert_eq!(v.unwrap(), Verdict::Admitted { previous: None });
     });
     step_clock(&store, 10 * 24 * 60 * MINUTE);
     runtime.block_on(async {
         let v = store
-            .compare_and_raise("other", 1, EqualTokens::Allow)
+            .compare_and_raise("other", 1, EqualTokens::Allow.into())
             .await;
         assert_eq!(v.unwrap(), Verdict::Admitted { previous: None });
     });
@@ -553,7 +572,9 @@ fn an_idle_writer_forgets_without_a_write() {
 
     store.forget_after(Duration::from_secs(3600)).unwrap();
     runtime.block_on(async {
-        let v = store.compare_and_raise("gone", 5, EqualTokens::Allow).await;
+        let v = store
+            .compare_and_raise("gone", 5, EqualTokens::Allow.into())
+            .await;
         assert_eq!(v.unwrap(), Verdict::Admitted { previous: None });
     });
     let commits = store.commits();
@@ -576,7 +597,7 @@ fn an_idle_writer_forgets_without_a_write() {
 async fn raise_times_do_not_outlive_a_run_without_retention() {
     async fn raise(store: &EmbeddedStore, r: &str, token: u64) -> Verdict {
         store
-            .compare_and_raise(r, token, EqualTokens::Allow)
+            .compare_and_raise(r, token, EqualTokens::Allow.into())
             .await
             .unwrap()
     }
@@ -634,7 +655,10 @@ fn aged(path: &std::path::Path) -> Vec<String> {
 #[tokio::test]
 async fn retention_on_then_off_then_on_across_restarts() {
     async fn raise(store: &EmbeddedStore, r: &str, token: u64, equal: EqualTokens) -> Verdict {
-        store.compare_and_raise(r, token, equal).await.unwrap()
+        store
+            .compare_and_raise(r, token, equal.into())
+            .await
+            .unwrap()
     }
     use EqualTokens::{Allow, Reject};
     let dir = tempfile::tempdir().unwrap();

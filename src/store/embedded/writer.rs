@@ -320,12 +320,12 @@ fn commit_batch(
                 Op::Raise {
                     resource,
                     token,
-                    equal,
+                    rule,
                     ..
                 } => {
                     // Against the table, never the cache: a cached value is only a lower bound.
                     let current = maximum(&fences, &mut maxima, resource)?;
-                    let verdict = decide(current, *token, *equal);
+                    let verdict = decide(current, *token, *rule);
                     if verdict.raised(*token) {
                         raise(&mut fences, &mut ages, &mut maxima, resource, *token)?;
                         wrote = true;

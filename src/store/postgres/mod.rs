@@ -6,6 +6,12 @@
 //! then decides between "equal, admitted" and "stale", which is correct at the time of that
 //! read because maxima only grow. The tables are created on first use if missing.
 //!
+//! With `token.max_step`, a token above the step ([`Rule::floor`]) raises only an existing
+//! row whose maximum is at least the floor: a conditional `UPDATE` whose `WHERE` holds both
+//! bounds, so a too-far token never raises anything. When it returns no row, the follow-up read
+//! says why (stale, equal, or too far: each true at the time of that read); if that read finds
+//! a maximum that has meanwhile risen to within the step, the raise is tried again.
+//!
 //! Idempotency records live in `<prefix>_idempotency`, one row per `(resource, key)`: the phase
 //! code, token, fingerprint and (`in_flight` rows only) attempt id and in-flight lifetime as
 //! columns (for the conditional outcome write and the takeover; these columns are added to
@@ -44,8 +50,7 @@ use deadpool_postgres::Pool;
 use tokio::sync::OnceCell;
 
 use super::shared::{Claimed, Remote};
-use super::{decide, StoreError, Verdict};
-use crate::config::EqualTokens;
+use super::{decide, Rule, StoreError, Verdict};
 use crate::conn::postgres::{describe, failure, pool, Guard, START_CHECK};
 use crate::conn::BoxFuture;
 use crate::idempotency::{AttemptId, Claim, Record};
@@ -62,6 +67,8 @@ pub struct PostgresRemote {
     schema: OnceCell<()>,
     table: String,
     raise_sql: String,
+    /// The raise of a token above `token.max_step`: an existing maximum at least the floor.
+    raise_from_sql: String,
     get_sql: String,
     records: String,
     /// The table of the retention mark ([`crate::store::retention`]).
@@ -98,6 +105,13 @@ impl PostgresRemote {
                  SET max_token = EXCLUDED.max_token, prev_token = f.max_token, \
                      raised_at = EXCLUDED.raised_at \
                  WHERE f.max_token < EXCLUDED.max_token \
+                 RETURNING prev_token"
+            ),
+            raise_from_sql: format!(
+                "UPDATE {table} AS f \
+                 SET max_token = $2, prev_token = f.max_token, \
+                     raised_at = CASE WHEN $3 THEN now() END \
+                 WHERE f.resource = $1 AND f.max_token < $2 AND f.max_token >= $4 \
                  RETURNING prev_token"
             ),
             forget: Forget::new(&table, &marks),
@@ -230,34 +244,57 @@ impl Remote for PostgresRemote {
         &'a self,
         resource: &'a str,
         token: u64,
-        equal: EqualTokens,
+        rule: Rule,
     ) -> BoxFuture<'a, Result<Verdict, StoreError>> {
         Box::pin(async move {
             let client = self.client().await?;
             let signed = i64::try_from(token).map_err(|_| too_large())?;
-            let statement = client
-                .prepare_cached(&self.raise_sql)
+            let floor = rule.floor(token).map(self::signed).transpose()?;
+            let raise = match floor {
+                None => &self.raise_sql,
+                Some(_) => &self.raise_from_sql,
+            };
+            let raise = client
+                .prepare_cached(raise)
                 .await
                 .map_err(|e| self.failed(&e))?;
-            let raised = client
-                .query_opt(&statement, &[&resource, &signed, &self.aging()])
-                .await
-                .map_err(|e| self.failed(&e))?;
-            if let Some(row) = raised {
-                let previous: Option<i64> = row.get(0);
-                return Ok(Verdict::Admitted {
-                    previous: previous.map(token_of).transpose()?,
-                });
-            }
-            let statement = client
+            let get = client
                 .prepare_cached(&self.get_sql)
                 .await
                 .map_err(|e| self.failed(&e))?;
-            let row = client
-                .query_one(&statement, &[&resource])
-                .await
+            loop {
+                let aging = self.aging();
+                let raised = match &floor {
+                    None => {
+                        client
+                            .query_opt(&raise, &[&resource, &signed, &aging])
+                            .await
+                    }
+                    Some(floor) => {
+                        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] =
+                            [&resource, &signed, &aging, floor];
+                        client.query_opt(&raise, &params).await
+                    }
+                }
                 .map_err(|e| self.failed(&e))?;
-            Ok(decide(Some(token_of(row.get(0))?), token, equal))
+                if let Some(row) = raised {
+                    let previous: Option<i64> = row.get(0);
+                    return Ok(Verdict::Admitted {
+                        previous: previous.map(token_of).transpose()?,
+                    });
+                }
+                let row = client
+                    .query_opt(&get, &[&resource])
+                    .await
+                    .map_err(|e| self.failed(&e))?;
+                let current = row.map(|r| token_of(r.get(0))).transpose()?;
+                let verdict = decide(current, token, rule);
+                // Raised since the statement, to within the step: try the raise again (a
+                // maximum only grows, so this ends once the token is stale, equal or raised).
+                if !verdict.raised(token) {
+                    return Ok(verdict);
+                }
+            }
         })
     }
 

@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use super::*;
+use crate::config::EqualTokens;
 
 const URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
 
@@ -54,7 +55,7 @@ async fn an_abandoned_table_set_up_returns_no_aborted_transaction_to_the_pool() 
         .unwrap();
     let remote = PostgresRemote::new(URL, &prefix, None, None).unwrap();
     {
-        let raise = remote.raise("a", 1, EqualTokens::Allow);
+        let raise = remote.raise("a", 1, EqualTokens::Allow.into());
         tokio::pin!(raise);
         // Given up once the set-up waits for the lock, as a caller's timeout gives up.
         let waiting = async {
@@ -93,7 +94,10 @@ async fn an_abandoned_table_set_up_returns_no_aborted_transaction_to_the_pool() 
         .await
         .unwrap();
     assert_eq!(
-        remote.raise("a", 1, EqualTokens::Allow).await.unwrap(),
+        remote
+            .raise("a", 1, EqualTokens::Allow.into())
+            .await
+            .unwrap(),
         Verdict::Admitted { previous: None }
     );
     admin

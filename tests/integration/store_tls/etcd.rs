@@ -448,7 +448,11 @@ async fn etcd_wrong_password_is_not_tried_again_by_every_call() {
             let store = store.clone();
             tokio::spawn(async move {
                 store
-                    .compare_and_raise(&format!("r{i}"), 1, fencegate::config::EqualTokens::Allow)
+                    .compare_and_raise(
+                        &format!("r{i}"),
+                        1,
+                        fencegate::config::EqualTokens::Allow.into(),
+                    )
                     .await
             })
         })
@@ -526,14 +530,14 @@ async fn etcd_tokens_refused_after_a_restart_are_replaced_without_an_error() {
     fencegate::tls::install_default_provider();
     let store = fencegate::store::open(&config.store).await.unwrap();
     use fencegate::config::EqualTokens::Allow;
-    assert!(store.compare_and_raise("r", 1, Allow).await.is_ok());
+    assert!(store.compare_and_raise("r", 1, Allow.into()).await.is_ok());
     etcd.restart(&pki).await;
     // The channel may still hold the connection to the old process: transport errors until it
     // notices are expected; a refused token never is.
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut errors = Vec::new();
     loop {
-        match store.compare_and_raise("r", 2, Allow).await {
+        match store.compare_and_raise("r", 2, Allow.into()).await {
             Ok(verdict) => {
                 assert_eq!(
                     verdict,
