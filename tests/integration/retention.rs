@@ -612,6 +612,28 @@ async fn pg_pass(store: &dyn FenceStore, pg: &tokio_postgres::Client, prefix: &s
     .await;
 }
 
+/// `store` is told its period, and its first forgetting pass (started by that, in the
+/// background) has run: a control row two hours old is gone. Without waiting, that pass could
+/// run after the test aged a row on purpose and delete it.
+async fn pg_forget_after(store: &dyn FenceStore, pg: &tokio_postgres::Client, prefix: &str) {
+    let sql = format!(
+        "INSERT INTO {prefix}_fences (resource, max_token, raised_at) \
+         VALUES ('control', 1, now() - interval '2 hours')"
+    );
+    pg.execute(&sql, &[]).await.unwrap();
+    store.forget_after(HOUR).unwrap();
+    until(
+        "the first forgetting pass deletes its control row",
+        || async {
+            !pg_rows(pg, prefix)
+                .await
+                .iter()
+                .any(|(r, _, _)| r == "control")
+        },
+    )
+    .await;
+}
+
 /// PostgreSQL, restarts: run A (retention) raises `r`; run B (none) finds A's mark at its
 /// start and takes `r`'s raise time away; run C (retention again), two hours on, forgets a
 /// maximum raised and aged under it, and keeps `r`: the raise time A left did not date it.
@@ -672,7 +694,7 @@ async fn postgres_a_replica_without_retention_keeps_what_one_with_retention_rais
         Verdict::Admitted { previous: None }
     );
     let a = store::open(&config.store).await.unwrap();
-    a.forget_after(HOUR).unwrap();
+    pg_forget_after(&*a, &pg, &prefix).await;
     assert_eq!(
         raise(&*a, "r", 2).await,
         Verdict::Admitted { previous: None }

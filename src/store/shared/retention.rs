@@ -310,7 +310,27 @@ impl Guard {
                 .saturating_add(u64::try_from(wait.as_millis()).unwrap_or(u64::MAX));
             self.due_ms.store(due, Ordering::Relaxed);
             self.finish(generation, result, remote.kind());
-            let _ = tokio::time::timeout(wait, self.wake.notified()).await;
+            self.wait(wait, generation).await;
+        }
+    }
+
+    /// Until `wait` has passed or a check is asked for: by an admission that found it due
+    /// (it took `due_ms`), by `restart` (a new generation) or `retry` (the status is no
+    /// longer `Ready`). A wake-up that asks for nothing is waited through: the permit an
+    /// admission left when it woke the first check while that check already ran (its grace
+    /// had passed) would otherwise run one more check at once, at a time nobody chose.
+    async fn wait(&self, wait: Duration, generation: u64) {
+        let deadline = tokio::time::Instant::now() + wait;
+        while tokio::time::timeout_at(deadline, self.wake.notified())
+            .await
+            .is_ok()
+        {
+            let asked = self.due_ms.load(Ordering::Relaxed) == u64::MAX
+                || self.generation.load(Ordering::Acquire) != generation
+                || !matches!(*self.status.borrow(), Status::Ready);
+            if asked {
+                return;
+            }
         }
     }
 }
