@@ -309,7 +309,10 @@ pub(crate) struct RedisConn {
     /// The connection, its generation (so that a failure drops only the connection it
     /// happened on) and the Sentinels' switch count when it was made (a connection made
     /// before a switch is to a primary that was replaced).
-    current: tokio::sync::Mutex<(u64, Option<MultiplexedConnection>, u64)>,
+    current: tokio::sync::Mutex<Current>,
+    /// Whether each new connection reads the server's replication history
+    /// ([`RedisConn::with_history`]).
+    track_history: bool,
     /// The newest generation found broken (a command failed on it, or was abandoned before
     /// its answer): the next [`RedisConn::get`] dials anew if that is the current one.
     broken: AtomicU64,
@@ -320,6 +323,43 @@ pub(crate) struct RedisConn {
     failing: AtomicBool,
     /// How many replicas [`RedisConn::replicated`] waits for.
     replicas: u32,
+}
+
+/// The connection in use, and what is known of it.
+#[derive(Default)]
+struct Current {
+    generation: u64,
+    conn: Option<MultiplexedConnection>,
+    /// The Sentinels' switch count when it was made.
+    switches: u64,
+    history: Option<Arc<History>>,
+}
+
+/// The replication history of the server a connection reached (`INFO replication`): its
+/// `master_replid` changes when a replica is promoted (and when a primary restarts), so a
+/// write that records it can tell, later, that the server it wrote on was replaced since.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct History {
+    pub replid: String,
+    /// The server took over another's history (`master_replid2` set): it was promoted.
+    pub promoted: bool,
+}
+
+impl History {
+    /// From the text of `INFO replication`, if it names a replication id.
+    fn parse(info: &str) -> Option<History> {
+        let field = |name: &str| {
+            info.lines()
+                .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+                .map(str::trim)
+        };
+        let replid = field("master_replid")?.to_owned();
+        if replid.is_empty() {
+            return None;
+        }
+        let promoted = field("master_replid2").is_some_and(|r| r.bytes().any(|b| b != b'0'));
+        Some(History { replid, promoted })
+    }
 }
 
 /// A write the primary holds but that a failover could lose, so it is not acknowledged.
@@ -359,7 +399,8 @@ impl RedisConn {
     pub(crate) fn new(target: RedisTarget, log_as: Option<&'static str>, replicas: u32) -> Self {
         RedisConn {
             target,
-            current: tokio::sync::Mutex::new((0, None, 0)),
+            current: tokio::sync::Mutex::new(Current::default()),
+            track_history: false,
             broken: AtomicU64::new(0),
             log_as,
             failing: AtomicBool::new(false),
@@ -398,30 +439,90 @@ impl RedisConn {
         &self.target
     }
 
+    /// Each new connection also reads the server's replication history
+    /// ([`RedisConn::get_with_history`]); one `INFO replication` per connection, which the
+    /// user then needs the permission for.
+    pub(crate) fn with_history(mut self) -> Self {
+        self.track_history = true;
+        self
+    }
+
     /// The connection, dialled if there is none or it was found broken, and the command
     /// about to run on it: pass that to [`RedisConn::done`] with the command's result.
     pub(crate) async fn get(&self) -> Result<(Command<'_>, MultiplexedConnection), RedisError> {
+        let (command, conn, _) = self.get_with_history().await?;
+        Ok((command, conn))
+    }
+
+    /// [`RedisConn::get`], with the replication history of the server the connection reached
+    /// when it was made (`None` unless [`RedisConn::with_history`], or if the server would not
+    /// say).
+    pub(crate) async fn get_with_history(
+        &self,
+    ) -> Result<(Command<'_>, MultiplexedConnection, Option<Arc<History>>), RedisError> {
         let mut current = self.current.lock().await;
         // Read before connecting: a switch announced while connecting dials again next time.
         let switches = self.target.switches();
-        if let (generation, Some(conn), made_at) = &*current {
-            if self.broken.load(Ordering::Relaxed) != *generation && *made_at == switches {
-                return Ok((self.command(*generation), conn.clone()));
+        if let Some(conn) = &current.conn {
+            if self.broken.load(Ordering::Relaxed) != current.generation
+                && current.switches == switches
+            {
+                let history = current.history.clone();
+                return Ok((self.command(current.generation), conn.clone(), history));
             }
-            current.1 = None;
+            current.conn = None;
         }
         let config = AsyncConnectionConfig::new().set_response_timeout(Some(RESPONSE_TIMEOUT));
-        match self.target.connect(config).await {
-            Ok(conn) => {
-                current.0 += 1;
-                current.1 = Some(conn.clone());
-                current.2 = switches;
-                Ok((self.command(current.0), conn))
+        let connected = match self.target.connect(config).await {
+            Ok(mut conn) => match self.history_of(&mut conn).await {
+                Ok(history) => Ok((conn, history)),
+                Err(e) => Err(e),
+            },
+            Err(e) => Err(e),
+        };
+        match connected {
+            Ok((conn, history)) => {
+                current.generation += 1;
+                current.conn = Some(conn.clone());
+                current.switches = switches;
+                current.history = history.clone();
+                Ok((self.command(current.generation), conn, history))
             }
             Err(e) => {
                 self.failed(&e);
                 Err(e)
             }
+        }
+    }
+
+    /// The replication history of a new connection's server, if tracked: `None` (and one log
+    /// line) when the server refuses `INFO` (an ACL without `+info`); an error when the
+    /// connection fails.
+    async fn history_of(
+        &self,
+        conn: &mut MultiplexedConnection,
+    ) -> Result<Option<Arc<History>>, RedisError> {
+        if !self.track_history {
+            return Ok(None);
+        }
+        match redis::cmd("INFO")
+            .arg("replication")
+            .query_async::<String>(conn)
+            .await
+        {
+            Ok(info) => Ok(History::parse(&info).map(Arc::new)),
+            Err(e) if e.kind() == ErrorKind::Server(redis::ServerErrorKind::NoPerm) => {
+                static WARNED: std::sync::Once = std::sync::Once::new();
+                WARNED.call_once(|| {
+                    tracing::warn!(
+                        error = %e,
+                        "redis: INFO replication is refused, so a grant cannot tell that the \
+                         server was replaced since the last one (grant `+info` to the user)"
+                    )
+                });
+                Ok(None)
+            }
+            Err(e) => Err(e),
         }
     }
 
@@ -546,6 +647,30 @@ mod tests {
         assert!(RedisTarget::new("rediss://127.0.0.1/#insecure", Some(tls.clone())).is_err());
         assert!(RedisTarget::new("redis://127.0.0.1/", Some(tls)).is_err());
         assert!(RedisTarget::new("rediss://127.0.0.1/", None).is_err());
+    }
+
+    #[test]
+    fn a_replication_history_is_read_from_info() {
+        let primary = "# Replication\r\nrole:master\r\nconnected_slaves:0\r\n\
+                       master_replid:8c1d5e0a\r\n\
+                       master_replid2:0000000000000000000000000000000000000000\r\n";
+        assert_eq!(
+            History::parse(primary),
+            Some(History {
+                replid: "8c1d5e0a".into(),
+                promoted: false
+            })
+        );
+        let promoted = "role:master\nmaster_replid:77aa\nmaster_replid2:8c1d5e0a\n";
+        assert_eq!(
+            History::parse(promoted),
+            Some(History {
+                replid: "77aa".into(),
+                promoted: true
+            })
+        );
+        assert_eq!(History::parse("role:master\n"), None);
+        assert_eq!(History::parse("master_replid:\n"), None);
     }
 
     #[test]

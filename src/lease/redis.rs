@@ -44,12 +44,29 @@ use crate::conn::redis::{failure, RedisConn, RedisTarget, Unconfirmed};
 use crate::conn::BoxFuture;
 use crate::tls::ClientTls;
 
-/// KEYS[1] = lease, KEYS[2] = counter; ARGV[1] = lease id, ARGV[2] = holder, ARGV[3] = ttl ms,
-/// ARGV[4] = grant channel. Returns {1, token} when granted, {0, current lease value} when held.
+/// KEYS[1] = lease, KEYS[2] = counter, KEYS[3] = the replication id of the server the
+/// resource's last grant was made on; ARGV[1] = lease id, ARGV[2] = holder, ARGV[3] = ttl ms,
+/// ARGV[4] = grant channel, ARGV[5] = this server's replication id ('' if unknown), ARGV[6] =
+/// '1' if this server was promoted, ARGV[7] = [`EPOCH_GAP`]. Returns {1, token} when granted,
+/// {0, current lease value} when held.
+///
+/// A grant on a server other than the last grant's (a promoted replica, which may lack the
+/// grants its old primary made last), or the first grant of a resource on a promoted server,
+/// first moves the counter on by the gap, so that no token granted now can equal one granted
+/// before the failover.
 const ACQUIRE: &str = r"
 local current = redis.call('GET', KEYS[1])
 if current then
   return {0, current}
+end
+if ARGV[5] ~= '' then
+  local last = redis.call('GET', KEYS[3])
+  if (last and last ~= ARGV[5]) or (not last and ARGV[6] == '1') then
+    redis.call('INCRBY', KEYS[2], ARGV[7])
+  end
+  if last ~= ARGV[5] then
+    redis.call('SET', KEYS[3], ARGV[5])
+  end
 end
 redis.call('INCR', KEYS[2])
 local token = redis.call('GET', KEYS[2])
@@ -80,6 +97,11 @@ if current and string.sub(current, 1, #owner) == owner then
 end
 return 0
 ";
+
+/// How far the counter moves on after a failover ([`ACQUIRE`]): more grants than a failover
+/// can lose, and far below what a token can hold (2^63 - 1) for any number of failovers;
+/// within the fence's default `token.max_step` (2^40).
+pub const EPOCH_GAP: u64 = 1 << 32;
 
 pub struct RedisLeases {
     /// Commands; connected on first use, so fencegate starts while Redis is down.
@@ -118,7 +140,7 @@ impl RedisLeases {
             .and_then(|t| t.with_ha(ha))
             .map_err(LeaseError::Config)?;
         Ok(RedisLeases {
-            conn: RedisConn::new(target, Some("lease backend"), ha.replicas),
+            conn: RedisConn::new(target, Some("lease backend"), ha.replicas).with_history(),
             events: OnceLock::new(),
             acquire: Script::new(ACQUIRE),
             renew: Script::new(RENEW),
@@ -263,16 +285,25 @@ impl LeaseBackend for RedisLeases {
         ttl: Duration,
     ) -> BoxFuture<'a, Result<Acquired, LeaseError>> {
         Box::pin(async move {
-            let (generation, mut conn) = self.conn.get().await.map_err(unavailable)?;
+            let (generation, mut conn, history) =
+                self.conn.get_with_history().await.map_err(unavailable)?;
             let lease_id = new_lease_id();
+            let (replid, promoted) = match history.as_deref() {
+                Some(h) => (h.replid.as_str(), if h.promoted { "1" } else { "0" }),
+                None => ("", "0"),
+            };
             let result = self
                 .acquire
                 .key(self.key(resource, "lease"))
                 .key(self.key(resource, "token"))
+                .key(self.key(resource, "history"))
                 .arg(&lease_id)
                 .arg(holder)
                 .arg(ttl_ms(ttl))
                 .arg(self.key(resource, "granted"))
+                .arg(replid)
+                .arg(promoted)
+                .arg(EPOCH_GAP)
                 .invoke_async::<(u8, String)>(&mut conn)
                 .await;
             let result = match result {

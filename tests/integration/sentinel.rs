@@ -66,6 +66,10 @@ fn received(up: &Upstream, id: &str) -> Vec<u64> {
 }
 
 async fn lease_backend(topology: &SentinelTopology) -> Arc<dyn LeaseBackend> {
+    lease_backend_with(topology, 1).await
+}
+
+async fn lease_backend_with(topology: &SentinelTopology, replicas: u32) -> Arc<dyn LeaseBackend> {
     let urls = topology
         .urls()
         .into_iter()
@@ -81,7 +85,7 @@ async fn lease_backend(topology: &SentinelTopology) -> Arc<dyn LeaseBackend> {
                 master: MASTER.into(),
                 urls,
             }),
-            replicas: 1,
+            replicas,
         },
     }))
     .await
@@ -553,4 +557,66 @@ async fn a_primary_the_sentinels_take_for_down_acknowledges_nothing_until_the_sw
         recorded(&a, &format!("account:{}", admitted.last().unwrap())).await,
         Some(5)
     );
+}
+
+/// The defence when a failover loses grants anyway (`replicas: 0`, the replicas cut off while
+/// grants 3 and 4 were made): the promoted replica's counter is at 2, but the next grant is
+/// made on a server whose replication history differs from the one the resource's last grant
+/// recorded, so the counter first moves on by the epoch gap. Without it, token 3 would be
+/// granted a second time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_after_a_failover_that_lost_grants_never_repeats_a_token() {
+    let mut topology = SentinelTopology::start().await;
+    let leases = lease_backend_with(&topology, 0).await;
+    let mut granted = Vec::new();
+    for _ in 0..2 {
+        let grant = grant(&*leases, "job").await;
+        granted.push(grant.token);
+        assert!(leases.release(&grant).await.unwrap());
+    }
+    // Both replicas hold grants 1 and 2 before they are cut off.
+    let key = redis_cli_at(topology.primary.port, &["KEYS", "*{job}:token"]).await;
+    let key = key.trim().to_owned();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    for replica in &topology.replicas {
+        while redis_cli_at(replica.port, &["GET", &key]).await.trim() != "2" {
+            assert!(Instant::now() < deadline, "a replica never had grant 2");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        replica.pause();
+    }
+    let cut = redis_cli_at(
+        topology.primary.port,
+        &["CLIENT", "KILL", "TYPE", "replica"],
+    )
+    .await;
+    assert_eq!(cut.trim(), "2", "the replication links were not cut");
+    for _ in 0..2 {
+        let grant = grant(&*leases, "job").await;
+        granted.push(grant.token);
+        assert!(leases.release(&grant).await.unwrap());
+    }
+    assert_eq!(granted, [1, 2, 3, 4]);
+    topology.primary.kill().await;
+    for replica in &topology.replicas {
+        replica.resume();
+    }
+    let promoted = topology.wait_promoted().await;
+    let counter = redis_cli_at(promoted, &["GET", &key]).await;
+    assert_eq!(
+        counter.trim(),
+        "2",
+        "the promoted replica lacks grants 3 and 4"
+    );
+
+    let next = grant(&*leases, "job").await;
+    println!(
+        "lease tokens before the failover {granted:?}, after {}",
+        next.token
+    );
+    // 2, moved on by the gap (2^32), then the grant's own increment.
+    assert_eq!(next.token, (1 << 32) + 3);
+    // The next grant on the same server does not move on again.
+    assert!(leases.release(&next).await.unwrap());
+    assert_eq!(grant(&*leases, "job").await.token, next.token + 1);
 }

@@ -4,12 +4,13 @@ use super::*;
 
 /// The ACL rules of the user fencegate connects as (docs/stores.md has the same line, for the
 /// prefix `fencegate`): its keys and channels only, and only the commands it sends (`PING`,
-/// `GET`, `EXISTS`, `EVALSHA`, `SCRIPT LOAD`, `PSUBSCRIBE`, `HELLO`) or its scripts call.
+/// `GET`, `EXISTS`, `EVALSHA`, `SCRIPT LOAD`, `PSUBSCRIBE`, `HELLO`, `INFO`) or its scripts
+/// call.
 fn redis_acl(prefix: &str) -> String {
     format!(
         "resetkeys ~{prefix}:* resetchannels &{prefix}:{{*}}:released &{prefix}:{{*}}:granted \
-         -@all +ping +hello +get +exists +evalsha +script|load +psubscribe \
-         +set +incr +pexpire +persist +del +hset +hmget +hdel +publish"
+         -@all +ping +hello +get +exists +evalsha +script|load +psubscribe +info \
+         +set +incr +incrby +pexpire +persist +del +hset +hmget +hdel +publish"
     )
 }
 
