@@ -5,6 +5,10 @@
 //!   `fencing_token` by one; the row lock serialises racing acquirers and the `WHERE` is
 //!   re-checked against the latest row version, so exactly one of them wins. A resource's first
 //!   grant gets token 1.
+//! - across a failover: each grant records the server's timeline; a grant on another timeline
+//!   than the resource's last (a promoted standby) moves the counter on by [`EPOCH_GAP`] first,
+//!   and a resource's first grant on a server past timeline 1 starts there, so a grant that an
+//!   asynchronous standby lacked is never made again with the same token.
 //! - renew: `UPDATE ... WHERE lease_id = $ AND expires_at > now()`: an expired lease is never
 //!   extended.
 //! - release: the row is kept (it holds the counter): holder and lease id are cleared and
@@ -41,6 +45,18 @@ use crate::tls::ClientTls;
 
 /// Payloads are limited to 8000 bytes; a longer resource wakes every waiter instead.
 const MAX_PAYLOAD: usize = 7900;
+
+/// How far a resource's counter moves on when its grant is made on another timeline than its
+/// last (a promoted standby, which may lack the grants its old primary made last): more grants
+/// than a failover can lose, far below what a `BIGINT` holds for any number of failovers, and
+/// within the fence's default `token.max_step` (2^40).
+pub const EPOCH_GAP: i64 = 1 << 32;
+
+/// The server's timeline (a promotion starts a new one), as the first eight hex digits of the
+/// current WAL file's name; 0 on a standby (where the grant then fails read-only, as before).
+const TIMELINE: &str = "SELECT CASE WHEN pg_is_in_recovery() THEN 0 \
+     ELSE ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::int \
+     END AS timeline";
 
 pub struct PostgresLeases {
     pool: Pool,
@@ -98,14 +114,22 @@ impl PostgresLeases {
             tls,
             schema: OnceCell::new(),
             acquire_sql: format!(
-                "WITH granted AS (\
+                "WITH server AS ({TIMELINE}), \
+                 granted AS (\
                    INSERT INTO {table} AS l \
-                     (resource_id, holder_id, lease_id, fencing_token, expires_at, updated_at) \
-                   VALUES ($1, $2, $3, 1, {ttl}, now()) \
+                     (resource_id, holder_id, lease_id, fencing_token, expires_at, updated_at, \
+                      timeline) \
+                   SELECT $1, $2, $3, \
+                     CASE WHEN server.timeline > 1 THEN {EPOCH_GAP} + 1 ELSE 1 END, \
+                     {ttl}, now(), server.timeline \
+                   FROM server \
                    ON CONFLICT (resource_id) DO UPDATE \
                    SET holder_id = EXCLUDED.holder_id, lease_id = EXCLUDED.lease_id, \
-                       fencing_token = l.fencing_token + 1, expires_at = EXCLUDED.expires_at, \
-                       updated_at = now() \
+                       fencing_token = l.fencing_token + 1 + \
+                         CASE WHEN COALESCE(l.timeline, 1) <> EXCLUDED.timeline \
+                              THEN {EPOCH_GAP} ELSE 0 END, \
+                       expires_at = EXCLUDED.expires_at, updated_at = now(), \
+                       timeline = EXCLUDED.timeline \
                    WHERE l.expires_at <= now() \
                    RETURNING fencing_token, resource_id) \
                  SELECT fencing_token, NULL::text, \
@@ -175,8 +199,10 @@ impl PostgresLeases {
                            lease_id TEXT, \
                            fencing_token BIGINT NOT NULL CHECK (fencing_token > 0), \
                            expires_at TIMESTAMPTZ NOT NULL, \
-                           updated_at TIMESTAMPTZ NOT NULL DEFAULT now())",
-                        self.table
+                           updated_at TIMESTAMPTZ NOT NULL DEFAULT now(), \
+                           timeline INTEGER); \
+                         ALTER TABLE {} ADD COLUMN IF NOT EXISTS timeline INTEGER",
+                        self.table, self.table
                     ))
                     .await
                     .map_err(|e| self.failed(&e))
