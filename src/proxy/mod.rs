@@ -21,6 +21,7 @@ pub mod problem;
 pub mod recording;
 pub mod upstream;
 
+pub use access::{Received, Tally};
 pub use build::BuildError;
 pub use problem::grpc;
 
@@ -85,6 +86,10 @@ pub struct Proxy {
     access_log: bool,
     /// `log.query`: how the access line writes a query.
     log_query: crate::config::LogQuery,
+    /// The route names (indexed like the table) and the upstream's address, as access lines
+    /// written after their response has gone keep them: shared, not copied per request.
+    route_names: Vec<Arc<str>>,
+    upstream_name: Arc<str>,
 }
 
 /// How a proxy fences writes.
