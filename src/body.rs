@@ -86,9 +86,7 @@ impl Body for ProxyBody {
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
         match self.get_mut() {
             ProxyBody::Upstream {
-                inner,
-                tally: None,
-                ..
+                inner, tally: None, ..
             } => Pin::new(inner).poll_frame(cx),
             ProxyBody::Upstream {
                 inner,

@@ -292,7 +292,8 @@ impl Body for Received {
         let polled = Pin::new(&mut this.inner).poll_frame(cx);
         if let (Poll::Ready(Some(Ok(frame))), Some(head)) = (&polled, &this.head) {
             if let Some(data) = frame.data_ref() {
-                head.received.fetch_add(data.len() as u64, Ordering::Relaxed);
+                head.received
+                    .fetch_add(data.len() as u64, Ordering::Relaxed);
             }
         }
         polled

@@ -245,7 +245,14 @@ impl Proxy {
             Err(_) => {
                 let refusal = Refusal::UpstreamError("the upstream exchange failed".into());
                 let timing = Timing::without_upstream(started).head(answer.head.as_deref());
-                self.refuse(refusal, route, answer.subject(), &method, normalised, timing)
+                self.refuse(
+                    refusal,
+                    route,
+                    answer.subject(),
+                    &method,
+                    normalised,
+                    timing,
+                )
             }
         }
     }

@@ -3,6 +3,7 @@
 
 mod common;
 
+mod access_bytes;
 mod admin;
 mod authority;
 mod concurrency;
