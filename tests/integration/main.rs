@@ -7,6 +7,7 @@ mod access_bytes;
 mod admin;
 mod authority;
 mod concurrency;
+mod dashboards;
 mod failover;
 mod fence;
 mod fences_cli;
