@@ -16,7 +16,6 @@ use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 
 use crate::fence::barrier::Ticket;
-use crate::proxy::Tally;
 
 /// A replay's trailers, known from the start.
 type Trailers = Ready<Option<Result<HeaderMap, Infallible>>>;
@@ -28,12 +27,12 @@ pub enum ProxyBody {
     Upstream {
         inner: Incoming,
         _ticket: Option<Ticket>,
-        tally: Option<Tally>,
+        tally: Option<crate::proxy::access::Tally>,
     },
     /// Streamed from the upstream and recorded for idempotent replays.
     Recording {
         body: Box<crate::proxy::recording::Recording>,
-        tally: Option<Tally>,
+        tally: Option<crate::proxy::access::Tally>,
     },
     /// A response fencegate made (refusals, admin pages, replays).
     Local(Full<Bytes>),
@@ -54,7 +53,7 @@ impl ProxyBody {
 
     /// Counts what is sent of a streamed body into `tally` (the body's access line); a body
     /// fencegate wrote itself has its line written already and keeps none.
-    pub(crate) fn tallied(self, tally: Option<Tally>) -> Self {
+    pub(crate) fn tallied(self, tally: Option<crate::proxy::access::Tally>) -> Self {
         match self {
             ProxyBody::Upstream { inner, _ticket, .. } => ProxyBody::Upstream {
                 inner,

@@ -11,7 +11,7 @@
 //! with [`headers`]' header surgery; [`problem`] answers refusals, in gRPC form for gRPC
 //! calls ([`grpc`]); [`access`] writes the access log.
 
-mod access;
+pub(crate) mod access;
 mod build;
 mod decide;
 mod forwarding;
@@ -21,7 +21,6 @@ pub mod problem;
 pub mod recording;
 pub mod upstream;
 
-pub use access::{Received, Tally};
 pub use build::BuildError;
 pub use problem::grpc;
 
