@@ -23,12 +23,17 @@ type Trailers = Ready<Option<Result<HeaderMap, Infallible>>>;
 pub enum ProxyBody {
     /// Streamed from the upstream. The barrier ticket (under `ordering: serialize`) lives as
     /// long as the body, so a higher token waits until this write has fully finished.
+    /// With the access log on, `tally` counts what is sent and writes the line at the end.
     Upstream {
         inner: Incoming,
         _ticket: Option<Ticket>,
+        tally: Option<crate::proxy::access::Tally>,
     },
     /// Streamed from the upstream and recorded for idempotent replays.
-    Recording(Box<crate::proxy::recording::Recording>),
+    Recording {
+        body: Box<crate::proxy::recording::Recording>,
+        tally: Option<crate::proxy::access::Tally>,
+    },
     /// A response fencegate made (refusals, admin pages, replays).
     Local(Full<Bytes>),
     /// A replayed response that had trailers: its body, then its trailers.
@@ -44,6 +49,20 @@ impl ProxyBody {
 
     pub fn empty() -> Self {
         ProxyBody::Local(Full::new(Bytes::new()))
+    }
+
+    /// Counts what is sent of a streamed body into `tally` (the body's access line); a body
+    /// fencegate wrote itself has its line written already and keeps none.
+    pub(crate) fn tallied(self, tally: Option<crate::proxy::access::Tally>) -> Self {
+        match self {
+            ProxyBody::Upstream { inner, _ticket, .. } => ProxyBody::Upstream {
+                inner,
+                _ticket,
+                tally,
+            },
+            ProxyBody::Recording { body, .. } => ProxyBody::Recording { body, tally },
+            local => local,
+        }
     }
 
     /// `bytes`, then `trailers` (none sent when empty).
@@ -65,8 +84,19 @@ impl Body for ProxyBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
         match self.get_mut() {
-            ProxyBody::Upstream { inner, .. } => Pin::new(inner).poll_frame(cx),
-            ProxyBody::Recording(r) => Pin::new(r.as_mut()).poll_frame(cx),
+            ProxyBody::Upstream {
+                inner, tally: None, ..
+            } => Pin::new(inner).poll_frame(cx),
+            ProxyBody::Upstream {
+                inner,
+                tally: Some(tally),
+                ..
+            } => tally.count(Pin::new(inner).poll_frame(cx)),
+            ProxyBody::Recording { body, tally: None } => Pin::new(body.as_mut()).poll_frame(cx),
+            ProxyBody::Recording {
+                body,
+                tally: Some(tally),
+            } => tally.count(Pin::new(body.as_mut()).poll_frame(cx)),
             ProxyBody::Local(full) => Pin::new(full)
                 .poll_frame(cx)
                 .map_err(|never| match never {}),
@@ -82,7 +112,7 @@ impl Body for ProxyBody {
     fn is_end_stream(&self) -> bool {
         match self {
             ProxyBody::Upstream { inner, .. } => inner.is_end_stream(),
-            ProxyBody::Recording(r) => r.is_end_stream(),
+            ProxyBody::Recording { body, .. } => body.is_end_stream(),
             ProxyBody::Local(full) => full.is_end_stream(),
             ProxyBody::Replay(body) => body.is_end_stream(),
             ProxyBody::Channel(_) => false,
@@ -92,7 +122,7 @@ impl Body for ProxyBody {
     fn size_hint(&self) -> SizeHint {
         match self {
             ProxyBody::Upstream { inner, .. } => inner.size_hint(),
-            ProxyBody::Recording(r) => r.size_hint(),
+            ProxyBody::Recording { body, .. } => body.size_hint(),
             ProxyBody::Local(full) => full.size_hint(),
             ProxyBody::Replay(body) => body.size_hint(),
             ProxyBody::Channel(_) => SizeHint::default(),

@@ -358,7 +358,7 @@ fn refusal<RB>(response: Response<ProxyBody>, grpc: bool) -> Response<FenceBody<
         ProxyBody::Local(body) => FenceBody::Refusal { body },
         // Refusals are always written by fencegate itself.
         ProxyBody::Upstream { .. }
-        | ProxyBody::Recording(_)
+        | ProxyBody::Recording { .. }
         | ProxyBody::Replay(_)
         | ProxyBody::Channel(_) => FenceBody::Refusal {
             body: Full::default(),

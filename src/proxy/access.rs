@@ -1,8 +1,22 @@
 //! The access log (`access_log: true`): one line per request, on the `fencegate::access`
-//! target, with its timing.
+//! target, with its timing and the bytes its bodies carried.
+//!
+//! A forwarded request's line is written when its response body is done with (sent to the
+//! end, cut short, or never sent, as for `HEAD`): [`Received`] counts the request body's bytes
+//! as the upstream exchange reads them, [`Tally`] the response body's as they are handed to
+//! the client's connection. Both count into the request's [`Head`], made only when the access
+//! log is on: with it off they hold `None` and count nothing.
 
 use std::net::IpAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::task::{Context, Poll};
 use std::time::Duration;
+
+use bytes::Bytes;
+use http_body::{Body, Frame, SizeHint};
+use hyper::body::Incoming;
 
 use http::{HeaderName, HeaderValue, Method, Request, Version};
 use tokio::time::Instant;
@@ -73,13 +87,34 @@ pub(super) struct Head {
     pub(super) made: bool,
     /// W3C trace context, as the client sent it (passed through unchanged).
     pub(super) traceparent: Option<Box<str>>,
-    /// The request body's length as declared (`Content-Length`); `None` when streamed.
-    pub(super) bytes_in: Option<u64>,
+    /// The bytes read from the request's body so far (by [`Received`], or an idempotent
+    /// write's read of the whole body): none for a request refused before its body was read.
+    pub(super) received: AtomicU64,
+    /// What became of a forwarded request, set when its response's head is ready; its line is
+    /// written when the response's body is done with ([`Tally`]).
+    pub(super) answered: OnceLock<Answered>,
+}
+
+/// The access line of a forwarded request, but for its byte counts: known when the response's
+/// head is ready, written when its body is done with.
+#[derive(Debug)]
+pub(super) struct Answered {
+    /// Shared with the proxy that answered (made once per configuration): no copy per request.
+    pub(super) route: Option<Arc<str>>,
+    pub(super) resource: Option<String>,
+    pub(super) token: Option<u64>,
+    pub(super) method: Method,
+    pub(super) status: u16,
+    pub(super) outcome: Outcome,
+    pub(super) started: Instant,
+    pub(super) ended: Instant,
+    pub(super) upstream_took: Duration,
+    pub(super) upstream: Arc<str>,
 }
 
 impl Head {
     /// The head of `req`, from `client`, its query logged as `query` says.
-    pub(super) fn of<B>(req: &Request<B>, client: Option<IpAddr>, query: LogQuery) -> Box<Head> {
+    pub(super) fn of<B>(req: &Request<B>, client: Option<IpAddr>, query: LogQuery) -> Arc<Head> {
         let headers = req.headers();
         let given = headers
             .get(&X_REQUEST_ID)
@@ -93,10 +128,7 @@ impl Head {
             .and_then(|t| t.to_str().ok())
             .filter(|t| t.len() <= 128)
             .map(Box::from);
-        let bytes_in = headers
-            .get(http::header::CONTENT_LENGTH)
-            .and_then(|l| l.to_str().ok()?.parse().ok());
-        Box::new(Head {
+        Arc::new(Head {
             path: req.uri().path().into(),
             query: req.uri().query().and_then(|q| logged_query(q, query)),
             protocol: protocol(req.version()),
@@ -104,7 +136,8 @@ impl Head {
             request_id,
             made,
             traceparent,
-            bytes_in,
+            received: AtomicU64::new(0),
+            answered: OnceLock::new(),
         })
     }
 
@@ -184,10 +217,18 @@ pub(super) struct Access<'a> {
     /// The problem type fencegate answered with; `None` for the upstream's answer.
     pub(super) problem: Option<&'a str>,
     pub(super) timing: Timing<'a>,
-    /// The response body's length as declared; `None` when streamed.
-    pub(super) bytes_out: Option<u64>,
+    /// The bytes of the response body handed to the client's connection.
+    pub(super) bytes_out: u64,
     /// The upstream's address, for a request sent to it.
     pub(super) upstream: Option<&'a str>,
+}
+
+/// The bytes a body fencegate wrote itself sends: none in answer to `HEAD`.
+pub(super) fn sent_bytes(method: &Method, len: impl TryInto<u64>) -> u64 {
+    if method == Method::HEAD {
+        return 0;
+    }
+    len.try_into().unwrap_or(u64::MAX)
 }
 
 /// Writes `access` at `INFO` on the `fencegate::access` target (`access_log: true`).
@@ -211,11 +252,115 @@ pub(super) fn log_access(access: Access<'_>) {
         refusal = access
             .problem
             .map(|t| t.strip_prefix("urn:fencegate:").unwrap_or(t)),
-        bytes_in = head.and_then(|h| h.bytes_in),
+        bytes_in = head.map(|h| h.received.load(Ordering::Relaxed)),
         bytes_out = access.bytes_out,
         upstream = access.upstream,
         duration_us = micros(access.timing.took()),
         upstream_duration_us = access.timing.upstream.map(micros),
         "request"
     );
+}
+
+/// The client's request body on its way upstream, its bytes counted into the request's
+/// [`Head`] when the access log is on.
+#[derive(Debug)]
+pub struct Received {
+    inner: Incoming,
+    head: Option<Arc<Head>>,
+}
+
+impl Received {
+    pub(super) fn new(inner: Incoming, head: Option<Arc<Head>>) -> Self {
+        Received { inner, head }
+    }
+
+    /// Counts into `head` from now on (a held write reads its head after the body is wrapped).
+    pub(super) fn count_into(&mut self, head: &Arc<Head>) {
+        self.head = Some(Arc::clone(head));
+    }
+}
+
+impl Body for Received {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.inner).poll_frame(cx);
+        if let (Poll::Ready(Some(Ok(frame))), Some(head)) = (&polled, &this.head) {
+            if let Some(data) = frame.data_ref() {
+                head.received
+                    .fetch_add(data.len() as u64, Ordering::Relaxed);
+            }
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// Counts a forwarded response's body bytes as they are handed to the client's connection, and
+/// writes the request's access line when dropped: after the body's end, when the client hung
+/// up (what was sent by then), or unpolled (`HEAD`, `204`: none).
+#[derive(Debug)]
+pub struct Tally {
+    head: Arc<Head>,
+    sent: u64,
+}
+
+impl Tally {
+    pub(super) fn new(head: Arc<Head>) -> Self {
+        Tally { head, sent: 0 }
+    }
+
+    /// Counts `polled`, a frame on its way to the client, and hands it on.
+    pub fn count<E>(
+        &mut self,
+        polled: Poll<Option<Result<Frame<Bytes>, E>>>,
+    ) -> Poll<Option<Result<Frame<Bytes>, E>>> {
+        if let Poll::Ready(Some(Ok(frame))) = &polled {
+            if let Some(data) = frame.data_ref() {
+                self.sent += data.len() as u64;
+            }
+        }
+        polled
+    }
+}
+
+impl Drop for Tally {
+    fn drop(&mut self) {
+        let head = &*self.head;
+        let Some(a) = head.answered.get() else {
+            return;
+        };
+        log_access(Access {
+            subject: Subject {
+                route: a.route.as_deref(),
+                resource: a.resource.as_deref(),
+                token: a.token,
+            },
+            method: &a.method,
+            path: &head.path,
+            status: a.status,
+            outcome: a.outcome,
+            problem: None,
+            timing: Timing {
+                started: a.started,
+                ended: a.ended,
+                upstream: Some(a.upstream_took),
+                head: Some(head),
+            },
+            bytes_out: self.sent,
+            upstream: Some(&a.upstream),
+        });
+    }
 }

@@ -145,7 +145,10 @@ impl Proxy {
             .map(|r| metrics.route(&r.name))
             .collect();
         route_metrics.push(metrics.route(UNMATCHED));
+        let route_names = table.routes().iter().map(|r| Arc::from(&*r.name)).collect();
         Proxy {
+            route_names,
+            upstream_name: Arc::from(upstream.authority.as_str()),
             table,
             token_header: config.token.header.0.clone(),
             equal: config.token.equal,

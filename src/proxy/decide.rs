@@ -11,7 +11,7 @@ use http::{Request, Response};
 use hyper::body::Incoming;
 use tokio::time::Instant;
 
-use super::access::{Head, Subject, Timing};
+use super::access::{Head, Received, Subject, Timing};
 use super::forwarding::Answering;
 use super::problem::{host_problem, Refusal, Unavailable};
 use super::{idempotent, Check, Proxy, Write};
@@ -345,7 +345,7 @@ impl Proxy {
                 forwarded.await.unwrap_or_else(|never| match never {})
             }
             ticket => {
-                let req = req.map(http_body_util::Either::Left);
+                let req = req.map(|body| http_body_util::Either::Left(Received::new(body, None)));
                 self.forward_held(req, write, ticket, None, None).await
             }
         }

@@ -15,7 +15,7 @@ use http::{Method, Request, Response, Uri, Version};
 use hyper::body::Incoming;
 use tokio::time::Instant;
 
-use super::access::{log_access, Access, Head, Subject, Timing};
+use super::access::{Answered, Head, Received, Subject, Tally, Timing};
 use super::grpc;
 use super::headers;
 use super::problem::Refusal;
@@ -31,13 +31,25 @@ use crate::metrics::Outcome;
 /// What answering a forwarded request needs besides the upstream's answer.
 pub(super) struct Answer<'a> {
     route: Option<&'a Route>,
-    subject: Subject<'a>,
+    /// Owned: an access line written after the response has gone keeps it.
+    resource: Option<String>,
+    token: Option<u64>,
     outcome: Outcome,
     method: &'a Method,
     normalised: &'a str,
     /// The request as it came, for the access log when it is on.
-    head: Option<&'a Head>,
+    head: Option<Arc<Head>>,
     started: Instant,
+}
+
+impl Answer<'_> {
+    fn subject(&self) -> Subject<'_> {
+        Subject {
+            route: self.route.map(|r| r.name.as_str()),
+            resource: self.resource.as_deref(),
+            token: self.token,
+        }
+    }
 }
 
 /// What a forwarded request's answer is counted and logged under, owned by its future.
@@ -50,7 +62,7 @@ pub(super) struct Answering {
     /// When the request's head was handed to fencegate.
     started: Instant,
     /// The request as it came, kept only for the access log.
-    head: Option<Box<Head>>,
+    head: Option<Arc<Head>>,
 }
 
 impl Answering {
@@ -111,7 +123,8 @@ impl Proxy {
         let mut answering = answering;
         let mut req = req;
         answering.head = self.access_head(&mut req, Some(peer));
-        let req = req.map(http_body_util::Either::Left);
+        let counted = answering.head.clone();
+        let req = req.map(|body| http_body_util::Either::Left(Received::new(body, counted)));
         let (exchange, sent_at) = match self.send(req, &normalised, true, peer, own) {
             Ok(sending) => sending,
             Err(e) => {
@@ -138,11 +151,12 @@ impl Proxy {
                 let route = answering.route.map(|i| &self.table.routes()[i]);
                 let answer = Answer {
                     route,
-                    subject: answering.subject(route),
+                    resource: answering.resource,
+                    token: answering.token,
                     outcome: answering.outcome,
                     method: &method,
                     normalised: &normalised,
-                    head: answering.head.as_deref(),
+                    head: answering.head,
                     started: answering.started,
                 };
                 self.answer(answer, ended - sent_at, ended, pass_on(sent, None))
@@ -164,7 +178,7 @@ impl Proxy {
         write: Write,
         ticket: Option<Ticket>,
         attempt: Option<Attempt>,
-        head: Option<Box<Head>>,
+        head: Option<Arc<Head>>,
     ) -> Response<ProxyBody> {
         // Taken apart: `own` goes with the send, the rest is borrowed until the answer.
         let Write {
@@ -192,6 +206,9 @@ impl Proxy {
             Some(head) => Some(head),
             None => self.access_head(&mut req, Some(peer)),
         };
+        if let (Some(head), http_body_util::Either::Left(body)) = (&head, req.body_mut()) {
+            body.count_into(head);
+        }
         let (exchange, sent_at) = match self.send(req, normalised, false, peer, own) {
             Ok(sending) => sending,
             Err(e) => {
@@ -212,11 +229,12 @@ impl Proxy {
         });
         let answer = Answer {
             route,
-            subject,
+            resource: Some(resource),
+            token: Some(token),
             outcome: Outcome::Admitted,
             method: &method,
             normalised,
-            head: head.as_deref(),
+            head,
             started,
         };
         match rx.await {
@@ -226,8 +244,15 @@ impl Proxy {
             }
             Err(_) => {
                 let refusal = Refusal::UpstreamError("the upstream exchange failed".into());
-                let timing = Timing::without_upstream(started).head(head.as_deref());
-                self.refuse(refusal, route, subject, &method, normalised, timing)
+                let timing = Timing::without_upstream(started).head(answer.head.as_deref());
+                self.refuse(
+                    refusal,
+                    route,
+                    answer.subject(),
+                    &method,
+                    normalised,
+                    timing,
+                )
             }
         }
     }
@@ -247,26 +272,30 @@ impl Proxy {
             started: answer.started,
             ended,
             upstream: Some(took),
-            head: answer.head,
+            head: answer.head.as_deref(),
         };
         let refusal = match settled {
             Ok(response) => {
                 let code = response.status().as_u16();
                 metrics.finish(answer.outcome, answer.method, code, timing.took());
-                if self.access_log {
-                    log_access(Access {
-                        subject: answer.subject,
-                        method: answer.method,
-                        path: answer.normalised,
-                        status: response.status().as_u16(),
-                        outcome: answer.outcome,
-                        problem: None,
-                        timing,
-                        bytes_out: http_body::Body::size_hint(response.body()).exact(),
-                        upstream: Some(self.upstream.authority.as_str()),
-                    });
-                }
-                return response;
+                let Some(head) = answer.head else {
+                    return response;
+                };
+                // The line waits for the body: written by its tally when the body is done with.
+                let answered = Answered {
+                    route: answer.route.map(|r| Arc::clone(&self.route_names[r.index])),
+                    resource: answer.resource,
+                    token: answer.token,
+                    method: answer.method.clone(),
+                    status: code,
+                    outcome: answer.outcome,
+                    started: answer.started,
+                    ended,
+                    upstream_took: took,
+                    upstream: Arc::clone(&self.upstream_name),
+                };
+                let _ = head.answered.set(answered);
+                return response.map(|body| body.tallied(Some(Tally::new(head))));
             }
             Err(Failed::Upstream(e)) if request_body_failed(&e) => {
                 Refusal::InvalidRequest(format!(
@@ -281,7 +310,7 @@ impl Proxy {
         self.refuse(
             refusal,
             answer.route,
-            answer.subject,
+            answer.subject(),
             answer.method,
             answer.normalised,
             timing,
@@ -396,7 +425,7 @@ impl Proxy {
         &self,
         req: &mut Request<B>,
         peer: Option<SocketAddr>,
-    ) -> Option<Box<Head>> {
+    ) -> Option<Arc<Head>> {
         if !self.access_log {
             return None;
         }
@@ -450,15 +479,19 @@ pub(super) async fn settle(
         ProxyBody::Upstream {
             inner,
             _ticket: ticket,
+            tally: None,
         }
     } else {
-        ProxyBody::Recording(Box::new(Recording::new(
-            inner,
-            ticket,
-            parts.status,
-            parts.headers.clone(),
-            attempt,
-        )))
+        ProxyBody::Recording {
+            body: Box::new(Recording::new(
+                inner,
+                ticket,
+                parts.status,
+                parts.headers.clone(),
+                attempt,
+            )),
+            tally: None,
+        }
     };
     Ok(Response::from_parts(parts, body))
 }
@@ -472,6 +505,7 @@ fn pass_on(sent: upstream::Sent, ticket: Option<Ticket>) -> Result<Response<Prox
         ProxyBody::Upstream {
             inner,
             _ticket: ticket,
+            tally: None,
         },
     ))
 }

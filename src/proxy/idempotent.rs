@@ -12,7 +12,7 @@ use http::{HeaderMap, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Either, Full, Limited};
 use hyper::body::Incoming;
 
-use super::access::{log_access, Access, Timing};
+use super::access::{log_access, sent_bytes, Access, Timing};
 use super::problem::{Refusal, Unavailable};
 use super::recording::{Attempt, Writer};
 use super::{Proxy, Write};
@@ -113,7 +113,14 @@ impl Proxy {
         let read =
             tokio::time::timeout(self.timeouts.upstream, Limited::new(body, limit).collect()).await;
         let body = match read {
-            Ok(Ok(collected)) => collected.to_bytes(),
+            Ok(Ok(collected)) => {
+                let body = collected.to_bytes();
+                if let Some(head) = &head {
+                    head.received
+                        .store(body.len() as u64, std::sync::atomic::Ordering::Relaxed);
+                }
+                body
+            }
             Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
                 return refuse(Refusal::RequestTooLarge { limit })
             }
@@ -230,7 +237,7 @@ impl Proxy {
                             outcome: Outcome::Replayed,
                             problem: None,
                             timing,
-                            bytes_out: u64::try_from(response.body.len()).ok(),
+                            bytes_out: sent_bytes(&method, response.body.len()),
                             upstream: None,
                         });
                     }

@@ -11,7 +11,7 @@
 //! with [`headers`]' header surgery; [`problem`] answers refusals, in gRPC form for gRPC
 //! calls ([`grpc`]); [`access`] writes the access log.
 
-mod access;
+pub(crate) mod access;
 mod build;
 mod decide;
 mod forwarding;
@@ -85,6 +85,10 @@ pub struct Proxy {
     access_log: bool,
     /// `log.query`: how the access line writes a query.
     log_query: crate::config::LogQuery,
+    /// The route names (indexed like the table) and the upstream's address, as access lines
+    /// written after their response has gone keep them: shared, not copied per request.
+    route_names: Vec<Arc<str>>,
+    upstream_name: Arc<str>,
 }
 
 /// How a proxy fences writes.

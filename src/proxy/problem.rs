@@ -11,7 +11,7 @@ use std::time::Duration;
 use http::header::{HeaderName, HeaderValue, RETRY_AFTER};
 use http::{Method, Request, Response, StatusCode, Version};
 
-use super::access::{log_access, Access, Subject, Timing};
+use super::access::{log_access, sent_bytes, Access, Subject, Timing};
 use super::Proxy;
 use crate::body::ProxyBody;
 use crate::fault::Fault;
@@ -530,6 +530,7 @@ impl Proxy {
         let kind = self.access_log.then(|| problem.kind().to_owned());
         let response = refusal.respond(problem);
         if let Some(kind) = kind.as_deref() {
+            let problem_len = http_body::Body::size_hint(response.body()).lower();
             log_access(Access {
                 subject,
                 method,
@@ -538,7 +539,7 @@ impl Proxy {
                 outcome,
                 problem: Some(kind),
                 timing,
-                bytes_out: http_body::Body::size_hint(response.body()).exact(),
+                bytes_out: sent_bytes(method, problem_len),
                 upstream: (fault == Fault::Upstream).then_some(self.upstream.authority.as_str()),
             });
         }

@@ -26,7 +26,8 @@ use crate::timer::Kept;
 
 /// The request body the upstream client sends: the client's, streamed, or one read whole
 /// (an idempotent write's, kept for its fingerprint).
-pub type UpstreamBody = http_body_util::Either<Incoming, http_body_util::Full<bytes::Bytes>>;
+pub type UpstreamBody =
+    http_body_util::Either<super::access::Received, http_body_util::Full<bytes::Bytes>>;
 
 /// The shared pool of upstream connections (plain or TLS).
 pub type UpstreamClient = hyper_util::client::legacy::Client<

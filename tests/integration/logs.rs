@@ -174,19 +174,19 @@ async fn access_log_lines_follow_the_switch_and_a_reload_says_what_it_changed() 
     assert_eq!(
         exact(stale, &["request_id", "duration_us"]),
         format!(
-            r#"{{"timestamp":"…","level":"INFO","message":"request","route":"accounts","method":"PUT","path":"/accounts/1","protocol":"HTTP/1.1","client":"127.0.0.1","request_id":"…","resource":"account:1","fencing_token":5,"status":409,"outcome":"stale","refusal":"stale-token","bytes_in":1,"bytes_out":{refused_bytes},"duration_us":"…","target":"fencegate::access"}}"#
+            r#"{{"timestamp":"…","level":"INFO","message":"request","route":"accounts","method":"PUT","path":"/accounts/1","protocol":"HTTP/1.1","client":"127.0.0.1","request_id":"…","resource":"account:1","fencing_token":5,"status":409,"outcome":"stale","refusal":"stale-token","bytes_in":0,"bytes_out":{refused_bytes},"duration_us":"…","target":"fencegate::access"}}"#
         )
     );
     assert_eq!(
         exact(read, &made),
         format!(
-            r#"{{"timestamp":"…","level":"INFO","message":"request","route":"accounts","method":"GET","path":"/accounts/1","protocol":"HTTP/1.1","client":"127.0.0.1","request_id":"…","status":200,"outcome":"forwarded","bytes_out":2,"upstream":"{upstream}","duration_us":"…","upstream_duration_us":"…","target":"fencegate::access"}}"#
+            r#"{{"timestamp":"…","level":"INFO","message":"request","route":"accounts","method":"GET","path":"/accounts/1","protocol":"HTTP/1.1","client":"127.0.0.1","request_id":"…","status":200,"outcome":"forwarded","bytes_in":0,"bytes_out":2,"upstream":"{upstream}","duration_us":"…","upstream_duration_us":"…","target":"fencegate::access"}}"#
         )
     );
     assert_eq!(
         exact(encoded, &made),
         format!(
-            r#"{{"timestamp":"…","level":"INFO","message":"request","route":"accounts","method":"GET","path":"/accounts/%31","protocol":"HTTP/1.1","client":"127.0.0.1","request_id":"…","status":200,"outcome":"forwarded","bytes_out":2,"upstream":"{upstream}","duration_us":"…","upstream_duration_us":"…","target":"fencegate::access"}}"#
+            r#"{{"timestamp":"…","level":"INFO","message":"request","route":"accounts","method":"GET","path":"/accounts/%31","protocol":"HTTP/1.1","client":"127.0.0.1","request_id":"…","status":200,"outcome":"forwarded","bytes_in":0,"bytes_out":2,"upstream":"{upstream}","duration_us":"…","upstream_duration_us":"…","target":"fencegate::access"}}"#
         )
     );
 

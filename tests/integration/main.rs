@@ -3,9 +3,11 @@
 
 mod common;
 
+mod access_bytes;
 mod admin;
 mod authority;
 mod concurrency;
+mod dashboards;
 mod failover;
 mod fence;
 mod fences_cli;
