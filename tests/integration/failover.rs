@@ -416,3 +416,81 @@ async fn etcd_cluster_keeps_fencing_when_its_leader_is_killed() {
     );
     assert_eq!(up.count(), 43);
 }
+
+/// The retention check on a read-only old primary: a store with `fence.retention` admits
+/// nothing until its check (here the mark it writes when told its period again) succeeds. The
+/// check's refusal (SQLSTATE 25006) must retire the pool's connections like a write's does;
+/// else every retry of the check takes another connection to the old primary, and the store
+/// never admits again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_retention_check_leaves_a_read_only_primary() {
+    let primary = Service::start(Kind::Postgres).await;
+    let standby = primary.standby("standby1").await;
+    let url = multi_host(&primary, &standby);
+    let config = Config::parse(&format!(
+        "upstream: http://127.0.0.1:1\n\
+         store: {{ kind: postgres, url: '{url}', prefix: {}, replicas: 0 }}\n",
+        fresh_prefix()
+    ))
+    .unwrap();
+    let store = fencegate::store::open(&config.store).await.unwrap();
+    let hour = Duration::from_secs(3600);
+    store.forget_after(hour).unwrap();
+    // Several pooled connections to the primary.
+    let raise = |resource: &'static str| {
+        let store = &store;
+        async move {
+            store
+                .compare_and_raise(resource, 5, fencegate::config::EqualTokens::Allow.into())
+                .await
+                .unwrap()
+        }
+    };
+    let verdicts = tokio::join!(raise("a"), raise("b"), raise("c"), raise("d"));
+    for verdict in [verdicts.0, verdicts.1, verdicts.2, verdicts.3] {
+        assert_eq!(
+            verdict,
+            fencegate::store::Verdict::Admitted { previous: None }
+        );
+    }
+    let lsn = primary
+        .sql("SELECT pg_current_wal_lsn()")
+        .await
+        .unwrap()
+        .remove(0);
+    standby
+        .wait_sql(
+            &format!("SELECT pg_last_wal_replay_lsn() >= '{lsn}'::pg_lsn"),
+            "t",
+        )
+        .await;
+    primary
+        .sql("ALTER SYSTEM SET default_transaction_read_only = on")
+        .await
+        .unwrap();
+    primary.sql("SELECT pg_reload_conf()").await.unwrap();
+    standby.promote().await;
+
+    // Told its period again: the check writes a new mark, on a pooled connection first.
+    store.forget_after(hour).unwrap();
+    let deadline = Instant::now() + DEADLINE;
+    loop {
+        match store
+            .compare_and_raise("a", 6, fencegate::config::EqualTokens::Allow.into())
+            .await
+        {
+            Ok(verdict) => {
+                assert_eq!(
+                    verdict,
+                    fencegate::store::Verdict::Admitted { previous: Some(5) }
+                );
+                break;
+            }
+            Err(e) => assert!(
+                Instant::now() < deadline,
+                "the store never admitted again: {e}"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

@@ -94,7 +94,7 @@ impl PostgresRemote {
             let n = client
                 .execute(&self.forget.keep, &[&PURGE_BATCH])
                 .await
-                .map_err(|e| failed(&e))?;
+                .map_err(|e| self.failed(&e))?;
             kept += n;
             if n < PURGE_BATCH as u64 {
                 return Ok(kept);
