@@ -620,3 +620,49 @@ async fn a_grant_after_a_failover_that_lost_grants_never_repeats_a_token() {
     assert!(leases.release(&next).await.unwrap());
     assert_eq!(grant(&*leases, "job").await.token, next.token + 1);
 }
+
+/// The Sentinel user docs/stores.md documents (`resetchannels &* -@all +sentinel|get-master-addr-by-name +subscribe +ping`), as the only rights fencegate has on the
+/// Sentinels: finding the primary and following the events both work with it. Each Sentinel
+/// shows fencegate's watch subscribed (as that user, to its eleven channels), and none logged a
+/// refused command.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_documented_sentinel_acl_rule_is_enough() {
+    let topology = SentinelTopology::start_with(
+        "user fg on >pw resetchannels &* -@all +sentinel|get-master-addr-by-name +subscribe \
+         +ping\n",
+    )
+    .await;
+    let up = Upstream::start().await;
+    let urls: Vec<String> = topology
+        .sentinels
+        .iter()
+        .map(|s| format!("redis://fg:pw@127.0.0.1:{}", s.port))
+        .collect();
+    let yaml = format!(
+        "store: {{ kind: redis, url: 'redis://{MASTER}/', prefix: {}, sentinel: {{ master: \
+         {MASTER}, urls: [{}] }} }}\n{ACCOUNTS}",
+        fresh_prefix(),
+        urls.join(", ")
+    );
+    let fg = fencegate(&up.url(), &yaml).await;
+    assert_eq!(put(&fg, "1", "1").await.status, 200);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    for sentinel in &topology.sentinels {
+        loop {
+            let clients = redis_cli_at(sentinel.port, &["CLIENT", "LIST"]).await;
+            if clients
+                .lines()
+                .any(|c| c.contains(" user=fg ") && c.contains(" sub=11 "))
+            {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no watch subscribed as fg: {clients}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let refused = redis_cli_at(sentinel.port, &["ACL", "LOG"]).await;
+        assert_eq!(refused.trim(), "", "a Sentinel refused fencegate a command");
+    }
+}

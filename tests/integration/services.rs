@@ -432,6 +432,11 @@ impl SentinelTopology {
     /// Started, and settled: the replica is in sync and every Sentinel knows it and the two
     /// other Sentinels (else a failover could not be agreed or could find no replica).
     pub async fn start() -> SentinelTopology {
+        Self::start_with("").await
+    }
+
+    /// [`SentinelTopology::start`], with `extra` lines in each Sentinel's configuration.
+    pub async fn start_with(extra: &str) -> SentinelTopology {
         let primary = Service::start(Kind::Redis).await;
         let mut replicas = Vec::new();
         for _ in 0..2 {
@@ -440,7 +445,7 @@ impl SentinelTopology {
         let conf = format!(
             "sentinel monitor {MASTER} 127.0.0.1 {} 2\n\
              sentinel down-after-milliseconds {MASTER} 1000\n\
-             sentinel failover-timeout {MASTER} 2000\n",
+             sentinel failover-timeout {MASTER} 2000\n{extra}",
             primary.port
         );
         let mut sentinels = Vec::new();

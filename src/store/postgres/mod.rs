@@ -365,7 +365,8 @@ impl Remote for PostgresRemote {
                 .execute(&self.forget.mark, &[&value])
                 .await
                 .map_err(|e| {
-                    self.failed(&e).with_context(&format!("writing the mark in {}", self.marks))
+                    self.failed(&e)
+                        .with_context(&format!("writing the mark in {}", self.marks))
                 })?;
             self.forget.fresh.marked(sent);
             Ok(())
@@ -379,7 +380,8 @@ impl Remote for PostgresRemote {
                 .query_opt(&self.forget.read_mark, &[])
                 .await
                 .map_err(|e| {
-                    self.failed(&e).with_context(&format!("reading the mark in {}", self.marks))
+                    self.failed(&e)
+                        .with_context(&format!("reading the mark in {}", self.marks))
                 })?;
             Ok(row.map(|r| r.get(0)))
         })
