@@ -23,6 +23,9 @@ use crate::procs::{free_port, pg_ready, process_tree, PgTools};
 
 /// The master name the Sentinels monitor.
 pub const MASTER: &str = "chaosmaster";
+/// The user and password fencegate writes as on the Sentinels' data nodes: not the Sentinels'
+/// own (the default user), whose rights the deposing fault takes away.
+pub const USER: &str = "fencegate:chaos";
 
 /// How long any one readiness wait may take.
 const WAIT: Duration = Duration::from_secs(30);
@@ -107,7 +110,8 @@ impl RedisProc {
             ])
             // A replica that needs a full copy gets it at once, not after waiting for others.
             .args(["--repl-diskless-sync-delay", "0", "--dir"])
-            .arg(self.dir.path());
+            .arg(self.dir.path())
+            .args(["--user", "fencegate", "on", ">chaos", "~*", "&*", "+@all"]);
         if let Some(primary) = of {
             c.args(["--replicaof", "127.0.0.1", &primary.to_string()]);
         }
@@ -295,6 +299,29 @@ impl Sentinels {
             .ok_or("the Sentinels name no node of the run")?;
         node.kill9().await;
         Ok(primary)
+    }
+
+    /// Deposes the primary the Sentinels name without stopping it: their `PING`s (as the
+    /// default user) are refused, so they take it for down and fail it over, while it keeps
+    /// serving fencegate's user as a primary with its replicas until the Sentinels move them.
+    pub async fn depose_primary(&mut self) -> Result<u16, String> {
+        let primary = self
+            .named()
+            .await
+            .ok_or("the Sentinels do not agree on a primary")?;
+        redis_query::<String>(primary, &["ACL", "SETUSER", "default", "-ping"])
+            .await
+            .ok_or("the primary did not take the ACL change")?;
+        Ok(primary)
+    }
+
+    /// The deposed node answers the Sentinels again; they turn it into a replica of the
+    /// promoted one, and the topology settles.
+    pub async fn readmit(&mut self, old: u16) -> Result<(), String> {
+        redis_query::<String>(old, &["ACL", "SETUSER", "default", "+ping"])
+            .await
+            .ok_or("the deposed node did not take the ACL change")?;
+        self.settled().await
     }
 
     /// Waits until every Sentinel names another node, and it is a primary; returns its port.

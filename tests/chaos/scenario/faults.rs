@@ -31,7 +31,10 @@ pub(super) async fn inject(
             sigterm_waiting(ctx, group, round, rig, evidence, &mut note_text).await
         }
         Fault::SlowUpstream => slow_upstream(ctx, &mut note_text).await,
-        Fault::RedisFailover | Fault::PostgresFailover | Fault::EtcdLeaderKill => {
+        Fault::RedisFailover
+        | Fault::RedisDeposed
+        | Fault::PostgresFailover
+        | Fault::EtcdLeaderKill => {
             failover(
                 ctx,
                 fault,
@@ -676,6 +679,7 @@ pub(super) async fn failover(
     };
     let kind = match fault {
         Fault::RedisFailover => "a Redis Sentinel failover (replicas: 1)",
+        Fault::RedisDeposed => "a Sentinel failover of a primary that still serves (replicas: 1)",
         Fault::PostgresFailover => "a PostgreSQL standby promotion (replicas: 1)",
         _ => "an etcd leader kill",
     };
@@ -684,6 +688,16 @@ pub(super) async fn failover(
     // Kill, fail over, back to full strength; what happened, or where it stopped.
     let steps: Result<String, String> = async {
         match topology {
+            Replicated::Sentinel(s) if fault == Fault::RedisDeposed => {
+                let old = s.depose_primary().await?;
+                killed = Some(ctx.clock.now());
+                let new = s.wait_promoted(old).await?;
+                promoted = Some(ctx.clock.now());
+                s.readmit(old).await?;
+                Ok(format!(
+                    "primary :{old} deposed while serving, the Sentinels promoted :{new}, :{old} answered them again and rejoined as a replica"
+                ))
+            }
             Replicated::Sentinel(s) => {
                 let old = s.kill_primary().await?;
                 killed = Some(ctx.clock.now());
@@ -746,7 +760,7 @@ pub(super) async fn failover(
     );
     let mut leases = String::new();
     let mut leases_ok = true;
-    if fault == Fault::RedisFailover {
+    if matches!(fault, Fault::RedisFailover | Fault::RedisDeposed) {
         // The group's lease backend is on the same Sentinels: it granted leases again after
         // the failover, and never the same token twice on a resource.
         let tag = format!("account:f{group}x");

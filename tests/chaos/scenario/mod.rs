@@ -41,7 +41,7 @@ use crate::procs::{
     free_port, fresh_prefix, leases_held_by, wait_log, write_config, Fencegate, Postgres, Redis,
 };
 use crate::record::{Acquired, LeaseEvent, Op, Recorder};
-use crate::replicated::{EtcdCluster, PgPair, Replicated, Sentinels, MASTER};
+use crate::replicated::{EtcdCluster, PgPair, Replicated, Sentinels, MASTER, USER};
 
 /// Where everything listens unless it must be reachable from a namespace.
 const LOCAL: Ipv4Addr = Ipv4Addr::LOCALHOST;
@@ -110,12 +110,13 @@ pub enum Fault {
     SlowBody,
     SigtermWaiting,
     RedisFailover,
+    RedisDeposed,
     PostgresFailover,
     EtcdLeaderKill,
 }
 
 impl Fault {
-    pub const ALL: [Fault; 13] = [
+    pub const ALL: [Fault; 14] = [
         Fault::WorkerFreeze,
         Fault::FenceKill9,
         Fault::RedisKill9,
@@ -127,6 +128,7 @@ impl Fault {
         Fault::SlowBody,
         Fault::SigtermWaiting,
         Fault::RedisFailover,
+        Fault::RedisDeposed,
         Fault::PostgresFailover,
         Fault::EtcdLeaderKill,
     ];
@@ -155,6 +157,9 @@ impl Fault {
             }
             Fault::RedisFailover => {
                 "Redis primary (fence store and lease backend of the group) kill -9, Sentinel promotes a replica (replicas: 1); old primary back as a replica"
+            }
+            Fault::RedisDeposed => {
+                "Redis primary the Sentinels cannot PING (an ACL on their user) while it still serves the group: a replica promoted, the old primary a primary with a replica until the Sentinels move it; it answers them again and rejoins"
             }
             Fault::PostgresFailover => {
                 "fence store's PostgreSQL primary kill -9, synchronous standby promoted (replicas: 1); new standby from it"
@@ -265,6 +270,9 @@ pub async fn run(mode: Mode, secs: u64) -> Outcome {
             if let (Some(fault), Some(reason)) = (failover_fault(g), unavailable) {
                 let kind = format!("{fault:?}").to_lowercase();
                 println!("  SKIPPED {kind} fault (group {g} fences with a memory store): {reason}");
+                if fault == Fault::RedisFailover {
+                    skipped.push((Fault::RedisDeposed, reason.clone()));
+                }
                 skipped.push((fault, reason));
             }
             rig.fences.push(fence);
@@ -383,7 +391,7 @@ pub async fn run(mode: Mode, secs: u64) -> Outcome {
                     Fault::SlowBody => AUTH_GROUP,
                     // Long on group 2's store, long on group 1's, short, short.
                     Fault::StoreStall => [AUTH_GROUP, 1][rounds_done % 2],
-                    Fault::RedisFailover => SENTINEL_GROUP,
+                    Fault::RedisFailover | Fault::RedisDeposed => SENTINEL_GROUP,
                     Fault::PostgresFailover => PG_HA_GROUP,
                     Fault::EtcdLeaderKill => ETCD_GROUP,
                     _ => rounds_done % BASE_GROUPS,

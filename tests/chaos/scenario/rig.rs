@@ -108,7 +108,7 @@ pub(super) fn sidecar_yaml(
 pub(super) fn lease_backend(url: &str, sentinel: Option<&str>) -> String {
     match sentinel {
         Some(sentinel) => {
-            format!("url: 'redis://{MASTER}/', sentinel: {sentinel}, replicas: 1")
+            format!("url: 'redis://{USER}@{MASTER}/', sentinel: {sentinel}, replicas: 1")
         }
         None => format!("url: '{url}'"),
     }
@@ -138,7 +138,7 @@ pub(super) async fn start_fence(
         let prefix = fresh_prefix();
         let store = match &started {
             Ok(Replicated::Sentinel(s)) => format!(
-                "store: {{ kind: redis, url: 'redis://{MASTER}/', prefix: {prefix}, sentinel: {}, replicas: 1 }}\n",
+                "store: {{ kind: redis, url: 'redis://{USER}@{MASTER}/', prefix: {prefix}, sentinel: {}, replicas: 1 }}\n",
                 s.yaml()
             ),
             Ok(Replicated::Postgres(pg)) => format!(
