@@ -485,7 +485,7 @@ impl Service<Uri> for Connector {
         Box::pin(async move {
             let count = this.hosts.len();
             let first = this.next.load(Ordering::Relaxed);
-            let mut last = None;
+            let mut failed = Vec::with_capacity(count);
             for i in 0..count {
                 let at = (first + i) % count;
                 let (host, port) = &this.hosts[at];
@@ -518,12 +518,35 @@ impl Service<Uri> for Connector {
                         this.next.store(at, Ordering::Relaxed);
                         return Ok(TokioIo::new(stream));
                     }
-                    Err(e) => last = Some(e),
+                    Err(e) => failed.push((format!("{host}:{port}"), e)),
                 }
             }
-            Err(last.unwrap_or_else(|| std::io::Error::other("no etcd endpoint")))
+            Err(unreachable(failed))
         })
     }
+}
+
+/// Why no endpoint could be connected to, each endpoint with its own error (the OS's, or the
+/// TLS handshake's), of the kind of the last.
+fn unreachable(failed: Vec<(String, std::io::Error)>) -> std::io::Error {
+    let kind = failed
+        .last()
+        .map_or(std::io::ErrorKind::NotConnected, |(_, e)| e.kind());
+    let each: Vec<String> = failed
+        .into_iter()
+        .map(|(endpoint, e)| {
+            let e = e.to_string();
+            // A timeout's message names the endpoint already.
+            match e.strip_prefix(&format!("{endpoint}: ")) {
+                Some(rest) => format!("cannot connect to etcd at {endpoint}: {rest}"),
+                None => format!("cannot connect to etcd at {endpoint}: {e}"),
+            }
+        })
+        .collect();
+    if each.is_empty() {
+        return std::io::Error::new(kind, "no etcd endpoint");
+    }
+    std::io::Error::new(kind, each.join("; "))
 }
 
 /// The end of the key range holding every key that starts with `prefix`: the prefix with its
@@ -639,5 +662,34 @@ mod tests {
         assert!(Client::connect(["http://127.0.0.1:2379"], with_tls())
             .await
             .is_err());
+    }
+
+    #[tokio::test]
+    async fn an_endpoint_that_refuses_is_named_with_the_os_error() {
+        let closed = |port| ("127.0.0.1".to_owned(), port);
+        let free = || {
+            let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            listener.local_addr().unwrap().port()
+        };
+        let (a, b) = (free(), free());
+        let mut connector = Connector {
+            hosts: Arc::new(vec![closed(a), closed(b)]),
+            next: Arc::new(AtomicUsize::new(0)),
+            tls: None,
+            attempt_timeout: None,
+        };
+        let e = connector
+            .call(Uri::from_static("http://etcd"))
+            .await
+            .err()
+            .unwrap();
+        assert_eq!(e.kind(), std::io::ErrorKind::ConnectionRefused);
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "cannot connect to etcd at 127.0.0.1:{a}: Connection refused (os error 111); \
+                 cannot connect to etcd at 127.0.0.1:{b}: Connection refused (os error 111)"
+            )
+        );
     }
 }
