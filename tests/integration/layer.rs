@@ -553,3 +553,21 @@ async fn a_layer_misplaced_inside_a_nest_refuses_loudly_with_unmatched_reject() 
         .await
         .assert_problem(404, "urn:fencegate:no-route");
 }
+
+/// `--help` (and `-h`) print the usage and run nothing; an unknown argument is an error.
+#[test]
+fn the_axum_example_prints_help() {
+    let asked = |args: &[&str]| axum_ledger::parse_args(args.iter().map(|a| a.to_string()));
+    for help in ["--help", "-h"] {
+        assert!(matches!(asked(&[help]), Ok(axum_ledger::Asked::Help)));
+    }
+    assert!(axum_ledger::USAGE.starts_with("usage: axum_ledger [--listen ADDR] [--config FILE]\n"));
+    assert!(matches!(
+        asked(&["--listen", "127.0.0.1:0"]),
+        Ok(axum_ledger::Asked::Run(_))
+    ));
+    assert_eq!(
+        asked(&["--verbose"]).err().as_deref(),
+        Some("unknown argument --verbose")
+    );
+}
