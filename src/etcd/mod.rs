@@ -232,7 +232,7 @@ pub enum Error {
     InvalidArgs(String),
     #[error("transport error: {0}")]
     Transport(#[from] tonic::transport::Error),
-    #[error("grpc request error: {}: {}", .0.code(), .0.message())]
+    #[error("{}", status_text(.0))]
     GRpcStatus(#[from] tonic::Status),
     /// The lease to keep alive has expired or does not exist (etcd answered a TTL of 0).
     #[error("lease keep alive error: {0}")]
@@ -242,6 +242,17 @@ pub enum Error {
     Stream(String),
     #[error("utf8 error: {0}")]
     Utf8(#[from] std::str::Utf8Error),
+}
+
+/// A status in words: no connection (the channel's `Unavailable`) says only why, which names
+/// each endpoint and its error ([`unreachable`]); an answer from etcd keeps its code.
+fn status_text(status: &tonic::Status) -> String {
+    match status.code() {
+        tonic::Code::Unavailable if status.message().contains("cannot connect to") => {
+            status.message().to_owned()
+        }
+        code => format!("grpc request error: {code}: {}", status.message()),
+    }
 }
 
 /// How [`Client::connect`] reaches the endpoints.
@@ -538,8 +549,8 @@ fn unreachable(failed: Vec<(String, std::io::Error)>) -> std::io::Error {
             let e = e.to_string();
             // A timeout's message names the endpoint already.
             match e.strip_prefix(&format!("{endpoint}: ")) {
-                Some(rest) => format!("cannot connect to etcd at {endpoint}: {rest}"),
-                None => format!("cannot connect to etcd at {endpoint}: {e}"),
+                Some(rest) => format!("cannot connect to {endpoint}: {rest}"),
+                None => format!("cannot connect to {endpoint}: {e}"),
             }
         })
         .collect();
@@ -687,9 +698,29 @@ mod tests {
         assert_eq!(
             e.to_string(),
             format!(
-                "cannot connect to etcd at 127.0.0.1:{a}: Connection refused (os error 111); \
-                 cannot connect to etcd at 127.0.0.1:{b}: Connection refused (os error 111)"
+                "cannot connect to 127.0.0.1:{a}: Connection refused (os error 111); cannot \
+                 connect to 127.0.0.1:{b}: Connection refused (os error 111)"
             )
+        );
+    }
+
+    /// Through the client, a call that found no etcd says why in those words alone (the
+    /// store and the lease backend put `etcd: ` before them).
+    #[tokio::test]
+    async fn a_call_to_an_unreachable_etcd_names_the_endpoint() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let options = ConnectOptions::new().with_connect_timeout(Duration::from_secs(1));
+        let client = Client::connect([format!("http://127.0.0.1:{port}")], Some(options))
+            .await
+            .unwrap();
+        let e = client.kv_client().get("k", None).await.unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            format!("cannot connect to 127.0.0.1:{port}: Connection refused (os error 111)")
         );
     }
 }
