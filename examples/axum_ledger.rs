@@ -69,20 +69,40 @@ pub fn app(fence: FenceLayer) -> Router {
         .layer(fence)
 }
 
-struct Args {
-    listen: SocketAddr,
-    config: Option<PathBuf>,
+pub struct Args {
+    pub listen: SocketAddr,
+    pub config: Option<PathBuf>,
 }
 
-fn args() -> Result<Args, String> {
+/// What the command line asks for.
+pub enum Asked {
+    Run(Args),
+    Help,
+}
+
+pub const USAGE: &str = "\
+usage: axum_ledger [--listen ADDR] [--config FILE]
+
+A ledger service with the fence in-process: PUT /accounts/{id} stores a balance, GET reads it;
+a write with a stale Fencing-Token gets 409 and never reaches the handler.
+
+  --listen ADDR   address to serve on [default: 127.0.0.1:3000]
+  --config FILE   a fencegate configuration (store, routes, token, fence) [default: the
+                  fence on PUT /accounts/{id}, maxima in memory]
+  -h, --help      print this help
+";
+
+/// Reads the arguments after the program name.
+pub fn parse_args(given: impl IntoIterator<Item = String>) -> Result<Asked, String> {
     let mut args = Args {
         listen: SocketAddr::from(([127, 0, 0, 1], 3000)),
         config: None,
     };
-    let mut given = std::env::args().skip(1);
+    let mut given = given.into_iter();
     while let Some(arg) = given.next() {
         let mut value = || given.next().ok_or(format!("{arg} needs a value"));
         match arg.as_str() {
+            "-h" | "--help" => return Ok(Asked::Help),
             "--listen" => {
                 let addr = value()?;
                 args.listen = addr.parse().map_err(|e| format!("--listen {addr}: {e}"))?;
@@ -91,15 +111,19 @@ fn args() -> Result<Args, String> {
             other => return Err(format!("unknown argument {other}")),
         }
     }
-    Ok(args)
+    Ok(Asked::Run(args))
 }
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let args = match args() {
-        Ok(args) => args,
+    let args = match parse_args(std::env::args().skip(1)) {
+        Ok(Asked::Run(args)) => args,
+        Ok(Asked::Help) => {
+            print!("{USAGE}");
+            return ExitCode::SUCCESS;
+        }
         Err(e) => {
-            eprintln!("axum_ledger: {e}\nusage: axum_ledger [--listen ADDR] [--config FILE]");
+            eprintln!("axum_ledger: {e}\n{USAGE}");
             return ExitCode::from(2);
         }
     };

@@ -5,6 +5,9 @@
 //! and stalls past its lease; worker 2 gets the lease with token 34 and writes; worker 1 wakes
 //! up and writes again with token 33, and fencegate refuses it with 409. Act two repeats the
 //! story with real leases: lease API, renewal, local deadline and egress.
+//!
+//! `fencegate demo upstream` runs the toy ledger alone, on a fixed address, as the service
+//! the README's quickstart and docs/leases.md put fencegate in front of.
 
 use std::process::ExitCode;
 use std::sync::{Arc, Mutex};
@@ -51,6 +54,94 @@ impl Locks {
             state.1 = Some((who, Instant::now() + LEASE_TTL));
             state.0
         })
+    }
+}
+
+/// `fencegate demo upstream`: a toy ledger on `listen` until the process is stopped. A
+/// write (`PUT`, `POST`, `PATCH`) keeps its body under its path, `DELETE` forgets it, `GET`
+/// and `HEAD` read it back; each answer is one line saying what the ledger did and which
+/// fencing token it received, so a reader sees what reached it.
+pub async fn upstream(listen: std::net::SocketAddr) -> ExitCode {
+    let listener = match TcpListener::bind(listen).await {
+        Ok(listener) => listener,
+        Err(e) => {
+            eprintln!("error: cannot listen on {listen}: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let addr = listener.local_addr().unwrap_or(listen);
+    eprintln!(
+        "fencegate demo upstream: a toy ledger on {addr}; PUT or POST stores the body, GET \
+         reads it"
+    );
+    let kept: Arc<Mutex<std::collections::HashMap<String, Bytes>>> = Arc::default();
+    serve(
+        listener,
+        local_settings(),
+        move |req: Request<hyper::body::Incoming>, _| {
+            let kept = Arc::clone(&kept);
+            async move {
+                let (parts, body) = req.into_parts();
+                let body = body.collect().await.map(|b| b.to_bytes());
+                let (status, text) = ledger_answer(&kept, &parts, body.unwrap_or_default());
+                let mut response = Response::new(ProxyBody::local(text));
+                *response.status_mut() = status;
+                response.headers_mut().insert(
+                    http::header::CONTENT_TYPE,
+                    http::HeaderValue::from_static("text/plain; charset=utf-8"),
+                );
+                Ok(response)
+            }
+        },
+        std::future::pending(),
+    )
+    .await;
+    ExitCode::SUCCESS
+}
+
+/// What the toy ledger does with one request, and its one-line answer.
+fn ledger_answer(
+    kept: &Mutex<std::collections::HashMap<String, Bytes>>,
+    req: &http::request::Parts,
+    body: Bytes,
+) -> (StatusCode, String) {
+    let path = req.uri.path().to_owned();
+    let token = match req.headers.get("fencing-token").map(|v| v.to_str()) {
+        Some(Ok(token)) => format!(" fencing-token={token}"),
+        Some(Err(_)) => " fencing-token=(not text)".to_owned(),
+        None => String::new(),
+    };
+    let method = &req.method;
+    let mut kept = kept.lock().expect("demo lock");
+    match *method {
+        Method::PUT | Method::POST | Method::PATCH => {
+            kept.insert(path.clone(), body);
+            (StatusCode::OK, format!("applied {method} {path}{token}\n"))
+        }
+        Method::DELETE => match kept.remove(&path) {
+            Some(_) => (StatusCode::OK, format!("applied {method} {path}{token}\n")),
+            None => (
+                StatusCode::NOT_FOUND,
+                format!("nothing stored at {path}{token}\n"),
+            ),
+        },
+        Method::GET | Method::HEAD => match kept.get(&path) {
+            Some(stored) => (
+                StatusCode::OK,
+                format!(
+                    "read {method} {path}{token}: {}\n",
+                    String::from_utf8_lossy(stored)
+                ),
+            ),
+            None => (
+                StatusCode::NOT_FOUND,
+                format!("nothing stored at {path}{token}\n"),
+            ),
+        },
+        _ => (
+            StatusCode::METHOD_NOT_ALLOWED,
+            format!("the toy ledger takes GET, HEAD, PUT, POST, PATCH and DELETE, not {method}\n"),
+        ),
     }
 }
 
@@ -460,4 +551,40 @@ async fn act_two() -> Result<(), String> {
          kept the late write off the wire."
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_toy_ledger_says_what_it_did_and_which_token_it_got() {
+        let kept = Mutex::default();
+        let ask = |method: Method, token: Option<&str>, body: &'static str| {
+            let mut req = Request::builder().method(method).uri("/accounts/42");
+            if let Some(token) = token {
+                req = req.header("fencing-token", token);
+            }
+            let (parts, ()) = req.body(()).unwrap().into_parts();
+            let (status, text) = ledger_answer(&kept, &parts, Bytes::from_static(body.as_bytes()));
+            (status.as_u16(), text)
+        };
+        assert_eq!(
+            ask(Method::GET, None, ""),
+            (404, "nothing stored at /accounts/42\n".into())
+        );
+        assert_eq!(
+            ask(Method::PUT, Some("34"), r#"{"balance":150}"#),
+            (200, "applied PUT /accounts/42 fencing-token=34\n".into())
+        );
+        assert_eq!(
+            ask(Method::GET, None, ""),
+            (200, "read GET /accounts/42: {\"balance\":150}\n".into())
+        );
+        assert_eq!(
+            ask(Method::DELETE, None, ""),
+            (200, "applied DELETE /accounts/42\n".into())
+        );
+        assert_eq!(ask(Method::OPTIONS, None, "").0, 405);
+    }
 }

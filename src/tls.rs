@@ -37,7 +37,7 @@ pub enum TlsError {
         path: PathBuf,
         source: rustls::server::VerifierBuilderError,
     },
-    #[error("certificate and key do not form a usable pair: {0}")]
+    #[error("certificate and key do not form a usable pair: {}", described(.0, "server"))]
     Pair(rustls::Error),
     /// A file of a store's or lease backend's `tls` mapping (`field` is `store.tls` or
     /// `leases.backend.tls`, `file` is `ca`, `cert` or `key`).
@@ -47,7 +47,10 @@ pub enum TlsError {
         file: &'static str,
         source: Box<TlsError>,
     },
-    #[error("{field}.cert and {field}.key do not form a usable pair: {source}")]
+    #[error(
+        "{field}.cert and {field}.key do not form a usable pair: {}",
+        described(source, "client")
+    )]
     ClientPair {
         field: &'static str,
         source: rustls::Error,
@@ -69,6 +72,46 @@ impl TlsError {
             source: Box::new(self),
         }
     }
+}
+
+/// A rustls error in words: for a certificate in X.509 v1 (which webpki refuses as
+/// `UnsupportedCertVersion`, and which `openssl x509 -req` issues when given no extensions), how
+/// to issue one rustls accepts. `role` is the certificate's: `client` or `server`.
+pub fn described(e: &rustls::Error, role: &str) -> String {
+    match e {
+        rustls::Error::InvalidCertificate(rustls::CertificateError::Other(other))
+            if format!("{other:?}").contains("UnsupportedCertVersion") =>
+        {
+            format!(
+                "the {role} certificate is X.509 v1, and rustls accepts only v3 certificates: \
+                 re-issue it with v3 extensions (with openssl, `openssl x509 -req … -extfile \
+                 {role}.ext` where {role}.ext has at least `subjectAltName` and \
+                 `extendedKeyUsage = {role}Auth`, or `x509_extensions` in the config of \
+                 `openssl req -x509` or `openssl ca`) ({e})"
+            )
+        }
+        e => e.to_string(),
+    }
+}
+
+/// A failed TLS handshake in words ([`described`] when rustls says why). `peer` is the other
+/// side's role: `client` on a listener, `server` when connecting.
+pub fn handshake_error(e: &std::io::Error, peer: &str) -> String {
+    match e
+        .get_ref()
+        .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+    {
+        Some(rustls) => described(rustls, peer),
+        None => e.to_string(),
+    }
+}
+
+/// Whether a handshake failed because the peer's certificate was refused.
+pub fn certificate_refused(e: &std::io::Error) -> bool {
+    let rustls = e
+        .get_ref()
+        .and_then(|inner| inner.downcast_ref::<rustls::Error>());
+    matches!(rustls, Some(rustls::Error::InvalidCertificate(_)))
 }
 
 /// The one crypto provider, named explicitly so no feature flag elsewhere can swap it.
@@ -368,6 +411,58 @@ impl ClientTls {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn fixture(name: &str) -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures")
+            .join(name)
+    }
+
+    /// A client certificate issued by `openssl x509 -req` without extensions is X.509 v1:
+    /// loading it says so and how to re-issue it.
+    #[test]
+    fn a_v1_client_certificate_is_explained() {
+        let files = ClientTlsConfig {
+            cert: Some(fixture("client-v1.pem")),
+            key: Some(fixture("client-v1-key.pem")),
+            ..Default::default()
+        };
+        let e = ClientTls::load(&files, "store.tls", &[]).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "store.tls.cert and store.tls.key do not form a usable pair: the client certificate \
+             is X.509 v1, and rustls accepts only v3 certificates: re-issue it with v3 \
+             extensions (with openssl, `openssl x509 -req … -extfile client.ext` where \
+             client.ext has at least `subjectAltName` and `extendedKeyUsage = clientAuth`, or \
+             `x509_extensions` in the config of `openssl req -x509` or `openssl ca`) (invalid \
+             peer certificate: Other(OtherError(UnsupportedCertVersion)))"
+        );
+    }
+
+    /// The same words for a v1 certificate refused in a handshake (webpki's error, by name).
+    #[test]
+    fn a_v1_certificate_refused_in_a_handshake_is_explained() {
+        #[derive(Debug)]
+        struct UnsupportedCertVersion;
+        impl std::fmt::Display for UnsupportedCertVersion {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("UnsupportedCertVersion")
+            }
+        }
+        impl std::error::Error for UnsupportedCertVersion {}
+        let refused = rustls::Error::InvalidCertificate(rustls::CertificateError::Other(
+            rustls::OtherError(Arc::new(UnsupportedCertVersion)),
+        ));
+        let e = std::io::Error::new(std::io::ErrorKind::InvalidData, refused);
+        assert!(certificate_refused(&e));
+        assert!(handshake_error(&e, "client").starts_with(
+            "the client certificate is X.509 v1, and rustls accepts only v3 certificates: \
+             re-issue it"
+        ));
+        let other = std::io::Error::new(std::io::ErrorKind::InvalidData, "bad record");
+        assert!(!certificate_refused(&other));
+        assert_eq!(handshake_error(&other, "client"), "bad record");
+    }
 
     #[test]
     fn bad_files_name_their_field() {

@@ -58,7 +58,10 @@ enum Command {
         json: bool,
     },
     /// Walk through the slow-writer scenario in one process, no external services.
-    Demo,
+    Demo {
+        #[command(subcommand)]
+        command: Option<DemoCommand>,
+    },
     /// Inspect and repair the recorded maxima in a config's store (exit 0 done, 1 failed or
     /// not confirmed, 2 usage).
     Fences {
@@ -104,6 +107,19 @@ enum Command {
         image: Option<String>,
         #[command(flatten)]
         sidecar: SidecarArgs,
+    },
+}
+
+/// `fencegate demo …`.
+#[derive(Subcommand)]
+enum DemoCommand {
+    /// Run the demo's toy ledger alone, until stopped: a service to put fencegate in front of.
+    /// PUT, POST and PATCH store the body under the path, GET reads it back, DELETE forgets
+    /// it; each answer is one line naming the fencing token received.
+    Upstream {
+        /// Address to serve plain HTTP on.
+        #[arg(long, default_value = "127.0.0.1:8080")]
+        listen: std::net::SocketAddr,
     },
 }
 
@@ -334,7 +350,10 @@ pub fn main() -> ExitCode {
             let embedded = matches!(config.store, crate::config::StoreConfig::Embedded { .. });
             runtime(embedded).block_on(run(config, path))
         }
-        Command::Demo => runtime(false).block_on(crate::demo::run()),
+        Command::Demo { command: None } => runtime(false).block_on(crate::demo::run()),
+        Command::Demo {
+            command: Some(DemoCommand::Upstream { listen }),
+        } => runtime(false).block_on(crate::demo::upstream(listen)),
         Command::Fences { command } => runtime(false).block_on(fences_command(command)),
         Command::Leases { command } => runtime(false).block_on(leases_command(command)),
         Command::Inject {

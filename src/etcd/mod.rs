@@ -232,7 +232,7 @@ pub enum Error {
     InvalidArgs(String),
     #[error("transport error: {0}")]
     Transport(#[from] tonic::transport::Error),
-    #[error("grpc request error: {}: {}", .0.code(), .0.message())]
+    #[error("{}", status_text(.0))]
     GRpcStatus(#[from] tonic::Status),
     /// The lease to keep alive has expired or does not exist (etcd answered a TTL of 0).
     #[error("lease keep alive error: {0}")]
@@ -242,6 +242,17 @@ pub enum Error {
     Stream(String),
     #[error("utf8 error: {0}")]
     Utf8(#[from] std::str::Utf8Error),
+}
+
+/// A status in words: no connection (the channel's `Unavailable`) says only why, which names
+/// each endpoint and its error ([`unreachable`]); an answer from etcd keeps its code.
+fn status_text(status: &tonic::Status) -> String {
+    match status.code() {
+        tonic::Code::Unavailable if status.message().contains("cannot connect to") => {
+            status.message().to_owned()
+        }
+        code => format!("grpc request error: {code}: {}", status.message()),
+    }
 }
 
 /// How [`Client::connect`] reaches the endpoints.
@@ -485,7 +496,7 @@ impl Service<Uri> for Connector {
         Box::pin(async move {
             let count = this.hosts.len();
             let first = this.next.load(Ordering::Relaxed);
-            let mut last = None;
+            let mut failed = Vec::with_capacity(count);
             for i in 0..count {
                 let at = (first + i) % count;
                 let (host, port) = &this.hosts[at];
@@ -518,12 +529,35 @@ impl Service<Uri> for Connector {
                         this.next.store(at, Ordering::Relaxed);
                         return Ok(TokioIo::new(stream));
                     }
-                    Err(e) => last = Some(e),
+                    Err(e) => failed.push((format!("{host}:{port}"), e)),
                 }
             }
-            Err(last.unwrap_or_else(|| std::io::Error::other("no etcd endpoint")))
+            Err(unreachable(failed))
         })
     }
+}
+
+/// Why no endpoint could be connected to, each endpoint with its own error (the OS's, or the
+/// TLS handshake's), of the kind of the last.
+fn unreachable(failed: Vec<(String, std::io::Error)>) -> std::io::Error {
+    let kind = failed
+        .last()
+        .map_or(std::io::ErrorKind::NotConnected, |(_, e)| e.kind());
+    let each: Vec<String> = failed
+        .into_iter()
+        .map(|(endpoint, e)| {
+            let e = e.to_string();
+            // A timeout's message names the endpoint already.
+            match e.strip_prefix(&format!("{endpoint}: ")) {
+                Some(rest) => format!("cannot connect to {endpoint}: {rest}"),
+                None => format!("cannot connect to {endpoint}: {e}"),
+            }
+        })
+        .collect();
+    if each.is_empty() {
+        return std::io::Error::new(kind, "no etcd endpoint");
+    }
+    std::io::Error::new(kind, each.join("; "))
 }
 
 /// The end of the key range holding every key that starts with `prefix`: the prefix with its
@@ -639,5 +673,54 @@ mod tests {
         assert!(Client::connect(["http://127.0.0.1:2379"], with_tls())
             .await
             .is_err());
+    }
+
+    #[tokio::test]
+    async fn an_endpoint_that_refuses_is_named_with_the_os_error() {
+        let closed = |port| ("127.0.0.1".to_owned(), port);
+        let free = || {
+            let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            listener.local_addr().unwrap().port()
+        };
+        let (a, b) = (free(), free());
+        let mut connector = Connector {
+            hosts: Arc::new(vec![closed(a), closed(b)]),
+            next: Arc::new(AtomicUsize::new(0)),
+            tls: None,
+            attempt_timeout: None,
+        };
+        let e = connector
+            .call(Uri::from_static("http://etcd"))
+            .await
+            .err()
+            .unwrap();
+        assert_eq!(e.kind(), std::io::ErrorKind::ConnectionRefused);
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "cannot connect to 127.0.0.1:{a}: Connection refused (os error 111); cannot \
+                 connect to 127.0.0.1:{b}: Connection refused (os error 111)"
+            )
+        );
+    }
+
+    /// Through the client, a call that found no etcd says why in those words alone (the
+    /// store and the lease backend put `etcd: ` before them).
+    #[tokio::test]
+    async fn a_call_to_an_unreachable_etcd_names_the_endpoint() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let options = ConnectOptions::new().with_connect_timeout(Duration::from_secs(1));
+        let client = Client::connect([format!("http://127.0.0.1:{port}")], Some(options))
+            .await
+            .unwrap();
+        let e = client.kv_client().get("k", None).await.unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            format!("cannot connect to 127.0.0.1:{port}: Connection refused (os error 111)")
+        );
     }
 }

@@ -67,7 +67,8 @@ impl EmbeddedLeases {
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(|e| fail("cannot create the directory of", &e))?;
         }
-        let db = Database::create(path).map_err(|e| fail("cannot open", &e))?;
+        let db = Database::create(path)
+            .map_err(|e| LeaseError::Unreachable(crate::conn::embedded::open_error(path, &e)))?;
         let table = format!("{prefix}.leases");
         {
             let txn = db.begin_write().map_err(|e| fail("cannot write", &e))?;

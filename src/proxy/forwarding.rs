@@ -305,7 +305,7 @@ impl Proxy {
                 ))
             }
             Err(Failed::Upstream(e)) => Refusal::UpstreamError(error_chain(e.as_ref())),
-            Err(Failed::Timeout) => Refusal::UpstreamTimeout,
+            Err(Failed::Timeout) => Refusal::UpstreamTimeout(self.timeouts.upstream),
         };
         self.refuse(
             refusal,

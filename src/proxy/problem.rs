@@ -76,7 +76,8 @@ pub enum Refusal {
     LeaseNotHeld,
     // The upstream's.
     UpstreamError(String),
-    UpstreamTimeout,
+    /// No response head within `timeouts.upstream` (this long).
+    UpstreamTimeout(Duration),
 }
 
 /// Why the store of record (the fence store, or with `fence.authority: leases` the lease
@@ -143,7 +144,7 @@ impl Refusal {
             | Refusal::NotReplayable { .. } => Fault::Client,
             Refusal::StoreUnavailable(e) => e.fault(),
             Refusal::BarrierTimeout | Refusal::LeaseNotHeld => Fault::Ours,
-            Refusal::UpstreamError(_) | Refusal::UpstreamTimeout => Fault::Upstream,
+            Refusal::UpstreamError(_) | Refusal::UpstreamTimeout(_) => Fault::Upstream,
         }
     }
 
@@ -168,7 +169,7 @@ impl Refusal {
             Refusal::LeaseNotHeld => Outcome::LeaseNotHeld,
             Refusal::BarrierTimeout => Outcome::BarrierTimeout,
             Refusal::UpstreamError(_) => Outcome::UpstreamError,
-            Refusal::UpstreamTimeout => Outcome::UpstreamTimeout,
+            Refusal::UpstreamTimeout(_) => Outcome::UpstreamTimeout,
         }
     }
 
@@ -269,7 +270,7 @@ impl Refusal {
                 "urn:fencegate:upstream-error",
                 "Upstream failed",
             ),
-            Refusal::UpstreamTimeout => problem(
+            Refusal::UpstreamTimeout(_) => problem(
                 StatusCode::GATEWAY_TIMEOUT,
                 "urn:fencegate:upstream-timeout",
                 "Upstream timed out",
@@ -340,7 +341,7 @@ impl Refusal {
                 } else {
                     format!(
                         "token {token} is below {current}, the highest token recorded for \
-                         {resource}; the lease was granted to a newer holder"
+                         {resource}; the write was not forwarded"
                     )
                 }
             }
@@ -420,10 +421,11 @@ impl Refusal {
             Refusal::UpstreamError(e) => {
                 format!("the upstream could not be reached or failed: {e}")
             }
-            Refusal::UpstreamTimeout => {
-                "the upstream did not answer in time; the write may or may not have been applied"
-                    .into()
-            }
+            Refusal::UpstreamTimeout(limit) => format!(
+                "the upstream sent no response headers within timeouts.upstream ({}); the \
+                 request may or may not have been applied",
+                crate::duration::display(*limit)
+            ),
         }
     }
 
@@ -622,8 +624,48 @@ mod tests {
             leases_silent.detail(),
             "the lease backend did not answer within 300ms"
         );
-        assert_eq!(Refusal::UpstreamTimeout.fault(), Fault::Upstream);
+        assert_eq!(
+            Refusal::UpstreamTimeout(Duration::ZERO).fault(),
+            Fault::Upstream
+        );
         assert_eq!(Refusal::TokenRequired.fault(), Fault::Client);
+    }
+
+    #[test]
+    fn a_stale_token_is_told_only_what_the_store_recorded() {
+        let header = HeaderName::from_static("fencing-token");
+        let subject = Subject {
+            resource: Some("account:42"),
+            token: Some(1),
+            ..Subject::default()
+        };
+        assert_eq!(
+            Refusal::Stale { current: 34 }.detail(&subject, &header),
+            "token 1 is below 34, the highest token recorded for account:42; the write was not \
+             forwarded"
+        );
+        // With `fence.authority: leases` the lease backend knows of the newer grant.
+        assert_eq!(
+            Refusal::Superseded { latest: 34 }.detail(&subject, &header),
+            "token 1 is below 34, the latest lease granted for account:42: a newer holder has \
+             the lease, even if it has not written yet"
+        );
+    }
+
+    #[test]
+    fn an_upstream_timeout_names_the_setting_and_its_value() {
+        let header = HeaderName::from_static("fencing-token");
+        let subject = Subject::default();
+        let late = Refusal::UpstreamTimeout(Duration::from_secs(30));
+        assert_eq!(
+            late.problem(&subject, &header).status(),
+            StatusCode::GATEWAY_TIMEOUT
+        );
+        assert_eq!(
+            late.detail(&subject, &header),
+            "the upstream sent no response headers within timeouts.upstream (30s); the request \
+             may or may not have been applied"
+        );
     }
 
     #[test]

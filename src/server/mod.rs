@@ -150,7 +150,14 @@ pub async fn serve<H, F>(
                     {
                         Ok(Ok(tls)) => tls,
                         Ok(Err(e)) => {
-                            tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                            let error = crate::tls::handshake_error(&e, "client");
+                            // A client certificate refused (`tls.client_ca`) is a setup to fix;
+                            // other failures are the client's business.
+                            if crate::tls::certificate_refused(&e) {
+                                tracing::warn!(%peer, %error, "TLS handshake failed");
+                            } else {
+                                tracing::debug!(%peer, %error, "TLS handshake failed");
+                            }
                             return;
                         }
                         Err(_) => {

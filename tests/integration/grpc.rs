@@ -398,8 +398,7 @@ async fn a_stale_unary_write_is_aborted_with_the_current_token() {
     assert_eq!(stale.code(), Code::Aborted);
     assert_eq!(
         stale.message(),
-        "token 6 is below 7, the highest token recorded for account:a1; the lease was granted \
-         to a newer holder"
+        "token 6 is below 7, the highest token recorded for account:a1; the write was not forwarded"
     );
     assert_eq!(metadata(&stale, "fencing-token-current"), Some("7"));
     assert_eq!(metadata(&stale, "content-type"), Some("application/grpc"));
@@ -570,8 +569,7 @@ async fn the_layer_fences_a_tonic_service_in_process() {
     assert_eq!(stale.code(), Code::Aborted);
     assert_eq!(
         stale.message(),
-        "token 6 is below 7, the highest token recorded for account:l1; the lease was granted \
-         to a newer holder"
+        "token 6 is below 7, the highest token recorded for account:l1; the write was not forwarded"
     );
     assert_eq!(metadata(&stale, "fencing-token-current"), Some("7"));
     let missing = deposit(&mut grpc, "l1", None).await.unwrap_err();
@@ -720,8 +718,7 @@ async fn a_grpc_content_type_is_told_in_any_case() {
     assert_eq!(stale.headers["grpc-status"], "10");
     assert_eq!(
         stale.headers["grpc-message"],
-        "token 6 is below 7, the highest token recorded for account:c1; the lease was granted \
-         to a newer holder"
+        "token 6 is below 7, the highest token recorded for account:c1; the write was not forwarded"
     );
     assert_eq!(stale.headers["fencing-token-current"], "7");
     assert!(stale.body.is_empty());

@@ -148,7 +148,7 @@ async fn the_layer_refuses_as_the_proxy_does_byte_for_byte() {
     assert_eq!(stale.headers["fencing-token-current"], "34");
     assert_eq!(
         stale.text(),
-        r#"{"type":"urn:fencegate:stale-token","title":"Stale fencing token","status":409,"detail":"token 33 is below 34, the highest token recorded for account:42; the lease was granted to a newer holder","resource":"account:42","token":33,"current_token":34}"#
+        r#"{"type":"urn:fencegate:stale-token","title":"Stale fencing token","status":409,"detail":"token 33 is below 34, the highest token recorded for account:42; the write was not forwarded","resource":"account:42","token":33,"current_token":34}"#
     );
 
     // Only what the fence admitted (and the read) reached the service, unchanged.
@@ -259,8 +259,7 @@ async fn a_grpc_call_is_refused_in_grpc_form() {
     assert_eq!(stale.headers["grpc-status"], "10");
     assert_eq!(
         stale.headers["grpc-message"],
-        "token 2 is below 3, the highest token recorded for account:9; the lease was granted to \
-         a newer holder"
+        "token 2 is below 3, the highest token recorded for account:9; the write was not forwarded"
     );
     assert_eq!(stale.headers["fencing-token-current"], "3");
     assert!(stale.body.is_empty());
@@ -553,4 +552,22 @@ async fn a_layer_misplaced_inside_a_nest_refuses_loudly_with_unmatched_reject() 
     send("PUT", &url, &[("fencing-token", "33")], "")
         .await
         .assert_problem(404, "urn:fencegate:no-route");
+}
+
+/// `--help` (and `-h`) print the usage and run nothing; an unknown argument is an error.
+#[test]
+fn the_axum_example_prints_help() {
+    let asked = |args: &[&str]| axum_ledger::parse_args(args.iter().map(|a| a.to_string()));
+    for help in ["--help", "-h"] {
+        assert!(matches!(asked(&[help]), Ok(axum_ledger::Asked::Help)));
+    }
+    assert!(axum_ledger::USAGE.starts_with("usage: axum_ledger [--listen ADDR] [--config FILE]\n"));
+    assert!(matches!(
+        asked(&["--listen", "127.0.0.1:0"]),
+        Ok(axum_ledger::Asked::Run(_))
+    ));
+    assert_eq!(
+        asked(&["--verbose"]).err().as_deref(),
+        Some("unknown argument --verbose")
+    );
 }

@@ -73,7 +73,7 @@ pub fn code(refusal: &Refusal) -> Code {
         Refusal::StoreUnavailable(_) | Refusal::BarrierTimeout | Refusal::UpstreamError(_) => {
             Code::Unavailable
         }
-        Refusal::UpstreamTimeout => Code::DeadlineExceeded,
+        Refusal::UpstreamTimeout(_) => Code::DeadlineExceeded,
     }
 }
 
@@ -240,8 +240,7 @@ mod tests {
         assert_eq!(r.headers()["grpc-status"], "10");
         assert_eq!(
             r.headers()["grpc-message"],
-            "token 3 is below 5, the highest token recorded for account:1; the lease was \
-             granted to a newer holder"
+            "token 3 is below 5, the highest token recorded for account:1; the write was not forwarded"
         );
         assert_eq!(r.headers()["fencing-token-current"], "5");
         assert!(http_body::Body::is_end_stream(r.body()));
@@ -263,7 +262,10 @@ mod tests {
             ),
             (Refusal::BarrierTimeout, 14),
             (Refusal::UpstreamError("reset".into()), 14),
-            (Refusal::UpstreamTimeout, 4),
+            (
+                Refusal::UpstreamTimeout(std::time::Duration::from_secs(1)),
+                4,
+            ),
             (Refusal::RequestTooLarge { limit: 1 }, 8),
             (Refusal::NoRoute, 12),
         ];

@@ -258,7 +258,10 @@ impl EmbeddedStore {
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(|e| fail("cannot create the directory of", &e))?;
         }
-        let db = Arc::new(open_file(path).map_err(|e| fail("cannot open", &e))?);
+        let db =
+            Arc::new(open_file(path).map_err(|e| {
+                StoreError::Unreachable(crate::conn::embedded::open_error(path, &e))
+            })?);
         let names = Names::new(prefix);
         let fences = TableDefinition::<&str, u64>::new(&names.fences);
         let records = Records::new(&names.records);
