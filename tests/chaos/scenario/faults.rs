@@ -31,6 +31,7 @@ pub(super) async fn inject(
             sigterm_waiting(ctx, group, round, rig, evidence, &mut note_text).await
         }
         Fault::SlowUpstream => slow_upstream(ctx, &mut note_text).await,
+        Fault::ConfigReload => config_reload(ctx, group, rig, evidence, &mut note_text).await,
         Fault::RedisFailover
         | Fault::RedisDeposed
         | Fault::PostgresFailover
@@ -655,6 +656,80 @@ pub(super) async fn slow_upstream(ctx: &Ctx, note_text: &mut String) -> Injectio
     *note_text = format!("{n} commits delayed {}ms: {done}", SLOW_COMMIT.as_millis());
     let first = rec.wait_ok(end, 1, Duration::from_secs(20), |_| true).await;
     Ok((end, first))
+}
+
+/// The fence's config file changed under load, as an operator or a ConfigMap swap does it: to
+/// YAML that does not parse (refused: the running config stays), to a valid edit (one more
+/// route, unfenced), and back; each picked up at a SIGHUP (or the file poll, whichever is
+/// first). Writes keep flowing through the fence meanwhile; the run's invariants say whether
+/// any was admitted that should not have been.
+pub(super) async fn config_reload(
+    ctx: &Ctx,
+    group: usize,
+    rig: &mut Rig,
+    evidence: &mut Evidence,
+    note_text: &mut String,
+) -> Injection {
+    let f = &rig.fences[group];
+    let original = std::fs::read_to_string(&f.config).map_err(|e| e.to_string())?;
+    let admin = f.process.admin;
+    let edited = format!("{original}  - {{ name: health, path: /healthz, fence: false }}\n");
+    let steps = [
+        (format!("{original}routes: [unclosed\n"), "refused"),
+        (edited, "applied"),
+        (original.clone(), "applied"),
+    ];
+    let mut outcomes = Vec::new();
+    for (content, expected) in steps {
+        let before = reloads(admin, expected).await.unwrap_or(0);
+        // Replaced whole (a rename), as a ConfigMap swap does: never read half-written.
+        let next = f.config.with_extension("next");
+        std::fs::write(&next, content).map_err(|e| e.to_string())?;
+        std::fs::rename(&next, &f.config).map_err(|e| e.to_string())?;
+        f.process.signal("-HUP");
+        let seen = tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                if reloads(admin, expected).await.unwrap_or(0) > before {
+                    return;
+                }
+                pace().await;
+            }
+        })
+        .await
+        .is_ok();
+        outcomes.push(format!("{expected}: {seen}"));
+        note(
+            evidence,
+            &format!("config reload under load: a {expected} file is {expected}"),
+            seen,
+        );
+    }
+    let end = ctx.clock.now();
+    *note_text = outcomes.join(", ");
+    let first = ctx
+        .rec
+        .wait_ok(end, 1, Duration::from_secs(20), |o| o.group == group)
+        .await;
+    Ok((end, first))
+}
+
+/// `fencegate_config_reloads_total{result}` of the fence whose admin listener is `admin`.
+async fn reloads(admin: SocketAddr, result: &str) -> Option<u64> {
+    let scrape = async {
+        let mut s = TcpStream::connect(admin).await.ok()?;
+        s.write_all(b"GET /metrics HTTP/1.1\r\nhost: fence\r\nconnection: close\r\n\r\n")
+            .await
+            .ok()?;
+        let mut text = String::new();
+        s.read_to_string(&mut text).await.ok()?;
+        let key = format!("fencegate_config_reloads_total{{result=\"{result}\"}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(key.as_str())?.trim().parse().ok())
+    };
+    tokio::time::timeout(Duration::from_secs(2), scrape)
+        .await
+        .ok()
+        .flatten()
 }
 
 /// The fence store's primary (etcd: leader) killed with `kill -9`. The topology fails over on

@@ -109,6 +109,7 @@ pub enum Fault {
     StoreStall,
     SlowBody,
     SigtermWaiting,
+    ConfigReload,
     RedisFailover,
     RedisDeposed,
     PostgresFailover,
@@ -116,7 +117,7 @@ pub enum Fault {
 }
 
 impl Fault {
-    pub const ALL: [Fault; 14] = [
+    pub const ALL: [Fault; 15] = [
         Fault::WorkerFreeze,
         Fault::FenceKill9,
         Fault::RedisKill9,
@@ -127,6 +128,7 @@ impl Fault {
         Fault::StoreStall,
         Fault::SlowBody,
         Fault::SigtermWaiting,
+        Fault::ConfigReload,
         Fault::RedisFailover,
         Fault::RedisDeposed,
         Fault::PostgresFailover,
@@ -154,6 +156,9 @@ impl Fault {
             }
             Fault::SigtermWaiting => {
                 "sidecar SIGTERM while an acquisition waits on its lease API; backend read after the exit"
+            }
+            Fault::ConfigReload => {
+                "fence config file changed under load: to YAML that does not parse (refused), to a valid edit, back (SIGHUP each)"
             }
             Fault::RedisFailover => {
                 "Redis primary (fence store and lease backend of the group) kill -9, Sentinel promotes a replica (replicas: 1); old primary back as a replica"
