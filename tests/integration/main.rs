@@ -5,6 +5,7 @@ mod common;
 
 mod admin;
 mod authority;
+mod check_cli;
 mod concurrency;
 mod failover;
 mod fence;

@@ -1,0 +1,134 @@
+//! `check` refuses what `run` refuses, with the same message, and what it prints loads again.
+
+use std::path::{Path, PathBuf};
+
+const BIN: &str = env!("CARGO_BIN_EXE_fencegate");
+
+/// Runs `fencegate ARGS...` with `env` added; its exit code, stdout and stderr.
+pub(crate) fn fencegate(args: &[&str], env: &[(&str, &str)]) -> (Option<i32>, String, String) {
+    let out = std::process::Command::new(BIN)
+        .args(args)
+        .envs(env.iter().copied())
+        .env_remove("FENCEGATE_LOG")
+        .env_remove("FENCEGATE_WORKERS")
+        .output()
+        .unwrap();
+    (
+        out.status.code(),
+        String::from_utf8(out.stdout).unwrap(),
+        String::from_utf8(out.stderr).unwrap(),
+    )
+}
+
+/// Writes `text` as `dir/name`.
+fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
+    let path = dir.join(name);
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// `check`'s exit code and stderr for a config.
+fn check(path: &Path) -> (Option<i32>, String) {
+    let (code, _, stderr) = fencegate(&["check", "--config", path.to_str().unwrap()], &[]);
+    (code, stderr)
+}
+
+/// The `error` field of `run`'s one JSON line, and its exit code.
+fn run_error(path: &Path) -> (Option<i32>, String) {
+    let (code, _, stderr) = fencegate(
+        &[
+            "run",
+            "--config",
+            path.to_str().unwrap(),
+            "--log-format",
+            "json",
+        ],
+        &[],
+    );
+    let line: serde_json::Value = serde_json::from_str(stderr.lines().last().unwrap_or("{}"))
+        .unwrap_or_else(|_| panic!("not a JSON line: {stderr}"));
+    (code, line["error"].as_str().unwrap_or_default().to_owned())
+}
+
+#[test]
+fn check_refuses_the_store_and_backend_urls_run_refuses() {
+    let dir = tempfile::tempdir().unwrap();
+    for (store, reason) in [
+        (
+            "{ kind: redis, url: 'redis://host/abc' }",
+            "store: bad redis url: Invalid database number - InvalidClientConfig at line 2 column 8",
+        ),
+        (
+            "{ kind: redis, url: 'rediss://host:6380/#insecure' }",
+            "store: a redis url has no `#` fragment (`#insecure` would skip verifying the \
+             server's certificate, which fencegate never does) at line 2 column 8",
+        ),
+        (
+            "{ kind: postgres, url: 'postgres://host:99999/db' }",
+            "store: bad postgres url: invalid connection string: invalid value for option \
+             `port` at line 2 column 8",
+        ),
+        (
+            "{ kind: etcd, url: 'etcd://' }",
+            "store: etcd url names no endpoint at line 2 column 8",
+        ),
+    ] {
+        let path = write(
+            dir.path(),
+            "bad.yaml",
+            &format!("upstream: http://127.0.0.1:8080\nstore: {store}\n"),
+        );
+        let message = format!("{}: {reason}", path.display());
+        assert_eq!(check(&path), (Some(1), format!("error: {message}\n")));
+        assert_eq!(run_error(&path), (Some(1), message));
+    }
+    let path = write(
+        dir.path(),
+        "backend.yaml",
+        "upstream: http://127.0.0.1:8080\nstore: { kind: memory }\nleases:\n  backend: { kind: redis, url: 'redis://h:6379/x' }\n  ttl: 5s\n",
+    );
+    let message = format!(
+        "{}: leases.backend: bad redis url: Invalid database number - InvalidClientConfig at \
+         line 4 column 12",
+        path.display()
+    );
+    assert_eq!(check(&path), (Some(1), format!("error: {message}\n")));
+    assert_eq!(run_error(&path), (Some(1), message));
+}
+
+/// What `check` prints after its `#` lines loads again as the same config, for urls with a
+/// password (printed `****`) and without one (printed as written).
+#[test]
+fn check_output_loads_again_with_and_without_passwords() {
+    let dir = tempfile::tempdir().unwrap();
+    for url in [
+        "postgres://postgres@127.0.0.1:5432/fences",
+        "postgres://postgres:secret@127.0.0.1:5432/fences",
+        "redis://127.0.0.1:6379/0",
+        "redis://app:secret@127.0.0.1:6379/0",
+    ] {
+        let kind = &url[..url.find(':').unwrap()];
+        let first = write(
+            dir.path(),
+            "first.yaml",
+            &format!("upstream: http://127.0.0.1:8080\nstore: {{ kind: {kind}, url: '{url}' }}\n"),
+        );
+        let (code, printed, stderr) =
+            fencegate(&["check", "--config", first.to_str().unwrap()], &[]);
+        assert_eq!((code, stderr.as_str()), (Some(0), ""), "{printed}");
+        let shown = url.replace(":secret@", ":****@");
+        assert!(printed.contains(&format!("  url: {shown}\n")), "{printed}");
+        let second = write(dir.path(), "second.yaml", &printed);
+        let (code, again, stderr) =
+            fencegate(&["check", "--config", second.to_str().unwrap()], &[]);
+        assert_eq!((code, stderr.as_str()), (Some(0), ""), "{again}");
+        assert_eq!(
+            again,
+            printed.replacen(
+                &first.display().to_string(),
+                &second.display().to_string(),
+                1
+            )
+        );
+    }
+}
