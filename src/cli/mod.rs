@@ -399,7 +399,13 @@ pub fn main() -> ExitCode {
                 key: tls_key,
                 client_ca: None,
             };
-            let tls = match crate::tls::server_config(&tls) {
+            let fields = crate::tls::ServerFields {
+                cert: "--tls-cert",
+                key: "--tls-key",
+                client_ca: "client_ca",
+                pair: "--tls-cert and --tls-key",
+            };
+            let tls = match crate::tls::server_config(&tls, &fields) {
                 Ok(t) => t,
                 Err(e) => {
                     tracing::error!(error = %e, "invalid webhook TLS");

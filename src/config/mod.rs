@@ -12,6 +12,7 @@ mod lease_backend;
 mod lease_ttl;
 mod leases;
 mod limits;
+mod located;
 mod max_step;
 mod path;
 mod remote;
@@ -35,6 +36,7 @@ pub use lease_backend::BackendConfig;
 pub use lease_ttl::{LeaseTtl, TtlError};
 pub use leases::{AcquireConfig, LeasesConfig};
 pub use limits::{BoundError, Limits, Timeouts, MAX_TIMEOUT};
+pub use located::LocatedError;
 pub use max_step::{MaxStep, DEFAULT_MAX_STEP};
 pub use path::{PathError, PathTemplate};
 pub use remote::{
@@ -293,7 +295,8 @@ impl Config {
 
     /// Parses configuration text; the error names line, column and field path.
     pub fn parse(text: &str) -> Result<Config, ParseError> {
-        let mut config = serde_yaml::from_str::<Config>(text)?;
+        let mut config = serde_yaml::from_str::<Config>(text)
+            .map_err(|e| located::LocatedError::new(e, text))?;
         config.check_sections()?;
         let derived_window = config
             .leases

@@ -132,3 +132,58 @@ fn check_output_loads_again_with_and_without_passwords() {
         );
     }
 }
+
+/// A TLS file that cannot be read is named with its field, `tls.key`, by `check` and `run`.
+#[test]
+fn a_missing_tls_key_is_named_with_its_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let cert = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/server.pem");
+    let missing = dir.path().join("missing-key.pem");
+    let path = write(
+        dir.path(),
+        "tls.yaml",
+        &format!(
+            "upstream: http://127.0.0.1:8080\nstore: {{ kind: memory }}\nlisten: 127.0.0.1:0\nadmin: 127.0.0.1:0\ntls: {{ cert: {}, key: {} }}\n",
+            cert.display(),
+            missing.display()
+        ),
+    );
+    let reason = format!(
+        "tls.key: cannot read a private key from {}: I/O error: No such file or directory (os \
+         error 2)",
+        missing.display()
+    );
+    assert_eq!(
+        check(&path),
+        (Some(1), format!("error: {}: {reason}\n", path.display()))
+    );
+    assert_eq!(run_error(&path), (Some(1), reason));
+}
+
+/// The misspelt field and the duplicate one, as `check` prints them.
+#[test]
+fn check_suggests_a_field_and_places_a_duplicate() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write(dir.path(), "typo.yaml", "upstrem: http://127.0.0.1:8080\n");
+    let (code, stderr) = check(&path);
+    assert_eq!(code, Some(1));
+    assert!(
+        stderr.ends_with("`log` at line 1 column 1; did you mean `upstream`?\n"),
+        "{stderr}"
+    );
+    let path = write(
+        dir.path(),
+        "twice.yaml",
+        "upstream: http://127.0.0.1:8080\nroutes: []\nroutes: []\n",
+    );
+    assert_eq!(
+        check(&path),
+        (
+            Some(1),
+            format!(
+                "error: {}: duplicate field `routes` at line 3 column 1\n",
+                path.display()
+            )
+        )
+    );
+}
