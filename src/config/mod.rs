@@ -43,7 +43,9 @@ pub use remote::{
     Holder, KindError, PrefixError, RedisHa, Remote, RemoteKind, SecretUrl, SentinelConfig,
     SentinelError, UrlError, MAX_REPLICAS, WAIT_TIMEOUT,
 };
-pub use routes::{MissingToken, Ordering, RouteConfig, RouteError, Unmatched};
+pub use routes::{
+    MissingToken, Ordering, RouteConfig, RouteError, Unmatched, DEFAULT_BARRIER_TIMEOUT,
+};
 pub use store::StoreConfig;
 pub use store_tls::{ClientTlsConfig, ClientTlsError};
 pub use types::{
@@ -298,6 +300,11 @@ impl Config {
         let mut config = serde_yaml::from_str::<Config>(text)
             .map_err(|e| located::LocatedError::new(e, text))?;
         config.check_sections()?;
+        for route in &mut config.routes {
+            if route.ordering == Ordering::Serialize {
+                route.barrier_timeout = Some(route.barrier_timeout());
+            }
+        }
         let derived_window = config
             .leases
             .as_ref()
@@ -320,7 +327,7 @@ impl Config {
     /// Checks across sections (no single value is wrong, so there is no line to point at).
     fn check_sections(&self) -> Result<(), SectionsError> {
         for (route, config) in self.routes.iter().enumerate() {
-            if config.barrier_timeout > MAX_TIMEOUT {
+            if config.barrier_timeout() > MAX_TIMEOUT {
                 return Err(SectionsError::BarrierTimeoutTooLong { route });
             }
             if config.idempotency == Some(true) && (self.idempotency.is_none() || !config.fence) {

@@ -60,7 +60,7 @@ unmatched: reject
     assert_eq!(c.token.header.0.as_str(), "x-fence");
     let r = &c.routes[0];
     assert_eq!(r.ordering, Ordering::Serialize);
-    assert_eq!(r.barrier_timeout, Duration::from_millis(1500));
+    assert_eq!(r.barrier_timeout(), Duration::from_millis(1500));
     assert_eq!(
         r.resource.as_ref().unwrap().captures().collect::<Vec<_>>(),
         ["id"]
@@ -105,7 +105,7 @@ fn bad_values_name_their_field() {
             "did you mean `PUT`",
         ),
         (
-            "upstream: http://a:1\nroutes: [{ name: a, path: /a, barrier_timeout: soon }]\n",
+            "upstream: http://a:1\nroutes: [{ name: a, path: /a, ordering: serialize, barrier_timeout: soon }]\n",
             "routes[0].barrier_timeout",
             "",
         ),
