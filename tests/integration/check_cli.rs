@@ -8,9 +8,9 @@ const BIN: &str = env!("CARGO_BIN_EXE_fencegate");
 pub(crate) fn fencegate(args: &[&str], env: &[(&str, &str)]) -> (Option<i32>, String, String) {
     let out = std::process::Command::new(BIN)
         .args(args)
-        .envs(env.iter().copied())
         .env_remove("FENCEGATE_LOG")
         .env_remove("FENCEGATE_WORKERS")
+        .envs(env.iter().copied())
         .output()
         .unwrap();
     (
@@ -184,6 +184,83 @@ fn check_suggests_a_field_and_places_a_duplicate() {
                 "error: {}: duplicate field `routes` at line 3 column 1\n",
                 path.display()
             )
+        )
+    );
+}
+
+/// `FENCEGATE_WORKERS` and `FENCEGATE_LOG` that cannot be used stop `run` before it starts,
+/// saying why, instead of being ignored.
+#[test]
+fn unusable_environment_variables_stop_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write(
+        dir.path(),
+        "ok.yaml",
+        "upstream: http://127.0.0.1:8080\nstore: { kind: memory }\nlisten: 127.0.0.1:0\nadmin: 127.0.0.1:0\n",
+    );
+    let run = |env: &[(&str, &str)]| {
+        let (code, _, stderr) = fencegate(&["run", "--config", path.to_str().unwrap()], env);
+        (code, stderr)
+    };
+    assert_eq!(
+        run(&[("FENCEGATE_WORKERS", "two")]),
+        (
+            Some(1),
+            "error: FENCEGATE_WORKERS=`two`: the number of runtime worker threads is a whole \
+             number, 1 or more\n"
+                .to_owned()
+        )
+    );
+    assert_eq!(
+        run(&[("FENCEGATE_WORKERS", "0")]).1,
+        "error: FENCEGATE_WORKERS=`0`: the number of runtime worker threads is a whole number, \
+         1 or more\n"
+    );
+    assert_eq!(
+        run(&[("FENCEGATE_LOG", "info,hyper=verbose")]),
+        (
+            Some(1),
+            "error: FENCEGATE_LOG=`info,hyper=verbose`: not a log filter (error parsing level \
+             filter: expected one of \"off\", \"error\", \"warn\", \"info\", \"debug\", \
+             \"trace\", or a number 0-5); write one like `warn` or `info,hyper=debug`\n"
+                .to_owned()
+        )
+    );
+}
+
+/// `inject --config` refuses a sidecar config the pod's Service or probes could not reach.
+#[test]
+fn inject_refuses_a_loopback_listener() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = write(
+        dir.path(),
+        "sidecar.yaml",
+        "upstream: http://127.0.0.1:8080\nstore: { kind: memory }\nlisten: 127.0.0.1:7440\n",
+    );
+    let manifest = write(
+        dir.path(),
+        "pod.yaml",
+        "apiVersion: v1\nkind: Pod\nmetadata: { name: p }\nspec:\n  containers: [{ name: app, image: app }]\n",
+    );
+    let (code, stdout, stderr) = fencegate(
+        &[
+            "inject",
+            "--config",
+            config.to_str().unwrap(),
+            "-f",
+            manifest.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert_eq!((code, stdout.as_str()), (Some(1), ""));
+    assert_eq!(
+        stderr,
+        format!(
+            "error: {}: `listen: 127.0.0.1:7440`: a loopback address is reached from inside the \
+             pod only: the Service's traffic would never arrive; the injected sidecar serves \
+             `listen` on port 7440 and `admin` on port 7441 of every address (`0.0.0.0:7440`), \
+             where the Service and the probes reach them\n",
+            config.display()
         )
     );
 }

@@ -410,3 +410,82 @@ fn a_duplicate_field_has_its_line_and_column() {
         "fence: duplicate field `authority` at line 4 column 3"
     );
 }
+
+/// config/fencegate.yaml loads, and names every field (commented where it is optional).
+#[test]
+fn the_annotated_example_loads_and_names_every_field() {
+    let text = include_str!("../../../config/fencegate.yaml");
+    Config::parse(text).unwrap();
+    for field in [
+        "listen:",
+        "admin:",
+        "upstream:",
+        "upstream_ca:",
+        "tls:",
+        "cert:",
+        "key:",
+        "client_ca:",
+        "header:",
+        "equal:",
+        "max_step:",
+        "kind:",
+        "path:",
+        "url:",
+        "prefix:",
+        "cache_size:",
+        "ca:",
+        "server_name:",
+        "sentinel:",
+        "master:",
+        "urls:",
+        "replicas:",
+        "authority:",
+        "retention:",
+        "routes:",
+        "name:",
+        "methods:",
+        "resource:",
+        "missing_token:",
+        "ordering:",
+        "barrier_timeout:",
+        "fence:",
+        "idempotency:",
+        "unmatched:",
+        "timeouts:",
+        "header_read:",
+        "shutdown:",
+        "store:",
+        "limits:",
+        "max_header_bytes:",
+        "max_headers:",
+        "max_connections:",
+        "max_resource_bytes:",
+        "leases:",
+        "backend:",
+        "ttl:",
+        "p99_work:",
+        "p99_rtt:",
+        "safety_margin:",
+        "drift_buffer:",
+        "round_to:",
+        "acquire:",
+        "base_delay:",
+        "max_delay:",
+        "jitter:",
+        "drain_timeout:",
+        "egress:",
+        "lease:",
+        "window:",
+        "max_request_bytes:",
+        "max_response_bytes:",
+        "access_log:",
+        "log:",
+        "format:",
+        "query:",
+    ] {
+        assert!(
+            text.contains(field),
+            "config/fencegate.yaml lacks `{field}`"
+        );
+    }
+}
