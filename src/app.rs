@@ -180,6 +180,7 @@ impl Server {
         let tls = match &config.tls {
             Some(tls) => Some(tokio_rustls::TlsAcceptor::from(crate::tls::server_config(
                 tls,
+                &crate::tls::CONFIG_TLS,
             )?)),
             None => None,
         };

@@ -55,6 +55,13 @@ pub enum TlsError {
         field: &'static str,
         source: rustls::Error,
     },
+    /// A file of the listener's TLS, named as the config (`tls.key`) or the command line
+    /// (`--tls-key`) gives it.
+    #[error("{field}: {source}")]
+    Field {
+        field: &'static str,
+        source: Box<TlsError>,
+    },
     #[error("{field}.server_name `{name}`: {source}")]
     ServerName {
         field: &'static str,
@@ -167,29 +174,58 @@ fn private_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
     })
 }
 
+/// How the listener's TLS files are named in messages.
+pub struct ServerFields {
+    pub cert: &'static str,
+    pub key: &'static str,
+    pub client_ca: &'static str,
+    /// The certificate and key together.
+    pub pair: &'static str,
+}
+
+/// The config's `tls` mapping.
+pub const CONFIG_TLS: ServerFields = ServerFields {
+    cert: "tls.cert",
+    key: "tls.key",
+    client_ca: "tls.client_ca",
+    pair: "tls.cert and tls.key",
+};
+
 /// Listener TLS: HTTP/2 and HTTP/1.1 by ALPN, client certificates when `client_ca` is set.
-pub fn server_config(tls: &TlsConfig) -> Result<Arc<ServerConfig>, TlsError> {
-    let chain = certs(&tls.cert)?;
-    let key = private_key(&tls.key)?;
+/// An error names the file's field as `fields` say.
+pub fn server_config(
+    tls: &TlsConfig,
+    fields: &ServerFields,
+) -> Result<Arc<ServerConfig>, TlsError> {
+    let named = |field| {
+        move |source| TlsError::Field {
+            field,
+            source: Box::new(source),
+        }
+    };
+    let chain = certs(&tls.cert).map_err(named(fields.cert))?;
+    let key = private_key(&tls.key).map_err(named(fields.key))?;
     let builder = ServerConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()
         .map_err(TlsError::Protocols)?;
     let builder = match &tls.client_ca {
         Some(ca) => {
-            let verifier =
-                WebPkiClientVerifier::builder_with_provider(Arc::new(roots(ca)?), provider())
-                    .build()
-                    .map_err(|source| TlsError::ClientCa {
-                        path: ca.clone(),
-                        source,
-                    })?;
+            let roots = roots(ca).map_err(named(fields.client_ca))?;
+            let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider())
+                .build()
+                .map_err(|source| TlsError::ClientCa {
+                    path: ca.clone(),
+                    source,
+                })
+                .map_err(named(fields.client_ca))?;
             builder.with_client_cert_verifier(verifier)
         }
         None => builder.with_no_client_auth(),
     };
     let mut config = builder
         .with_single_cert(chain, key)
-        .map_err(TlsError::Pair)?;
+        .map_err(TlsError::Pair)
+        .map_err(named(fields.pair))?;
     config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
     Ok(Arc::new(config))
 }

@@ -77,16 +77,17 @@ fn max_step(c: &Config) -> String {
 enum CheckError {
     #[error(transparent)]
     Config(#[from] ConfigError),
-    /// A file that `tls` or `upstream_ca` names.
+    /// The file that `upstream_ca` names.
     #[error("{path}: {field}: {source}")]
     File {
         path: PathBuf,
         field: &'static str,
         source: Box<TlsError>,
     },
-    /// A file of the store's or the lease backend's `tls` mapping (the error names the field).
+    /// A file of the listener's, the store's or the lease backend's `tls` mapping (the error
+    /// names the field).
     #[error("{path}: {source}")]
-    ClientFile {
+    Named {
         path: PathBuf,
         source: Box<TlsError>,
     },
@@ -96,6 +97,10 @@ enum CheckError {
 /// listens.
 fn check(path: &Path) -> Result<Config, CheckError> {
     let config = Config::load(path)?;
+    let named = |source| CheckError::Named {
+        path: path.to_owned(),
+        source: Box::new(source),
+    };
     let file = |field| {
         move |source| CheckError::File {
             path: path.to_owned(),
@@ -103,19 +108,16 @@ fn check(path: &Path) -> Result<Config, CheckError> {
             source: Box::new(source),
         }
     };
-    // TLS files are part of the config: a missing key should fail here, not at start.
+    // TLS files are part of the config: a missing key should fail here, as it fails `run`.
     if let Some(tls) = &config.tls {
-        crate::tls::server_config(tls).map_err(file("tls"))?;
+        crate::tls::server_config(tls, &crate::tls::CONFIG_TLS).map_err(named)?;
     }
     // So is the upstream's CA bundle: `run` reads it before it listens.
     if let Some(ca) = &config.upstream_ca {
         crate::tls::client_config(Some(ca)).map_err(file("upstream_ca"))?;
     }
     // And the store's and the lease backend's TLS files.
-    crate::tls::check_client_files(&config).map_err(|source| CheckError::ClientFile {
-        path: path.to_owned(),
-        source: Box::new(source),
-    })?;
+    crate::tls::check_client_files(&config).map_err(named)?;
     Ok(config)
 }
 

@@ -47,7 +47,9 @@ pub struct Reset {
 /// opens its store for inspection.
 async fn open(config: &Path) -> Result<Box<dyn Inspect>, String> {
     let config = Config::load(config).map_err(|e| e.to_string())?;
-    super::init_logging(config.log.format);
+    // `main` refused an unusable FENCEGATE_LOG before the command started.
+    let filter = super::log_filter().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    super::init_logging(config.log.format, filter);
     crate::tls::install_default_provider();
     store::open_for_admin(&config.store)
         .await

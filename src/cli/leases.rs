@@ -13,7 +13,9 @@ use crate::lease::admin::{InspectLeases, Lease, LeasePage};
 
 async fn open(config: &Path) -> Result<Box<dyn InspectLeases>, String> {
     let config = Config::load(config).map_err(|e| e.to_string())?;
-    super::init_logging(config.log.format);
+    // `main` refused an unusable FENCEGATE_LOG before the command started.
+    let filter = super::log_filter().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    super::init_logging(config.log.format, filter);
     crate::tls::install_default_provider();
     let Some(leases) = &config.leases else {
         return Err("the config has no `leases` section: no lease backend to read".into());

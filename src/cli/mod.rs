@@ -41,17 +41,24 @@ enum Command {
         #[arg(long, short, env = "FENCEGATE_CONFIG")]
         config: PathBuf,
     },
-    /// Derive a lease TTL from latency budgets.
+    /// Derive a lease TTL from latency budgets: ttl = p99 work + p99 rtt + safety margin + drift
+    /// buffer, rounded up to a multiple of --round-to (durations: 800ms, 1.5s, 2m).
     Ttl {
+        /// The 99th percentile of the work done under one lease, first write to last.
         #[arg(long, value_parser = duration)]
         p99_work: Duration,
+        /// The 99th percentile round trip to the lease backend (an acquire or a renewal).
         #[arg(long, value_parser = duration)]
         p99_rtt: Duration,
+        /// Extra time on top, for what the percentiles do not show (GC pauses, slow disks).
         #[arg(long, value_parser = duration)]
         safety_margin: Duration,
+        /// How far the holder's clock may run slow against the backend's over one TTL; the
+        /// holder stops writing this long before the lease ends.
         #[arg(long, value_parser = duration, default_value = "0ms")]
         drift_buffer: Duration,
-        #[arg(long, value_parser = duration, default_value = "500ms")]
+        /// Round the TTL up to a multiple of this (greater than zero).
+        #[arg(long, value_parser = positive_duration, default_value = "500ms")]
         round_to: Duration,
         /// Print JSON (milliseconds) for scripts.
         #[arg(long)]
@@ -89,6 +96,7 @@ enum Command {
         sidecar: SidecarArgs,
     },
     /// Serve the mutating admission webhook that injects the sidecar (POST /mutate for pods that opted in, POST /mutate-namespace for pods in namespaces that did).
+    #[command(mut_arg("config", |a| a.help(WEBHOOK_CONFIG_HELP)))]
     Webhook {
         /// Serving certificate chain (PEM) for the webhook Service's DNS name.
         #[arg(long)]
@@ -122,6 +130,13 @@ enum DemoCommand {
         listen: std::net::SocketAddr,
     },
 }
+
+/// `webhook --config`: the same file as `inject --config`, which the webhook reads but does not
+/// write (the ConfigMap is the chart's).
+const WEBHOOK_CONFIG_HELP: &str = "The fencegate.yaml in the ConfigMap the injected pods mount \
+    (checked as `inject --config` checks it; not written anywhere: the ConfigMap is created \
+    separately, by the chart): its leases and egress listeners become FENCEGATE_LEASE_API and \
+    FENCEGATE_EGRESS_URL of the app containers";
 
 /// `fencegate fences …`.
 #[derive(Subcommand)]
@@ -209,9 +224,9 @@ struct FencesArgs {
 /// What `inject` and `webhook` know of the sidecar config, for the pods that mount it.
 #[derive(clap::Args)]
 struct SidecarArgs {
-    /// The sidecar's fencegate.yaml (checked): its leases and egress listeners become
-    /// FENCEGATE_LEASE_API and FENCEGATE_EGRESS_URL of the app containers; `inject` also writes
-    /// it as the ConfigMap.
+    /// The sidecar's fencegate.yaml (checked, with `listen` and `admin` on ports 7440 and 7441
+    /// of a non-loopback address), written out as the ConfigMap; its leases and egress
+    /// listeners become FENCEGATE_LEASE_API and FENCEGATE_EGRESS_URL of the app containers.
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
     /// The ConfigMap of pods without the fencegate.io/config annotation, which --config and
@@ -290,8 +305,26 @@ fn duration(s: &str) -> Result<Duration, String> {
     crate::duration::parse(s)
 }
 
+/// A duration greater than zero.
+fn positive_duration(s: &str) -> Result<Duration, String> {
+    match crate::duration::parse(s)? {
+        d if d.is_zero() => Err("must be greater than zero".into()),
+        d => Ok(d),
+    }
+}
+
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
+    // What the environment asks of the runtime and the logs, read before either starts: a
+    // value that cannot be used is an error, not ignored.
+    let env = || -> Result<(Option<usize>, tracing_subscriber::EnvFilter), ExitCode> {
+        workers_env()
+            .and_then(|workers| Ok((workers, log_filter()?)))
+            .map_err(|e| {
+                eprintln!("error: {e}");
+                ExitCode::from(1)
+            })
+    };
     match cli.command {
         Command::Check { config } => check::command(&config),
         Command::Ttl {
@@ -331,6 +364,10 @@ pub fn main() -> ExitCode {
             }
         }
         Command::Run { config, log_format } => {
+            let (workers, filter) = match env() {
+                Ok(env) => env,
+                Err(code) => return code,
+            };
             let path = config;
             // The configuration names the log format, so it is read before logging starts; a
             // configuration that cannot be read is reported in the format of the flag (or
@@ -338,24 +375,33 @@ pub fn main() -> ExitCode {
             let config = match Config::load(&path) {
                 Ok(c) => c,
                 Err(e) => {
-                    init_logging(log_format.unwrap_or_default());
+                    init_logging(log_format.unwrap_or_default(), filter);
                     tracing::error!(error = %e, "invalid configuration");
                     return ExitCode::from(1);
                 }
             };
-            init_logging(log_format.unwrap_or(config.log.format));
+            init_logging(log_format.unwrap_or(config.log.format), filter);
             for warning in config.warnings() {
                 tracing::warn!(warning, "configuration warning");
             }
             let embedded = matches!(config.store, crate::config::StoreConfig::Embedded { .. });
-            runtime(embedded).block_on(run(config, path))
+            runtime(embedded, workers).block_on(run(config, path))
         }
-        Command::Demo { command: None } => runtime(false).block_on(crate::demo::run()),
-        Command::Demo {
-            command: Some(DemoCommand::Upstream { listen }),
-        } => runtime(false).block_on(crate::demo::upstream(listen)),
-        Command::Fences { command } => runtime(false).block_on(fences_command(command)),
-        Command::Leases { command } => runtime(false).block_on(leases_command(command)),
+        Command::Demo { .. } | Command::Fences { .. } | Command::Leases { .. } => {
+            let workers = match env() {
+                Ok((workers, _)) => workers,
+                Err(code) => return code,
+            };
+            let rt = runtime(false, workers);
+            match cli.command {
+                Command::Fences { command } => rt.block_on(fences_command(command)),
+                Command::Leases { command } => rt.block_on(leases_command(command)),
+                Command::Demo {
+                    command: Some(DemoCommand::Upstream { listen }),
+                } => rt.block_on(crate::demo::upstream(listen)),
+                _ => rt.block_on(crate::demo::run()),
+            }
+        }
         Command::Inject {
             file,
             classic,
@@ -405,7 +451,11 @@ pub fn main() -> ExitCode {
             image,
             sidecar,
         } => {
-            init_logging(crate::config::LogFormat::Auto);
+            let (workers, filter) = match env() {
+                Ok(env) => env,
+                Err(code) => return code,
+            };
+            init_logging(crate::config::LogFormat::Auto, filter);
             let options = match sidecar.options(image, classic) {
                 Ok(options) => options,
                 Err(e) => {
@@ -418,14 +468,20 @@ pub fn main() -> ExitCode {
                 key: tls_key,
                 client_ca: None,
             };
-            let tls = match crate::tls::server_config(&tls) {
+            let fields = crate::tls::ServerFields {
+                cert: "--tls-cert",
+                key: "--tls-key",
+                client_ca: "client_ca",
+                pair: "--tls-cert and --tls-key",
+            };
+            let tls = match crate::tls::server_config(&tls, &fields) {
                 Ok(t) => t,
                 Err(e) => {
                     tracing::error!(error = %e, "invalid webhook TLS");
                     return ExitCode::from(1);
                 }
             };
-            runtime(false).block_on(async move {
+            runtime(false, workers).block_on(async move {
                 let listener = match tokio::net::TcpListener::bind(listen).await {
                     Ok(l) => l,
                     Err(e) => {
@@ -459,22 +515,55 @@ pub fn main() -> ExitCode {
     }
 }
 
-/// The async runtime. `FENCEGATE_WORKERS` sets the number of worker threads (default: one per
+/// `FENCEGATE_WORKERS`, read; `None` when unset (or empty). A value that is not a number of
+/// threads stops the command: ignored, it would leave the runtime sized other than asked.
+fn workers_env() -> Result<Option<usize>, String> {
+    match std::env::var("FENCEGATE_WORKERS") {
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Ok(v) if v.is_empty() => Ok(None),
+        Ok(v) => match v.trim().parse::<usize>() {
+            Ok(n) if n > 0 => Ok(Some(n)),
+            _ => Err(format!(
+                "FENCEGATE_WORKERS=`{v}`: the number of runtime worker threads is a whole number, \
+                 1 or more"
+            )),
+        },
+        Err(std::env::VarError::NotUnicode(_)) => {
+            Err("FENCEGATE_WORKERS is not UTF-8: the number of worker threads, 1 or more".into())
+        }
+    }
+}
+
+/// The log filter of `FENCEGATE_LOG` (`info` when unset or empty). A value that does not parse
+/// stops the command: ignored, it would log other than asked.
+fn log_filter() -> Result<tracing_subscriber::EnvFilter, String> {
+    match std::env::var("FENCEGATE_LOG") {
+        Err(std::env::VarError::NotPresent) => Ok(tracing_subscriber::EnvFilter::new("info")),
+        Ok(v) if v.is_empty() => Ok(tracing_subscriber::EnvFilter::new("info")),
+        Ok(v) => tracing_subscriber::EnvFilter::try_new(&v).map_err(|e| {
+            format!(
+                "FENCEGATE_LOG=`{v}`: not a log filter ({e}); write one like `warn` or \
+                 `info,hyper=debug`"
+            )
+        }),
+        Err(std::env::VarError::NotUnicode(_)) => {
+            Err("FENCEGATE_LOG is not UTF-8: write a filter like `warn`".into())
+        }
+    }
+}
+
+/// The async runtime. `FENCEGATE_WORKERS` ([`workers_env`]) sets the number of worker threads (default: one per
 /// core the process may use, from its CPU affinity and cgroup quota); one runs everything on
 /// one thread without the work-stealing scheduler, which is cheapest for a sidecar given a
 /// single core. `embedded_store`: the fence store is the embedded one, whose writer the
 /// runtime wakes when it parks (a hook every park would otherwise run for nothing).
-fn runtime(embedded_store: bool) -> tokio::runtime::Runtime {
-    let workers = std::env::var("FENCEGATE_WORKERS")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-        .filter(|&n| n > 0)
-        .or_else(|| {
-            std::thread::available_parallelism()
-                .ok()
-                .map(usize::from)
-                .filter(|&n| n == 1)
-        });
+fn runtime(embedded_store: bool, workers: Option<usize>) -> tokio::runtime::Runtime {
+    let workers = workers.or_else(|| {
+        std::thread::available_parallelism()
+            .ok()
+            .map(usize::from)
+            .filter(|&n| n == 1)
+    });
     let mut builder = match workers {
         Some(1) => tokio::runtime::Builder::new_current_thread(),
         Some(n) => {
@@ -591,9 +680,7 @@ async fn shutdown_signal() -> &'static str {
     }
 }
 
-fn init_logging(format: crate::config::LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("FENCEGATE_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+fn init_logging(format: crate::config::LogFormat, filter: tracing_subscriber::EnvFilter) {
     let lines = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);
@@ -636,7 +723,7 @@ mod tests {
         // Each on a fresh thread: with one core the runtime runs on the thread that builds it,
         // and the hook's mark is per thread.
         let on_own_thread = |embedded| {
-            std::thread::spawn(move || hooked(runtime(embedded)))
+            std::thread::spawn(move || hooked(runtime(embedded, None)))
                 .join()
                 .expect("the check ran")
         };

@@ -29,7 +29,7 @@ pub enum ParseError {
     /// A value, field or section is wrong where it is written: the message names its field
     /// path, line and column.
     #[error(transparent)]
-    Located(#[from] serde_yaml::Error),
+    Located(#[from] super::located::LocatedError),
     /// Each section is valid, but together they are not: there is no one line to point at.
     #[error(transparent)]
     Sections(#[from] SectionsError),

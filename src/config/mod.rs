@@ -12,6 +12,7 @@ mod lease_backend;
 mod lease_ttl;
 mod leases;
 mod limits;
+mod located;
 mod max_step;
 mod path;
 mod remote;
@@ -35,13 +36,16 @@ pub use lease_backend::BackendConfig;
 pub use lease_ttl::{LeaseTtl, TtlError};
 pub use leases::{AcquireConfig, LeasesConfig};
 pub use limits::{BoundError, Limits, Timeouts, MAX_TIMEOUT};
+pub use located::LocatedError;
 pub use max_step::{MaxStep, DEFAULT_MAX_STEP};
 pub use path::{PathError, PathTemplate};
 pub use remote::{
     Holder, KindError, PrefixError, RedisHa, Remote, RemoteKind, SecretUrl, SentinelConfig,
     SentinelError, UrlError, MAX_REPLICAS, WAIT_TIMEOUT,
 };
-pub use routes::{MissingToken, Ordering, RouteConfig, RouteError, Unmatched};
+pub use routes::{
+    MissingToken, Ordering, RouteConfig, RouteError, Unmatched, DEFAULT_BARRIER_TIMEOUT,
+};
 pub use store::StoreConfig;
 pub use store_tls::{ClientTlsConfig, ClientTlsError};
 pub use types::{
@@ -293,8 +297,14 @@ impl Config {
 
     /// Parses configuration text; the error names line, column and field path.
     pub fn parse(text: &str) -> Result<Config, ParseError> {
-        let mut config = serde_yaml::from_str::<Config>(text)?;
+        let mut config = serde_yaml::from_str::<Config>(text)
+            .map_err(|e| located::LocatedError::new(e, text))?;
         config.check_sections()?;
+        for route in &mut config.routes {
+            if route.ordering == Ordering::Serialize {
+                route.barrier_timeout = Some(route.barrier_timeout());
+            }
+        }
         let derived_window = config
             .leases
             .as_ref()
@@ -317,7 +327,7 @@ impl Config {
     /// Checks across sections (no single value is wrong, so there is no line to point at).
     fn check_sections(&self) -> Result<(), SectionsError> {
         for (route, config) in self.routes.iter().enumerate() {
-            if config.barrier_timeout > MAX_TIMEOUT {
+            if config.barrier_timeout() > MAX_TIMEOUT {
                 return Err(SectionsError::BarrierTimeoutTooLong { route });
             }
             if config.idempotency == Some(true) && (self.idempotency.is_none() || !config.fence) {

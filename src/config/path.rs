@@ -128,6 +128,17 @@ pub enum PathError {
         MAX_CAPTURES
     )]
     TooManyCaptures { path: String, count: usize },
+    /// A capture written as another router writes it (`:id`, `<id>`, `*`): the router reads it
+    /// as literal text, so the route would never match and its writes would pass unfenced.
+    #[error(
+        "`{path}`: `{segment}` is literal text here, so the route would never match and its \
+         writes would pass unfenced; captures are written in braces: write `{fixed}`"
+    )]
+    ForeignCapture {
+        path: String,
+        segment: String,
+        fixed: String,
+    },
     /// What the router refused that the checks above let through.
     #[error("`{path}`: a `{{*name}}` capture must end the path")]
     RouterCatchAll { path: String },
@@ -140,11 +151,48 @@ pub enum PathError {
     RouterOther { path: String },
 }
 
+/// The `{…}` form of a segment written as a capture in another router's syntax: `:id` and
+/// `:id?` (Express, Rails), `<id>` and `<int:id>` (Flask), `*`, `**` and `*rest` (globs and
+/// wildcards); `None` for a segment that is not one.
+fn braced(segment: &str) -> Option<String> {
+    if segment.contains('{') {
+        return None;
+    }
+    if let Some(name) = segment.strip_prefix(':').filter(|n| !n.is_empty()) {
+        return Some(format!("{{{}}}", name.trim_end_matches(['?', '*', '+'])));
+    }
+    if let Some(inner) = segment.strip_prefix('<').and_then(|s| s.strip_suffix('>')) {
+        let name = inner.rsplit(':').next().unwrap_or(inner);
+        return Some(format!("{{{name}}}"));
+    }
+    if segment.contains('*') {
+        let name = segment.trim_start_matches('*');
+        return Some(match name {
+            "" => "{*rest}".to_owned(),
+            name if !name.contains('*') => format!("{{*{name}}}"),
+            _ => "{*rest}".to_owned(),
+        });
+    }
+    None
+}
+
 /// Checks a path template's syntax, saying what to write instead; returns its capture names.
 fn check_path(raw: &str) -> Result<Vec<String>, PathError> {
     if !raw.starts_with('/') {
         return Err(PathError::NotAbsolute {
             path: raw.to_owned(),
+        });
+    }
+    let segments: Vec<&str> = raw.split('/').collect();
+    if let Some(segment) = segments.iter().find(|s| braced(s).is_some()) {
+        let fixed: Vec<String> = segments
+            .iter()
+            .map(|s| braced(s).unwrap_or_else(|| (*s).to_owned()))
+            .collect();
+        return Err(PathError::ForeignCapture {
+            path: raw.to_owned(),
+            segment: (*segment).to_owned(),
+            fixed: fixed.join("/"),
         });
     }
     let valid_name = |s: &str| {

@@ -294,6 +294,10 @@ pub enum UrlError {
          `tls: {{ ca: FILE }}`)"
     )]
     SslmodeWithoutTls { mode: String },
+    /// What the connector would refuse when it reads the url ([`crate::conn::url`]); the
+    /// reason never shows the password.
+    #[error("{0}")]
+    Unreadable(String),
 }
 
 /// A store URL. It may carry a password, so it displays and serialises masked.
@@ -347,7 +351,14 @@ impl SecretUrl {
                 }
                 _ => Ok(()),
             },
-        }
+        }?;
+        // Read as the connector reads it when `run` starts, so that `check` refuses it too.
+        let read = match kind {
+            RemoteKind::Redis => crate::conn::url::redis(&self.0).map(drop),
+            RemoteKind::Postgres => crate::conn::url::postgres(&self.0, tls.is_some()).map(drop),
+            RemoteKind::Etcd => crate::conn::url::etcd(&self.0).map(drop),
+        };
+        read.map_err(UrlError::Unreadable)
     }
 
     /// Whether the URL's scheme asks for TLS (`rediss://`, `https://`).
@@ -382,7 +393,8 @@ impl From<SecretUrl> for String {
     }
 }
 
-/// `scheme://user:****@host/...`: the password is never printed or logged.
+/// `scheme://user:****@host/...`: the password is never printed or logged (a url without
+/// one prints as written, `scheme://user@host/...`).
 impl fmt::Display for SecretUrl {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let Some((scheme, rest)) = self.0.split_once("://") else {
@@ -393,9 +405,12 @@ impl fmt::Display for SecretUrl {
         // all the same. An `@` in the query only masks more than it needs to.
         let tail = match rest.rfind('@') {
             Some(at) => {
-                let userinfo = &rest[..at];
-                let user = userinfo.split_once(':').map_or(userinfo, |(u, _)| u);
-                write!(f, "{scheme}://{user}:****@")?;
+                // `****` only where a password is: the printed url must load again as it was
+                // written (`check` prints a config that loads).
+                match rest[..at].split_once(':') {
+                    Some((user, _)) => write!(f, "{scheme}://{user}:****@")?,
+                    None => write!(f, "{scheme}://{}@", &rest[..at])?,
+                }
                 &rest[at + 1..]
             }
             None => {

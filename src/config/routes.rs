@@ -30,8 +30,15 @@ pub struct RouteConfig {
     pub missing_token: MissingToken,
     #[serde(default)]
     pub ordering: Ordering,
-    #[serde(default = "default_barrier_timeout", with = "crate::duration")]
-    pub barrier_timeout: Duration,
+    /// How long a request waits for its turn under `ordering: serialize`; refused with
+    /// `ordering: none`, where nothing waits. Filled in ([`DEFAULT_BARRIER_TIMEOUT`]) for a
+    /// serialized route once the config is parsed, so it prints as in effect.
+    #[serde(
+        default,
+        with = "crate::duration::option",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub barrier_timeout: Option<Duration>,
     #[serde(default = "default_true", deserialize_with = "values::flag")]
     pub fence: bool,
     /// `false`: no idempotency keys on this route even though the `idempotency` section is
@@ -45,6 +52,11 @@ pub struct RouteConfig {
 }
 
 impl RouteConfig {
+    /// How long a request waits for its turn (`ordering: serialize`).
+    pub fn barrier_timeout(&self) -> Duration {
+        self.barrier_timeout.unwrap_or(DEFAULT_BARRIER_TIMEOUT)
+    }
+
     /// Whether idempotency keys apply to this route under `section`.
     pub fn idempotent(&self, section: Option<&IdempotencyConfig>) -> bool {
         self.fence && section.is_some() && self.idempotency != Some(false)
@@ -75,9 +87,8 @@ pub enum Unmatched {
     Reject,
 }
 
-fn default_barrier_timeout() -> Duration {
-    Duration::from_secs(5)
-}
+/// `barrier_timeout` when a serialized route gives none.
+pub const DEFAULT_BARRIER_TIMEOUT: Duration = Duration::from_secs(5);
 
 fn default_true() -> bool {
     true
@@ -120,6 +131,11 @@ pub(super) fn routes<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<RouteConfig>
                     other_path: earlier[j].path.source.clone(),
                 });
             }
+            if route.barrier_timeout.is_some() && route.ordering != Ordering::Serialize {
+                return Err(RouteError::BarrierWithoutSerialize {
+                    name: route.name.clone(),
+                });
+            }
             if let Some(template) = &route.resource {
                 uses_captures("resource", template, &route.path)?;
             }
@@ -133,6 +149,12 @@ pub(super) fn routes<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<RouteConfig>
 pub enum RouteError {
     #[error("`name` is empty: give the route a name, which labels its metrics and logs")]
     NoName,
+    #[error(
+        "route `{name}`: `barrier_timeout` is how long a write waits for its turn under \
+         `ordering: serialize`, and this route does not serialize: add `ordering: serialize` or \
+         remove `barrier_timeout`"
+    )]
+    BarrierWithoutSerialize { name: String },
     #[error(
         "name `{name}` is already used by routes[{other}] `{other_path}`: give each route its \
          own name"

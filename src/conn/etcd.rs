@@ -8,58 +8,7 @@ use super::Failure;
 use crate::etcd::{Client, ConnectOptions, Error};
 use crate::tls::ClientTls;
 
-/// An etcd url: `etcd://` or `http://` (plaintext) or `https://` (TLS) and comma-separated
-/// `host:port` endpoints, with `user:password@` (percent-encoded) before the first to
-/// authenticate as that user.
-#[derive(Debug, PartialEq, Eq)]
-pub(crate) struct EtcdUrl {
-    pub endpoints: Vec<String>,
-    pub user: Option<(String, String)>,
-}
-
-pub(crate) fn parse_url(url: &str) -> Result<EtcdUrl, String> {
-    let (scheme, rest) = if let Some(rest) = url.strip_prefix("https://") {
-        ("https", rest)
-    } else if let Some(rest) = url
-        .strip_prefix("etcd://")
-        .or_else(|| url.strip_prefix("http://"))
-    {
-        ("http", rest)
-    } else {
-        return Err(format!(
-            "etcd url must start with etcd://, http:// or https://: {url}"
-        ));
-    };
-    let decode = |s: &str| {
-        percent_encoding::percent_decode_str(s)
-            .decode_utf8()
-            .map(|s| s.into_owned())
-            .map_err(|_| "the etcd user and password are UTF-8 (percent-encoded)".to_owned())
-    };
-    // Hosts have no `@`: the last one ends the user information.
-    let (user, rest) = match rest.rsplit_once('@') {
-        Some((userinfo, rest)) => {
-            let Some((name, password)) = userinfo.split_once(':') else {
-                return Err("an etcd user needs its password: user:password@host:port".into());
-            };
-            if name.is_empty() {
-                return Err("the etcd user name is empty".into());
-            }
-            (Some((decode(name)?, decode(password)?)), rest)
-        }
-        None => (None, rest),
-    };
-    let endpoints: Vec<String> = rest
-        .trim_end_matches('/')
-        .split(',')
-        .filter(|e| !e.is_empty())
-        .map(|e| format!("{scheme}://{e}"))
-        .collect();
-    if endpoints.is_empty() {
-        return Err("etcd url names no endpoint".into());
-    }
-    Ok(EtcdUrl { endpoints, user })
-}
+use super::url::etcd as parse_url;
 
 /// A client for `url` (TLS with `tls`, which an `https://` url has), as the store and the
 /// lease backend use it: fail fast (1s to connect, 2s per request) and keep-alive pings, so
@@ -118,6 +67,7 @@ pub(crate) fn failure(e: &Error) -> Failure {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::conn::url::EtcdUrl;
 
     #[test]
     fn url_forms() {

@@ -1,13 +1,15 @@
 //! What the fence stores and the lease backends share to reach the systems they keep their
 //! state in: the boxed future their traits answer with, and one way per system to connect
 //! ([`redis`]: a target and a shared connection that redials; [`postgres`]: a pool and TLS;
-//! [`etcd`]: the url form and the client's timeouts; [`embedded`]: why a file did not open). Neither family imports the other for
-//! these.
+//! [`etcd`]: the client's timeouts; [`embedded`]: why a file did not open), and how each reads
+//! its url ([`url`], which the config checks urls with at load). Neither family imports the
+//! other for these.
 
 pub mod embedded;
 pub mod etcd;
 pub mod postgres;
 pub mod redis;
+pub mod url;
 
 use std::future::Future;
 use std::pin::Pin;

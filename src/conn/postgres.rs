@@ -41,12 +41,7 @@ pub(crate) fn pool(
     tls: Option<Arc<ClientTls>>,
     replicas: Option<u32>,
 ) -> Result<(Pool, tokio_postgres::Config, Arc<Guard>), String> {
-    let url = match &tls {
-        Some(_) => without_sslmode(url),
-        None => url.to_owned(),
-    };
-    let mut config: tokio_postgres::Config =
-        url.parse().map_err(|e| format!("bad postgres url: {e}"))?;
+    let mut config = super::url::postgres(url, tls.is_some())?;
     let manager_config = ManagerConfig {
         recycling_method: RecyclingMethod::Fast,
     };
@@ -287,22 +282,6 @@ fn read_only(e: &(dyn std::error::Error + 'static)) -> bool {
     false
 }
 
-/// `url` without its `sslmode` parameter.
-fn without_sslmode(url: &str) -> String {
-    let Some((base, query)) = url.split_once('?') else {
-        return url.to_owned();
-    };
-    let kept: Vec<&str> = query
-        .split('&')
-        .filter(|pair| !pair.starts_with("sslmode="))
-        .collect();
-    if kept.is_empty() {
-        base.to_owned()
-    } else {
-        format!("{base}?{}", kept.join("&"))
-    }
-}
-
 /// TLS for tokio-postgres over rustls: the handshake through [`ClientTls`] (its files as
 /// they are at each new connection, the host or `server_name` checked against the
 /// certificate). No channel binding is offered, so SCRAM runs without `-PLUS`; the verified
@@ -433,6 +412,7 @@ pub(crate) fn failure(e: &(dyn std::error::Error + 'static)) -> Failure {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::conn::url::without_sslmode;
 
     #[test]
     fn tls_replaces_the_urls_sslmode_with_require() {

@@ -24,10 +24,7 @@
 mod watch;
 
 use redis::aio::MultiplexedConnection;
-use redis::{
-    AsyncConnectionConfig, ConnectionAddr, ErrorKind, IntoConnectionInfo, ProtocolVersion,
-    RedisConnectionInfo, RedisError,
-};
+use redis::{AsyncConnectionConfig, ErrorKind, ProtocolVersion, RedisConnectionInfo, RedisError};
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -138,29 +135,14 @@ impl Sentinels {
 impl RedisTarget {
     /// `tls` is given exactly when the url is `rediss://` (the config checks that).
     pub(crate) fn new(url: &str, tls: Option<Arc<ClientTls>>) -> Result<Self, String> {
-        if url.contains('#') {
-            // The redis crate reads `#insecure` as "do not verify": never.
-            return Err("a redis url has no `#` fragment".into());
-        }
-        // The TLS is ours: the redis crate parses the rest like a redis:// url.
-        let (plain, is_tls) = match url.strip_prefix("rediss://") {
-            Some(rest) => (format!("redis://{rest}"), true),
-            None => (url.to_owned(), false),
-        };
-        if is_tls != tls.is_some() {
+        let url = super::url::redis(url)?;
+        if url.tls != tls.is_some() {
             return Err("a rediss:// url goes with TLS settings, a redis:// url without".into());
         }
-        let info = plain
-            .as_str()
-            .into_connection_info()
-            .map_err(|e| format!("bad redis url: {e}"))?;
-        let ConnectionAddr::Tcp(host, port) = info.addr().clone() else {
-            return Err("a redis url names a host and port".into());
-        };
         Ok(RedisTarget {
-            host,
-            port,
-            settings: info.redis_settings().clone(),
+            host: url.host,
+            port: url.port,
+            settings: url.settings,
             tls,
             sentinel: None,
         })

@@ -92,7 +92,7 @@ impl RouteTable {
                 resource: c.resource.clone(),
                 missing_token: c.missing_token,
                 ordering: c.ordering,
-                barrier_timeout: c.barrier_timeout,
+                barrier_timeout: c.barrier_timeout(),
                 fence: c.fence,
                 slash_template: slash_template(&c.path),
             };

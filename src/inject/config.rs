@@ -33,6 +33,20 @@ pub enum SidecarConfigError {
         source: ParseError,
         stand_ins: Vec<String>,
     },
+    /// `listen` or `admin` where the kubelet and the pod's Service cannot reach it.
+    #[error(
+        "`{field}: {address}`: {why}; the injected sidecar serves `listen` on port {proxy} and \
+         `admin` on port {admin} of every address (`0.0.0.0:{port}`), where the Service and the \
+         probes reach them",
+        proxy = super::sidecar::PROXY_PORT,
+        admin = super::sidecar::ADMIN_PORT,
+    )]
+    Unreachable {
+        field: &'static str,
+        address: SocketAddr,
+        why: String,
+        port: u16,
+    },
 }
 
 /// Says which variables took the placeholder, so a refusal caused by one is understood.
@@ -83,6 +97,8 @@ impl SidecarConfig {
                 .cloned()
                 .collect(),
         })?;
+        reachable("listen", config.listen, super::sidecar::PROXY_PORT)?;
+        reachable("admin", config.admin, super::sidecar::ADMIN_PORT)?;
         Ok(SidecarConfig {
             text: text.to_owned(),
             lease_api: config.leases.as_ref().map(|l| local_url(l.listen)),
@@ -117,6 +133,32 @@ impl SidecarConfig {
             "data": {"fencegate.yaml": self.text},
         })
     }
+}
+
+/// Refuses a listener the pod's Service (`listen`) or the kubelet's probes (`admin`) could
+/// not reach: on loopback, or on another port than the one the sidecar's container declares.
+fn reachable(
+    field: &'static str,
+    address: SocketAddr,
+    port: u16,
+) -> Result<(), SidecarConfigError> {
+    let outcome = match field {
+        "admin" => "the kubelet's probes would fail and the pod would never become ready",
+        _ => "the Service's traffic would never arrive",
+    };
+    let why = if address.ip().is_loopback() {
+        format!("a loopback address is reached from inside the pod only: {outcome}")
+    } else if address.port() != port {
+        format!("the sidecar's container declares port {port}: {outcome}")
+    } else {
+        return Ok(());
+    };
+    Err(SidecarConfigError::Unreachable {
+        field,
+        address,
+        why,
+        port,
+    })
 }
 
 /// Names written `${NAME}`, without a default.
@@ -196,5 +238,36 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(!e.contains("checked with"), "{e}");
+    }
+
+    /// A sidecar whose `listen` or `admin` the Service or the probes cannot reach is refused:
+    /// the pod would never become ready.
+    #[test]
+    fn a_listener_the_pod_cannot_reach_is_refused() {
+        let refusal = |extra: &str| {
+            SidecarConfig::parse(&format!(
+                "upstream: http://a:1\nstore: {{ kind: memory }}\n{extra}"
+            ))
+            .unwrap_err()
+            .to_string()
+        };
+        assert_eq!(
+            refusal("listen: 127.0.0.1:7440\n"),
+            "`listen: 127.0.0.1:7440`: a loopback address is reached from inside the pod only: \
+             the Service's traffic would never arrive; the injected sidecar serves `listen` on \
+             port 7440 and `admin` on port 7441 of every address (`0.0.0.0:7440`), where the \
+             Service and the probes reach them"
+        );
+        assert_eq!(
+            refusal("admin: '[::1]:7441'\n"),
+            "`admin: [::1]:7441`: a loopback address is reached from inside the pod only: the \
+             kubelet's probes would fail and the pod would never become ready; the injected \
+             sidecar serves `listen` on port 7440 and `admin` on port 7441 of every address \
+             (`0.0.0.0:7441`), where the Service and the probes reach them"
+        );
+        assert!(refusal("admin: 0.0.0.0:9000\n").starts_with(
+            "`admin: 0.0.0.0:9000`: the sidecar's container declares port 7441: the kubelet's \
+             probes would fail"
+        ));
     }
 }

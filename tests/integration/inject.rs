@@ -705,11 +705,14 @@ impl Webhook {
     /// The webhook on port 0 with the test server certificate; a client that trusts only
     /// the test CA and connects by the name `localhost`.
     async fn start(options: Options) -> Webhook {
-        let tls = fencegate::tls::server_config(&TlsConfig {
-            cert: fixture("server.pem"),
-            key: fixture("server-key.pem"),
-            client_ca: None,
-        })
+        let tls = fencegate::tls::server_config(
+            &TlsConfig {
+                cert: fixture("server.pem"),
+                key: fixture("server-key.pem"),
+                client_ca: None,
+            },
+            &fencegate::tls::CONFIG_TLS,
+        )
         .unwrap();
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();

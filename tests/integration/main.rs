@@ -6,6 +6,7 @@ mod common;
 mod access_bytes;
 mod admin;
 mod authority;
+mod check_cli;
 mod concurrency;
 mod dashboards;
 mod failover;

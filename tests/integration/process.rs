@@ -210,7 +210,8 @@ fn check_prints_the_effective_config_or_the_error() {
     let text = String::from_utf8(out.stdout).unwrap();
     assert!(text.contains("listen: 0.0.0.0:7440"), "{text}");
     assert!(text.contains("header: fencing-token"), "{text}");
-    assert!(text.contains("barrier_timeout: 5s"), "{text}");
+    // No `ordering: serialize`, so no `barrier_timeout`: nothing waits.
+    assert!(!text.contains("barrier_timeout"), "{text}");
 
     let bad = dir.path().join("bad.yaml");
     std::fs::write(&bad, "upstream: http://127.0.0.1:8080\nroutes:\n  - name: a\n    path: /a\n    ordering: sometimes\n").unwrap();

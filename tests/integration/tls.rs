@@ -448,11 +448,14 @@ impl TlsUpstream {
     async fn start() -> TlsUpstream {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
-        let config = fencegate::tls::server_config(&TlsConfig {
-            cert: fixture("server.pem"),
-            key: fixture("server-key.pem"),
-            client_ca: None,
-        })
+        let config = fencegate::tls::server_config(
+            &TlsConfig {
+                cert: fixture("server.pem"),
+                key: fixture("server-key.pem"),
+                client_ca: None,
+            },
+            &fencegate::tls::CONFIG_TLS,
+        )
         .unwrap();
         let tls_settings = ServerSettings {
             tls: Some(TlsAcceptor::from(config)),

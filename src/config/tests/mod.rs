@@ -60,7 +60,7 @@ unmatched: reject
     assert_eq!(c.token.header.0.as_str(), "x-fence");
     let r = &c.routes[0];
     assert_eq!(r.ordering, Ordering::Serialize);
-    assert_eq!(r.barrier_timeout, Duration::from_millis(1500));
+    assert_eq!(r.barrier_timeout(), Duration::from_millis(1500));
     assert_eq!(
         r.resource.as_ref().unwrap().captures().collect::<Vec<_>>(),
         ["id"]
@@ -105,7 +105,7 @@ fn bad_values_name_their_field() {
             "did you mean `PUT`",
         ),
         (
-            "upstream: http://a:1\nroutes: [{ name: a, path: /a, barrier_timeout: soon }]\n",
+            "upstream: http://a:1\nroutes: [{ name: a, path: /a, ordering: serialize, barrier_timeout: soon }]\n",
             "routes[0].barrier_timeout",
             "",
         ),
@@ -368,6 +368,124 @@ fn a_section_written_as_a_value_says_what_it_holds() {
     assert_eq!(
         err("hello\n"),
         "invalid type: string \"hello\", expected a mapping of settings, such as \
-         `upstream: http://127.0.0.1:8080`"
+         `upstream: http://127.0.0.1:8080` at line 1 column 1"
     );
+}
+
+/// A misspelt field or value is told the nearest accepted name; a name far from all of them
+/// gets no guess.
+#[test]
+fn a_misspelt_name_gets_the_nearest_one() {
+    assert_eq!(
+        err("upstrem: http://a:1\n"),
+        "unknown field `upstrem`, expected one of `listen`, `admin`, `upstream`, `upstream_ca`, \
+         `tls`, `token`, `store`, `fence`, `routes`, `unmatched`, `timeouts`, `limits`, \
+         `leases`, `egress`, `idempotency`, `access_log`, `log` at line 1 column 1; did you \
+         mean `upstream`?"
+    );
+    assert_eq!(
+        err("upstream: http://a:1\nstore: { kind: memory, cache_sise: 1 }\n"),
+        "store: unknown field `cache_sise`, expected one of `kind`, `path`, `url`, `prefix`, \
+         `cache_size`, `tls`, `sentinel`, `replicas` at line 2 column 24; did you mean \
+         `cache_size`?"
+    );
+    assert_eq!(
+        err("upstream: http://a:1\nstore: { kind: memry }\n"),
+        "store.kind: unknown variant `memry`, expected one of `memory`, `embedded`, `redis`, \
+         `postgres`, `etcd` at line 2 column 16; did you mean `memory`?"
+    );
+    assert!(!err("upstream: http://a:1\nzzz: 1\n").contains("did you mean"));
+}
+
+/// A field written twice is pointed at where it is written the second time, at the top level
+/// too (where the deserializer gives no position of its own).
+#[test]
+fn a_duplicate_field_has_its_line_and_column() {
+    assert_eq!(
+        err("upstream: http://a:1\nroutes: []\nlisten: 0.0.0.0:1\nroutes: []\n"),
+        "duplicate field `routes` at line 4 column 1"
+    );
+    assert_eq!(
+        err("upstream: http://a:1\nfence:\n  authority: none\n  authority: none\n"),
+        "fence: duplicate field `authority` at line 4 column 3"
+    );
+}
+
+/// config/fencegate.yaml loads, and names every field (commented where it is optional).
+#[test]
+fn the_annotated_example_loads_and_names_every_field() {
+    let text = include_str!("../../../config/fencegate.yaml");
+    Config::parse(text).unwrap();
+    for field in [
+        "listen:",
+        "admin:",
+        "upstream:",
+        "upstream_ca:",
+        "tls:",
+        "cert:",
+        "key:",
+        "client_ca:",
+        "header:",
+        "equal:",
+        "max_step:",
+        "kind:",
+        "path:",
+        "url:",
+        "prefix:",
+        "cache_size:",
+        "ca:",
+        "server_name:",
+        "sentinel:",
+        "master:",
+        "urls:",
+        "replicas:",
+        "authority:",
+        "retention:",
+        "routes:",
+        "name:",
+        "methods:",
+        "resource:",
+        "missing_token:",
+        "ordering:",
+        "barrier_timeout:",
+        "fence:",
+        "idempotency:",
+        "unmatched:",
+        "timeouts:",
+        "header_read:",
+        "shutdown:",
+        "store:",
+        "limits:",
+        "max_header_bytes:",
+        "max_headers:",
+        "max_connections:",
+        "max_resource_bytes:",
+        "leases:",
+        "backend:",
+        "ttl:",
+        "p99_work:",
+        "p99_rtt:",
+        "safety_margin:",
+        "drift_buffer:",
+        "round_to:",
+        "acquire:",
+        "base_delay:",
+        "max_delay:",
+        "jitter:",
+        "drain_timeout:",
+        "egress:",
+        "lease:",
+        "window:",
+        "max_request_bytes:",
+        "max_response_bytes:",
+        "access_log:",
+        "log:",
+        "format:",
+        "query:",
+    ] {
+        assert!(
+            text.contains(field),
+            "config/fencegate.yaml lacks `{field}`"
+        );
+    }
 }

@@ -187,3 +187,52 @@ fn a_resource_header_the_proxy_rewrites_is_refused() {
         Config::parse(&yaml).unwrap_or_else(|e| panic!("{ok}: {e}"));
     }
 }
+
+/// A capture written as another router writes it would be literal text, the route would never
+/// match, and its writes would pass unfenced: refused, with the braces form to write.
+#[test]
+fn captures_in_another_routers_syntax_are_refused() {
+    let route = |path: &str| {
+        err(&format!(
+            "upstream: http://a:1\nroutes: [{{ name: a, path: '{path}' }}]\n"
+        ))
+    };
+    assert_eq!(
+        route("/a/:id"),
+        "routes[0].path: `/a/:id`: `:id` is literal text here, so the route would never match \
+         and its writes would pass unfenced; captures are written in braces: write `/a/{id}` at \
+         line 2 column 27"
+    );
+    assert_eq!(
+        route("/files/*"),
+        "routes[0].path: `/files/*`: `*` is literal text here, so the route would never match \
+         and its writes would pass unfenced; captures are written in braces: write \
+         `/files/{*rest}` at line 2 column 27"
+    );
+    assert!(route("/users/<int:uid>/files/**").contains("write `/users/{uid}/files/{*rest}`"));
+    assert!(route("/a/*path").contains("write `/a/{*path}`"));
+    assert!(route("/a/:id?").contains("write `/a/{id}`"));
+    // A colon inside a segment is literal text, as meant (`/v1/accounts:batchGet`).
+    Config::parse("upstream: http://a:1\nroutes: [{ name: a, path: '/v1/{id}:undo' }]\n").unwrap();
+}
+
+/// `barrier_timeout` only bounds the wait of `ordering: serialize`: on another route it would
+/// do nothing, so it is refused there; a serialized route prints the timeout in effect.
+#[test]
+fn a_barrier_timeout_needs_ordering_serialize() {
+    assert_eq!(
+        err("upstream: http://a:1\nroutes: [{ name: a, path: /a, barrier_timeout: 2s }]\n"),
+        "routes[0]: route `a`: `barrier_timeout` is how long a write waits for its turn under \
+         `ordering: serialize`, and this route does not serialize: add `ordering: serialize` or \
+         remove `barrier_timeout` at line 2 column 10"
+    );
+    let c = Config::parse(
+        "upstream: http://a:1\nroutes: [{ name: a, path: /a, ordering: serialize }, { name: b, path: /b }]\n",
+    )
+    .unwrap();
+    assert_eq!(c.routes[0].barrier_timeout, Some(DEFAULT_BARRIER_TIMEOUT));
+    assert_eq!(c.routes[1].barrier_timeout, None);
+    let yaml = c.to_yaml();
+    assert_eq!(yaml.matches("barrier_timeout: 5s").count(), 1, "{yaml}");
+    assert_eq!(Config::parse(&yaml).unwrap().to_yaml(), yaml);
+}

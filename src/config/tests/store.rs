@@ -235,3 +235,79 @@ fn redis_sentinel_and_replicas() {
         assert!(got.contains(wanted), "{yaml}\n got: {got}\nwant: {wanted}");
     }
 }
+
+/// A url that the store's or lease backend's connector could not read is refused when the
+/// config loads, with the connector's own reason, so `check` refuses what `run` would.
+#[test]
+fn urls_no_connector_can_read_are_refused_at_load() {
+    let store = |url: &str| err(&format!("upstream: http://a:1\nstore: {{ kind: {url} }}\n"));
+    assert_eq!(
+        store("redis, url: 'redis://host/abc'"),
+        "store: bad redis url: Invalid database number - InvalidClientConfig at line 2 column 8"
+    );
+    assert_eq!(
+        store("redis, url: 'rediss://host/#insecure'"),
+        "store: a redis url has no `#` fragment (`#insecure` would skip verifying the server's \
+         certificate, which fencegate never does) at line 2 column 8"
+    );
+    assert_eq!(
+        store("postgres, url: 'postgres://host:99999/db'"),
+        "store: bad postgres url: invalid connection string: invalid value for option `port` at \
+         line 2 column 8"
+    );
+    assert_eq!(
+        store("postgres, url: 'postgres:///db'"),
+        "store: bad postgres url: it names no host at line 2 column 8"
+    );
+    assert_eq!(
+        store("etcd, url: 'etcd://'"),
+        "store: etcd url names no endpoint at line 2 column 8"
+    );
+    assert_eq!(
+        store("etcd, url: 'https://user@e:2379'"),
+        "store: an etcd user needs its password: user:password@host:port at line 2 column 8"
+    );
+    assert_eq!(
+        err("upstream: http://a:1\nleases: { backend: { kind: redis, url: 'redis://h/x' }, ttl: 5s }\n"),
+        "leases.backend: bad redis url: Invalid database number - InvalidClientConfig at line 2 \
+         column 20"
+    );
+    assert_eq!(
+        err("upstream: http://a:1\nstore: { kind: redis, url: 'redis://m/0', sentinel: { master: m, urls: ['redis://s:26379#insecure'] } }\n"),
+        "store: `sentinel.urls[0]`: a redis url has no `#` fragment (`#insecure` would skip \
+         verifying the server's certificate, which fencegate never does) at line 2 column 8"
+    );
+}
+
+/// `****` stands for a password, and only where there is one: a url without a password
+/// prints as written, and either loads again as the same url.
+#[test]
+fn only_a_password_is_masked_and_the_printed_config_loads_again() {
+    for (written, printed) in [
+        (
+            "postgres://postgres@db/fences",
+            "postgres://postgres@db/fences",
+        ),
+        (
+            "postgres://app:pw@db/fences",
+            "postgres://app:****@db/fences",
+        ),
+        ("redis://app@h:6379/0", "redis://app@h:6379/0"),
+        ("redis://:pw@h:6379/0", "redis://:****@h:6379/0"),
+        ("https://u:pw@e:2379", "https://u:****@e:2379"),
+    ] {
+        let url = SecretUrl::try_from(written.to_owned()).unwrap();
+        assert_eq!(url.to_string(), printed);
+        let kind = &written[..written.find(':').unwrap()];
+        let kind = if kind == "https" { "etcd" } else { kind };
+        let c = Config::parse(&format!(
+            "upstream: http://a:1\nstore: {{ kind: {kind}, url: '{written}' }}\n"
+        ))
+        .unwrap();
+        let yaml = c.to_yaml();
+        assert!(yaml.contains(&format!("url: {printed}\n")), "{yaml}");
+        let again = Config::parse(&yaml).unwrap();
+        assert_eq!(again.to_yaml(), yaml);
+        assert_eq!(again.store.remote().unwrap().url.to_string(), printed);
+    }
+}

@@ -1,0 +1,155 @@
+//! How each networked system's url is read, without connecting: the config checks every
+//! store and lease backend url with these when it loads (so `check` refuses what `run`
+//! would), and the connectors read the url with the same functions when they connect.
+
+use redis::{ConnectionAddr, IntoConnectionInfo, RedisConnectionInfo};
+
+/// A Redis url, read: where to dial, and the settings the connection is set up with.
+pub(crate) struct RedisUrl {
+    pub host: String,
+    pub port: u16,
+    /// User, password, database, protocol.
+    pub settings: RedisConnectionInfo,
+    /// `rediss://`: the connection is TLS.
+    pub tls: bool,
+}
+
+/// Reads a `redis://` or `rediss://` url (docs/stores.md).
+pub(crate) fn redis(url: &str) -> Result<RedisUrl, String> {
+    if url.contains('#') {
+        // The redis crate reads `#insecure` as "do not verify": never.
+        return Err(
+            "a redis url has no `#` fragment (`#insecure` would skip verifying the \
+                    server's certificate, which fencegate never does)"
+                .into(),
+        );
+    }
+    // The TLS is fencegate's own: the redis crate reads the rest like a redis:// url.
+    let (plain, tls) = match url.strip_prefix("rediss://") {
+        Some(rest) => (format!("redis://{rest}"), true),
+        None => (url.to_owned(), false),
+    };
+    let info = plain
+        .as_str()
+        .into_connection_info()
+        .map_err(|e| format!("bad redis url: {e}"))?;
+    let ConnectionAddr::Tcp(host, port) = info.addr().clone() else {
+        return Err("a redis url names a host and port".into());
+    };
+    Ok(RedisUrl {
+        host,
+        port,
+        settings: info.redis_settings().clone(),
+        tls,
+    })
+}
+
+/// Reads a `postgres://` or `postgresql://` url; with `tls`, its `sslmode` is dropped (the
+/// connection is always TLS, verified; see [`super::postgres::pool`]).
+pub(crate) fn postgres(url: &str, tls: bool) -> Result<tokio_postgres::Config, String> {
+    let url = if tls {
+        without_sslmode(url)
+    } else {
+        url.to_owned()
+    };
+    let config: tokio_postgres::Config = url.parse().map_err(|e: tokio_postgres::Error| {
+        // The error says "invalid connection string"; its source says what is wrong.
+        match std::error::Error::source(&e) {
+            Some(why) => format!("bad postgres url: {e}: {why}"),
+            None => format!("bad postgres url: {e}"),
+        }
+    })?;
+    if config.get_hosts().is_empty() && config.get_hostaddrs().is_empty() {
+        return Err("bad postgres url: it names no host".into());
+    }
+    Ok(config)
+}
+
+/// `url` without its `sslmode` parameter.
+pub(super) fn without_sslmode(url: &str) -> String {
+    let Some((base, query)) = url.split_once('?') else {
+        return url.to_owned();
+    };
+    let kept: Vec<&str> = query
+        .split('&')
+        .filter(|pair| !pair.starts_with("sslmode="))
+        .collect();
+    if kept.is_empty() {
+        base.to_owned()
+    } else {
+        format!("{base}?{}", kept.join("&"))
+    }
+}
+
+/// An etcd url: `etcd://` or `http://` (plaintext) or `https://` (TLS) and comma-separated
+/// `host:port` endpoints, with `user:password@` (percent-encoded) before the first to
+/// authenticate as that user.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct EtcdUrl {
+    pub endpoints: Vec<String>,
+    pub user: Option<(String, String)>,
+}
+
+/// Reads an etcd url.
+pub(crate) fn etcd(url: &str) -> Result<EtcdUrl, String> {
+    let (scheme, rest) = if let Some(rest) = url.strip_prefix("https://") {
+        ("https", rest)
+    } else if let Some(rest) = url
+        .strip_prefix("etcd://")
+        .or_else(|| url.strip_prefix("http://"))
+    {
+        ("http", rest)
+    } else {
+        // Not printed: without a scheme it cannot be told where a password would be.
+        return Err("etcd url must start with etcd://, http:// or https://".into());
+    };
+    let decode = |s: &str| {
+        percent_encoding::percent_decode_str(s)
+            .decode_utf8()
+            .map(|s| s.into_owned())
+            .map_err(|_| "the etcd user and password are UTF-8 (percent-encoded)".to_owned())
+    };
+    // Hosts have no `@`: the last one ends the user information.
+    let (user, rest) = match rest.rsplit_once('@') {
+        Some((userinfo, rest)) => {
+            let Some((name, password)) = userinfo.split_once(':') else {
+                return Err("an etcd user needs its password: user:password@host:port".into());
+            };
+            if name.is_empty() {
+                return Err("the etcd user name is empty".into());
+            }
+            (Some((decode(name)?, decode(password)?)), rest)
+        }
+        None => (None, rest),
+    };
+    let endpoints: Vec<String> = rest
+        .trim_end_matches('/')
+        .split(',')
+        .filter(|e| !e.is_empty())
+        .map(|e| format!("{scheme}://{e}"))
+        .collect();
+    if endpoints.is_empty() {
+        return Err("etcd url names no endpoint".into());
+    }
+    Ok(EtcdUrl { endpoints, user })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn what_no_connection_could_use_is_refused() {
+        let redis_err = |url| redis(url).err().unwrap();
+        assert!(redis_err("redis://h/abc").starts_with("bad redis url: "));
+        assert!(redis_err("rediss://h/#insecure").starts_with("a redis url has no `#`"));
+        assert!(redis("rediss://u:p@h:6380/2").unwrap().tls);
+        let pg_err = |url| postgres(url, false).err().unwrap();
+        assert!(pg_err("postgres://h:99999/db").starts_with("bad postgres url: "));
+        assert_eq!(
+            pg_err("postgres:///db"),
+            "bad postgres url: it names no host"
+        );
+        assert_eq!(etcd("etcd://").unwrap_err(), "etcd url names no endpoint");
+    }
+}
