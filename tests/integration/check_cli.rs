@@ -264,3 +264,54 @@ fn inject_refuses_a_loopback_listener() {
         )
     );
 }
+
+/// The `ttl` and `webhook` command lines say what each flag is: a zero `--round-to` is
+/// refused naming the flag (not the field it fills), `ttl --help` describes every flag, and
+/// `help webhook` describes its own `--config`, not `inject`'s.
+#[test]
+fn the_ttl_and_webhook_command_lines_explain_their_flags() {
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(BIN).args(args).output().unwrap();
+        (
+            out.status.code(),
+            String::from_utf8(out.stdout).unwrap(),
+            String::from_utf8(out.stderr).unwrap(),
+        )
+    };
+    let (code, _, err) = run(&[
+        "ttl",
+        "--p99-work",
+        "800ms",
+        "--p99-rtt",
+        "40ms",
+        "--round-to",
+        "0s",
+    ]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(
+        err.contains("invalid value '0s' for '--round-to <ROUND_TO>': must be greater than zero"),
+        "{err}"
+    );
+
+    let (code, help, _) = run(&["ttl", "--help"]);
+    assert_eq!(code, Some(0));
+    // Every flag line is followed by its description on the same line or the next.
+    let flags: Vec<&str> = help
+        .lines()
+        .filter(|l| l.trim_start().starts_with("--"))
+        .collect();
+    assert!(flags.len() >= 5, "{help}");
+    for line in &flags {
+        let described = line
+            .trim_start()
+            .splitn(2, "  ")
+            .nth(1)
+            .is_some_and(|d| !d.trim().is_empty());
+        assert!(described, "no description: {line}\n{help}");
+    }
+
+    let (_, webhook, _) = run(&["help", "webhook"]);
+    let (_, inject, _) = run(&["help", "inject"]);
+    assert!(webhook.contains("not written anywhere"), "{webhook}");
+    assert!(!inject.contains("not written anywhere"), "{inject}");
+}
