@@ -304,9 +304,8 @@ fn the_ttl_and_webhook_command_lines_explain_their_flags() {
     for line in &flags {
         let described = line
             .trim_start()
-            .splitn(2, "  ")
-            .nth(1)
-            .is_some_and(|d| !d.trim().is_empty());
+            .split_once("  ")
+            .is_some_and(|(_, d)| !d.trim().is_empty());
         assert!(described, "no description: {line}\n{help}");
     }
 
