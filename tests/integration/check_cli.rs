@@ -314,3 +314,85 @@ fn the_ttl_and_webhook_command_lines_explain_their_flags() {
     assert!(webhook.contains("not written anywhere"), "{webhook}");
     assert!(!inject.contains("not written anywhere"), "{inject}");
 }
+
+/// The fields fencegate accepts in the config section `path` (`""` for the top level), as
+/// its own error for an unknown one lists them.
+fn accepted_fields(path: &str) -> Vec<String> {
+    let yaml = match path {
+        "" => "upstream: http://127.0.0.1:1\nzzz_unknown: 1\n".to_owned(),
+        "routes" => "upstream: http://127.0.0.1:1\nroutes:\n  - { name: a, path: /a, zzz_unknown: 1 }\n"
+            .to_owned(),
+        "store" => {
+            "upstream: http://127.0.0.1:1\nstore: { kind: redis, url: 'redis://x/', zzz_unknown: 1 }\n"
+                .to_owned()
+        }
+        section => format!("upstream: http://127.0.0.1:1\n{section}: {{ zzz_unknown: 1 }}\n"),
+    };
+    let err = fencegate::config::Config::parse(&yaml)
+        .unwrap_err()
+        .to_string();
+    let list = err
+        .split("unknown field `zzz_unknown`, expected ")
+        .nth(1)
+        .unwrap_or_else(|| panic!("{path}: {err}"));
+    let list = list.split(" at line").next().unwrap();
+    let mut fields: Vec<String> = list
+        .split('`')
+        .skip(1)
+        .step_by(2)
+        .map(str::to_owned)
+        .collect();
+    fields.sort();
+    fields
+}
+
+/// The chart's `values.schema.json` describes `sidecarConfig` with exactly the fields
+/// fencegate accepts, each section closed (`additionalProperties: false`): a misspelt key is
+/// refused at `helm install` (.ci/k8s renders three), and a field fencegate gains or loses
+/// without the schema following fails here.
+#[test]
+fn the_charts_sidecar_config_schema_names_exactly_the_fields_fencegate_accepts() {
+    let schema: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/charts/fencegate/values.schema.json"
+        ))
+        .unwrap(),
+    )
+    .unwrap();
+    let top = &schema["properties"]["sidecarConfig"];
+    let closed = |node: &serde_json::Value, what: &str| {
+        assert_eq!(node["additionalProperties"], false, "{what} is not closed");
+        let mut keys: Vec<String> = node["properties"]
+            .as_object()
+            .unwrap_or_else(|| panic!("{what} has no properties"))
+            .keys()
+            .cloned()
+            .collect();
+        keys.sort();
+        keys
+    };
+    assert_eq!(closed(top, "sidecarConfig"), accepted_fields(""));
+    assert_eq!(
+        closed(&top["properties"]["routes"]["items"], "routes[]"),
+        accepted_fields("routes")
+    );
+    for section in [
+        "token",
+        "store",
+        "fence",
+        "timeouts",
+        "limits",
+        "log",
+        "idempotency",
+        "tls",
+        "egress",
+        "leases",
+    ] {
+        assert_eq!(
+            closed(&top["properties"][section], section),
+            accepted_fields(section),
+            "{section}"
+        );
+    }
+}
