@@ -396,3 +396,43 @@ fn the_charts_sidecar_config_schema_names_exactly_the_fields_fencegate_accepts()
         );
     }
 }
+
+/// config/fencegate.yaml, the annotated example, names every field fencegate accepts at the
+/// top level, in each section and in a route (set or commented out), as fencegate's own
+/// unknown-field error lists them: a new field without a line there fails here.
+#[test]
+fn the_annotated_example_names_every_field_fencegate_accepts() {
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/config/fencegate.yaml"
+    ))
+    .unwrap();
+    let named = |field: &str| {
+        text.lines().any(|l| {
+            let l = l.trim_start().trim_start_matches('#').trim_start();
+            let l = l.strip_prefix("- ").unwrap_or(l).trim_start_matches("{ ");
+            l.starts_with(&format!("{field}:")) || l.contains(&format!(" {field}:"))
+        })
+    };
+    for section in [
+        "",
+        "routes",
+        "token",
+        "store",
+        "fence",
+        "timeouts",
+        "limits",
+        "log",
+        "idempotency",
+        "tls",
+        "egress",
+        "leases",
+    ] {
+        for field in accepted_fields(section) {
+            assert!(
+                named(&field),
+                "config/fencegate.yaml never names {section}.{field}"
+            );
+        }
+    }
+}
