@@ -342,3 +342,55 @@ async fn lease_lines_for_acquire_renew_lose_and_release() {
         .collect();
     assert!(messages.is_empty(), "{messages:?}");
 }
+
+/// An upstream that cannot be reached: the fenced write is answered `502 upstream-error`, and
+/// its access line says so, field by field (the address it tried, the bytes that went each
+/// way: none of the body was read, as no connection took it; the refusal's type), beside the
+/// `WARN` line of the failure.
+#[tokio::test]
+async fn an_upstream_error_has_its_access_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("fencegate.yaml");
+    // A port nothing listens on: bound, then closed.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    write(
+        &config,
+        &format!(
+            "listen: 127.0.0.1:0\nadmin: 127.0.0.1:0\nupstream: http://{closed}\n\
+             access_log: true\nstore: {{ kind: memory }}\n{ACCOUNTS}"
+        ),
+    );
+    let mut p = Process::start(&config).await;
+    let failed = send(
+        "PUT",
+        &format!("http://{}/accounts/7", p.proxy),
+        &[("fencing-token", "3"), ("x-request-id", "req-7")],
+        "write",
+    )
+    .await;
+    let body = failed.assert_problem(502, "urn:fencegate:upstream-error");
+    let failed_bytes = failed.body.len();
+    assert_eq!(body["resource"], "account:7", "{body}");
+    let lines = lines_to_exit(&mut p).await;
+    let access: Vec<&Value> = lines
+        .iter()
+        .filter(|l| l["target"] == "fencegate::access")
+        .collect();
+    let [line] = <[&Value; 1]>::try_from(access)
+        .unwrap_or_else(|lines| panic!("not one access line: {lines:#?}"));
+    assert_eq!(
+        exact(line.clone(), &["duration_us", "upstream_duration_us"]),
+        format!(
+            r#"{{"timestamp":"…","level":"INFO","message":"request","route":"accounts","method":"PUT","path":"/accounts/7","protocol":"HTTP/1.1","client":"127.0.0.1","request_id":"req-7","resource":"account:7","fencing_token":3,"status":502,"outcome":"upstream_error","refusal":"upstream-error","bytes_in":0,"bytes_out":{failed_bytes},"upstream":"{closed}","duration_us":"…","upstream_duration_us":"…","target":"fencegate::access"}}"#
+        )
+    );
+    assert!(
+        lines
+            .iter()
+            .any(|l| l["message"] == "upstream failed" && l["status"] == 502),
+        "{lines:#?}"
+    );
+}
