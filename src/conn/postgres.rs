@@ -270,6 +270,18 @@ impl Guard {
     }
 }
 
+/// `s` with `LIKE`'s wildcards and escape character escaped.
+pub(crate) fn like_escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        if matches!(c, '%' | '_' | '\\') {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
 /// Whether the server answered that it is read-only (SQLSTATE 25006).
 fn read_only(e: &(dyn std::error::Error + 'static)) -> bool {
     let mut next = Some(e);

@@ -34,6 +34,9 @@ use super::Failure;
 use crate::config::{RedisHa, WAIT_TIMEOUT};
 use crate::tls::ClientTls;
 
+/// Keys a `SCAN` step asks for (and how many keys one script is given after it).
+pub(crate) const SCAN_BATCH: usize = 1000;
+
 /// Connect timeout (TCP, TLS handshake and `AUTH` together) and per-command response
 /// timeout: fail fast, so the caller's deadline, not ours, decides how long a write waits.
 /// The response timeout is below the readiness probe's (1s), so a probe sees a command time
@@ -508,6 +511,25 @@ impl RedisConn {
         }
     }
 
+    /// One `SCAN` step over the keys matching `pattern`, [`SCAN_BATCH`] asked for: the next
+    /// cursor (0 when the scan is done) and the keys.
+    pub(crate) async fn scan<K: redis::FromRedisValue>(
+        &self,
+        cursor: u64,
+        pattern: &str,
+    ) -> Result<(u64, Vec<K>), RedisError> {
+        let (command, mut conn) = self.get().await?;
+        let result = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(pattern)
+            .arg("COUNT")
+            .arg(SCAN_BATCH)
+            .query_async(&mut conn)
+            .await;
+        self.done(command, result).await
+    }
+
     /// For a lease backend, one line when connecting or a command starts failing.
     fn failed(&self, e: &RedisError) {
         if !self.failing.swap(true, Ordering::Relaxed) {
@@ -554,6 +576,18 @@ impl RedisConn {
         }
         result
     }
+}
+
+/// `s` with Redis glob characters escaped, for `SCAN MATCH`.
+pub(crate) fn glob_escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
 }
 
 /// A command running on the connection of `generation`. Dropped before [`RedisConn::done`]

@@ -39,7 +39,7 @@ use super::retention::{Freshness, MARK_SLACK};
 use super::shared::{Claimed, Owner, Remote};
 use super::{decide, Rule, StoreError, Verdict};
 use crate::config::{EqualTokens, RedisHa};
-use crate::conn::redis::{failure, RedisConn, RedisTarget, Unconfirmed};
+use crate::conn::redis::{failure, RedisConn, RedisTarget, Unconfirmed, SCAN_BATCH};
 use crate::conn::BoxFuture;
 use crate::idempotency::{AttemptId, Begin, Claim, Record};
 use crate::tls::ClientTls;
@@ -194,9 +194,6 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
 end
 return 0
 ";
-
-/// Keys a `SCAN` step asks for, and a [`KEEP`] call handles, at most.
-const SCAN_BATCH: usize = 1000;
 
 pub struct RedisRemote {
     /// Connected on first use, so fencegate starts (not ready) while Redis is still down.
@@ -620,18 +617,9 @@ impl Remote for RedisRemote {
             let mut cursor: u64 = 0;
             let mut kept = 0;
             loop {
-                let (generation, mut conn) = self.conn.get().await.map_err(unavailable)?;
-                let result = redis::cmd("SCAN")
-                    .arg(cursor)
-                    .arg("MATCH")
-                    .arg(&pattern)
-                    .arg("COUNT")
-                    .arg(SCAN_BATCH)
-                    .query_async(&mut conn)
-                    .await;
                 let (next, keys): (u64, Vec<Vec<u8>>) = self
                     .conn
-                    .done(generation, result)
+                    .scan(cursor, &pattern)
                     .await
                     .map_err(unavailable)?;
                 for chunk in keys.chunks(SCAN_BATCH) {

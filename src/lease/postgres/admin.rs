@@ -6,6 +6,7 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::Row;
 
 use super::{failed, PostgresLeases};
+use crate::conn::postgres::like_escape;
 use crate::conn::BoxFuture;
 use crate::lease::admin::{InspectLeases, Lease, LeasePage};
 use crate::lease::LeaseError;
@@ -52,18 +53,6 @@ fn lease(row: &Row) -> Result<Lease, LeaseError> {
         }),
         None => Ok(Lease::free(&resource, Some(token))),
     }
-}
-
-/// `s` with `LIKE`'s wildcards and escape character escaped.
-fn like_escape(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for c in s.chars() {
-        if matches!(c, '%' | '_' | '\\') {
-            out.push('\\');
-        }
-        out.push(c);
-    }
-    out
 }
 
 impl InspectLeases for PostgresLeases {

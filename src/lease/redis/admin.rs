@@ -3,12 +3,10 @@
 //! under the prefix and sorts them.
 
 use super::{parse_token, unavailable, RedisLeases};
+use crate::conn::redis::glob_escape;
 use crate::conn::BoxFuture;
 use crate::lease::admin::{page_of, InspectLeases, Lease, LeasePage};
 use crate::lease::LeaseError;
-
-/// Keys a `SCAN` step asks for.
-const SCAN_BATCH: usize = 1000;
 
 impl RedisLeases {
     async fn read(&self, resources: &[String]) -> Result<Vec<Lease>, LeaseError> {
@@ -62,18 +60,6 @@ impl RedisLeases {
     }
 }
 
-/// `s` with Redis glob characters escaped, for `SCAN MATCH`.
-fn glob_escape(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for c in s.chars() {
-        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
-            out.push('\\');
-        }
-        out.push(c);
-    }
-    out
-}
-
 impl InspectLeases for RedisLeases {
     fn kind(&self) -> &'static str {
         "redis"
@@ -98,18 +84,9 @@ impl InspectLeases for RedisLeases {
             let mut resources = Vec::new();
             let mut cursor: u64 = 0;
             loop {
-                let (generation, mut conn) = self.conn.get().await.map_err(unavailable)?;
-                let result = redis::cmd("SCAN")
-                    .arg(cursor)
-                    .arg("MATCH")
-                    .arg(&pattern)
-                    .arg("COUNT")
-                    .arg(SCAN_BATCH)
-                    .query_async(&mut conn)
-                    .await;
                 let (next, keys): (u64, Vec<String>) = self
                     .conn
-                    .done(generation, result)
+                    .scan(cursor, &pattern)
                     .await
                     .map_err(unavailable)?;
                 resources.extend(keys.iter().filter_map(|k| {

@@ -10,6 +10,7 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::Row;
 
 use super::{failed, signed, token_of, PostgresRemote};
+use crate::conn::postgres::like_escape;
 use crate::conn::BoxFuture;
 use crate::store::admin::{Fence, Inspect, Page};
 use crate::store::StoreError;
@@ -74,18 +75,6 @@ fn fence(row: &Row) -> Result<Fence, StoreError> {
         .get::<_, Option<i64>>(3)
         .and_then(|ms| u64::try_from(ms).ok());
     Ok(fence)
-}
-
-/// `s` with `LIKE`'s wildcards and escape character escaped.
-fn like_escape(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for c in s.chars() {
-        if matches!(c, '%' | '_' | '\\') {
-            out.push('\\');
-        }
-        out.push(c);
-    }
-    out
 }
 
 impl Inspect for PostgresRemote {

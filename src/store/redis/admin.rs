@@ -6,7 +6,8 @@
 
 use redis::Script;
 
-use super::{parse, unavailable, RedisRemote, SCAN_BATCH};
+use super::{parse, unavailable, RedisRemote};
+use crate::conn::redis::glob_escape;
 use crate::conn::BoxFuture;
 use crate::store::admin::{Fence, Inspect, Page};
 use crate::store::StoreError;
@@ -84,18 +85,6 @@ impl RedisRemote {
     }
 }
 
-/// `s` with Redis glob characters escaped, for `SCAN MATCH`.
-fn glob_escape(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for c in s.chars() {
-        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
-            out.push('\\');
-        }
-        out.push(c);
-    }
-    out
-}
-
 impl Inspect for RedisRemote {
     fn kind(&self) -> &'static str {
         "redis"
@@ -119,18 +108,9 @@ impl Inspect for RedisRemote {
             let mut resources = Vec::new();
             let mut cursor: u64 = 0;
             loop {
-                let (generation, mut conn) = self.conn.get().await.map_err(unavailable)?;
-                let result = redis::cmd("SCAN")
-                    .arg(cursor)
-                    .arg("MATCH")
-                    .arg(&pattern)
-                    .arg("COUNT")
-                    .arg(SCAN_BATCH)
-                    .query_async(&mut conn)
-                    .await;
                 let (next, keys): (u64, Vec<String>) = self
                     .conn
-                    .done(generation, result)
+                    .scan(cursor, &pattern)
                     .await
                     .map_err(unavailable)?;
                 resources.extend(
