@@ -150,15 +150,8 @@ enum FencesCommand {
     },
     /// List recorded maxima in resource order, a page at a time.
     List {
-        /// Only resources whose id starts with this.
-        #[arg(long, default_value = "")]
-        prefix: String,
-        /// Most resources in the page.
-        #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u64).range(1..=100_000))]
-        limit: u64,
-        /// Start after this resource: the `next` of the previous page.
-        #[arg(long, value_name = "CURSOR")]
-        after: Option<String>,
+        #[command(flatten)]
+        page: PageArgs,
         #[command(flatten)]
         common: FencesArgs,
     },
@@ -198,15 +191,8 @@ enum LeasesCommand {
     },
     /// List the resources ever leased, in resource order, a page at a time.
     List {
-        /// Only resources whose id starts with this.
-        #[arg(long, default_value = "")]
-        prefix: String,
-        /// Most resources in the page.
-        #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u64).range(1..=100_000))]
-        limit: u64,
-        /// Start after this resource: the `next` of the previous page.
-        #[arg(long, value_name = "CURSOR")]
-        after: Option<String>,
+        #[command(flatten)]
+        page: PageArgs,
         #[command(flatten)]
         common: FencesArgs,
     },
@@ -219,6 +205,26 @@ struct FencesArgs {
     config: PathBuf,
     #[arg(long, value_enum, default_value = "table")]
     output: fences::Output,
+}
+
+/// Which page of a listing (`fences list`, `leases list`).
+#[derive(clap::Args)]
+struct PageArgs {
+    /// Only resources whose id starts with this.
+    #[arg(long, default_value = "")]
+    prefix: String,
+    /// Most resources in the page.
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u64).range(1..=100_000))]
+    limit: u64,
+    /// Start after this resource: the `next` of the previous page.
+    #[arg(long, value_name = "CURSOR")]
+    after: Option<String>,
+}
+
+impl PageArgs {
+    fn limit(&self) -> usize {
+        usize::try_from(self.limit).unwrap_or(usize::MAX)
+    }
 }
 
 /// What `inject` and `webhook` know of the sidecar config, for the pods that mount it.
@@ -587,17 +593,12 @@ async fn fences_command(command: FencesCommand) -> ExitCode {
         FencesCommand::Get { resource, common } => {
             fences::get(&common.config, &resource, common.output).await
         }
-        FencesCommand::List {
-            prefix,
-            limit,
-            after,
-            common,
-        } => {
-            let limit = usize::try_from(limit).unwrap_or(usize::MAX);
+        FencesCommand::List { page, common } => {
+            let limit = page.limit();
             fences::list(
                 &common.config,
-                &prefix,
-                after.as_deref(),
+                &page.prefix,
+                page.after.as_deref(),
                 limit,
                 common.output,
             )
@@ -632,17 +633,12 @@ async fn leases_command(command: LeasesCommand) -> ExitCode {
         LeasesCommand::Get { resource, common } => {
             leases::get(&common.config, &resource, common.output).await
         }
-        LeasesCommand::List {
-            prefix,
-            limit,
-            after,
-            common,
-        } => {
-            let limit = usize::try_from(limit).unwrap_or(usize::MAX);
+        LeasesCommand::List { page, common } => {
+            let limit = page.limit();
             leases::list(
                 &common.config,
-                &prefix,
-                after.as_deref(),
+                &page.prefix,
+                page.after.as_deref(),
                 limit,
                 common.output,
             )
