@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use serde::{Deserialize, Deserializer, Serialize};
 
 use super::checked;
-use super::remote::{check_prefix, Holder, RedisHa, SentinelConfig};
+use super::remote::{check_prefix, ClusterConfig, Holder, RedisHa, SentinelConfig};
 use super::store::default_prefix;
 use super::{ClientTlsConfig, KindError, Remote, RemoteKind, SecretUrl};
 
@@ -44,6 +44,7 @@ struct RawBackend {
     prefix: String,
     tls: Option<ClientTlsConfig>,
     sentinel: Option<SentinelConfig>,
+    cluster: Option<ClusterConfig>,
     replicas: Option<u32>,
 }
 
@@ -66,6 +67,7 @@ impl TryFrom<RawBackend> for BackendConfig {
                 holder,
                 kind,
                 raw.sentinel,
+                raw.cluster,
                 raw.replicas,
                 &url,
                 raw.tls.as_ref(),
@@ -88,6 +90,10 @@ impl TryFrom<RawBackend> for BackendConfig {
             BackendKind::Embedded if raw.sentinel.is_some() => Err(KindError::RedisOnly {
                 holder,
                 field: "sentinel",
+            }),
+            BackendKind::Embedded if raw.cluster.is_some() => Err(KindError::RedisOnly {
+                holder,
+                field: "cluster",
             }),
             BackendKind::Embedded if raw.replicas.is_some() => {
                 Err(KindError::ReplicasWithoutReplication { holder })
@@ -123,6 +129,8 @@ struct PrintedBackend<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     sentinel: Option<&'a SentinelConfig>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    cluster: Option<&'a ClusterConfig>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     replicas: Option<u32>,
 }
 
@@ -135,6 +143,7 @@ impl<'a> PrintedBackend<'a> {
             prefix: &remote.prefix,
             tls: remote.tls.as_ref(),
             sentinel: remote.redis.sentinel.as_ref(),
+            cluster: remote.redis.cluster.as_ref(),
             replicas: match kind {
                 BackendKind::Redis => Some(remote.redis.replicas),
                 _ => remote.replicas,
@@ -153,6 +162,7 @@ impl Serialize for BackendConfig {
                 prefix,
                 tls: None,
                 sentinel: None,
+                cluster: None,
                 replicas: None,
             },
             BackendConfig::Redis(r) => PrintedBackend::remote(BackendKind::Redis, r),

@@ -39,9 +39,10 @@ pub use limits::{BoundError, Limits, Timeouts, MAX_TIMEOUT};
 pub use located::LocatedError;
 pub use max_step::{MaxStep, DEFAULT_MAX_STEP};
 pub use path::{PathError, PathTemplate};
+pub(crate) use remote::parse_seed;
 pub use remote::{
-    Holder, KindError, PrefixError, RedisHa, Remote, RemoteKind, SecretUrl, SentinelConfig,
-    SentinelError, UrlError, MAX_REPLICAS, WAIT_TIMEOUT,
+    ClusterConfig, ClusterError, Holder, KindError, PrefixError, RedisHa, Remote, RemoteKind,
+    SecretUrl, SentinelConfig, SentinelError, UrlError, MAX_REPLICAS, WAIT_TIMEOUT,
 };
 pub use routes::{
     MissingToken, Ordering, RouteConfig, RouteError, Unmatched, DEFAULT_BARRIER_TIMEOUT,

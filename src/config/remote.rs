@@ -33,8 +33,11 @@ pub struct Remote {
 pub struct RedisHa {
     /// The Sentinels that say which server is the primary; `None`: the `url` names it.
     pub sentinel: Option<SentinelConfig>,
+    /// A Redis Cluster: `url` is one of its nodes; the slot map says which primary holds a key.
+    pub cluster: Option<ClusterConfig>,
     /// `WAIT` for this many replicas after each raise, idempotency record and grant; fewer
-    /// within [`WAIT_TIMEOUT`] refuse the write (`503`). Default: 1 with `sentinel`, else 0.
+    /// within [`WAIT_TIMEOUT`] refuse the write (`503`). Default: 1 with `sentinel` or
+    /// `cluster`, else 0.
     pub replicas: u32,
 }
 
@@ -55,6 +58,64 @@ pub struct SentinelConfig {
     /// The Sentinels, asked in order (the last that answered first): `redis://` or, with the
     /// `tls` mapping, `rediss://`, with the Sentinel's own `user:password@` if it has one.
     pub urls: Vec<SecretUrl>,
+}
+
+/// `cluster:` of a Redis store or lease backend: the `url` names one node of the cluster (with
+/// the user, password and TLS every node is reached with), `seeds` more nodes to ask for the
+/// slot map while that one is down.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterConfig {
+    /// `host:port` of more nodes, asked in order after the url's.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub seeds: Vec<String>,
+}
+
+/// A `cluster` mapping that cannot be followed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ClusterError {
+    #[error("`cluster.seeds[{0}]` is `host:port`, like 10.0.0.2:6379 (it is `{1}`)")]
+    Seed(usize, String),
+    #[error(
+        "with `cluster`, the `url` names database 0 or none: a Redis Cluster has only database 0"
+    )]
+    Database,
+    #[error(
+        "`sentinel` and `cluster` exclude each other: a Redis Cluster fails over by itself, \
+         without Sentinels"
+    )]
+    WithSentinel,
+}
+
+impl ClusterConfig {
+    /// Checks the seeds and the url's database.
+    fn check(&self, url: &SecretUrl) -> Result<(), ClusterError> {
+        for (i, seed) in self.seeds.iter().enumerate() {
+            if parse_seed(seed).is_none() {
+                return Err(ClusterError::Seed(i, seed.clone()));
+            }
+        }
+        let path = url.expose().split_once("://").map(|(_, r)| r);
+        let db = path
+            .and_then(|r| r.split_once('/'))
+            .map(|(_, db)| db.split('?').next().unwrap_or(""));
+        if db.is_some_and(|db| !db.is_empty() && db != "0") {
+            return Err(ClusterError::Database);
+        }
+        Ok(())
+    }
+}
+
+/// A seed's host and port (`host:port`, `[v6]:port`).
+pub(crate) fn parse_seed(seed: &str) -> Option<(String, u16)> {
+    let (host, port) = seed.rsplit_once(':')?;
+    let host = host
+        .strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host);
+    let port: u16 = port.parse().ok().filter(|p| *p != 0)?;
+    let bad = host.is_empty() || host.contains(['/', '@', ' ', '[', ']']);
+    (!bad).then(|| (host.to_owned(), port))
 }
 
 /// The `redis://host:port` part of a url: after the scheme and any `user:password@`, up to the
@@ -138,6 +199,8 @@ pub enum KindError {
     RedisOnly { holder: Holder, field: &'static str },
     #[error(transparent)]
     Sentinel(#[from] SentinelError),
+    #[error(transparent)]
+    Cluster(#[from] ClusterError),
     #[error("`replicas` is at most {MAX_REPLICAS} (it is {0})")]
     TooManyReplicas(u32),
 }
@@ -170,14 +233,15 @@ pub enum SentinelError {
 }
 
 impl RedisHa {
-    /// `sentinel` and `replicas` as written for a store or backend of `kind`: refused unless
-    /// it is Redis; `replicas` defaults to 1 with Sentinel (a failover promotes a replica, and
-    /// an acknowledged raise must be on it), 0 without (a lone server has no replica to wait
-    /// for).
+    /// `sentinel`, `cluster` and `replicas` as written for a store or backend of `kind`:
+    /// refused unless it is Redis; `replicas` defaults to 1 with Sentinel or Cluster (a
+    /// failover promotes a replica, and an acknowledged raise must be on it), 0 without (a
+    /// lone server has no replica to wait for).
     pub(super) fn from_raw(
         holder: Holder,
         kind: RemoteKind,
         sentinel: Option<SentinelConfig>,
+        cluster: Option<ClusterConfig>,
         replicas: Option<u32>,
         url: &SecretUrl,
         tls: Option<&ClientTlsConfig>,
@@ -187,11 +251,13 @@ impl RedisHa {
             return Err(KindError::TooManyReplicas(n));
         }
         if kind != RemoteKind::Redis {
-            if sentinel.is_some() {
-                return Err(KindError::RedisOnly {
-                    holder,
-                    field: "sentinel",
-                });
+            for (field, set) in [
+                ("sentinel", sentinel.is_some()),
+                ("cluster", cluster.is_some()),
+            ] {
+                if set {
+                    return Err(KindError::RedisOnly { holder, field });
+                }
             }
             // PostgreSQL's `replicas` is `Remote::replicas`, checked against the server.
             if replicas.is_some() && kind != RemoteKind::Postgres {
@@ -202,8 +268,19 @@ impl RedisHa {
         if let Some(sentinel) = &sentinel {
             sentinel.check(url, tls)?;
         }
-        let replicas = replicas.unwrap_or(u32::from(sentinel.is_some()));
-        Ok(RedisHa { sentinel, replicas })
+        if let Some(cluster) = &cluster {
+            if sentinel.is_some() {
+                return Err(ClusterError::WithSentinel.into());
+            }
+            cluster.check(url)?;
+        }
+        // A failover promotes a replica: by default an acknowledged write is on one.
+        let replicas = replicas.unwrap_or(u32::from(sentinel.is_some() || cluster.is_some()));
+        Ok(RedisHa {
+            sentinel,
+            cluster,
+            replicas,
+        })
     }
 }
 

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Deserializer, Serialize};
 
-use super::remote::{check_prefix, Holder, RedisHa, SentinelConfig};
+use super::remote::{check_prefix, ClusterConfig, Holder, RedisHa, SentinelConfig};
 use super::{checked, values, ClientTlsConfig, KindError, Remote, RemoteKind, SecretUrl};
 
 /// The fence store, with its defaults filled in.
@@ -97,6 +97,7 @@ struct RawStore {
     cache_size: usize,
     tls: Option<ClientTlsConfig>,
     sentinel: Option<SentinelConfig>,
+    cluster: Option<ClusterConfig>,
     replicas: Option<u32>,
 }
 
@@ -128,6 +129,7 @@ impl TryFrom<RawStore> for StoreConfig {
                 holder,
                 kind,
                 raw.sentinel,
+                raw.cluster,
                 raw.replicas,
                 &url,
                 raw.tls.as_ref(),
@@ -152,6 +154,12 @@ impl TryFrom<RawStore> for StoreConfig {
                 Err(KindError::RedisOnly {
                     holder,
                     field: "sentinel",
+                })
+            }
+            StoreKind::Memory | StoreKind::Embedded if raw.cluster.is_some() => {
+                Err(KindError::RedisOnly {
+                    holder,
+                    field: "cluster",
                 })
             }
             StoreKind::Memory | StoreKind::Embedded if raw.replicas.is_some() => {
@@ -209,6 +217,8 @@ struct PrintedStore<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     sentinel: Option<&'a SentinelConfig>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    cluster: Option<&'a ClusterConfig>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     replicas: Option<u32>,
 }
 
@@ -222,6 +232,7 @@ impl<'a> PrintedStore<'a> {
             cache_size: Some(cache_size),
             tls: remote.tls.as_ref(),
             sentinel: remote.redis.sentinel.as_ref(),
+            cluster: remote.redis.cluster.as_ref(),
             replicas: match kind {
                 StoreKind::Redis => Some(remote.redis.replicas),
                 _ => remote.replicas,
@@ -241,6 +252,7 @@ impl Serialize for StoreConfig {
                 cache_size: None,
                 tls: None,
                 sentinel: None,
+                cluster: None,
                 replicas: None,
             },
             StoreConfig::Embedded {
@@ -255,6 +267,7 @@ impl Serialize for StoreConfig {
                 cache_size: Some(*cache_size),
                 tls: None,
                 sentinel: None,
+                cluster: None,
                 replicas: None,
             },
             StoreConfig::Redis {

@@ -21,6 +21,7 @@
 //! Sentinel, nothing is acknowledged while a Sentinel says a failover may be under way
 //! ([`watch`]).
 
+mod cluster;
 mod watch;
 
 use redis::aio::MultiplexedConnection;
@@ -60,6 +61,10 @@ pub(crate) struct RedisTarget {
     tls: Option<Arc<ClientTls>>,
     /// With Sentinel, where the primary is found; `host` and `port` are then not dialled.
     sentinel: Option<Arc<Sentinels>>,
+    /// A Redis Cluster: `host` and `port` are one node, these are more, each asked for the
+    /// slot map (and dialled for lease events) in turn.
+    cluster: bool,
+    seeds: Vec<(String, u16)>,
 }
 
 /// The Sentinels of one master name.
@@ -148,12 +153,43 @@ impl RedisTarget {
             settings: url.settings,
             tls,
             sentinel: None,
+            cluster: false,
+            seeds: Vec::new(),
         })
+    }
+
+    /// The node at `host:port`, reached with this target's settings and TLS.
+    fn at(&self, host: &str, port: u16) -> Self {
+        RedisTarget {
+            host: host.to_owned(),
+            port,
+            settings: self.settings.clone(),
+            tls: self.tls.clone(),
+            sentinel: None,
+            cluster: false,
+            seeds: Vec::new(),
+        }
+    }
+
+    /// A Redis Cluster, with `seeds` (`host:port`) besides the url's node.
+    pub(crate) fn with_cluster(mut self, seeds: &[String]) -> Result<Self, String> {
+        self.seeds = seeds
+            .iter()
+            .map(|seed| {
+                crate::config::parse_seed(seed)
+                    .ok_or_else(|| format!("cluster: `{seed}` is not host:port"))
+            })
+            .collect::<Result<_, _>>()?;
+        self.cluster = true;
+        Ok(self)
     }
 
     /// The url's target with `ha`'s Sentinels, if it names any: each Sentinel url is read like
     /// the data nodes' (its own user and password; the same TLS).
     pub(crate) fn with_ha(self, ha: &RedisHa) -> Result<Self, String> {
+        if let Some(cluster) = &ha.cluster {
+            return self.with_cluster(&cluster.seeds);
+        }
         match &ha.sentinel {
             None => Ok(self),
             Some(sentinel) => {
@@ -211,11 +247,23 @@ impl RedisTarget {
 
     /// A new connection (TLS handshake with the TLS files as they are now), set up and
     /// authenticated, with its driver task running; within [`CONNECT_TIMEOUT`].
-    /// With Sentinel, to the primary the Sentinels name, checked with `ROLE`.
+    /// With Sentinel, to the primary the Sentinels name, checked with `ROLE`; with Cluster, to
+    /// the url's node or else the first seed that answers (any node hears every `PUBLISH`).
     pub(crate) async fn connect(
         &self,
         config: AsyncConnectionConfig,
     ) -> Result<MultiplexedConnection, RedisError> {
+        if self.cluster {
+            let mut last = None;
+            let seeds = self.seeds.iter().map(|(h, p)| (h.as_str(), *p));
+            for (host, port) in std::iter::once((self.host.as_str(), self.port)).chain(seeds) {
+                match self.dial(host, port, config.clone()).await {
+                    Ok(conn) => return Ok(conn),
+                    Err(e) => last = Some(e),
+                }
+            }
+            return Err(last.unwrap_or_else(|| no_primary("no cluster node".into())));
+        }
         let Some(sentinels) = &self.sentinel else {
             return self.dial(&self.host, self.port, config).await;
         };
@@ -420,10 +468,6 @@ impl RedisConn {
         })
     }
 
-    pub(crate) fn target(&self) -> &RedisTarget {
-        &self.target
-    }
-
     /// Each new connection also reads the server's replication history
     /// ([`RedisConn::get_with_history`]); one `INFO replication` per connection, which the
     /// user then needs the permission for.
@@ -576,6 +620,299 @@ impl RedisConn {
         }
         result
     }
+}
+
+/// What the fence store and the lease backend talk to: one server (the url's, or the primary
+/// the Sentinels name), or the primaries of a Redis Cluster, each key sent to the one holding
+/// its slot ([`cluster`]).
+pub(crate) struct RedisClient {
+    target: RedisTarget,
+    nodes: Nodes,
+}
+
+enum Nodes {
+    One(Arc<RedisConn>),
+    Cluster(Box<cluster::Cluster>),
+}
+
+/// A connection a command runs on, given to the operation of [`RedisClient::call`].
+pub(crate) struct Session {
+    pub conn: MultiplexedConnection,
+    /// The replication history of the server it reached ([`RedisClient::new`]'s `history`).
+    pub history: Option<Arc<History>>,
+    node: Arc<RedisConn>,
+}
+
+impl Session {
+    /// [`RedisConn::replicated`] on this connection.
+    pub(crate) async fn replicated(&mut self) -> Result<Result<(), Unconfirmed>, RedisError> {
+        self.node.replicated(&mut self.conn).await
+    }
+}
+
+/// Where a `SCAN` over every primary is: which primary, and its cursor.
+#[derive(Debug, Default)]
+pub(crate) struct ScanCursor {
+    node: usize,
+    at: u64,
+    done: bool,
+}
+
+impl ScanCursor {
+    pub(crate) fn done(&self) -> bool {
+        self.done
+    }
+}
+
+/// How many redirections (`MOVED`, `ASK`) one command follows.
+const MAX_REDIRECTS: usize = 3;
+
+impl RedisClient {
+    /// `log_as`: see [`RedisConn`]; `replicas`: what [`Session::replicated`] waits for;
+    /// `history`: whether each new connection reads its server's replication history.
+    pub(crate) fn new(
+        target: RedisTarget,
+        log_as: Option<&'static str>,
+        replicas: u32,
+        history: bool,
+    ) -> Self {
+        let nodes = if target.cluster {
+            Nodes::Cluster(Box::new(cluster::Cluster::new(
+                target.clone(),
+                log_as,
+                replicas,
+                history,
+            )))
+        } else {
+            let conn = RedisConn::new(target.clone(), log_as, replicas);
+            Nodes::One(Arc::new(if history { conn.with_history() } else { conn }))
+        };
+        RedisClient { target, nodes }
+    }
+
+    pub(crate) fn target(&self) -> &RedisTarget {
+        &self.target
+    }
+
+    /// Runs `op` on a connection to the primary that holds `key` (the one server, or the
+    /// cluster node of its slot), following `MOVED` and `ASK` (a redirected command did not
+    /// run, so running it again is safe). A failure that breaks the connection drops it, as
+    /// [`RedisConn::done`] says; in a cluster, it also has the slot map asked again.
+    pub(crate) async fn call<T, F, Fut>(&self, key: &str, mut op: F) -> Result<T, RedisError>
+    where
+        F: FnMut(Session) -> Fut,
+        Fut: std::future::Future<Output = Result<T, RedisError>>,
+    {
+        let cluster = match &self.nodes {
+            Nodes::One(node) => {
+                let result = Self::run(node, &mut op).await;
+                return result.map_err(|e| match e.redirect_node() {
+                    Some(_) => not_a_cluster(&e),
+                    None => e,
+                });
+            }
+            Nodes::Cluster(cluster) => cluster,
+        };
+        let mut redirects = 0;
+        loop {
+            let node = cluster.route(key.as_bytes()).await?;
+            let (command, conn, history) = node.get_with_history().await.inspect_err(|_| {
+                cluster.stale();
+            })?;
+            let session = Session {
+                conn,
+                history,
+                node: Arc::clone(&node),
+            };
+            let result = op(session).await;
+            let redirect = match &result {
+                Err(e) if redirects < MAX_REDIRECTS => e
+                    .redirect_node()
+                    .map(|(addr, slot)| (e.kind(), addr.to_owned(), slot)),
+                _ => None,
+            };
+            let Some((kind, addr, slot)) = redirect else {
+                if result.as_ref().is_err_and(moves_the_map) {
+                    cluster.stale();
+                }
+                return node.done(command, result).await;
+            };
+            // The node answered: its connection is sound.
+            node.done(command, Ok(())).await?;
+            redirects += 1;
+            let Some((host, port)) = crate::config::parse_seed(&addr) else {
+                cluster.stale();
+                continue;
+            };
+            if kind == ErrorKind::Server(redis::ServerErrorKind::Ask) {
+                return Self::asking(&cluster.redirected(&host, port), &mut op).await;
+            }
+            cluster.moved(slot, &host, port);
+        }
+    }
+
+    /// `op` on `node`'s shared connection.
+    async fn run<T, F, Fut>(node: &Arc<RedisConn>, op: &mut F) -> Result<T, RedisError>
+    where
+        F: FnMut(Session) -> Fut,
+        Fut: std::future::Future<Output = Result<T, RedisError>>,
+    {
+        let (command, conn, history) = node.get_with_history().await?;
+        let session = Session {
+            conn,
+            history,
+            node: Arc::clone(node),
+        };
+        let result = op(session).await;
+        node.done(command, result).await
+    }
+
+    /// `op` after `ASKING`, on a connection of its own to `node` (so no other command takes
+    /// the `ASKING`): a slot being migrated there. Twice at most: a script not yet loaded on
+    /// `node` takes the `ASKING` with its first `EVALSHA`.
+    async fn asking<T, F, Fut>(node: &Arc<RedisConn>, op: &mut F) -> Result<T, RedisError>
+    where
+        F: FnMut(Session) -> Fut,
+        Fut: std::future::Future<Output = Result<T, RedisError>>,
+    {
+        let config = AsyncConnectionConfig::new().set_response_timeout(Some(RESPONSE_TIMEOUT));
+        let mut conn = node.target.connect(config).await?;
+        let history = node.history_of(&mut conn).await?;
+        let mut tries = 0;
+        loop {
+            redis::cmd("ASKING").query_async::<()>(&mut conn).await?;
+            let session = Session {
+                conn: conn.clone(),
+                history: history.clone(),
+                node: Arc::clone(node),
+            };
+            tries += 1;
+            match op(session).await {
+                Err(e) if tries < 2 && e.redirect_node().is_some() => continue,
+                result => return result,
+            }
+        }
+    }
+
+    /// Runs `op` on every primary (the one server, or each primary of the cluster).
+    pub(crate) async fn call_each<T, F, Fut>(&self, mut op: F) -> Result<Vec<T>, RedisError>
+    where
+        F: FnMut(Session) -> Fut,
+        Fut: std::future::Future<Output = Result<T, RedisError>>,
+    {
+        let mut out = Vec::new();
+        for node in self.primaries().await? {
+            let result = Self::run(&node, &mut op).await;
+            if let (Nodes::Cluster(cluster), Err(e)) = (&self.nodes, &result) {
+                if moves_the_map(e) {
+                    cluster.stale();
+                }
+            }
+            out.push(result?);
+        }
+        Ok(out)
+    }
+
+    async fn primaries(&self) -> Result<Vec<Arc<RedisConn>>, RedisError> {
+        match &self.nodes {
+            Nodes::One(node) => Ok(vec![Arc::clone(node)]),
+            Nodes::Cluster(cluster) => cluster.primaries().await,
+        }
+    }
+
+    /// One `SCAN` step over the keys matching `pattern` ([`SCAN_BATCH`] asked for), on every
+    /// primary in turn; `cursor` starts as `ScanCursor::default()` and is done after the last.
+    /// A failover during a scan may make it skip or repeat keys.
+    pub(crate) async fn scan<K: redis::FromRedisValue>(
+        &self,
+        cursor: &mut ScanCursor,
+        pattern: &str,
+    ) -> Result<Vec<K>, RedisError> {
+        let nodes = self.primaries().await?;
+        let Some(node) = nodes.get(cursor.node) else {
+            cursor.done = true;
+            return Ok(Vec::new());
+        };
+        let (next, keys) = node.scan(cursor.at, pattern).await?;
+        if next == 0 {
+            cursor.node += 1;
+            cursor.at = 0;
+            cursor.done = cursor.node >= nodes.len();
+        } else {
+            cursor.at = next;
+        }
+        Ok(keys)
+    }
+
+    /// For each of `keys`, the commands `add` puts in a pipeline, one pipeline per slot (a
+    /// cluster answers a pipeline on one node); one reply per key (a tuple of its commands'
+    /// replies), in the order of `keys`.
+    pub(crate) async fn pipelined<T: redis::FromRedisValue>(
+        &self,
+        keys: Vec<String>,
+        add: impl Fn(&mut redis::Pipeline, &str),
+    ) -> Result<Vec<T>, RedisError> {
+        let keys: Vec<(usize, String)> = keys.into_iter().enumerate().collect();
+        let mut replies = Vec::with_capacity(keys.len());
+        for group in self.by_slot(keys, |(_, k)| k.as_bytes()) {
+            let mut pipe = redis::pipe();
+            for (_, key) in &group {
+                add(&mut pipe, key);
+            }
+            let pipe = &pipe;
+            let answered: Vec<T> = self
+                .call(&group[0].1, |mut s| async move {
+                    pipe.query_async(&mut s.conn).await
+                })
+                .await?;
+            replies.extend(group.iter().map(|(at, _)| *at).zip(answered));
+        }
+        replies.sort_by_key(|(at, _)| *at);
+        Ok(replies.into_iter().map(|(_, reply)| reply).collect())
+    }
+
+    /// `items` in groups that one command may touch together: one group on a single server,
+    /// one per slot in a cluster (a script or a pipeline there reaches one node).
+    pub(crate) fn by_slot<T>(&self, items: Vec<T>, key: impl Fn(&T) -> &[u8]) -> Vec<Vec<T>> {
+        if items.is_empty() {
+            return Vec::new();
+        }
+        if matches!(self.nodes, Nodes::One(_)) {
+            return vec![items];
+        }
+        let mut groups: std::collections::BTreeMap<u16, Vec<T>> = Default::default();
+        for item in items {
+            groups
+                .entry(cluster::slot_of(key(&item)))
+                .or_default()
+                .push(item);
+        }
+        groups.into_values().collect()
+    }
+}
+
+/// A failure after which a cluster's slot map may be out of date.
+fn moves_the_map(e: &RedisError) -> bool {
+    e.is_io_error()
+        || e.is_timeout()
+        || e.is_connection_dropped()
+        || e.is_unrecoverable_error()
+        || matches!(
+            e.code(),
+            Some("READONLY" | "MASTERDOWN" | "CLUSTERDOWN" | "TRYAGAIN")
+        )
+}
+
+/// A `MOVED` or `ASK` from a server fencegate took for a single one.
+fn not_a_cluster(e: &RedisError) -> RedisError {
+    RedisError::from((
+        ErrorKind::Server(redis::ServerErrorKind::Moved),
+        "a Redis Cluster node",
+        format!(
+            "the server redirects to another node ({e}): it is a Redis Cluster node; set \
+             `cluster` in the store or lease backend (docs/stores.md#redis-cluster)"
+        ),
+    ))
 }
 
 /// `s` with Redis glob characters escaped, for `SCAN MATCH`.

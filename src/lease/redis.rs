@@ -40,7 +40,7 @@ use tokio::sync::{mpsc, watch};
 use super::backend::{Acquired, Grant, GrantEvents, LeaseBackend, LeaseError};
 use super::shared::{self, new_lease_id, GrantFeed, Waiters, HEARTBEAT};
 use crate::config::RedisHa;
-use crate::conn::redis::{failure, RedisConn, RedisTarget, Unconfirmed};
+use crate::conn::redis::{failure, RedisClient, RedisTarget, Unconfirmed};
 use crate::conn::BoxFuture;
 use crate::tls::ClientTls;
 
@@ -105,7 +105,7 @@ pub const EPOCH_GAP: u64 = 1 << 32;
 
 pub struct RedisLeases {
     /// Commands; connected on first use, so fencegate starts while Redis is down.
-    conn: RedisConn,
+    conn: RedisClient,
     /// The event subscription; started by the first `changed()` or `grant_events()`.
     events: OnceLock<Events>,
     acquire: Script,
@@ -140,7 +140,7 @@ impl RedisLeases {
             .and_then(|t| t.with_ha(ha))
             .map_err(LeaseError::Config)?;
         Ok(RedisLeases {
-            conn: RedisConn::new(target, Some("lease backend"), ha.replicas).with_history(),
+            conn: RedisClient::new(target, Some("lease backend"), ha.replicas, true),
             events: OnceLock::new(),
             acquire: Script::new(ACQUIRE),
             renew: Script::new(RENEW),
@@ -285,59 +285,64 @@ impl LeaseBackend for RedisLeases {
         ttl: Duration,
     ) -> BoxFuture<'a, Result<Acquired, LeaseError>> {
         Box::pin(async move {
-            let (generation, mut conn, history) =
-                self.conn.get_with_history().await.map_err(unavailable)?;
-            let lease_id = new_lease_id();
-            let (replid, promoted) = match history.as_deref() {
-                Some(h) => (h.replid.as_str(), if h.promoted { "1" } else { "0" }),
-                None => ("", "0"),
-            };
-            let result = self
-                .acquire
-                .key(self.key(resource, "lease"))
-                .key(self.key(resource, "token"))
-                .key(self.key(resource, "history"))
-                .arg(&lease_id)
-                .arg(holder)
-                .arg(ttl_ms(ttl))
-                .arg(self.key(resource, "granted"))
-                .arg(replid)
-                .arg(promoted)
-                .arg(EPOCH_GAP)
-                .invoke_async::<(u8, String)>(&mut conn)
-                .await;
-            let result = match result {
-                // A grant (and its counter) survives a failover only once replicated.
-                Ok((1, token)) => self
-                    .conn
-                    .replicated(&mut conn)
-                    .await
-                    .map(|lag| ((1, token), lag)),
-                other => other.map(|reply| (reply, Ok(()))),
-            };
+            let lease_id = &new_lease_id();
+            let (lease, counter, history) = (
+                &self.key(resource, "lease"),
+                &self.key(resource, "token"),
+                &self.key(resource, "history"),
+            );
+            let (released, granted) = (
+                &self.key(resource, "released"),
+                &self.key(resource, "granted"),
+            );
             let ((granted, value), lag) = self
                 .conn
-                .done(generation, result)
+                .call(lease, |mut s| async move {
+                    let (replid, promoted) = match s.history.as_deref() {
+                        Some(h) => (h.replid.clone(), if h.promoted { "1" } else { "0" }),
+                        None => (String::new(), "0"),
+                    };
+                    let reply = self
+                        .acquire
+                        .key(lease)
+                        .key(counter)
+                        .key(history)
+                        .arg(lease_id)
+                        .arg(holder)
+                        .arg(ttl_ms(ttl))
+                        .arg(granted)
+                        .arg(replid)
+                        .arg(promoted)
+                        .arg(EPOCH_GAP)
+                        .invoke_async::<(u8, String)>(&mut s.conn)
+                        .await?;
+                    if reply.0 != 1 {
+                        return Ok((reply, Ok(())));
+                    }
+                    // A grant (and its counter) survives a failover only once replicated.
+                    let lag = s.replicated().await?;
+                    if lag.is_err() {
+                        // Refused, so nobody will ever release it: the grant is given back at
+                        // once rather than holding the resource for its TTL (best effort;
+                        // should this fail too, the TTL frees it).
+                        let _: Result<u8, _> = self
+                            .release
+                            .key(lease)
+                            .arg(lease_id)
+                            .arg(released)
+                            .invoke_async(&mut s.conn)
+                            .await;
+                    }
+                    Ok((reply, lag))
+                })
                 .await
                 .map_err(unavailable)?;
-            if let Err(lag) = lag {
-                // Refused, so nobody will ever release it: the grant is given back at once
-                // rather than holding the resource for its TTL (best effort; should this fail
-                // too, the TTL frees it).
-                let _: Result<u8, _> = self
-                    .release
-                    .key(self.key(resource, "lease"))
-                    .arg(&lease_id)
-                    .arg(self.key(resource, "released"))
-                    .invoke_async(&mut conn)
-                    .await;
-                return Err(lagging(lag));
-            }
+            lag.map_err(lagging)?;
             if granted == 1 {
                 return Ok(Acquired::Granted(Grant {
                     resource: resource.to_owned(),
                     holder: holder.to_owned(),
-                    lease_id,
+                    lease_id: lease_id.clone(),
                     token: parse_token(&value)?,
                 }));
             }
@@ -353,24 +358,25 @@ impl LeaseBackend for RedisLeases {
         ttl: Duration,
     ) -> BoxFuture<'a, Result<bool, LeaseError>> {
         Box::pin(async move {
-            let (generation, mut conn) = self.conn.get().await.map_err(unavailable)?;
-            let result = self
-                .renew
-                .key(self.key(&grant.resource, "lease"))
-                .arg(&grant.lease_id)
-                .arg(ttl_ms(ttl))
-                .invoke_async::<u8>(&mut conn)
-                .await;
-            // A renewal extends the holder's belief in its lease: like a grant, it counts only
-            // once the replicas hold it (else a failover could hand the lease on before the
-            // holder's new deadline).
-            let result = match result {
-                Ok(1) => self.conn.replicated(&mut conn).await.map(|lag| (1, lag)),
-                other => other.map(|renewed| (renewed, Ok(()))),
-            };
+            let lease = &self.key(&grant.resource, "lease");
             let (renewed, lag) = self
                 .conn
-                .done(generation, result)
+                .call(lease, |mut s| async move {
+                    let renewed = self
+                        .renew
+                        .key(lease)
+                        .arg(&grant.lease_id)
+                        .arg(ttl_ms(ttl))
+                        .invoke_async::<u8>(&mut s.conn)
+                        .await?;
+                    // A renewal extends the holder's belief in its lease: like a grant, it
+                    // counts only once the replicas hold it (else a failover could hand the
+                    // lease on before the holder's new deadline).
+                    if renewed == 1 {
+                        return Ok((renewed, s.replicated().await?));
+                    }
+                    Ok((renewed, Ok(())))
+                })
                 .await
                 .map_err(unavailable)?;
             lag.map_err(lagging)?;
@@ -380,17 +386,18 @@ impl LeaseBackend for RedisLeases {
 
     fn release<'a>(&'a self, grant: &'a Grant) -> BoxFuture<'a, Result<bool, LeaseError>> {
         Box::pin(async move {
-            let (generation, mut conn) = self.conn.get().await.map_err(unavailable)?;
-            let result = self
-                .release
-                .key(self.key(&grant.resource, "lease"))
-                .arg(&grant.lease_id)
-                .arg(self.key(&grant.resource, "released"))
-                .invoke_async(&mut conn)
-                .await;
+            let lease = &self.key(&grant.resource, "lease");
+            let released = &self.key(&grant.resource, "released");
             let released: u8 = self
                 .conn
-                .done(generation, result)
+                .call(lease, |mut s| async move {
+                    self.release
+                        .key(lease)
+                        .arg(&grant.lease_id)
+                        .arg(released)
+                        .invoke_async(&mut s.conn)
+                        .await
+                })
                 .await
                 .map_err(unavailable)?;
             Ok(released == 1)
@@ -402,14 +409,15 @@ impl LeaseBackend for RedisLeases {
         resource: &'a str,
     ) -> BoxFuture<'a, Result<Option<u64>, LeaseError>> {
         Box::pin(async move {
-            let (generation, mut conn) = self.conn.get().await.map_err(unavailable)?;
-            let result = redis::cmd("GET")
-                .arg(self.key(resource, "token"))
-                .query_async(&mut conn)
-                .await;
+            let counter = &self.key(resource, "token");
             let value: Option<String> = self
                 .conn
-                .done(generation, result)
+                .call(counter, |mut s| async move {
+                    redis::cmd("GET")
+                        .arg(counter)
+                        .query_async(&mut s.conn)
+                        .await
+                })
                 .await
                 .map_err(unavailable)?;
             value.as_deref().map(parse_token).transpose()
@@ -420,16 +428,17 @@ impl LeaseBackend for RedisLeases {
         // Not subscribed (Redis down?): the waiter's backoff wakes it meanwhile.
         let subscribed = self.events().subscribed.clone();
         let free = async move {
-            let held = match self.conn.get().await {
-                Ok((generation, mut conn)) => {
-                    let result = redis::cmd("EXISTS")
-                        .arg(self.key(resource, "lease"))
-                        .query_async::<u8>(&mut conn)
-                        .await;
-                    self.conn.done(generation, result).await.map(|n| n == 1)
-                }
-                Err(_) => Ok(true),
-            };
+            let lease = &self.key(resource, "lease");
+            let held = self
+                .conn
+                .call(lease, |mut s| async move {
+                    redis::cmd("EXISTS")
+                        .arg(lease)
+                        .query_async::<u8>(&mut s.conn)
+                        .await
+                })
+                .await
+                .map(|n| n == 1);
             matches!(held, Ok(false))
         };
         Box::pin(shared::changed(subscribed, &self.waiters, resource, free))

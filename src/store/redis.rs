@@ -39,7 +39,7 @@ use super::retention::{Freshness, MARK_SLACK};
 use super::shared::{Claimed, Owner, Remote};
 use super::{decide, Rule, StoreError, Verdict};
 use crate::config::{EqualTokens, RedisHa};
-use crate::conn::redis::{failure, RedisConn, RedisTarget, Unconfirmed, SCAN_BATCH};
+use crate::conn::redis::{failure, RedisClient, RedisTarget, ScanCursor, Unconfirmed, SCAN_BATCH};
 use crate::conn::BoxFuture;
 use crate::idempotency::{AttemptId, Begin, Claim, Record};
 use crate::tls::ClientTls;
@@ -197,7 +197,7 @@ return 0
 
 pub struct RedisRemote {
     /// Connected on first use, so fencegate starts (not ready) while Redis is still down.
-    conn: RedisConn,
+    conn: RedisClient,
     script: Script,
     begin: Script,
     finish: Script,
@@ -224,7 +224,7 @@ impl RedisRemote {
             .and_then(|t| t.with_ha(ha))
             .map_err(StoreError::Config)?;
         Ok(RedisRemote {
-            conn: RedisConn::new(target, None, ha.replicas),
+            conn: RedisClient::new(target, None, ha.replicas, false),
             replicas: ha.replicas,
             script: Script::new(RAISE),
             begin: Script::new(BEGIN),
@@ -366,32 +366,31 @@ impl Remote for RedisRemote {
         let floor = rule.floor(token).map(|f| f.to_string()).unwrap_or_default();
         let equal = rule.equal;
         Box::pin(async move {
-            let (generation, mut conn) = self.conn.get().await.map_err(unavailable)?;
-            let result = async {
-                let reply: (String, u8) = self
-                    .script
-                    .key(self.key(resource))
-                    .arg(token.to_string())
-                    .arg(self.aging_ms())
-                    .arg(flag(self.replicas > 0 && equal == EqualTokens::Allow))
-                    .arg(&floor)
-                    .invoke_async(&mut conn)
-                    .await?;
-                // An equal token admitted is acknowledged like a raise: the script wrote the
-                // maximum again for this WAIT to cover.
-                let admitted =
-                    reply.1 == 1 || (reply.0 == token.to_string() && equal == EqualTokens::Allow);
-                let lag = if admitted {
-                    self.conn.replicated(&mut conn).await?
-                } else {
-                    Ok(())
-                };
-                Ok((reply, lag))
-            }
-            .await;
+            let key = self.key(resource);
+            let (key, floor, text) = (&key, &floor, &token.to_string());
             let ((previous, raised), lag) = self
                 .conn
-                .done(generation, result)
+                .call(key, |mut s| async move {
+                    let reply: (String, u8) = self
+                        .script
+                        .key(key)
+                        .arg(text)
+                        .arg(self.aging_ms())
+                        .arg(flag(self.replicas > 0 && equal == EqualTokens::Allow))
+                        .arg(floor)
+                        .invoke_async(&mut s.conn)
+                        .await?;
+                    // An equal token admitted is acknowledged like a raise: the script wrote
+                    // the maximum again for this WAIT to cover.
+                    let admitted =
+                        reply.1 == 1 || (&reply.0 == text && equal == EqualTokens::Allow);
+                    let lag = if admitted {
+                        s.replicated().await?
+                    } else {
+                        Ok(())
+                    };
+                    Ok((reply, lag))
+                })
                 .await
                 .map_err(unavailable)?;
             lag.map_err(lagging)?;
@@ -411,14 +410,12 @@ impl Remote for RedisRemote {
 
     fn get<'a>(&'a self, resource: &'a str) -> BoxFuture<'a, Result<Option<u64>, StoreError>> {
         Box::pin(async move {
-            let (generation, mut conn) = self.conn.get().await.map_err(unavailable)?;
-            let result = redis::cmd("GET")
-                .arg(self.key(resource))
-                .query_async(&mut conn)
-                .await;
+            let key = &self.key(resource);
             let value: Option<String> = self
                 .conn
-                .done(generation, result)
+                .call(key, |mut s| async move {
+                    redis::cmd("GET").arg(key).query_async(&mut s.conn).await
+                })
                 .await
                 .map_err(unavailable)?;
             value.as_deref().map(parse).transpose()
@@ -427,18 +424,19 @@ impl Remote for RedisRemote {
 
     fn ping(&self) -> BoxFuture<'_, Result<(), StoreError>> {
         Box::pin(async move {
-            let (generation, mut conn) = self.conn.get().await.map_err(unavailable)?;
-            // Ready only while the replicas asked for acknowledge what this connection wrote.
-            let result = async {
-                redis::cmd("PING").query_async::<String>(&mut conn).await?;
-                self.conn.replicated(&mut conn).await
-            }
-            .await;
-            self.conn
-                .done(generation, result)
+            // Ready only while the replicas asked for acknowledge what each primary's
+            // connection wrote.
+            let lags = self
+                .conn
+                .call_each(|mut s| async move {
+                    redis::cmd("PING")
+                        .query_async::<String>(&mut s.conn)
+                        .await?;
+                    s.replicated().await
+                })
                 .await
-                .map_err(unavailable)?
-                .map_err(lagging)
+                .map_err(unavailable)?;
+            lags.into_iter().try_for_each(|lag| lag.map_err(lagging))
         })
     }
 
@@ -450,43 +448,41 @@ impl Remote for RedisRemote {
         takeover: Option<AttemptId>,
     ) -> BoxFuture<'a, Result<Claimed, StoreError>> {
         Box::pin(async move {
-            let (generation, mut conn) = self.conn.get().await.map_err(unavailable)?;
-            let in_flight = claim.in_flight().encode();
-            let result = self
-                .begin
-                .key(self.key(resource))
-                .key(self.record_key(resource, key))
-                .arg(claim.token.to_string())
-                .arg(claim.fingerprint.hex())
-                .arg(flag(claim.rule.equal == EqualTokens::Allow))
-                .arg(flag(claim.may_execute))
-                .arg(window_ms(claim))
-                .arg(in_flight)
-                .arg(claim.attempt.hex())
-                .arg(takeover.map(|a| a.hex()).unwrap_or_default())
-                .arg(self.aging_ms())
-                .arg(
-                    claim
-                        .rule
-                        .floor(claim.token)
-                        .map(|f| f.to_string())
-                        .unwrap_or_default(),
-                )
-                .invoke_async::<Vec<Vec<u8>>>(&mut conn)
-                .await;
-            let result = match result {
-                // Executing wrote the in-flight record (and any raise): acknowledged only once
-                // replicated.
-                Ok(reply) if reply.first().is_some_and(|k| k == b"execute") => self
-                    .conn
-                    .replicated(&mut conn)
-                    .await
-                    .map(|lag| (reply, lag)),
-                other => other.map(|reply| (reply, Ok(()))),
-            };
+            let in_flight = &claim.in_flight().encode();
+            let max_key = &self.key(resource);
+            let record_key = &self.record_key(resource, key);
+            let floor = &claim
+                .rule
+                .floor(claim.token)
+                .map(|f| f.to_string())
+                .unwrap_or_default();
             let (reply, lag) = self
                 .conn
-                .done(generation, result)
+                .call(max_key, |mut s| async move {
+                    let reply = self
+                        .begin
+                        .key(max_key)
+                        .key(record_key)
+                        .arg(claim.token.to_string())
+                        .arg(claim.fingerprint.hex())
+                        .arg(flag(claim.rule.equal == EqualTokens::Allow))
+                        .arg(flag(claim.may_execute))
+                        .arg(window_ms(claim))
+                        .arg(in_flight)
+                        .arg(claim.attempt.hex())
+                        .arg(takeover.map(|a| a.hex()).unwrap_or_default())
+                        .arg(self.aging_ms())
+                        .arg(floor)
+                        .invoke_async::<Vec<Vec<u8>>>(&mut s.conn)
+                        .await?;
+                    // Executing wrote the in-flight record (and any raise): acknowledged only
+                    // once replicated.
+                    if reply.first().is_some_and(|k| k == b"execute") {
+                        let lag = s.replicated().await?;
+                        return Ok((reply, lag));
+                    }
+                    Ok((reply, Ok(())))
+                })
                 .await
                 .map_err(unavailable)?;
             lag.map_err(lagging)?;
@@ -502,29 +498,30 @@ impl Remote for RedisRemote {
         outcome: &'a Record,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
         Box::pin(async move {
-            let (generation, mut conn) = self.conn.get().await.map_err(unavailable)?;
-            let result = self
-                .finish
-                .key(self.record_key(resource, key))
-                .arg(claim.token.to_string())
-                .arg(claim.fingerprint.hex())
-                .arg(outcome.phase.code())
-                .arg(outcome.token.to_string())
-                .arg(outcome.fingerprint.hex())
-                .arg(outcome.encode())
-                .arg(window_ms(claim))
-                .arg(claim.attempt.hex())
-                .invoke_async::<u8>(&mut conn)
-                .await;
-            let result = match result {
-                // The outcome a retry is answered with: kept through a failover only once
-                // replicated.
-                Ok(1) => self.conn.replicated(&mut conn).await.map(|lag| (1, lag)),
-                other => other.map(|wrote| (wrote, Ok(()))),
-            };
+            let record_key = &self.record_key(resource, key);
             let (wrote, lag) = self
                 .conn
-                .done(generation, result)
+                .call(record_key, |mut s| async move {
+                    let wrote = self
+                        .finish
+                        .key(record_key)
+                        .arg(claim.token.to_string())
+                        .arg(claim.fingerprint.hex())
+                        .arg(outcome.phase.code())
+                        .arg(outcome.token.to_string())
+                        .arg(outcome.fingerprint.hex())
+                        .arg(outcome.encode())
+                        .arg(window_ms(claim))
+                        .arg(claim.attempt.hex())
+                        .invoke_async::<u8>(&mut s.conn)
+                        .await?;
+                    // The outcome a retry is answered with: kept through a failover only once
+                    // replicated.
+                    if wrote == 1 {
+                        return Ok((wrote, s.replicated().await?));
+                    }
+                    Ok((wrote, Ok(())))
+                })
                 .await
                 .map_err(unavailable)?;
             lag.map_err(lagging)?;
@@ -558,17 +555,17 @@ impl Remote for RedisRemote {
             let sent = Instant::now();
             let period = self.retention_ms.load(Ordering::Relaxed);
             let slack = u64::try_from(MARK_SLACK.as_millis()).unwrap_or(u64::MAX);
-            let (generation, mut conn) = self.conn.get().await.map_err(unavailable)?;
-            let key = self.mark_key();
-            let result = redis::cmd("SET")
-                .arg(&key)
-                .arg(value)
-                .arg("PX")
-                .arg(period.saturating_add(slack))
-                .query_async::<()>(&mut conn)
-                .await;
+            let key = &self.mark_key();
             self.conn
-                .done(generation, result)
+                .call(key, |mut s| async move {
+                    redis::cmd("SET")
+                        .arg(key)
+                        .arg(value)
+                        .arg("PX")
+                        .arg(period.saturating_add(slack))
+                        .query_async::<()>(&mut s.conn)
+                        .await
+                })
                 .await
                 .map_err(|e| unavailable(e).with_context(&format!("writing the mark {key}")))?;
             self.fresh.marked(sent);
@@ -578,11 +575,11 @@ impl Remote for RedisRemote {
 
     fn read_mark(&self) -> BoxFuture<'_, Result<Option<String>, StoreError>> {
         Box::pin(async move {
-            let (generation, mut conn) = self.conn.get().await.map_err(unavailable)?;
-            let key = self.mark_key();
-            let result = redis::cmd("GET").arg(&key).query_async(&mut conn).await;
+            let key = &self.mark_key();
             self.conn
-                .done(generation, result)
+                .call(key, |mut s| async move {
+                    redis::cmd("GET").arg(key).query_async(&mut s.conn).await
+                })
                 .await
                 .map_err(|e| unavailable(e).with_context(&format!("reading the mark {key}")))
         })
@@ -594,16 +591,16 @@ impl Remote for RedisRemote {
 
     fn unmark<'a>(&'a self, value: &'a str) -> BoxFuture<'a, Result<bool, StoreError>> {
         Box::pin(async move {
-            let (generation, mut conn) = self.conn.get().await.map_err(unavailable)?;
-            let result = self
-                .unmark
-                .key(self.mark_key())
-                .arg(value)
-                .invoke_async(&mut conn)
-                .await;
+            let key = &self.mark_key();
             let deleted: u8 = self
                 .conn
-                .done(generation, result)
+                .call(key, |mut s| async move {
+                    self.unmark
+                        .key(key)
+                        .arg(value)
+                        .invoke_async(&mut s.conn)
+                        .await
+                })
                 .await
                 .map_err(unavailable)?;
             Ok(deleted == 1)
@@ -614,33 +611,34 @@ impl Remote for RedisRemote {
         Box::pin(async move {
             // The prefix is an identifier ([A-Za-z0-9_]), so it has no glob characters.
             let pattern = format!("{}:{{*}}:max", self.prefix);
-            let mut cursor: u64 = 0;
+            let mut cursor = ScanCursor::default();
             let mut kept = 0;
-            loop {
-                let (next, keys): (u64, Vec<Vec<u8>>) = self
+            while !cursor.done() {
+                let keys: Vec<Vec<u8>> = self
                     .conn
-                    .scan(cursor, &pattern)
+                    .scan(&mut cursor, &pattern)
                     .await
                     .map_err(unavailable)?;
-                for chunk in keys.chunks(SCAN_BATCH) {
-                    let mut keep = self.keep.prepare_invoke();
-                    for key in chunk {
-                        keep.key(key.as_slice());
+                // One script per batch of one slot (a cluster runs a script on one node).
+                for group in self.conn.by_slot(keys, |k| k.as_slice()) {
+                    for chunk in group.chunks(SCAN_BATCH) {
+                        let first = String::from_utf8_lossy(&chunk[0]).into_owned();
+                        let n: u64 = self
+                            .conn
+                            .call(&first, |mut s| async move {
+                                let mut keep = self.keep.prepare_invoke();
+                                for key in chunk {
+                                    keep.key(key.as_slice());
+                                }
+                                keep.invoke_async(&mut s.conn).await
+                            })
+                            .await
+                            .map_err(unavailable)?;
+                        kept += n;
                     }
-                    let (generation, mut conn) = self.conn.get().await.map_err(unavailable)?;
-                    let result = keep.invoke_async(&mut conn).await;
-                    let n: u64 = self
-                        .conn
-                        .done(generation, result)
-                        .await
-                        .map_err(unavailable)?;
-                    kept += n;
                 }
-                if next == 0 {
-                    return Ok(kept);
-                }
-                cursor = next;
             }
+            Ok(kept)
         })
     }
 }

@@ -46,14 +46,14 @@ async fn setup(kind: &str, upstream: &str) -> Setup {
 }
 
 /// What one command run did.
-struct Ran {
-    code: i32,
-    stdout: String,
-    stderr: String,
+pub(crate) struct Ran {
+    pub code: i32,
+    pub stdout: String,
+    pub stderr: String,
 }
 
 impl Ran {
-    fn json(&self) -> Value {
+    pub fn json(&self) -> Value {
         serde_json::from_str(&self.stdout)
             .unwrap_or_else(|e| panic!("not JSON ({e}): {}\nstderr: {}", self.stdout, self.stderr))
     }
@@ -69,7 +69,7 @@ impl Ran {
 }
 
 /// Runs `fencegate fences ARGS --config CONFIG` with no terminal on stdin.
-async fn fences(config: &Path, args: &[&str]) -> Ran {
+pub(crate) async fn fences(config: &Path, args: &[&str]) -> Ran {
     let out = Command::new(BIN)
         .arg("fences")
         .args(args)
@@ -94,7 +94,7 @@ async fn max_of(config: &Path, resource: &str) -> Value {
 }
 
 /// The resources and maxima of a `list --output json`.
-fn listed(page: &Value) -> Vec<(String, u64)> {
+pub(crate) fn listed(page: &Value) -> Vec<(String, u64)> {
     page["fences"]
         .as_array()
         .unwrap()

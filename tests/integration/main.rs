@@ -7,6 +7,7 @@ mod access_bytes;
 mod admin;
 mod authority;
 mod check_cli;
+mod cluster;
 mod concurrency;
 mod dashboards;
 mod failover;

@@ -24,7 +24,7 @@ fn store_yaml(topology: &SentinelTopology, replicas: Option<u32>) -> String {
 
 /// Writes `resource` with rising tokens from `first` until one is admitted; every other answer
 /// must be `503 store-unavailable` (never forwarded). Returns the admitted token.
-async fn first_admitted(fg: &Server, id: &str, first: u64) -> u64 {
+pub(crate) async fn first_admitted(fg: &Server, id: &str, first: u64) -> u64 {
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut token = first;
     loop {
@@ -43,7 +43,7 @@ async fn first_admitted(fg: &Server, id: &str, first: u64) -> u64 {
 }
 
 /// The answer to `token` on `id` once the store answers at all (not 503).
-async fn once_answered(fg: &Server, id: &str, token: &str) -> Reply {
+pub(crate) async fn once_answered(fg: &Server, id: &str, token: &str) -> Reply {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let reply = put(fg, id, token).await;
@@ -56,7 +56,7 @@ async fn once_answered(fg: &Server, id: &str, token: &str) -> Reply {
 }
 
 /// Tokens the upstream received for `account:<id>`, in order.
-fn received(up: &Upstream, id: &str) -> Vec<u64> {
+pub(crate) fn received(up: &Upstream, id: &str) -> Vec<u64> {
     let target = format!("/accounts/{id}");
     up.seen()
         .iter()
@@ -81,6 +81,7 @@ async fn lease_backend_with(topology: &SentinelTopology, replicas: u32) -> Arc<d
         prefix: fresh_prefix(),
         replicas: None,
         redis: RedisHa {
+            cluster: None,
             sentinel: Some(SentinelConfig {
                 master: MASTER.into(),
                 urls,
@@ -94,7 +95,7 @@ async fn lease_backend_with(topology: &SentinelTopology, replicas: u32) -> Arc<d
 
 /// An acquire of `resource` by `holder`, retried while the backend is unavailable (a
 /// failover).
-async fn acquire(leases: &dyn LeaseBackend, resource: &str, holder: &str) -> Acquired {
+pub(crate) async fn acquire(leases: &dyn LeaseBackend, resource: &str, holder: &str) -> Acquired {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         match leases
@@ -108,7 +109,7 @@ async fn acquire(leases: &dyn LeaseBackend, resource: &str, holder: &str) -> Acq
     }
 }
 
-async fn grant(leases: &dyn LeaseBackend, resource: &str) -> fencegate::lease::Grant {
+pub(crate) async fn grant(leases: &dyn LeaseBackend, resource: &str) -> fencegate::lease::Grant {
     match acquire(leases, resource, "holder").await {
         Acquired::Granted(grant) => grant,
         Acquired::Held { holder } => panic!("held by {holder:?}"),

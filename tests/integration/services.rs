@@ -805,3 +805,204 @@ async fn etcd_healthy(port: u16) -> bool {
     s.write_all(b"GET /health HTTP/1.0\r\n\r\n").await.is_ok()
         && matches!(s.read(&mut buf).await, Ok(n) if String::from_utf8_lossy(&buf[..n]).contains("\"health\":\"true\""))
 }
+
+/// A Redis Cluster of three primaries and three replicas (`redis-cli --cluster create`), each
+/// node durable like [`Service`]'s Redis, with a 1 s node timeout and replicas that take over
+/// however far behind they are (`cluster-replica-validity-factor 0`, so that a test can make
+/// one lag and still see it promoted).
+pub struct ClusterTopology {
+    pub nodes: Vec<Service>,
+}
+
+/// One line of `CLUSTER NODES`.
+#[derive(Debug, Clone)]
+pub struct ClusterNode {
+    pub id: String,
+    pub port: u16,
+    pub primary: bool,
+    pub failed: bool,
+    /// A replica's primary.
+    pub of: Option<String>,
+    /// A primary's slot ranges.
+    pub slots: Vec<(u16, u16)>,
+}
+
+impl ClusterTopology {
+    pub async fn start() -> ClusterTopology {
+        let mut nodes = Vec::new();
+        for _ in 0..6 {
+            nodes.push(
+                Service::start_redis_with(&[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-node-timeout",
+                    "1000",
+                    "--cluster-replica-validity-factor",
+                    "0",
+                ])
+                .await,
+            );
+        }
+        let addrs: Vec<String> = nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect();
+        let out = tokio::process::Command::new("redis-cli")
+            .args(["--cluster", "create"])
+            .args(&addrs)
+            .args(["--cluster-replicas", "1", "--cluster-yes"])
+            .output()
+            .await
+            .unwrap();
+        assert!(out.status.success(), "redis-cli --cluster create: {out:?}");
+        let topology = ClusterTopology { nodes };
+        topology.wait_settled().await;
+        topology
+    }
+
+    /// Every live node says the cluster is ok and knows three primaries with all slots and
+    /// three replicas whose links are up.
+    pub async fn wait_settled(&self) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let mut settled = true;
+            for node in self.nodes.iter().filter(|n| n.child.is_some()) {
+                let info = redis_cli_at(node.port, &["CLUSTER", "INFO"]).await;
+                settled &= info.contains("cluster_state:ok");
+                let known = self.cluster_nodes_at(node.port).await;
+                settled &= known.iter().filter(|n| n.primary && !n.failed).count() == 3
+                    && known.iter().filter(|n| !n.primary && !n.failed).count() == 3;
+                let replication = redis_cli_at(node.port, &["INFO", "replication"]).await;
+                if replication.contains("role:slave") {
+                    settled &= replication.contains("master_link_status:up");
+                }
+            }
+            if settled {
+                return;
+            }
+            assert!(Instant::now() < deadline, "the Redis Cluster never settled");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// `cluster: { seeds: […] }` for a store or lease backend config (the url names node 0).
+    pub fn yaml(&self) -> String {
+        format!("{{ seeds: [{}] }}", self.seeds().join(", "))
+    }
+
+    pub fn url(&self) -> String {
+        self.nodes[0].url()
+    }
+
+    pub fn seeds(&self) -> Vec<String> {
+        self.nodes[1..]
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect()
+    }
+
+    /// The cluster as the node on `port` sees it.
+    pub async fn cluster_nodes_at(&self, port: u16) -> Vec<ClusterNode> {
+        let out = redis_cli_at(port, &["CLUSTER", "NODES"]).await;
+        out.lines()
+            .filter_map(|line| {
+                let f: Vec<&str> = line.split_whitespace().collect();
+                let port = f
+                    .get(1)?
+                    .split('@')
+                    .next()?
+                    .rsplit(':')
+                    .next()?
+                    .parse()
+                    .ok()?;
+                let flags = f.get(2)?;
+                let slots = f[8..]
+                    .iter()
+                    .filter(|s| !s.starts_with('['))
+                    .filter_map(|s| {
+                        let (a, b) = s.split_once('-').unwrap_or((s, s));
+                        Some((a.parse().ok()?, b.parse().ok()?))
+                    })
+                    .collect();
+                Some(ClusterNode {
+                    id: f[0].to_owned(),
+                    port,
+                    primary: flags.contains("master"),
+                    failed: flags.contains("fail") && !flags.contains("pfail")
+                        || flags.contains("noaddr"),
+                    of: (f[3] != "-").then(|| f[3].to_owned()),
+                    slots,
+                })
+            })
+            .collect()
+    }
+
+    /// The slot of `key`, as the cluster computes it.
+    pub async fn slot_of(&self, key: &str) -> u16 {
+        let port = self.live().port;
+        redis_cli_at(port, &["CLUSTER", "KEYSLOT", key])
+            .await
+            .trim()
+            .parse()
+            .unwrap()
+    }
+
+    fn live(&self) -> &Service {
+        self.nodes.iter().find(|n| n.child.is_some()).unwrap()
+    }
+
+    /// The primary serving `slot` and its replica, as a live node sees them.
+    pub async fn shard_of(&self, slot: u16) -> (ClusterNode, ClusterNode) {
+        let known = self.cluster_nodes_at(self.live().port).await;
+        let primary = known
+            .iter()
+            .find(|n| n.primary && n.slots.iter().any(|(a, b)| *a <= slot && slot <= *b))
+            .cloned()
+            .expect("a primary serves the slot");
+        let replica = known
+            .iter()
+            .find(|n| n.of.as_deref() == Some(primary.id.as_str()))
+            .cloned()
+            .expect("the primary has a replica");
+        (primary, replica)
+    }
+
+    pub fn node(&mut self, port: u16) -> &mut Service {
+        self.nodes.iter_mut().find(|n| n.port == port).unwrap()
+    }
+
+    /// Waits until every live node names a primary for `slot` other than `old`, and that node
+    /// says it is one; returns its port.
+    pub async fn wait_promoted(&self, slot: u16, old: u16) -> u16 {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let mut named = Vec::new();
+            for node in self.nodes.iter().filter(|n| n.child.is_some()) {
+                let known = self.cluster_nodes_at(node.port).await;
+                named.push(
+                    known
+                        .iter()
+                        .find(|n| {
+                            n.primary
+                                && !n.failed
+                                && n.slots.iter().any(|(a, b)| *a <= slot && slot <= *b)
+                        })
+                        .map(|n| n.port),
+                );
+            }
+            if let Some(Some(port)) = named.first().copied() {
+                if port != old
+                    && named.iter().all(|n| *n == Some(port))
+                    && redis_cli_at(port, &["ROLE"]).await.starts_with("master")
+                {
+                    return port;
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no replica took over slot {slot}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}

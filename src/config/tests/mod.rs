@@ -386,7 +386,7 @@ fn a_misspelt_name_gets_the_nearest_one() {
     assert_eq!(
         err("upstream: http://a:1\nstore: { kind: memory, cache_sise: 1 }\n"),
         "store: unknown field `cache_sise`, expected one of `kind`, `path`, `url`, `prefix`, \
-         `cache_size`, `tls`, `sentinel`, `replicas` at line 2 column 24; did you mean \
+         `cache_size`, `tls`, `sentinel`, `cluster`, `replicas` at line 2 column 24; did you mean \
          `cache_size`?"
     );
     assert_eq!(

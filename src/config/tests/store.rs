@@ -236,6 +236,62 @@ fn redis_sentinel_and_replicas() {
     }
 }
 
+#[test]
+fn redis_cluster() {
+    let c = Config::parse(
+        "upstream: http://a:1\n\
+         store: { kind: redis, url: 'redis://app:pw@redis-0:6379', cluster: { seeds: ['redis-1:6379', '[fd00::2]:6379'] } }\n\
+         leases: { backend: { kind: redis, url: 'redis://redis-0:6379/0', cluster: {}, replicas: 2 }, ttl: 1s }\n",
+    )
+    .unwrap();
+    let remote = c.store.remote().unwrap();
+    let cluster = remote.redis.cluster.as_ref().unwrap();
+    assert_eq!(cluster.seeds, ["redis-1:6379", "[fd00::2]:6379"]);
+    // With Cluster, as with Sentinel, a write waits for one replica unless told otherwise.
+    assert_eq!(remote.redis.replicas, 1);
+    let backend = c.leases.as_ref().unwrap().backend.remote().unwrap();
+    assert_eq!(backend.redis.cluster.as_ref().unwrap().seeds.len(), 0);
+    assert_eq!(backend.redis.replicas, 2);
+    // Printed as written, and read back the same.
+    let yaml = c.to_yaml();
+    assert!(yaml.contains("cluster:"), "{yaml}");
+    assert_eq!(Config::parse(&yaml).unwrap().to_yaml(), yaml);
+
+    for (yaml, wanted) in [
+        (
+            "store: { kind: redis, url: 'redis://r:6379', cluster: { seeds: ['r2'] } }",
+            "store: `cluster.seeds[0]` is `host:port`, like 10.0.0.2:6379 (it is `r2`)",
+        ),
+        (
+            "store: { kind: redis, url: 'redis://r:6379', cluster: { seeds: ['redis://r2:6379'] } }",
+            "store: `cluster.seeds[0]` is `host:port`",
+        ),
+        (
+            "store: { kind: redis, url: 'redis://r:6379/3', cluster: {} }",
+            "store: with `cluster`, the `url` names database 0 or none",
+        ),
+        (
+            "store: { kind: redis, url: 'redis://m/', cluster: {}, sentinel: { master: m, urls: ['redis://s:1'] } }",
+            "store: `sentinel` and `cluster` exclude each other",
+        ),
+        (
+            "store: { kind: redis, url: 'redis://r:6379', cluster: { nodes: [] } }",
+            "store.cluster: unknown field `nodes`",
+        ),
+        (
+            "store: { kind: embedded, cluster: {} }",
+            "store: `cluster` is for the redis store",
+        ),
+        (
+            "leases: { backend: { kind: postgres, url: 'postgres://u@h/d', cluster: {} }, ttl: 1s }",
+            "leases.backend: `cluster` is for the redis backend",
+        ),
+    ] {
+        let got = err(&format!("upstream: http://a:1\n{yaml}\n"));
+        assert!(got.contains(wanted), "{yaml}\n got: {got}\nwant: {wanted}");
+    }
+}
+
 /// A url that the store's or lease backend's connector could not read is refused when the
 /// config loads, with the connector's own reason, so `check` refuses what `run` would.
 #[test]

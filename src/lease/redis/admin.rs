@@ -3,31 +3,26 @@
 //! under the prefix and sorts them.
 
 use super::{parse_token, unavailable, RedisLeases};
-use crate::conn::redis::glob_escape;
+use crate::conn::redis::{glob_escape, ScanCursor};
 use crate::conn::BoxFuture;
 use crate::lease::admin::{page_of, InspectLeases, Lease, LeasePage};
 use crate::lease::LeaseError;
 
 impl RedisLeases {
     async fn read(&self, resources: &[String]) -> Result<Vec<Lease>, LeaseError> {
-        if resources.is_empty() {
-            return Ok(Vec::new());
-        }
-        let mut pipe = redis::pipe();
-        for resource in resources {
-            let lease = self.key(resource, "lease");
-            pipe.cmd("GET")
-                .arg(&lease)
-                .cmd("PTTL")
-                .arg(&lease)
-                .cmd("GET")
-                .arg(self.key(resource, "token"));
-        }
-        let (generation, mut conn) = self.conn.get().await.map_err(unavailable)?;
-        let result = pipe.query_async(&mut conn).await;
+        // Keyed by the lease key; the counter shares its hash tag (and slot).
+        let keys = resources.iter().map(|r| self.key(r, "lease")).collect();
         let replies: Vec<(Option<String>, i64, Option<String>)> = self
             .conn
-            .done(generation, result)
+            .pipelined(keys, |pipe, lease| {
+                let counter = format!("{}token", lease.trim_end_matches("lease"));
+                pipe.cmd("GET")
+                    .arg(lease)
+                    .cmd("PTTL")
+                    .arg(lease)
+                    .cmd("GET")
+                    .arg(counter);
+            })
             .await
             .map_err(unavailable)?;
         resources
@@ -82,21 +77,17 @@ impl InspectLeases for RedisLeases {
             let pattern = format!("{}:{{{}*}}:token", self.prefix, glob_escape(prefix));
             let head = format!("{}:{{", self.prefix);
             let mut resources = Vec::new();
-            let mut cursor: u64 = 0;
-            loop {
-                let (next, keys): (u64, Vec<String>) = self
+            let mut cursor = ScanCursor::default();
+            while !cursor.done() {
+                let keys: Vec<String> = self
                     .conn
-                    .scan(cursor, &pattern)
+                    .scan(&mut cursor, &pattern)
                     .await
                     .map_err(unavailable)?;
                 resources.extend(keys.iter().filter_map(|k| {
                     let r = k.strip_prefix(&head)?.strip_suffix("}:token")?;
                     r.starts_with(prefix).then(|| r.to_owned())
                 }));
-                if next == 0 {
-                    break;
-                }
-                cursor = next;
             }
             let resources = page_of(resources, after, limit);
             Ok(LeasePage::of(self.read(&resources).await?, limit))

@@ -7,7 +7,7 @@
 use redis::Script;
 
 use super::{parse, unavailable, RedisRemote};
-use crate::conn::redis::glob_escape;
+use crate::conn::redis::{glob_escape, ScanCursor};
 use crate::conn::BoxFuture;
 use crate::store::admin::{Fence, Inspect, Page};
 use crate::store::StoreError;
@@ -28,14 +28,12 @@ impl RedisRemote {
 
     /// The reset generation (0: no reset ever).
     pub(super) async fn read_resets(&self) -> Result<u64, StoreError> {
-        let (generation, mut conn) = self.conn.get().await.map_err(unavailable)?;
-        let result = redis::cmd("GET")
-            .arg(self.resets_key())
-            .query_async(&mut conn)
-            .await;
+        let key = &self.resets_key();
         let value: Option<String> = self
             .conn
-            .done(generation, result)
+            .call(key, |mut s| async move {
+                redis::cmd("GET").arg(key).query_async(&mut s.conn).await
+            })
             .await
             .map_err(unavailable)?;
         value
@@ -56,20 +54,14 @@ impl RedisRemote {
     }
 
     /// The maxima of `resources` (`None` for a key gone meanwhile) with their expiries.
+    /// The maxima of `resources` (`None` for a key gone meanwhile) with their expiries.
     async fn read(&self, resources: &[String]) -> Result<Vec<Fence>, StoreError> {
-        if resources.is_empty() {
-            return Ok(Vec::new());
-        }
-        let mut pipe = redis::pipe();
-        for resource in resources {
-            let key = self.key(resource);
-            pipe.cmd("GET").arg(&key).cmd("PTTL").arg(&key);
-        }
-        let (generation, mut conn) = self.conn.get().await.map_err(unavailable)?;
-        let result = pipe.query_async(&mut conn).await;
+        let keys = resources.iter().map(|r| self.key(r)).collect();
         let replies: Vec<(Option<String>, i64)> = self
             .conn
-            .done(generation, result)
+            .pipelined(keys, |pipe, key| {
+                pipe.cmd("GET").arg(key).cmd("PTTL").arg(key);
+            })
             .await
             .map_err(unavailable)?;
         resources
@@ -106,11 +98,11 @@ impl Inspect for RedisRemote {
         Box::pin(async move {
             let pattern = format!("{}:{{{}*}}:max", self.prefix, glob_escape(prefix));
             let mut resources = Vec::new();
-            let mut cursor: u64 = 0;
-            loop {
-                let (next, keys): (u64, Vec<String>) = self
+            let mut cursor = ScanCursor::default();
+            while !cursor.done() {
+                let keys: Vec<String> = self
                     .conn
-                    .scan(cursor, &pattern)
+                    .scan(&mut cursor, &pattern)
                     .await
                     .map_err(unavailable)?;
                 resources.extend(
@@ -119,10 +111,6 @@ impl Inspect for RedisRemote {
                         .filter(|r| r.starts_with(prefix) && after.is_none_or(|a| *r > a))
                         .map(str::to_owned),
                 );
-                if next == 0 {
-                    break;
-                }
-                cursor = next;
             }
             // SCAN may return a key more than once.
             resources.sort();
@@ -144,26 +132,32 @@ impl Inspect for RedisRemote {
         to: u64,
     ) -> BoxFuture<'a, Result<Option<u64>, StoreError>> {
         Box::pin(async move {
-            let (generation, mut conn) = self.conn.get().await.map_err(unavailable)?;
-            let result = async {
-                let before: String = Script::new(RESET)
-                    .key(self.key(resource))
-                    .arg(to.to_string())
-                    .invoke_async(&mut conn)
-                    .await?;
-                // After the maximum: a fencegate that sees the new generation reads the new
-                // maximum.
-                redis::cmd("INCR")
-                    .arg(self.resets_key())
-                    .query_async::<u64>(&mut conn)
-                    .await?;
-                let lag = self.conn.replicated(&mut conn).await?;
-                Ok((before, lag))
-            }
-            .await;
+            let (key, resets) = (&self.key(resource), &self.resets_key());
+            let script = &Script::new(RESET);
             let (before, lag) = self
                 .conn
-                .done(generation, result)
+                .call(key, |mut s| async move {
+                    let before: String = script
+                        .key(key)
+                        .arg(to.to_string())
+                        .invoke_async(&mut s.conn)
+                        .await?;
+                    Ok((before, s.replicated().await?))
+                })
+                .await
+                .map_err(unavailable)?;
+            lag.map_err(super::lagging)?;
+            // After the maximum (in a cluster, maybe on another node): a fencegate that sees
+            // the new generation reads the new maximum.
+            let lag = self
+                .conn
+                .call(resets, |mut s| async move {
+                    redis::cmd("INCR")
+                        .arg(resets)
+                        .query_async::<u64>(&mut s.conn)
+                        .await?;
+                    s.replicated().await
+                })
                 .await
                 .map_err(unavailable)?;
             lag.map_err(super::lagging)?;
