@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fencegate::config::{BackendConfig, ClusterConfig, RedisHa, Remote, SecretUrl};
-use fencegate::lease::{self, Acquired, LeaseBackend};
+use fencegate::lease::{self, Acquired, GrantEvent, LeaseBackend};
 
 use crate::common::*;
 use crate::fences_cli::{fences, listed};
@@ -453,4 +453,105 @@ async fn fences_list_reads_every_shard() {
     let all = fences(&config, &["list", "--output", "json"]).await;
     assert_eq!(all.code, 0, "{}", all.stderr);
     assert_eq!(listed(&all.json()), expected);
+}
+
+/// The data nodes' ACL line docs/stores.md gives, plus what its Redis Cluster section adds
+/// (`+cluster|slots +asking +wait`), for `prefix`, on every node: the store and the lease
+/// backend work with exactly these rights across every shard, and no node logged a refused
+/// command.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_documented_cluster_acl_rule_is_enough() {
+    let topology = ClusterTopology::start().await;
+    let up = Upstream::start().await;
+    let prefix = fresh_prefix();
+    let docs =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/stores.md")).unwrap();
+    let line = docs
+        .lines()
+        .find(|l| l.starts_with("ACL SETUSER fencegate on >PASSWORD "))
+        .unwrap()
+        .replace("fencegate:", &format!("{prefix}:"))
+        .replace(">PASSWORD", ">pw");
+    assert!(docs.contains("plus `+cluster|slots` (the slot map) and\n`+asking`"));
+    let mut args: Vec<&str> = line.split(' ').collect();
+    args.extend(["+cluster|slots", "+asking", "+wait"]);
+    for node in &topology.nodes {
+        assert_eq!(redis_cli_at(node.port, &args).await.trim(), "OK");
+    }
+    let url = format!("redis://fencegate:pw@127.0.0.1:{}/", topology.nodes[0].port);
+    let a = fencegate(
+        &up.url(),
+        &format!(
+            "store: {{ kind: redis, url: '{url}', prefix: {prefix}, cluster: {} }}\n{ACCOUNTS}",
+            topology.yaml()
+        ),
+    )
+    .await;
+    let mut shards = std::collections::BTreeSet::new();
+    for i in 1..=9 {
+        let id = i.to_string();
+        assert_eq!(put(&a, &id, "5").await.status, 200);
+        put(&a, &id, "4")
+            .await
+            .assert_problem(409, "urn:fencegate:stale-token");
+        let slot = topology
+            .slot_of(&format!("{prefix}:{{account:{i}}}:max"))
+            .await;
+        shards.insert(topology.shard_of(slot).await.0.port);
+    }
+    assert_eq!(shards.len(), 3, "the resources span every shard");
+
+    let leases = lease::open(&BackendConfig::Redis(Remote {
+        url: SecretUrl::try_from(url).unwrap(),
+        tls: None,
+        prefix: prefix.clone(),
+        replicas: None,
+        redis: RedisHa {
+            sentinel: None,
+            cluster: Some(ClusterConfig {
+                seeds: topology.seeds(),
+            }),
+            replicas: 1,
+        },
+    }))
+    .await
+    .unwrap();
+    let mut events = leases.grant_events();
+    // Subscribed before the grants, so that none goes unannounced.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut live = events.live;
+    while !live {
+        assert!(
+            Instant::now() < deadline,
+            "the grant events never went live"
+        );
+        if let Ok(Ok(event)) =
+            tokio::time::timeout(Duration::from_millis(200), events.events.recv()).await
+        {
+            live = event == GrantEvent::Live;
+        }
+    }
+    for i in 1..=6 {
+        let job = format!("job:{i}");
+        let grant = grant(&*leases, &job).await;
+        assert_eq!(grant.token, 1);
+        assert!(leases.renew(&grant, Duration::from_secs(30)).await.unwrap());
+        assert_eq!(leases.latest_token(&job).await.unwrap(), Some(1));
+        assert!(leases.release(&grant).await.unwrap());
+    }
+    // The grants' events reach the one subscribed connection from every shard.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut heard = std::collections::BTreeSet::new();
+    while heard.len() < 6 {
+        assert!(Instant::now() < deadline, "grant events heard: {heard:?}");
+        if let Ok(Ok(GrantEvent::Changed(resource))) =
+            tokio::time::timeout(Duration::from_millis(200), events.events.recv()).await
+        {
+            heard.insert(resource);
+        }
+    }
+    for node in &topology.nodes {
+        let log = redis_cli_at(node.port, &["ACL", "LOG"]).await;
+        assert!(log.trim().is_empty(), "node {}: {log}", node.port);
+    }
 }
