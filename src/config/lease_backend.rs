@@ -174,6 +174,16 @@ impl Serialize for BackendConfig {
 }
 
 impl BackendConfig {
+    /// `kind:` as written.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            BackendConfig::Embedded { .. } => "embedded",
+            BackendConfig::Redis(_) => "redis",
+            BackendConfig::Postgres(_) => "postgres",
+            BackendConfig::Etcd(_) => "etcd",
+        }
+    }
+
     /// The networked backend's server, if it is one.
     pub fn remote(&self) -> Option<&Remote> {
         match self {

@@ -39,6 +39,8 @@ pub use limits::{BoundError, Limits, Timeouts, MAX_TIMEOUT};
 pub use located::LocatedError;
 pub use max_step::{MaxStep, DEFAULT_MAX_STEP};
 pub use path::{PathError, PathTemplate};
+pub(crate) use remote::not_built;
+#[cfg(feature = "redis")]
 pub(crate) use remote::parse_seed;
 pub use remote::{
     ClusterConfig, ClusterError, Holder, KindError, PrefixError, RedisHa, Remote, RemoteKind,
@@ -137,7 +139,8 @@ impl LogConfig {
 /// How log lines are written: one JSON object per line (for collectors), a readable line
 /// (for people), or `auto`: readable when stderr is a terminal, JSON otherwise (a container's
 /// stderr never is one, so deployments get JSON).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 #[serde(rename_all = "lowercase")]
 pub enum LogFormat {
     Json,

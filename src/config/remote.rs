@@ -60,6 +60,14 @@ pub struct SentinelConfig {
     pub urls: Vec<SecretUrl>,
 }
 
+/// Why a store or lease backend of `kind` cannot be used: this build left it out.
+pub(crate) fn not_built(kind: &str) -> String {
+    format!(
+        "this fencegate was built without the `{kind}` store and lease backend: build it with \
+         the Cargo feature `{kind}` (the default builds them all)"
+    )
+}
+
 /// `cluster:` of a Redis store or lease backend: the `url` names one node of the cluster (with
 /// the user, password and TLS every node is reached with), `seeds` more nodes to ask for the
 /// slot map while that one is down.
@@ -431,9 +439,14 @@ impl SecretUrl {
         }?;
         // Read as the connector reads it when `run` starts, so that `check` refuses it too.
         let read = match kind {
+            #[cfg(feature = "redis")]
             RemoteKind::Redis => crate::conn::url::redis(&self.0).map(drop),
+            #[cfg(feature = "postgres")]
             RemoteKind::Postgres => crate::conn::url::postgres(&self.0, tls.is_some()).map(drop),
+            #[cfg(feature = "etcd")]
             RemoteKind::Etcd => crate::conn::url::etcd(&self.0).map(drop),
+            #[allow(unreachable_patterns)]
+            kind => Err(not_built(kind.name())),
         };
         read.map_err(UrlError::Unreadable)
     }

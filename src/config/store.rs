@@ -43,6 +43,17 @@ pub enum StoreConfig {
 }
 
 impl StoreConfig {
+    /// `kind:` as written.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            StoreConfig::Memory => "memory",
+            StoreConfig::Embedded { .. } => "embedded",
+            StoreConfig::Redis { .. } => "redis",
+            StoreConfig::Postgres { .. } => "postgres",
+            StoreConfig::Etcd { .. } => "etcd",
+        }
+    }
+
     /// The networked store's server, if it is one.
     pub fn remote(&self) -> Option<&Remote> {
         match self {

@@ -6,8 +6,11 @@
 //! other for these.
 
 pub mod embedded;
+#[cfg(feature = "etcd")]
 pub mod etcd;
+#[cfg(feature = "postgres")]
 pub mod postgres;
+#[cfg(feature = "redis")]
 pub mod redis;
 pub mod url;
 

@@ -2,9 +2,11 @@
 //! store and lease backend url with these when it loads (so `check` refuses what `run`
 //! would), and the connectors read the url with the same functions when they connect.
 
+#[cfg(feature = "redis")]
 use redis::{ConnectionAddr, IntoConnectionInfo, RedisConnectionInfo};
 
 /// A Redis url, read: where to dial, and the settings the connection is set up with.
+#[cfg(feature = "redis")]
 pub(crate) struct RedisUrl {
     pub host: String,
     pub port: u16,
@@ -15,6 +17,7 @@ pub(crate) struct RedisUrl {
 }
 
 /// Reads a `redis://` or `rediss://` url (docs/stores.md).
+#[cfg(feature = "redis")]
 pub(crate) fn redis(url: &str) -> Result<RedisUrl, String> {
     if url.contains('#') {
         // The redis crate reads `#insecure` as "do not verify": never.
@@ -46,6 +49,7 @@ pub(crate) fn redis(url: &str) -> Result<RedisUrl, String> {
 
 /// Reads a `postgres://` or `postgresql://` url; with `tls`, its `sslmode` is dropped (the
 /// connection is always TLS, verified; see [`super::postgres::pool`]).
+#[cfg(feature = "postgres")]
 pub(crate) fn postgres(url: &str, tls: bool) -> Result<tokio_postgres::Config, String> {
     let url = if tls {
         without_sslmode(url)
@@ -66,6 +70,7 @@ pub(crate) fn postgres(url: &str, tls: bool) -> Result<tokio_postgres::Config, S
 }
 
 /// `url` without its `sslmode` parameter.
+#[cfg(feature = "postgres")]
 pub(super) fn without_sslmode(url: &str) -> String {
     let Some((base, query)) = url.split_once('?') else {
         return url.to_owned();
@@ -139,6 +144,7 @@ mod tests {
     use super::*;
 
     #[test]
+    #[cfg(all(feature = "redis", feature = "postgres"))]
     fn what_no_connection_could_use_is_refused() {
         let redis_err = |url| redis(url).err().unwrap();
         assert!(redis_err("redis://h/abc").starts_with("bad redis url: "));

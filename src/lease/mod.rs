@@ -14,9 +14,12 @@ pub mod api;
 pub mod backend;
 mod embedded;
 mod error;
+#[cfg(feature = "etcd")]
 mod etcd;
 pub mod grants;
+#[cfg(feature = "postgres")]
 mod postgres;
+#[cfg(feature = "redis")]
 mod redis;
 pub mod schedule;
 mod shared;
@@ -38,12 +41,14 @@ pub async fn open(config: &BackendConfig) -> Result<Arc<dyn LeaseBackend>, Lease
         BackendConfig::Embedded { path, prefix } => {
             Ok(Arc::new(embedded::EmbeddedLeases::open(path, prefix)?))
         }
+        #[cfg(feature = "redis")]
         BackendConfig::Redis(remote) => Ok(Arc::new(redis::RedisLeases::new(
             remote.url.expose(),
             &remote.prefix,
             tls(remote, &[])?,
             &remote.redis,
         )?)),
+        #[cfg(feature = "postgres")]
         BackendConfig::Postgres(remote) => {
             let leases = postgres::PostgresLeases::new(
                 remote.url.expose(),
@@ -54,10 +59,13 @@ pub async fn open(config: &BackendConfig) -> Result<Arc<dyn LeaseBackend>, Lease
             leases.check_at_start().await?;
             Ok(Arc::new(leases))
         }
+        #[cfg(feature = "etcd")]
         BackendConfig::Etcd(remote) => Ok(Arc::new(
             etcd::EtcdLeases::connect(remote.url.expose(), &remote.prefix, tls(remote, &[b"h2"])?)
                 .await?,
         )),
+        #[allow(unreachable_patterns)]
+        other => Err(LeaseError::Config(crate::config::not_built(other.kind()))),
     }
 }
 
@@ -74,21 +82,26 @@ pub async fn open_for_admin(
         BackendConfig::Embedded { path, prefix } => {
             Ok(Box::new(embedded::EmbeddedLeasesAdmin::new(path, prefix)))
         }
+        #[cfg(feature = "redis")]
         BackendConfig::Redis(remote) => Ok(Box::new(redis::RedisLeases::new(
             remote.url.expose(),
             &remote.prefix,
             tls(remote, &[])?,
             &remote.redis,
         )?)),
+        #[cfg(feature = "postgres")]
         BackendConfig::Postgres(remote) => Ok(Box::new(postgres::PostgresLeases::new(
             remote.url.expose(),
             &remote.prefix,
             tls(remote, &[])?,
             remote.replicas,
         )?)),
+        #[cfg(feature = "etcd")]
         BackendConfig::Etcd(remote) => Ok(Box::new(
             etcd::EtcdLeases::connect(remote.url.expose(), &remote.prefix, tls(remote, &[b"h2"])?)
                 .await?,
         )),
+        #[allow(unreachable_patterns)]
+        other => Err(LeaseError::Config(crate::config::not_built(other.kind()))),
     }
 }

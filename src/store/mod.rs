@@ -5,9 +5,12 @@
 pub mod admin;
 mod embedded;
 mod error;
+#[cfg(feature = "etcd")]
 mod etcd;
 mod memory;
+#[cfg(feature = "postgres")]
 mod postgres;
+#[cfg(feature = "redis")]
 mod redis;
 pub mod shared;
 /// The retention mark and its sweep ([`shared::retention`]), under its usual name.
@@ -142,6 +145,7 @@ pub async fn open_with_clock(
             prefix,
             cache_size,
         } => Ok(Arc::new(EmbeddedStore::open(path, prefix, *cache_size)?)),
+        #[cfg(feature = "redis")]
         StoreConfig::Redis { remote, cache_size } => {
             let tls = tls(remote, &[])?;
             let store = self::redis::RedisRemote::new(
@@ -156,6 +160,7 @@ pub async fn open_with_clock(
                 clock,
             )))
         }
+        #[cfg(feature = "postgres")]
         StoreConfig::Postgres { remote, cache_size } => {
             let tls = tls(remote, &[])?;
             let store = self::postgres::PostgresRemote::new(
@@ -171,6 +176,7 @@ pub async fn open_with_clock(
                 clock,
             )))
         }
+        #[cfg(feature = "etcd")]
         StoreConfig::Etcd { remote, cache_size } => {
             let tls = tls(remote, &[b"h2"])?;
             let store =
@@ -181,6 +187,8 @@ pub async fn open_with_clock(
                 clock,
             )))
         }
+        #[allow(unreachable_patterns)]
+        other => Err(StoreError::Config(crate::config::not_built(other.kind()))),
     }
 }
 
@@ -202,6 +210,7 @@ pub async fn open_for_admin(config: &StoreConfig) -> Result<Box<dyn admin::Inspe
         StoreConfig::Embedded { path, prefix, .. } => {
             Ok(Box::new(embedded::EmbeddedAdmin::new(path, prefix)))
         }
+        #[cfg(feature = "redis")]
         StoreConfig::Redis { remote, .. } => {
             let tls = tls(remote, &[])?;
             Ok(Box::new(self::redis::RedisRemote::new(
@@ -211,6 +220,7 @@ pub async fn open_for_admin(config: &StoreConfig) -> Result<Box<dyn admin::Inspe
                 &remote.redis,
             )?))
         }
+        #[cfg(feature = "postgres")]
         StoreConfig::Postgres { remote, .. } => {
             let tls = tls(remote, &[])?;
             Ok(Box::new(self::postgres::PostgresRemote::new(
@@ -220,11 +230,14 @@ pub async fn open_for_admin(config: &StoreConfig) -> Result<Box<dyn admin::Inspe
                 remote.replicas,
             )?))
         }
+        #[cfg(feature = "etcd")]
         StoreConfig::Etcd { remote, .. } => {
             let tls = tls(remote, &[b"h2"])?;
             Ok(Box::new(
                 self::etcd::EtcdRemote::connect(remote.url.expose(), &remote.prefix, tls).await?,
             ))
         }
+        #[allow(unreachable_patterns)]
+        other => Err(StoreError::Config(crate::config::not_built(other.kind()))),
     }
 }

@@ -367,3 +367,19 @@ fn only_a_password_is_masked_and_the_printed_config_loads_again() {
         assert_eq!(again.store.remote().unwrap().url.to_string(), printed);
     }
 }
+
+/// A build without the redis store and lease backend (`--no-default-features`) refuses a config
+/// naming either when it loads (so `check` does too), and says how to get it.
+#[test]
+#[cfg(not(feature = "redis"))]
+fn a_store_left_out_of_the_build_is_refused_when_the_config_loads() {
+    let wanted = "this fencegate was built without the `redis` store and lease backend: build it \
+                  with the Cargo feature `redis` (the default builds them all)";
+    for yaml in [
+        "store: { kind: redis, url: 'redis://r:6379/' }",
+        "leases: { backend: { kind: redis, url: 'redis://r:6379/' }, ttl: 1s }",
+    ] {
+        let got = err(&format!("upstream: http://a:1\n{yaml}\n"));
+        assert!(got.contains(wanted), "{yaml}\n got: {got}");
+    }
+}
