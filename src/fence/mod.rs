@@ -2,6 +2,8 @@
 
 pub mod barrier;
 pub mod method;
+#[cfg(test)]
+mod model;
 pub mod path;
 pub mod routes;
 pub mod token;
