@@ -71,7 +71,7 @@ pub async fn upstream(listen: std::net::SocketAddr) -> ExitCode {
     };
     let addr = listener.local_addr().unwrap_or(listen);
     eprintln!(
-        "fencegate demo upstream: a toy ledger on {addr}; PUT or POST stores the body, GET \
+        "fencegate demo upstream: a toy ledger on {addr}; PUT, POST or PATCH stores the body, GET \
          reads it"
     );
     let kept: Arc<Mutex<std::collections::HashMap<String, Bytes>>> = Arc::default();

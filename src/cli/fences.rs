@@ -193,13 +193,13 @@ pub(super) async fn reset(config: &Path, reset: Reset, output: Output) -> ExitCo
             Ok(previous) => {
                 tracing::warn!(
                     audit = "fence_reset",
-                    user = %user,
+                    user = user.as_str(),
                     uid,
                     store = store.kind(),
                     resource,
                     before = previous,
                     after = reset.to,
-                    reason = %reset.reason,
+                    reason = reset.reason.as_str(),
                     "fence maximum reset"
                 );
                 done.push(json!({ "resource": resource, "before": previous, "after": reset.to }));
@@ -207,12 +207,12 @@ pub(super) async fn reset(config: &Path, reset: Reset, output: Output) -> ExitCo
             Err(e) => {
                 tracing::error!(
                     audit = "fence_reset",
-                    user = %user,
+                    user = user.as_str(),
                     uid,
                     store = store.kind(),
                     resource,
                     after = reset.to,
-                    reason = %reset.reason,
+                    reason = reset.reason.as_str(),
                     error = %e,
                     "fence maximum not reset"
                 );

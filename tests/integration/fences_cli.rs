@@ -514,3 +514,44 @@ async fn the_admin_listener_answers_fences_without_the_version() {
     assert_eq!(reply.status, 404);
     assert_eq!(reply.json()["token"], Value::Null);
 }
+
+/// The text form of the audit line quotes the reason and the user, so that a reason with
+/// spaces (or `key=value` in it) reads as one field.
+#[tokio::test]
+async fn the_text_audit_line_quotes_the_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("fencegate.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "upstream: http://127.0.0.1:9\nlog: {{ format: text }}\n\
+             store: {{ kind: embedded, path: {} }}\n{ACCOUNTS}",
+            dir.path().join("fences.db").display()
+        ),
+    )
+    .unwrap();
+    let reason = "INC-1: bogus token, owner=payments";
+    let reset = fences(
+        &config,
+        &[
+            "reset",
+            "account:1",
+            "--to",
+            "3",
+            "--reason",
+            reason,
+            "--yes",
+        ],
+    )
+    .await;
+    assert_eq!(reset.code, 0, "{}", reset.stderr);
+    let line = reset
+        .stderr
+        .lines()
+        .find(|l| l.contains("fence maximum reset"))
+        .unwrap_or_else(|| panic!("no audit line: {}", reset.stderr));
+    assert!(
+        line.contains(&format!("reason=\"{reason}\"")) && line.contains("user=\"oncall-test\""),
+        "{line}"
+    );
+}
