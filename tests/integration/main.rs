@@ -25,6 +25,7 @@ mod lease_agent;
 mod lease_e2e;
 mod leases;
 mod leases_cli;
+mod linearizable;
 mod logs;
 mod poison;
 mod process;
