@@ -8,7 +8,8 @@
 //! `CLUSTERDOWN`, `TRYAGAIN`, `READONLY`) and when a node answers `MOVED`, which also points the
 //! slot at once to the node it names. Refreshes run one at a time and at most one per
 //! [`MIN_REFRESH`]: during a failover, writes are refused (`503`) until the map names the
-//! promoted replica, without every request asking the cluster for its map.
+//! promoted replica, without every request asking the cluster for its map; while no node gives
+//! a map at all, the calls within [`MIN_REFRESH`] of the last attempt get its reason at once.
 //!
 //! Every key fencegate writes in one script carries its resource in a hash tag
 //! (`{prefix}:{<resource>}:…`), so one script touches one slot, and the guarantees of a single
@@ -56,6 +57,9 @@ struct Map {
     /// Refreshes so far, so that a caller who waited for another's refresh does not repeat it.
     generation: u64,
     refreshed: Option<Instant>,
+    /// Why the last refresh found no map, if it did not: told again, without asking, to the
+    /// calls within [`MIN_REFRESH`] of it.
+    failed: Option<String>,
 }
 
 impl Map {
@@ -218,6 +222,11 @@ impl Cluster {
         {
             let mut map = self.map();
             let recent = map.refreshed.is_some_and(|at| at.elapsed() < MIN_REFRESH);
+            if recent && map.ranges.is_empty() {
+                if let Some(why) = &map.failed {
+                    return Err(no_primary(why.clone()));
+                }
+            }
             if map.generation != seen || (recent && !map.ranges.is_empty()) {
                 map.stale = false;
                 return Ok(());
@@ -239,13 +248,15 @@ impl Cluster {
                 Err(e) => failures.push(format!("{host}:{port}: {e}")),
             }
         }
+        let why = format!(
+            "no node of the Redis Cluster gave its slot map ({})",
+            failures.join("; ")
+        );
         let mut map = self.map();
         map.generation += 1;
         map.refreshed = Some(Instant::now());
-        Err(no_primary(format!(
-            "no node of the Redis Cluster gave its slot map ({})",
-            failures.join("; ")
-        )))
+        map.failed = Some(why.clone());
+        Err(no_primary(why))
     }
 
     /// The url's node, the seeds, then the nodes of the current map, each once.
@@ -301,6 +312,7 @@ impl Cluster {
         map.stale = false;
         map.generation += 1;
         map.refreshed = Some(Instant::now());
+        map.failed = None;
     }
 }
 
@@ -396,6 +408,24 @@ mod tests {
         );
         let bad = Value::Array(vec![Value::Array(vec![Value::Int(9), Value::Int(3)])]);
         assert!(parse_slots(&bad, "seed").is_none());
+    }
+
+    /// No node answers: the first route tries them all; one right after it is told the same
+    /// reason without dialling (it returns before any connect could time out).
+    #[tokio::test]
+    async fn a_cluster_with_no_map_is_not_asked_again_at_once() {
+        // Port 1 on loopback: refused at once.
+        let target = RedisTarget::new("redis://127.0.0.1:1/", None).unwrap();
+        let cluster = Cluster::new(target, None, 0, false);
+        let first = cluster.route(b"k").await.err().unwrap().to_string();
+        assert!(
+            first.contains("no node of the Redis Cluster gave its slot map"),
+            "{first}"
+        );
+        let seen = cluster.map().generation;
+        let again = cluster.route(b"k").await.err().unwrap().to_string();
+        assert_eq!(again, first);
+        assert_eq!(cluster.map().generation, seen, "it asked the nodes again");
     }
 
     #[test]
