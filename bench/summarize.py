@@ -327,8 +327,13 @@ if fixed:
             + (
                 f"The {halted} targets ran without the loops (their raises wait for the disk, "
                 "which this VM emulates in a host thread that the loops slowed), so their figures "
-                "include those wake-ups, and their `added` is against a direct run made the same "
-                "way (`direct, cores left to halt`). "
+                "include those wake-ups"
+                + (
+                    ", and their `added` is against a direct run made the same way (`direct, "
+                    "cores left to halt`). "
+                    if "direct-halt" in halted_targets
+                    else ". "
+                )
                 if not_spun
                 else ""
             )
