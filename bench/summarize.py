@@ -11,7 +11,22 @@ import statistics
 import sys
 
 WORK = sys.argv[1]
-TARGETS = ["direct", "direct-halt", "nginx", "haproxy", "hyper-floor", "fg-memory", "fg-embedded", "fg2-memory", "fg2-embedded"]
+TARGETS = [
+    "direct",
+    "direct-halt",
+    "nginx",
+    "haproxy",
+    "hyper-floor",
+    "fg-memory",
+    "fg-embedded",
+    "fg-redis",
+    "fg-postgres",
+    "fg-etcd",
+    "fg2-memory",
+    "fg2-embedded",
+]
+# The shared stores, each with the name of its server.
+SHARED = {"fg-redis": "redis-server", "fg-postgres": "PostgreSQL", "fg-etcd": "etcd"}
 NAMES = {
     "direct": "direct (no proxy)",
     "direct-halt": "direct, cores left to halt (the embedded store's reference)",
@@ -20,6 +35,9 @@ NAMES = {
     "hyper-floor": "hyper-floor (hyper, forwarding only)",
     "fg-memory": "fencegate, memory store",
     "fg-embedded": "fencegate, embedded store",
+    "fg-redis": "fencegate, redis store",
+    "fg-postgres": "fencegate, postgres store",
+    "fg-etcd": "fencegate, etcd store",
     "fg2-memory": "fencegate (--compare binary), memory store",
     "fg2-embedded": "fencegate (--compare binary), embedded store",
 }
@@ -118,6 +136,38 @@ p(
     f"runs, {meta.get('fsync_after', '?')} after (it varies a lot on this shared disk; every "
     "admitted raise with the embedded store waits for one group commit)."
 )
+if meta.get("store_prefix"):
+    servers = []
+    if meta.get("redis"):
+        servers.append(
+            f"`kind: redis`: a redis-server {meta['redis']} started for the run in its work directory, "
+            "durable (`--appendonly yes --appendfsync always`, `--save \"\"`: every write fsync'd to the "
+            "append-only file before the reply)"
+        )
+    if meta.get("postgres"):
+        servers.append(
+            f"`kind: postgres`: the machine's PostgreSQL {meta['postgres']} "
+            f"({meta.get('postgres_settings', '')})"
+            + (
+                ", its postmaster and backends moved to that core and nice level for the run"
+                if meta.get("postgres_pinned") == "1"
+                else ", left where it ran (it could not be moved to that core)"
+            )
+        )
+    if meta.get("etcd"):
+        servers.append(f"`kind: etcd`: a one-member etcd {meta['etcd']} started for the run in its work directory")
+    p(
+        f"- Shared stores (fenced PUT only: a GET on an unmatched path never reaches the store): "
+        + "; ".join(servers)
+        + f". Store prefix `{meta.get('store_prefix')}`, kept across the target's restarts (the "
+        f"PUT tokens, the clock in microseconds, keep rising). Each server runs on core "
+        f"{meta.get('store_core')}, with the load generators: in production it is another "
+        "machine, and on 2 cores it cannot have its own. `store CPU us/req` is the server's "
+        "utime+stime (with its children, and those that ended) over the run, divided by the "
+        "requests; PostgreSQL's includes its background processes and any other session on "
+        "this shared machine. Their fixed-rate runs leave the cores to halt, as the embedded "
+        "store's do: every admitted raise waits for the server's sync on the same disk."
+    )
 p(
     f"- Throughput: {meta.get('rounds')} rounds x targets x workloads, target order rotated each "
     f"round, every target restarted per run; {meta.get('warmup')} s warm-up then "
@@ -134,6 +184,22 @@ p("")
 # ---------------------------------------------------------------- throughput
 rows = read_tsv("throughput.tsv")
 summary = {}
+
+
+def store_cpu(target, rs, requests):
+    """The median over runs of the shared store server's CPU us per request; None for a target
+    without one, or a server whose CPU was not measured (a PostgreSQL not on this machine)."""
+    if target not in SHARED or (target == "fg-postgres" and meta.get("postgres_measured") == "0"):
+        return None
+    return med(
+        [
+            float(r.get("store_ticks") or 0) / clk * 1e6 / float(r[requests])
+            for r in rs
+            if r.get(requests) and float(r[requests]) > 0
+        ]
+    )
+
+
 for workload in WORKLOADS:
     for target in TARGETS:
         rs = [r for r in rows if r["workload"] == workload and r["target"] == target]
@@ -169,6 +235,7 @@ for workload in WORKLOADS:
             "ics": med([float(r.get("proxy_ivcs", 0) or 0) / float(r["requests"]) for r in rs]) if target != "direct" else None,
             "rss": med([float(r["proxy_rss_kb"]) / 1024 for r in rs]) if target != "direct" else None,
             "n": len(rs),
+            "store": store_cpu(target, rs, "requests"),
         }
 
 verdict_at = len(out)
@@ -180,11 +247,14 @@ if rows:
             continue
         p(f"### {title}")
         p("")
+        # A column for the shared stores' servers, when one of them ran this workload.
+        with_store = any((workload, t) in summary for t in SHARED)
         p(
-            "| target | req/s (median) | min-max | p50 | p99 | proxy CPU us/req (median) | best round | x direct | "
-            "x nginx | ctx switches/req (involuntary) | core busy | unattributed | steal | non-2xx | RSS MB |"
+            "| target | req/s (median) | min-max | p50 | p99 | proxy CPU us/req (median) | best round | "
+            + ("store CPU us/req | " if with_store else "")
+            + "x direct | x nginx | ctx switches/req (involuntary) | core busy | unattributed | steal | non-2xx | RSS MB |"
         )
-        p("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        p("|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if with_store else "") + "---:|---:|---:|---:|---:|---:|---:|---:|")
         direct = summary.get((workload, "direct"), {}).get("rps")
         nginx = summary.get((workload, "nginx"), {})
         for target in TARGETS:
@@ -197,9 +267,10 @@ if rows:
             if s["cpu"] is not None and nginx.get("cpu"):
                 cpu += f" ({s['cpu'] / nginx['cpu']:.2f}x nginx)"
             errs = str(s["non2xx"]) + (f" (+{s['sockerr']} socket errors)" if s["sockerr"] else "")
+            store = f"{fmt(s['store'], 1)} | " if with_store else ""
             p(
                 f"| {NAMES[target]} | {fmt(s['rps'])} | {fmt(s['rps_min'])}-{fmt(s['rps_max'])} | "
-                f"{fmt(s['p50'])} us | {fmt(s['p99'])} us | {cpu} | {fmt(s['cpu_best'], 1)} | {xd} | {xn} | "
+                f"{fmt(s['p50'])} us | {fmt(s['p99'])} us | {cpu} | {fmt(s['cpu_best'], 1)} | {store}{xd} | {xn} | "
                 f"{fmt(s['cs'], 2)} ({fmt(s['ics'], 2)}) | "
                 f"{fmt(s['busy'] * 100)}% | {fmt(s['other'] * 100)}% | {fmt(s['steal'] * 100, 1)}% | {errs} | {fmt(s['rss'], 1)} |"
             )
@@ -230,6 +301,15 @@ def fixed_reference(workload, target):
 if fixed:
     spun = any(r.get("idle_spin") == "1" for r in fixed)
     not_spun = spun and any(r.get("idle_spin") == "0" for r in fixed)
+    halted_targets = {r["target"] for r in fixed if r.get("idle_spin") == "0"}
+    halted = " and ".join(
+        kind
+        for kind, ran in (
+            ("embedded-store", any(t.endswith("embedded") for t in halted_targets)),
+            ("shared-store", any(t in SHARED for t in halted_targets)),
+        )
+        if ran
+    )
     p(f"## Fixed-rate latency ({meta.get('fixed_rate')} req/s, open loop)")
     p("")
     p(
@@ -245,10 +325,15 @@ if fixed:
             "virtual CPU halted between requests: the hypervisor's wake-ups, which otherwise move "
             "a target's p50 by tens of us from one round to the next, are not in these figures. "
             + (
-                "The embedded-store targets ran without the loops (their raises wait for the disk, "
+                f"The {halted} targets ran without the loops (their raises wait for the disk, "
                 "which this VM emulates in a host thread that the loops slowed), so their figures "
-                "include those wake-ups, and their `added` is against a direct run made the same "
-                "way (`direct, cores left to halt`). "
+                "include those wake-ups"
+                + (
+                    ", and their `added` is against a direct run made the same way (`direct, "
+                    "cores left to halt`). "
+                    if "direct-halt" in halted_targets
+                    else ". "
+                )
                 if not_spun
                 else ""
             )
@@ -288,13 +373,19 @@ if fixed:
                 )
                 if not target.startswith("direct")
                 else None,
+                "store": store_cpu(target, rs, "total"),
             }
         if not any(k[0] == workload for k in fsum):
             continue
         p(f"### {title}")
         p("")
-        p("| target | achieved req/s | p50 | p50 min-max | p90 | p99 | p99.9 | added p50 | added p99 | proxy CPU us/req | late | non-2xx+errors |")
-        p("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        with_store = any((workload, t) in fsum for t in SHARED)
+        p(
+            "| target | achieved req/s | p50 | p50 min-max | p90 | p99 | p99.9 | added p50 | added p99 | proxy CPU us/req | "
+            + ("store CPU us/req | " if with_store else "")
+            + "late | non-2xx+errors |"
+        )
+        p("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if with_store else "") + "---:|---:|")
         for target in TARGETS:
             s = fsum.get((workload, target))
             if not s:
@@ -304,9 +395,62 @@ if fixed:
             a99 = fmt(s["p99"] - d["p99"], 0, " us") if d else "-"
             p(
                 f"| {NAMES[target]} | {fmt(s['rate'])} | {fmt(s['p50'])} us | {fmt(s['p50_lo'])}-{fmt(s['p50_hi'])} us | {fmt(s['p90'])} us | "
-                f"{fmt(s['p99'])} us | {fmt(s['p999'])} us | {a50} | {a99} | {fmt(s['cpu'], 1)} | {s['late']}/{s['sent']} | {s['bad']} |"
+                f"{fmt(s['p99'])} us | {fmt(s['p999'])} us | {a50} | {a99} | {fmt(s['cpu'], 1)} | "
+                + (f"{fmt(s['store'], 1)} | " if with_store else "")
+                + f"{s['late']}/{s['sent']} | {s['bad']} |"
             )
         p("")
+
+# ---------------------------------------------------------------- shared stores
+shared = [t for t in SHARED if ("put", t) in summary or ("put", t) in fsum]
+if shared:
+    p("## Shared stores: the fenced PUT against nginx's plain PUT and the memory store")
+    p("")
+    ng = summary.get(("put", "nginx"), {})
+    mem = summary.get(("put", "fg-memory"), {})
+    fng = fsum.get(("put", "nginx"))
+    fmem = fsum.get(("put", "fg-memory"))
+
+    def ratio(a, b):
+        return f"{a / b:.2f}x" if a is not None and b else "-"
+
+    for target in shared:
+        s = summary.get(("put", target))
+        parts = []
+        if s:
+            parts.append(
+                f"{s['rps']:,.0f} req/s, {ratio(s['rps'], ng.get('rps'))} nginx's plain PUT and "
+                f"{ratio(s['rps'], mem.get('rps'))} the memory store's"
+            )
+            parts.append(
+                f"fencegate uses {ratio(s['cpu'], ng.get('cpu'))} nginx's CPU per request and "
+                f"{ratio(s['cpu'], mem.get('cpu'))} the memory store's (median {fmt(s['cpu'], 1)} vs "
+                f"{fmt(ng.get('cpu'), 1)} and {fmt(mem.get('cpu'), 1)} us)"
+            )
+            if s["store"] is not None:
+                both = s["cpu"] + s["store"]
+                parts.append(
+                    f"{SHARED[target]} {s['store']:.1f} us more per request (fencegate and its store "
+                    f"together {both:.1f} us, {ratio(both, ng.get('cpu'))} nginx's, "
+                    f"{ratio(both, mem.get('cpu'))} the memory store's)"
+                )
+            parts.append(
+                f"core {meta.get('loadgen_core')} (load generator and store) {s['gen'] * 100:.0f}% busy, "
+                f"core {meta.get('proxy_core')} (fencegate and upstream) {s['busy'] * 100:.0f}%"
+            )
+        f = fsum.get(("put", target))
+        if f:
+            refs = [
+                f"{name} {r['p50']:,.0f} / {r['p99']:,.0f}"
+                for name, r in (("nginx", fng), ("memory store", fmem))
+                if r
+            ]
+            parts.append(
+                f"at {meta.get('fixed_rate')} req/s, p50 / p99 {f['p50']:,.0f} / {f['p99']:,.0f} us"
+                + (f" ({', '.join(refs)})" if refs else "")
+            )
+        p(f"- Fenced PUT, {NAMES[target]}: " + "; ".join(parts) + ".")
+    p("")
 
 # ---------------------------------------------------------------- memory
 mem = read_tsv("memory.tsv")
