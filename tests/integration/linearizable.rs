@@ -43,57 +43,99 @@ struct Call {
     outcome: Outcome,
 }
 
-/// The maximum after `call` takes effect on `max`, if the specification allows its answer
-/// there: an admission reports the maximum it raised (equal tokens pass); a stale verdict
-/// names a maximum above the token that is at most the store's (a sidecar's cache answers
-/// with a lower bound); an unknown outcome that took effect raised the maximum if it could.
-fn step(call: &Call, max: Option<u64>) -> Option<Option<u64>> {
-    let t = call.token;
-    match call.outcome {
-        Outcome::Admitted { previous } => (previous == max && max.is_none_or(|m| t >= m))
-            .then(|| Some(max.map_or(t, |m| m.max(t)))),
-        Outcome::Stale { current } => {
-            (t < current && max.is_some_and(|m| current <= m)).then_some(max)
+/// A sequential specification, for the search: the states a call may leave behind, from a
+/// state, given what it answered. An unknown outcome that would change nothing yields no state
+/// (never placing it is the same, and the search covers that).
+trait Spec {
+    type State: Clone + Eq + std::hash::Hash;
+    type Call;
+    const WHAT: &'static str;
+    fn init(&self) -> Self::State;
+    /// When the call was sent and answered (µs since the start; `None`: never answered).
+    fn timing(call: &Self::Call) -> (u64, Option<u64>);
+    fn next(&self, call: &Self::Call, state: &Self::State) -> Vec<Self::State>;
+}
+
+/// A fence: the maximum of one resource.
+struct Fence;
+
+impl Spec for Fence {
+    type State = Option<u64>;
+    type Call = Call;
+    const WHAT: &'static str = "a fence";
+
+    fn init(&self) -> Option<u64> {
+        None
+    }
+
+    fn timing(call: &Call) -> (u64, Option<u64>) {
+        (call.sent, call.answered)
+    }
+
+    /// An admission reports the maximum it raised (equal tokens pass); a stale verdict names a
+    /// maximum above the token that is at most the store's (a sidecar's cache answers with a
+    /// lower bound); an unknown outcome that took effect raised the maximum.
+    fn next(&self, call: &Call, max: &Option<u64>) -> Vec<Option<u64>> {
+        let (t, max) = (call.token, *max);
+        let raised = Some(max.map_or(t, |m| m.max(t)));
+        match call.outcome {
+            Outcome::Admitted { previous } => {
+                if previous == max && max.is_none_or(|m| t >= m) {
+                    vec![raised]
+                } else {
+                    vec![]
+                }
+            }
+            Outcome::Stale { current } => {
+                if t < current && max.is_some_and(|m| current <= m) {
+                    vec![max]
+                } else {
+                    vec![]
+                }
+            }
+            Outcome::Unknown if max.is_none_or(|m| t > m) => vec![raised],
+            Outcome::Unknown => vec![],
         }
-        Outcome::Unknown => Some(Some(max.map_or(t, |m| m.max(t)))),
     }
 }
 
-/// Whether the calls on one resource (at most 128) are linearizable; `Err` says how far the
-/// search got.
-fn linearizable(calls: &[Call]) -> Result<(), String> {
-    assert!(calls.len() <= 128, "too many calls on one resource");
+/// Whether `calls` (at most 128, of one object) are linearizable under `spec`; `Err` says how
+/// far the search got.
+fn linearizable<S: Spec>(spec: &S, calls: &[S::Call]) -> Result<(), String> {
+    assert!(calls.len() <= 128, "too many calls on one object");
     let known: u128 = calls
         .iter()
         .enumerate()
-        .filter(|(_, c)| c.answered.is_some())
+        .filter(|(_, c)| S::timing(c).1.is_some())
         .fold(0, |m, (i, _)| m | 1 << i);
     let mut seen = HashSet::new();
     let mut deepest = 0;
-    if search(calls, known, 0, None, &mut seen, &mut deepest) {
+    if search(spec, calls, known, 0, spec.init(), &mut seen, &mut deepest) {
         Ok(())
     } else {
         Err(format!(
-            "no order of the {} calls fits a fence: at most {deepest} of them could be placed \
+            "no order of the {} calls fits {}: at most {deepest} of them could be placed \
              ({} states tried)",
             calls.len(),
+            S::WHAT,
             seen.len()
         ))
     }
 }
 
-fn search(
-    calls: &[Call],
+fn search<S: Spec>(
+    spec: &S,
+    calls: &[S::Call],
     known: u128,
     done: u128,
-    max: Option<u64>,
-    seen: &mut HashSet<(u128, Option<u64>)>,
+    state: S::State,
+    seen: &mut HashSet<(u128, S::State)>,
     deepest: &mut u32,
 ) -> bool {
     if done & known == known {
         return true;
     }
-    if !seen.insert((done, max)) {
+    if !seen.insert((done, state.clone())) {
         return false;
     }
     *deepest = (*deepest).max(done.count_ones());
@@ -102,20 +144,15 @@ fn search(
         .iter()
         .enumerate()
         .filter(|(i, _)| done & 1 << i == 0)
-        .filter_map(|(_, c)| c.answered)
+        .filter_map(|(_, c)| S::timing(c).1)
         .min()
         .unwrap_or(u64::MAX);
     for (i, call) in calls.iter().enumerate() {
-        if done & 1 << i != 0 || call.sent > horizon {
+        if done & 1 << i != 0 || S::timing(call).0 > horizon {
             continue;
         }
-        // An unknown outcome placed where it cannot raise the maximum changes nothing: the
-        // same as never placing it, which the search covers.
-        if call.outcome == Outcome::Unknown && max.is_some_and(|m| call.token <= m) {
-            continue;
-        }
-        if let Some(next) = step(call, max) {
-            if search(calls, known, done | 1 << i, next, seen, deepest) {
+        for next in spec.next(call, &state) {
+            if search(spec, calls, known, done | 1 << i, next, seen, deepest) {
                 return true;
             }
         }
@@ -127,7 +164,7 @@ fn search(
 fn check(calls: &[Call], resources: usize) -> Result<(), String> {
     for r in 0..resources {
         let mine: Vec<Call> = calls.iter().filter(|c| c.resource == r).cloned().collect();
-        linearizable(&mine).map_err(|e| format!("resource {r}: {e}"))?;
+        linearizable(&Fence, &mine).map_err(|e| format!("resource {r}: {e}"))?;
     }
     Ok(())
 }
@@ -389,18 +426,18 @@ fn a_history_that_fits_no_order_is_refused() {
         call(7, 21, 40, Outcome::Admitted { previous: Some(6) }),
         call(6, 22, 30, Outcome::Admitted { previous: Some(5) }),
     ];
-    assert_eq!(linearizable(&good), Ok(()));
+    assert_eq!(linearizable(&Fence, &good), Ok(()));
     let bad = [
         call(5, 0, 10, Outcome::Admitted { previous: None }),
         call(3, 11, 20, Outcome::Admitted { previous: Some(5) }),
     ];
-    assert!(linearizable(&bad).is_err());
+    assert!(linearizable(&Fence, &bad).is_err());
     // A stale answer naming a maximum the store never had.
     let invented = [
         call(5, 0, 10, Outcome::Admitted { previous: None }),
         call(6, 11, 20, Outcome::Stale { current: 9 }),
     ];
-    assert!(linearizable(&invented).is_err());
+    assert!(linearizable(&Fence, &invented).is_err());
     // An unknown outcome may explain a maximum nobody was told of.
     let unknown = [
         Call {
@@ -412,7 +449,7 @@ fn a_history_that_fits_no_order_is_refused() {
         },
         call(6, 11, 20, Outcome::Stale { current: 8 }),
     ];
-    assert_eq!(linearizable(&unknown), Ok(()));
+    assert_eq!(linearizable(&Fence, &unknown), Ok(()));
 }
 
 /// A store whose compare-and-raise reads, pauses, then writes: two raises that overlap both
@@ -482,4 +519,360 @@ async fn a_store_that_is_not_atomic_is_caught() {
     let verdict = check(&calls, RESOURCES);
     println!("racy store: {verdict:?}");
     assert!(verdict.is_err(), "the racy store's history passed");
+}
+
+/// A lease call: what was asked, and what it answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LeaseOp {
+    Acquire,
+    /// Renew or release the grant with this lease (an index: ids are long strings).
+    Renew(u32),
+    Release(u32),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LeaseAnswer {
+    Granted {
+        token: u64,
+        lease: u32,
+    },
+    Held,
+    /// What a renewal or a release answered: whether the lease was still this grant.
+    Done(bool),
+    Unknown,
+}
+
+#[derive(Debug, Clone)]
+struct LeaseCall {
+    resource: usize,
+    op: LeaseOp,
+    answer: LeaseAnswer,
+    sent: u64,
+    answered: Option<u64>,
+}
+
+/// Who holds a lease, as far as the history tells.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Holder {
+    Known(u32),
+    /// A grant whose answer was lost: nobody can renew or release it, and it expires.
+    Unknown,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct LeaseState {
+    /// The last token granted, or (after a grant whose answer was lost) the least it can be.
+    counter: u64,
+    holder: Option<Holder>,
+}
+
+/// A lease: one holder at a time, every grant's token above every earlier one (a failover may
+/// make it jump); a renewal or release succeeds exactly while the lease is that grant. Grants
+/// are made with a TTL longer than the run, so only a lease whose grant was never answered can
+/// expire (at any moment).
+struct Lease;
+
+impl Spec for Lease {
+    type State = LeaseState;
+    type Call = LeaseCall;
+    const WHAT: &'static str = "a lease";
+
+    fn init(&self) -> LeaseState {
+        LeaseState {
+            counter: 0,
+            holder: None,
+        }
+    }
+
+    fn timing(call: &LeaseCall) -> (u64, Option<u64>) {
+        (call.sent, call.answered)
+    }
+
+    fn next(&self, call: &LeaseCall, state: &LeaseState) -> Vec<LeaseState> {
+        // A lease whose grant was never answered may have expired before this call.
+        let mut from = vec![state.clone()];
+        if state.holder == Some(Holder::Unknown) {
+            from.push(LeaseState {
+                holder: None,
+                ..state.clone()
+            });
+        }
+        let mut out = Vec::new();
+        for s in from {
+            let ours = |lease| s.holder == Some(Holder::Known(lease));
+            match (call.op, call.answer) {
+                (LeaseOp::Acquire, LeaseAnswer::Granted { token, lease })
+                    if s.holder.is_none() && token > s.counter =>
+                {
+                    out.push(LeaseState {
+                        counter: token,
+                        holder: Some(Holder::Known(lease)),
+                    });
+                }
+                (LeaseOp::Acquire, LeaseAnswer::Held) if s.holder.is_some() => out.push(s),
+                (LeaseOp::Acquire, LeaseAnswer::Unknown) if s.holder.is_none() => {
+                    out.push(LeaseState {
+                        counter: s.counter + 1,
+                        holder: Some(Holder::Unknown),
+                    });
+                }
+                (LeaseOp::Renew(lease), LeaseAnswer::Done(answer)) if ours(lease) == answer => {
+                    out.push(s)
+                }
+                (LeaseOp::Release(lease), LeaseAnswer::Done(answer)) if ours(lease) == answer => {
+                    out.push(LeaseState {
+                        holder: if answer { None } else { s.holder },
+                        ..s
+                    });
+                }
+                (LeaseOp::Release(lease), LeaseAnswer::Unknown) if ours(lease) => {
+                    out.push(LeaseState { holder: None, ..s });
+                }
+                // Answers the state does not allow; and a renewal whose answer was lost, which
+                // changes nothing the history can see.
+                _ => {}
+            }
+        }
+        out
+    }
+}
+
+/// `CLIENTS` tasks, each acquiring random resources (as holder `c<n>`, TTL 60 s) and, when
+/// granted, renewing and releasing, until `CALLS` calls were answered, while `fault` runs.
+async fn record_leases<F: std::future::Future<Output = ()>>(
+    backend: Arc<dyn fencegate::lease::LeaseBackend>,
+    prefix: &str,
+    fault: impl FnOnce(Arc<AtomicU64>) -> F,
+) -> (Vec<LeaseCall>, u64) {
+    use fencegate::lease::Acquired;
+    let start = Instant::now();
+    let sent = Arc::new(AtomicU64::new(10));
+    let ids = Arc::new(Mutex::new(Vec::<String>::new()));
+    let deadline = start + Duration::from_secs(60);
+    let ttl = Duration::from_secs(60);
+    let tasks: Vec<_> = (0..CLIENTS)
+        .map(|client| {
+            let backend = Arc::clone(&backend);
+            let sent = Arc::clone(&sent);
+            let ids = Arc::clone(&ids);
+            let prefix = prefix.to_owned();
+            tokio::spawn(async move {
+                let mut seed = 0x2545_f491_4f6c_dd1d_u64 ^ (client as u64 + 7);
+                let mut next = move || {
+                    seed ^= seed << 13;
+                    seed ^= seed >> 7;
+                    seed ^= seed << 17;
+                    seed
+                };
+                let now = || start.elapsed().as_micros() as u64;
+                let mut calls: Vec<LeaseCall> = Vec::new();
+                let holder = format!("c{client}");
+                loop {
+                    let answered = calls.iter().filter(|c| c.answered.is_some()).count();
+                    let unknown = calls.len() - answered;
+                    if answered >= CALLS || unknown >= UNKNOWN || Instant::now() > deadline {
+                        break;
+                    }
+                    let resource = (next() % RESOURCES as u64) as usize;
+                    let name = format!("{prefix}{resource}");
+                    sent.fetch_add(1, Ordering::Relaxed);
+                    let at = now();
+                    let got = tokio::time::timeout(
+                        Duration::from_secs(3),
+                        backend.try_acquire(&name, &holder, ttl),
+                    )
+                    .await;
+                    let grant = match got {
+                        Ok(Ok(Acquired::Granted(grant))) => {
+                            let lease = {
+                                let mut ids = ids.lock().unwrap();
+                                ids.push(grant.lease_id.clone());
+                                (ids.len() - 1) as u32
+                            };
+                            let answer = LeaseAnswer::Granted {
+                                token: grant.token,
+                                lease,
+                            };
+                            calls.push(LeaseCall {
+                                resource,
+                                op: LeaseOp::Acquire,
+                                answer,
+                                sent: at,
+                                answered: Some(now()),
+                            });
+                            Some((grant, lease))
+                        }
+                        Ok(Ok(Acquired::Held { .. })) => {
+                            calls.push(LeaseCall {
+                                resource,
+                                op: LeaseOp::Acquire,
+                                answer: LeaseAnswer::Held,
+                                sent: at,
+                                answered: Some(now()),
+                            });
+                            None
+                        }
+                        _ => {
+                            calls.push(LeaseCall {
+                                resource,
+                                op: LeaseOp::Acquire,
+                                answer: LeaseAnswer::Unknown,
+                                sent: at,
+                                answered: None,
+                            });
+                            tokio::time::sleep(Duration::from_millis(200)).await;
+                            None
+                        }
+                    };
+                    let Some((grant, lease)) = grant else {
+                        tokio::time::sleep(Duration::from_millis(next() % 5)).await;
+                        continue;
+                    };
+                    for op in [LeaseOp::Renew(lease), LeaseOp::Release(lease)] {
+                        let at = now();
+                        let done = tokio::time::timeout(Duration::from_secs(3), async {
+                            match op {
+                                LeaseOp::Renew(_) => backend.renew(&grant, ttl).await,
+                                _ => backend.release(&grant).await,
+                            }
+                        })
+                        .await;
+                        let (answer, at_end) = match done {
+                            Ok(Ok(ours)) => (LeaseAnswer::Done(ours), Some(now())),
+                            _ => (LeaseAnswer::Unknown, None),
+                        };
+                        calls.push(LeaseCall {
+                            resource,
+                            op,
+                            answer,
+                            sent: at,
+                            answered: at_end,
+                        });
+                    }
+                }
+                calls
+            })
+        })
+        .collect();
+    fault(Arc::clone(&sent)).await;
+    let fault_over = start.elapsed().as_micros() as u64;
+    let mut calls = Vec::new();
+    for task in tasks {
+        calls.extend(task.await.unwrap());
+    }
+    (calls, fault_over)
+}
+
+/// Records the lease backend `yaml` names while `fault` runs, checks each resource's history
+/// against [`Lease`], and prints the verdict; panics as [`checked`] does.
+async fn checked_leases<F: std::future::Future<Output = ()>>(
+    kind: &str,
+    backend_yaml: &str,
+    fault: impl FnOnce(Arc<AtomicU64>) -> F,
+) -> usize {
+    let config = Config::parse(&format!(
+        "upstream: http://127.0.0.1:9\nstore: {{ kind: memory }}\n\
+         leases: {{ backend: {backend_yaml}, ttl: 1s }}\n"
+    ))
+    .unwrap();
+    let backend = fencegate::lease::open(&config.leases.unwrap().backend)
+        .await
+        .unwrap();
+    let (calls, fault_over) = record_leases(backend, &resources(), fault).await;
+    let after = calls
+        .iter()
+        .filter(|c| c.sent > fault_over && c.answered.is_some())
+        .count();
+    let count = |f: fn(&LeaseCall) -> bool| calls.iter().filter(|c| f(c)).count();
+    let started = Instant::now();
+    let mut verdict = Ok(());
+    for r in 0..RESOURCES {
+        let mine: Vec<LeaseCall> = calls.iter().filter(|c| c.resource == r).cloned().collect();
+        if let Err(e) = linearizable(&Lease, &mine) {
+            verdict = Err(format!("resource {r}: {e}"));
+            break;
+        }
+    }
+    println!(
+        "{kind} leases: {} calls ({} granted, {} held, {} unknown; {after} answered after the \
+         fault), checked in {} ms: {}",
+        calls.len(),
+        count(|c| matches!(c.answer, LeaseAnswer::Granted { .. })),
+        count(|c| c.answer == LeaseAnswer::Held),
+        count(|c| c.answer == LeaseAnswer::Unknown),
+        started.elapsed().as_millis(),
+        match &verdict {
+            Ok(()) => "linearizable".to_owned(),
+            Err(e) => e.clone(),
+        }
+    );
+    verdict.unwrap();
+    assert!(after > 0, "no call was answered after the fault");
+    count(|c| c.answer == LeaseAnswer::Unknown)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lease_histories_are_linearizable_through_a_kill() {
+    let dir = tempfile::tempdir().unwrap();
+    let embedded = format!(
+        "{{ kind: embedded, path: {} }}",
+        dir.path().join("leases.db").display()
+    );
+    checked_leases("embedded", &embedded, |_| async {}).await;
+    for kind in [Kind::Redis, Kind::Postgres, Kind::Etcd] {
+        let mut server = Service::start(kind).await;
+        let yaml = format!("{{ kind: {kind:?}, url: '{}' }}", server.url()).to_lowercase();
+        let server = &mut server;
+        let unknown = checked_leases(&format!("{kind:?}"), &yaml, |sent| {
+            kill_and_restart(server, sent)
+        })
+        .await;
+        assert!(unknown > 0, "the kill overlapped no {kind:?} call");
+    }
+}
+
+/// Negative controls: two grants with no release between them, and a token granted twice.
+#[test]
+fn a_lease_history_that_fits_no_order_is_refused() {
+    let call = |op, answer, sent, answered| LeaseCall {
+        resource: 0,
+        op,
+        answer,
+        sent,
+        answered: Some(answered),
+    };
+    let granted = |token, lease| LeaseAnswer::Granted { token, lease };
+    let good = [
+        call(LeaseOp::Acquire, granted(1, 0), 0, 10),
+        call(LeaseOp::Acquire, LeaseAnswer::Held, 11, 20),
+        call(LeaseOp::Renew(0), LeaseAnswer::Done(true), 21, 30),
+        call(LeaseOp::Release(0), LeaseAnswer::Done(true), 31, 40),
+        call(LeaseOp::Acquire, granted(5, 1), 41, 50),
+        call(LeaseOp::Release(0), LeaseAnswer::Done(false), 51, 60),
+    ];
+    assert_eq!(linearizable(&Lease, &good), Ok(()));
+    let two_holders = [
+        call(LeaseOp::Acquire, granted(1, 0), 0, 10),
+        call(LeaseOp::Acquire, granted(2, 1), 11, 20),
+    ];
+    assert!(linearizable(&Lease, &two_holders).is_err());
+    let repeated = [
+        call(LeaseOp::Acquire, granted(1, 0), 0, 10),
+        call(LeaseOp::Release(0), LeaseAnswer::Done(true), 11, 20),
+        call(LeaseOp::Acquire, granted(1, 1), 21, 30),
+    ];
+    assert!(linearizable(&Lease, &repeated).is_err());
+    // A grant whose answer was lost holds the lease until it expires, at any moment.
+    let lost = [
+        LeaseCall {
+            resource: 0,
+            op: LeaseOp::Acquire,
+            answer: LeaseAnswer::Unknown,
+            sent: 0,
+            answered: None,
+        },
+        call(LeaseOp::Acquire, LeaseAnswer::Held, 11, 20),
+        call(LeaseOp::Acquire, granted(3, 0), 21, 30),
+    ];
+    assert_eq!(linearizable(&Lease, &lost), Ok(()));
 }
