@@ -169,7 +169,26 @@ fn check(calls: &[Call], resources: usize) -> Result<(), String> {
     Ok(())
 }
 
-const RESOURCES: usize = 6;
+const RESOURCES: usize = 12;
+/// Answered calls each client makes after the fault ended, at least.
+const AFTER: usize = 8;
+/// The pause between a client's calls: a run outlasts its fault without making more calls than
+/// the search takes (128 per resource).
+fn pace(random: u64) -> Duration {
+    Duration::from_millis(40 + random % 20)
+}
+
+/// Whether a client is done: enough calls answered, the fault over (`over`: µs since the
+/// start, 0 while it runs) and enough answered since, or too many unknown, or out of time.
+fn client_done(answered: &[(u64, bool)], over: u64, deadline: Instant) -> bool {
+    let ok = answered.iter().filter(|(_, a)| *a).count();
+    let after = answered
+        .iter()
+        .filter(|(sent, a)| *a && over != 0 && *sent > over)
+        .count();
+    let unknown = answered.len() - ok;
+    (ok >= CALLS && over != 0 && after >= AFTER) || unknown >= UNKNOWN || Instant::now() > deadline
+}
 const CLIENTS: usize = 6;
 /// Answered calls per client; besides, at most `UNKNOWN` unanswered ones (a failover of a few
 /// seconds leaves about 20 per client at one try per 200 ms).
@@ -186,12 +205,14 @@ async fn record<F: std::future::Future<Output = ()>>(
 ) -> (Vec<Call>, u64) {
     let start = Instant::now();
     let counter = Arc::new(AtomicU64::new(10));
+    let over = Arc::new(AtomicU64::new(0));
     let deadline = start + Duration::from_secs(60);
     let rule = Rule::from(EqualTokens::Allow);
     let tasks: Vec<_> = (0..CLIENTS)
         .map(|client| {
             let store = Arc::clone(&store);
             let counter = Arc::clone(&counter);
+            let over = Arc::clone(&over);
             let prefix = prefix.to_owned();
             tokio::spawn(async move {
                 let mut seed = 0x9e37_79b9_7f4a_7c15_u64 ^ (client as u64 + 1);
@@ -202,8 +223,14 @@ async fn record<F: std::future::Future<Output = ()>>(
                     seed
                 };
                 let mut calls: Vec<Call> = Vec::with_capacity(CALLS + UNKNOWN);
-                let (mut answered_calls, mut unknown) = (0, 0);
-                while answered_calls < CALLS && unknown < UNKNOWN && Instant::now() < deadline {
+                loop {
+                    let seen: Vec<(u64, bool)> = calls
+                        .iter()
+                        .map(|c| (c.sent, c.answered.is_some()))
+                        .collect();
+                    if client_done(&seen, over.load(Ordering::Relaxed), deadline) {
+                        break;
+                    }
                     let resource = (next() % RESOURCES as u64) as usize;
                     let base = counter.fetch_add(1, Ordering::Relaxed);
                     let token = base - next() % 8;
@@ -225,10 +252,7 @@ async fn record<F: std::future::Future<Output = ()>>(
                         Ok(Ok(Verdict::TooFar { .. })) => panic!("no max_step here"),
                         Ok(Err(_)) | Err(_) => (Outcome::Unknown, None),
                     };
-                    if answered.is_some() {
-                        answered_calls += 1;
-                    } else {
-                        unknown += 1;
+                    if answered.is_none() {
                         // The server is down: try again a little later.
                         tokio::time::sleep(Duration::from_millis(200)).await;
                     }
@@ -239,14 +263,15 @@ async fn record<F: std::future::Future<Output = ()>>(
                         answered,
                         outcome,
                     });
-                    tokio::time::sleep(Duration::from_millis(next() % 5)).await;
+                    tokio::time::sleep(pace(next())).await;
                 }
                 calls
             })
         })
         .collect();
     fault(Arc::clone(&counter)).await;
-    let fault_over = start.elapsed().as_micros() as u64;
+    let fault_over = (start.elapsed().as_micros() as u64).max(1);
+    over.store(fault_over, Ordering::Relaxed);
     let mut calls = Vec::new();
     for task in tasks {
         calls.extend(task.await.unwrap());
@@ -647,6 +672,7 @@ async fn record_leases<F: std::future::Future<Output = ()>>(
     use fencegate::lease::Acquired;
     let start = Instant::now();
     let sent = Arc::new(AtomicU64::new(10));
+    let over = Arc::new(AtomicU64::new(0));
     let ids = Arc::new(Mutex::new(Vec::<String>::new()));
     let deadline = start + Duration::from_secs(60);
     let ttl = Duration::from_secs(60);
@@ -654,6 +680,7 @@ async fn record_leases<F: std::future::Future<Output = ()>>(
         .map(|client| {
             let backend = Arc::clone(&backend);
             let sent = Arc::clone(&sent);
+            let over = Arc::clone(&over);
             let ids = Arc::clone(&ids);
             let prefix = prefix.to_owned();
             tokio::spawn(async move {
@@ -668,9 +695,11 @@ async fn record_leases<F: std::future::Future<Output = ()>>(
                 let mut calls: Vec<LeaseCall> = Vec::new();
                 let holder = format!("c{client}");
                 loop {
-                    let answered = calls.iter().filter(|c| c.answered.is_some()).count();
-                    let unknown = calls.len() - answered;
-                    if answered >= CALLS || unknown >= UNKNOWN || Instant::now() > deadline {
+                    let seen: Vec<(u64, bool)> = calls
+                        .iter()
+                        .map(|c| (c.sent, c.answered.is_some()))
+                        .collect();
+                    if client_done(&seen, over.load(Ordering::Relaxed), deadline) {
                         break;
                     }
                     let resource = (next() % RESOURCES as u64) as usize;
@@ -725,10 +754,12 @@ async fn record_leases<F: std::future::Future<Output = ()>>(
                         }
                     };
                     let Some((grant, lease)) = grant else {
-                        tokio::time::sleep(Duration::from_millis(next() % 5)).await;
+                        tokio::time::sleep(pace(next())).await;
                         continue;
                     };
                     for op in [LeaseOp::Renew(lease), LeaseOp::Release(lease)] {
+                        // Held a while, so that other clients find it held.
+                        tokio::time::sleep(pace(next())).await;
                         let at = now();
                         let done = tokio::time::timeout(Duration::from_secs(3), async {
                             match op {
@@ -749,13 +780,15 @@ async fn record_leases<F: std::future::Future<Output = ()>>(
                             answered: at_end,
                         });
                     }
+                    tokio::time::sleep(pace(next())).await;
                 }
                 calls
             })
         })
         .collect();
     fault(Arc::clone(&sent)).await;
-    let fault_over = start.elapsed().as_micros() as u64;
+    let fault_over = (start.elapsed().as_micros() as u64).max(1);
+    over.store(fault_over, Ordering::Relaxed);
     let mut calls = Vec::new();
     for task in tasks {
         calls.extend(task.await.unwrap());
@@ -768,6 +801,7 @@ async fn record_leases<F: std::future::Future<Output = ()>>(
 async fn checked_leases<F: std::future::Future<Output = ()>>(
     kind: &str,
     backend_yaml: &str,
+    names: &str,
     fault: impl FnOnce(Arc<AtomicU64>) -> F,
 ) -> usize {
     let config = Config::parse(&format!(
@@ -778,7 +812,7 @@ async fn checked_leases<F: std::future::Future<Output = ()>>(
     let backend = fencegate::lease::open(&config.leases.unwrap().backend)
         .await
         .unwrap();
-    let (calls, fault_over) = record_leases(backend, &resources(), fault).await;
+    let (calls, fault_over) = record_leases(backend, names, fault).await;
     let after = calls
         .iter()
         .filter(|c| c.sent > fault_over && c.answered.is_some())
@@ -818,12 +852,12 @@ async fn lease_histories_are_linearizable_through_a_kill() {
         "{{ kind: embedded, path: {} }}",
         dir.path().join("leases.db").display()
     );
-    checked_leases("embedded", &embedded, |_| async {}).await;
+    checked_leases("embedded", &embedded, &resources(), |_| async {}).await;
     for kind in [Kind::Redis, Kind::Postgres, Kind::Etcd] {
         let mut server = Service::start(kind).await;
         let yaml = format!("{{ kind: {kind:?}, url: '{}' }}", server.url()).to_lowercase();
         let server = &mut server;
-        let unknown = checked_leases(&format!("{kind:?}"), &yaml, |sent| {
+        let unknown = checked_leases(&format!("{kind:?}"), &yaml, &resources(), |sent| {
             kill_and_restart(server, sent)
         })
         .await;
@@ -875,4 +909,47 @@ fn a_lease_history_that_fits_no_order_is_refused() {
         call(LeaseOp::Acquire, granted(3, 0), 21, 30),
     ];
     assert_eq!(linearizable(&Lease, &lost), Ok(()));
+}
+
+/// Lease histories through the Redis failovers (`replicas: 1`): Sentinel promoting a replica,
+/// and a Cluster shard's replica taking over (the killed node restarted as its replica). A
+/// grant refused `503` because no replica acknowledged it is an unknown outcome.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lease_histories_are_linearizable_through_redis_failovers() {
+    let mut sentinel = SentinelTopology::start().await;
+    let yaml = format!(
+        "{{ kind: redis, url: 'redis://{MASTER}/', sentinel: {} }}",
+        sentinel.yaml()
+    );
+    let topology = &mut sentinel;
+    let unknown = checked_leases("redis + sentinel", &yaml, &resources(), |sent| async move {
+        third_sent(&sent).await;
+        topology.primary.kill().await;
+        topology.wait_promoted().await;
+    })
+    .await;
+    assert!(unknown > 0, "the Sentinel failover overlapped no call");
+    drop(sentinel);
+
+    let mut cluster = ClusterTopology::start().await;
+    let yaml = format!(
+        "{{ kind: redis, url: '{}', cluster: {} }}",
+        cluster.url(),
+        cluster.yaml()
+    );
+    // The shard of resource 0's lease (the backend's default prefix).
+    let names = resources();
+    let slot = cluster
+        .slot_of(&format!("fencegate:{{{names}0}}:lease"))
+        .await;
+    let (primary, _) = cluster.shard_of(slot).await;
+    let topology = &mut cluster;
+    let unknown = checked_leases("redis cluster", &yaml, &names, |sent| async move {
+        third_sent(&sent).await;
+        topology.node(primary.port).kill().await;
+        topology.wait_promoted(slot, primary.port).await;
+        topology.node(primary.port).restart().await;
+    })
+    .await;
+    assert!(unknown > 0, "the Cluster failover overlapped no call");
 }
