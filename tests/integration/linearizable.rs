@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use fencegate::config::{Config, EqualTokens};
 use fencegate::idempotency::{Begin, Claim, Record};
+use fencegate::lease::{Acquired, LeaseBackend};
 use fencegate::store::{self, BoxFuture, FenceStore, Rule, StoreError, Verdict};
 
 use crate::services::*;
@@ -48,11 +49,9 @@ struct Call {
 /// (never placing it is the same, and the search covers that).
 trait Spec {
     type State: Clone + Eq + std::hash::Hash;
-    type Call;
+    type Call: Recorded;
     const WHAT: &'static str;
     fn init(&self) -> Self::State;
-    /// When the call was sent and answered (µs since the start; `None`: never answered).
-    fn timing(call: &Self::Call) -> (u64, Option<u64>);
     fn next(&self, call: &Self::Call, state: &Self::State) -> Vec<Self::State>;
 }
 
@@ -66,10 +65,6 @@ impl Spec for Fence {
 
     fn init(&self) -> Option<u64> {
         None
-    }
-
-    fn timing(call: &Call) -> (u64, Option<u64>) {
-        (call.sent, call.answered)
     }
 
     /// An admission reports the maximum it raised (equal tokens pass); a stale verdict names a
@@ -106,7 +101,7 @@ fn linearizable<S: Spec>(spec: &S, calls: &[S::Call]) -> Result<(), String> {
     let known: u128 = calls
         .iter()
         .enumerate()
-        .filter(|(_, c)| S::timing(c).1.is_some())
+        .filter(|(_, c)| c.answered().is_some())
         .fold(0, |m, (i, _)| m | 1 << i);
     let mut seen = HashSet::new();
     let mut deepest = 0;
@@ -144,11 +139,11 @@ fn search<S: Spec>(
         .iter()
         .enumerate()
         .filter(|(i, _)| done & 1 << i == 0)
-        .filter_map(|(_, c)| S::timing(c).1)
+        .filter_map(|(_, c)| c.answered())
         .min()
         .unwrap_or(u64::MAX);
     for (i, call) in calls.iter().enumerate() {
-        if done & 1 << i != 0 || S::timing(call).0 > horizon {
+        if done & 1 << i != 0 || call.sent() > horizon {
             continue;
         }
         for next in spec.next(call, &state) {
@@ -160,13 +155,43 @@ fn search<S: Spec>(
     false
 }
 
-/// Checks every resource's calls; the first that is not linearizable, if one is not.
-fn check(calls: &[Call], resources: usize) -> Result<(), String> {
-    for r in 0..resources {
-        let mine: Vec<Call> = calls.iter().filter(|c| c.resource == r).cloned().collect();
-        linearizable(&Fence, &mine).map_err(|e| format!("resource {r}: {e}"))?;
+/// Checks every resource's calls under `spec`; the first that is not linearizable, if one is
+/// not.
+fn verdict<S: Spec>(spec: &S, calls: &[S::Call]) -> Result<(), String> {
+    for r in 0..RESOURCES {
+        let mine: Vec<S::Call> = calls
+            .iter()
+            .filter(|c| c.resource() == r)
+            .cloned()
+            .collect();
+        linearizable(spec, &mine).map_err(|e| format!("resource {r}: {e}"))?;
     }
     Ok(())
+}
+
+/// Checks a recorded run and prints `{kind}: {n} calls ({summary}; … answered after the fault),
+/// checked in …: {verdict}`; panics if it is not linearizable, or if no call was answered after
+/// the fault ended (the history would say nothing of what the fault kept). Returns how many
+/// calls had an unknown outcome.
+fn judge<S: Spec>(spec: &S, kind: &str, calls: &[S::Call], over: u64, summary: String) -> usize {
+    let after = calls
+        .iter()
+        .filter(|c| c.sent() > over && c.answered().is_some())
+        .count();
+    let started = Instant::now();
+    let verdict = verdict(spec, calls);
+    println!(
+        "{kind}: {} calls ({summary}; {after} answered after the fault), checked in {} ms: {}",
+        calls.len(),
+        started.elapsed().as_millis(),
+        match &verdict {
+            Ok(()) => "linearizable".to_owned(),
+            Err(e) => e.clone(),
+        }
+    );
+    verdict.unwrap();
+    assert!(after > 0, "no call was answered after the fault");
+    calls.iter().filter(|c| c.answered().is_none()).count()
 }
 
 const RESOURCES: usize = 12;
@@ -178,105 +203,162 @@ fn pace(random: u64) -> Duration {
     Duration::from_millis(40 + random % 20)
 }
 
-/// Whether a client is done: enough calls answered, the fault over (`over`: µs since the
-/// start, 0 while it runs) and enough answered since, or too many unknown, or out of time.
-fn client_done(answered: &[(u64, bool)], over: u64, deadline: Instant) -> bool {
-    let ok = answered.iter().filter(|(_, a)| *a).count();
-    let after = answered
-        .iter()
-        .filter(|(sent, a)| *a && over != 0 && *sent > over)
-        .count();
-    let unknown = answered.len() - ok;
-    (ok >= CALLS && over != 0 && after >= AFTER) || unknown >= UNKNOWN || Instant::now() > deadline
-}
 const CLIENTS: usize = 6;
 /// Answered calls per client; besides, at most `UNKNOWN` unanswered ones (a failover of a few
 /// seconds leaves about 20 per client at one try per 200 ms).
 const CALLS: usize = 45;
 const UNKNOWN: usize = 50;
 
-/// `CLIENTS` tasks, each making compare-and-raises on random resources with tokens around a
-/// rising counter (some above the maximum, some below) until `CALLS` were answered, while
-/// `fault` runs; `fault` is given the counter, which starts at 10 and counts calls.
-async fn record<F: std::future::Future<Output = ()>>(
-    store: Arc<dyn FenceStore>,
-    prefix: &str,
+/// A call as the search needs it: its resource, and when it was sent and answered (µs since
+/// the start of the run; `None`: never answered, the outcome is unknown).
+trait Recorded: Clone + Send + 'static {
+    fn resource(&self) -> usize;
+    fn sent(&self) -> u64;
+    fn answered(&self) -> Option<u64>;
+}
+
+/// A client's own sequence of choices (xorshift), the same in every run.
+struct Rng(u64);
+
+impl Rng {
+    fn new(client: usize) -> Self {
+        Rng(0x9e37_79b9_7f4a_7c15 ^ (client as u64 + 1))
+    }
+
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    fn resource(&mut self) -> usize {
+        (self.next() % RESOURCES as u64) as usize
+    }
+}
+
+/// What the clients of a run share: the clock, the count of calls sent (from 10; the fault
+/// waits on it, and the fence clients draw their tokens from it) and when the fault ended (µs
+/// since the start; 0 while it runs).
+#[derive(Clone)]
+struct Run {
+    start: Instant,
+    sent: Arc<AtomicU64>,
+    over: Arc<AtomicU64>,
+    deadline: Instant,
+}
+
+impl Run {
+    fn now(&self) -> u64 {
+        self.start.elapsed().as_micros() as u64
+    }
+
+    /// Whether a client with these calls is done: enough answered, the fault over and enough
+    /// answered since, or too many unknown, or out of time.
+    fn done<C: Recorded>(&self, calls: &[C]) -> bool {
+        let over = self.over.load(Ordering::Relaxed);
+        let ok = calls.iter().filter(|c| c.answered().is_some()).count();
+        let after = calls
+            .iter()
+            .filter(|c| c.answered().is_some() && over != 0 && c.sent() > over)
+            .count();
+        (ok >= CALLS && over != 0 && after >= AFTER)
+            || calls.len() - ok >= UNKNOWN
+            || Instant::now() > self.deadline
+    }
+}
+
+/// Runs `CLIENTS` clients (`client(n, run)` makes and records its calls until `run.done`) while
+/// `fault` runs (given the count of calls sent); returns every call, and when the fault ended.
+async fn record<C, Client, F>(
+    client: impl Fn(usize, Run) -> Client,
     fault: impl FnOnce(Arc<AtomicU64>) -> F,
-) -> (Vec<Call>, u64) {
+) -> (Vec<C>, u64)
+where
+    C: Recorded,
+    Client: std::future::Future<Output = Vec<C>> + Send + 'static,
+    F: std::future::Future<Output = ()>,
+{
     let start = Instant::now();
-    let counter = Arc::new(AtomicU64::new(10));
-    let over = Arc::new(AtomicU64::new(0));
-    let deadline = start + Duration::from_secs(60);
-    let rule = Rule::from(EqualTokens::Allow);
+    let run = Run {
+        start,
+        sent: Arc::new(AtomicU64::new(10)),
+        over: Arc::new(AtomicU64::new(0)),
+        deadline: start + Duration::from_secs(60),
+    };
     let tasks: Vec<_> = (0..CLIENTS)
-        .map(|client| {
-            let store = Arc::clone(&store);
-            let counter = Arc::clone(&counter);
-            let over = Arc::clone(&over);
-            let prefix = prefix.to_owned();
-            tokio::spawn(async move {
-                let mut seed = 0x9e37_79b9_7f4a_7c15_u64 ^ (client as u64 + 1);
-                let mut next = move || {
-                    seed ^= seed << 13;
-                    seed ^= seed >> 7;
-                    seed ^= seed << 17;
-                    seed
-                };
-                let mut calls: Vec<Call> = Vec::with_capacity(CALLS + UNKNOWN);
-                loop {
-                    let seen: Vec<(u64, bool)> = calls
-                        .iter()
-                        .map(|c| (c.sent, c.answered.is_some()))
-                        .collect();
-                    if client_done(&seen, over.load(Ordering::Relaxed), deadline) {
-                        break;
-                    }
-                    let resource = (next() % RESOURCES as u64) as usize;
-                    let base = counter.fetch_add(1, Ordering::Relaxed);
-                    let token = base - next() % 8;
-                    let name = format!("{prefix}{resource}");
-                    let sent = start.elapsed().as_micros() as u64;
-                    let answer = tokio::time::timeout(
-                        Duration::from_secs(3),
-                        store.compare_and_raise(&name, token, rule),
-                    )
-                    .await;
-                    let answered = start.elapsed().as_micros() as u64;
-                    let (outcome, answered) = match answer {
-                        Ok(Ok(Verdict::Admitted { previous })) => {
-                            (Outcome::Admitted { previous }, Some(answered))
-                        }
-                        Ok(Ok(Verdict::Stale { current })) => {
-                            (Outcome::Stale { current }, Some(answered))
-                        }
-                        Ok(Ok(Verdict::TooFar { .. })) => panic!("no max_step here"),
-                        Ok(Err(_)) | Err(_) => (Outcome::Unknown, None),
-                    };
-                    if answered.is_none() {
-                        // The server is down: try again a little later.
-                        tokio::time::sleep(Duration::from_millis(200)).await;
-                    }
-                    calls.push(Call {
-                        resource,
-                        token,
-                        sent,
-                        answered,
-                        outcome,
-                    });
-                    tokio::time::sleep(pace(next())).await;
-                }
-                calls
-            })
-        })
+        .map(|n| tokio::spawn(client(n, run.clone())))
         .collect();
-    fault(Arc::clone(&counter)).await;
-    let fault_over = (start.elapsed().as_micros() as u64).max(1);
-    over.store(fault_over, Ordering::Relaxed);
+    fault(Arc::clone(&run.sent)).await;
+    let over = run.now().max(1);
+    run.over.store(over, Ordering::Relaxed);
     let mut calls = Vec::new();
     for task in tasks {
         calls.extend(task.await.unwrap());
     }
-    (calls, fault_over)
+    (calls, over)
+}
+
+impl Recorded for Call {
+    fn resource(&self) -> usize {
+        self.resource
+    }
+    fn sent(&self) -> u64 {
+        self.sent
+    }
+    fn answered(&self) -> Option<u64> {
+        self.answered
+    }
+}
+
+/// A client making compare-and-raises on random resources with tokens around the rising count
+/// of calls (some above the maximum, some below).
+async fn raise(store: Arc<dyn FenceStore>, prefix: String, n: usize, run: Run) -> Vec<Call> {
+    let rule = Rule::from(EqualTokens::Allow);
+    let mut rng = Rng::new(n);
+    let mut calls: Vec<Call> = Vec::with_capacity(CALLS + UNKNOWN);
+    while !run.done(&calls) {
+        let resource = rng.resource();
+        let token = run.sent.fetch_add(1, Ordering::Relaxed) - rng.next() % 8;
+        let name = format!("{prefix}{resource}");
+        let sent = run.now();
+        let answer = tokio::time::timeout(
+            Duration::from_secs(3),
+            store.compare_and_raise(&name, token, rule),
+        )
+        .await;
+        let (outcome, answered) = match answer {
+            Ok(Ok(Verdict::Admitted { previous })) => {
+                (Outcome::Admitted { previous }, Some(run.now()))
+            }
+            Ok(Ok(Verdict::Stale { current })) => (Outcome::Stale { current }, Some(run.now())),
+            Ok(Ok(Verdict::TooFar { .. })) => panic!("no max_step here"),
+            Ok(Err(_)) | Err(_) => (Outcome::Unknown, None),
+        };
+        if answered.is_none() {
+            // The server is down: try again a little later.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        calls.push(Call {
+            resource,
+            token,
+            sent,
+            answered,
+            outcome,
+        });
+        tokio::time::sleep(pace(rng.next())).await;
+    }
+    calls
+}
+
+/// [`record`] with [`raise`] clients on `store`.
+async fn record_raises<F: std::future::Future<Output = ()>>(
+    store: Arc<dyn FenceStore>,
+    prefix: &str,
+    fault: impl FnOnce(Arc<AtomicU64>) -> F,
+) -> (Vec<Call>, u64) {
+    let client = |n, run| raise(Arc::clone(&store), prefix.to_owned(), n, run);
+    record(client, fault).await
 }
 
 /// Records a history on the store `yaml` names while `fault` runs, checks it, and prints the
@@ -291,30 +373,15 @@ async fn checked<F: std::future::Future<Output = ()>>(
 ) -> usize {
     let config = Config::parse(&format!("upstream: http://127.0.0.1:9\n{yaml}")).unwrap();
     let store = store::open(&config.store).await.unwrap();
-    let (calls, fault_over) = record(store, prefix, fault).await;
-    let after = calls
-        .iter()
-        .filter(|c| c.sent > fault_over && c.answered.is_some())
-        .count();
+    let (calls, over) = record_raises(store, prefix, fault).await;
     let count = |f: fn(&Outcome) -> bool| calls.iter().filter(|c| f(&c.outcome)).count();
-    let started = Instant::now();
-    let verdict = check(&calls, RESOURCES);
-    println!(
-        "{kind}: {} calls ({} admitted, {} stale, {} unknown; {after} answered after the fault), \
-         checked in {} ms: {}",
-        calls.len(),
+    let summary = format!(
+        "{} admitted, {} stale, {} unknown",
         count(|o| matches!(o, Outcome::Admitted { .. })),
         count(|o| matches!(o, Outcome::Stale { .. })),
         count(|o| *o == Outcome::Unknown),
-        started.elapsed().as_millis(),
-        match &verdict {
-            Ok(()) => "linearizable".to_owned(),
-            Err(e) => e.clone(),
-        }
     );
-    verdict.unwrap();
-    assert!(after > 0, "no call was answered after the fault");
-    count(|o| *o == Outcome::Unknown)
+    judge(&Fence, kind, &calls, over, summary)
 }
 
 /// The names of a run's resources, less their number.
@@ -540,8 +607,8 @@ impl FenceStore for Racy {
 /// Negative control, recorded: the non-atomic store's history is refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_that_is_not_atomic_is_caught() {
-    let (calls, _) = record(Arc::new(Racy::default()), "racy:", |_| async {}).await;
-    let verdict = check(&calls, RESOURCES);
+    let (calls, _) = record_raises(Arc::new(Racy::default()), "racy:", |_| async {}).await;
+    let verdict = verdict(&Fence, &calls);
     println!("racy store: {verdict:?}");
     assert!(verdict.is_err(), "the racy store's history passed");
 }
@@ -609,10 +676,6 @@ impl Spec for Lease {
         }
     }
 
-    fn timing(call: &LeaseCall) -> (u64, Option<u64>) {
-        (call.sent, call.answered)
-    }
-
     fn next(&self, call: &LeaseCall, state: &LeaseState) -> Vec<LeaseState> {
         // A lease whose grant was never answered may have expired before this call.
         let mut from = vec![state.clone()];
@@ -662,142 +725,114 @@ impl Spec for Lease {
     }
 }
 
-/// `CLIENTS` tasks, each acquiring random resources (as holder `c<n>`, TTL 60 s) and, when
-/// granted, renewing and releasing, until `CALLS` calls were answered, while `fault` runs.
-async fn record_leases<F: std::future::Future<Output = ()>>(
-    backend: Arc<dyn fencegate::lease::LeaseBackend>,
-    prefix: &str,
-    fault: impl FnOnce(Arc<AtomicU64>) -> F,
-) -> (Vec<LeaseCall>, u64) {
-    use fencegate::lease::Acquired;
-    let start = Instant::now();
-    let sent = Arc::new(AtomicU64::new(10));
-    let over = Arc::new(AtomicU64::new(0));
-    let ids = Arc::new(Mutex::new(Vec::<String>::new()));
-    let deadline = start + Duration::from_secs(60);
-    let ttl = Duration::from_secs(60);
-    let tasks: Vec<_> = (0..CLIENTS)
-        .map(|client| {
-            let backend = Arc::clone(&backend);
-            let sent = Arc::clone(&sent);
-            let over = Arc::clone(&over);
-            let ids = Arc::clone(&ids);
-            let prefix = prefix.to_owned();
-            tokio::spawn(async move {
-                let mut seed = 0x2545_f491_4f6c_dd1d_u64 ^ (client as u64 + 7);
-                let mut next = move || {
-                    seed ^= seed << 13;
-                    seed ^= seed >> 7;
-                    seed ^= seed << 17;
-                    seed
-                };
-                let now = || start.elapsed().as_micros() as u64;
-                let mut calls: Vec<LeaseCall> = Vec::new();
-                let holder = format!("c{client}");
-                loop {
-                    let seen: Vec<(u64, bool)> = calls
-                        .iter()
-                        .map(|c| (c.sent, c.answered.is_some()))
-                        .collect();
-                    if client_done(&seen, over.load(Ordering::Relaxed), deadline) {
-                        break;
-                    }
-                    let resource = (next() % RESOURCES as u64) as usize;
-                    let name = format!("{prefix}{resource}");
-                    sent.fetch_add(1, Ordering::Relaxed);
-                    let at = now();
-                    let got = tokio::time::timeout(
-                        Duration::from_secs(3),
-                        backend.try_acquire(&name, &holder, ttl),
-                    )
-                    .await;
-                    let grant = match got {
-                        Ok(Ok(Acquired::Granted(grant))) => {
-                            let lease = {
-                                let mut ids = ids.lock().unwrap();
-                                ids.push(grant.lease_id.clone());
-                                (ids.len() - 1) as u32
-                            };
-                            let answer = LeaseAnswer::Granted {
-                                token: grant.token,
-                                lease,
-                            };
-                            calls.push(LeaseCall {
-                                resource,
-                                op: LeaseOp::Acquire,
-                                answer,
-                                sent: at,
-                                answered: Some(now()),
-                            });
-                            Some((grant, lease))
-                        }
-                        Ok(Ok(Acquired::Held { .. })) => {
-                            calls.push(LeaseCall {
-                                resource,
-                                op: LeaseOp::Acquire,
-                                answer: LeaseAnswer::Held,
-                                sent: at,
-                                answered: Some(now()),
-                            });
-                            None
-                        }
-                        _ => {
-                            calls.push(LeaseCall {
-                                resource,
-                                op: LeaseOp::Acquire,
-                                answer: LeaseAnswer::Unknown,
-                                sent: at,
-                                answered: None,
-                            });
-                            tokio::time::sleep(Duration::from_millis(200)).await;
-                            None
-                        }
-                    };
-                    let Some((grant, lease)) = grant else {
-                        tokio::time::sleep(pace(next())).await;
-                        continue;
-                    };
-                    for op in [LeaseOp::Renew(lease), LeaseOp::Release(lease)] {
-                        // Held a while, so that other clients find it held.
-                        tokio::time::sleep(pace(next())).await;
-                        let at = now();
-                        let done = tokio::time::timeout(Duration::from_secs(3), async {
-                            match op {
-                                LeaseOp::Renew(_) => backend.renew(&grant, ttl).await,
-                                _ => backend.release(&grant).await,
-                            }
-                        })
-                        .await;
-                        let (answer, at_end) = match done {
-                            Ok(Ok(ours)) => (LeaseAnswer::Done(ours), Some(now())),
-                            _ => (LeaseAnswer::Unknown, None),
-                        };
-                        calls.push(LeaseCall {
-                            resource,
-                            op,
-                            answer,
-                            sent: at,
-                            answered: at_end,
-                        });
-                    }
-                    tokio::time::sleep(pace(next())).await;
-                }
-                calls
-            })
-        })
-        .collect();
-    fault(Arc::clone(&sent)).await;
-    let fault_over = (start.elapsed().as_micros() as u64).max(1);
-    over.store(fault_over, Ordering::Relaxed);
-    let mut calls = Vec::new();
-    for task in tasks {
-        calls.extend(task.await.unwrap());
+impl Recorded for LeaseCall {
+    fn resource(&self) -> usize {
+        self.resource
     }
-    (calls, fault_over)
+    fn sent(&self) -> u64 {
+        self.sent
+    }
+    fn answered(&self) -> Option<u64> {
+        self.answered
+    }
 }
 
-/// Records the lease backend `yaml` names while `fault` runs, checks each resource's history
-/// against [`Lease`], and prints the verdict; panics as [`checked`] does.
+/// A client acquiring random resources (as holder `c<n>`, TTL 60 s) and, when granted, holding
+/// the lease a while, renewing it, holding it again and releasing it. `ids` numbers the lease
+/// ids of every client of the run.
+async fn lease(
+    backend: Arc<dyn LeaseBackend>,
+    prefix: String,
+    ids: Arc<Mutex<Vec<String>>>,
+    n: usize,
+    run: Run,
+) -> Vec<LeaseCall> {
+    let ttl = Duration::from_secs(60);
+    let holder = format!("c{n}");
+    let mut rng = Rng::new(n);
+    let mut calls: Vec<LeaseCall> = Vec::new();
+    let call = |resource, op, answer, sent, answered| LeaseCall {
+        resource,
+        op,
+        answer,
+        sent,
+        answered,
+    };
+    while !run.done(&calls) {
+        let resource = rng.resource();
+        let name = format!("{prefix}{resource}");
+        run.sent.fetch_add(1, Ordering::Relaxed);
+        let sent = run.now();
+        let got = tokio::time::timeout(
+            Duration::from_secs(3),
+            backend.try_acquire(&name, &holder, ttl),
+        )
+        .await;
+        let grant = match got {
+            Ok(Ok(Acquired::Granted(grant))) => {
+                let lease = {
+                    let mut ids = ids.lock().unwrap();
+                    ids.push(grant.lease_id.clone());
+                    (ids.len() - 1) as u32
+                };
+                let answer = LeaseAnswer::Granted {
+                    token: grant.token,
+                    lease,
+                };
+                calls.push(call(
+                    resource,
+                    LeaseOp::Acquire,
+                    answer,
+                    sent,
+                    Some(run.now()),
+                ));
+                Some((grant, lease))
+            }
+            Ok(Ok(Acquired::Held { .. })) => {
+                let answer = LeaseAnswer::Held;
+                calls.push(call(
+                    resource,
+                    LeaseOp::Acquire,
+                    answer,
+                    sent,
+                    Some(run.now()),
+                ));
+                None
+            }
+            _ => {
+                let answer = LeaseAnswer::Unknown;
+                calls.push(call(resource, LeaseOp::Acquire, answer, sent, None));
+                // The server is down: try again a little later.
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                None
+            }
+        };
+        if let Some((grant, lease)) = grant {
+            for op in [LeaseOp::Renew(lease), LeaseOp::Release(lease)] {
+                // Held a while, so that other clients find it held.
+                tokio::time::sleep(pace(rng.next())).await;
+                let sent = run.now();
+                let done = tokio::time::timeout(Duration::from_secs(3), async {
+                    match op {
+                        LeaseOp::Renew(_) => backend.renew(&grant, ttl).await,
+                        _ => backend.release(&grant).await,
+                    }
+                })
+                .await;
+                let (answer, answered) = match done {
+                    Ok(Ok(ours)) => (LeaseAnswer::Done(ours), Some(run.now())),
+                    _ => (LeaseAnswer::Unknown, None),
+                };
+                calls.push(call(resource, op, answer, sent, answered));
+            }
+        }
+        tokio::time::sleep(pace(rng.next())).await;
+    }
+    calls
+}
+
+/// Records the lease backend `backend_yaml` names with [`lease`] clients while `fault` runs,
+/// and judges the history against [`Lease`] as [`checked`] does.
 async fn checked_leases<F: std::future::Future<Output = ()>>(
     kind: &str,
     backend_yaml: &str,
@@ -812,37 +847,20 @@ async fn checked_leases<F: std::future::Future<Output = ()>>(
     let backend = fencegate::lease::open(&config.leases.unwrap().backend)
         .await
         .unwrap();
-    let (calls, fault_over) = record_leases(backend, names, fault).await;
-    let after = calls
-        .iter()
-        .filter(|c| c.sent > fault_over && c.answered.is_some())
-        .count();
-    let count = |f: fn(&LeaseCall) -> bool| calls.iter().filter(|c| f(c)).count();
-    let started = Instant::now();
-    let mut verdict = Ok(());
-    for r in 0..RESOURCES {
-        let mine: Vec<LeaseCall> = calls.iter().filter(|c| c.resource == r).cloned().collect();
-        if let Err(e) = linearizable(&Lease, &mine) {
-            verdict = Err(format!("resource {r}: {e}"));
-            break;
-        }
-    }
-    println!(
-        "{kind} leases: {} calls ({} granted, {} held, {} unknown; {after} answered after the \
-         fault), checked in {} ms: {}",
-        calls.len(),
-        count(|c| matches!(c.answer, LeaseAnswer::Granted { .. })),
-        count(|c| c.answer == LeaseAnswer::Held),
-        count(|c| c.answer == LeaseAnswer::Unknown),
-        started.elapsed().as_millis(),
-        match &verdict {
-            Ok(()) => "linearizable".to_owned(),
-            Err(e) => e.clone(),
-        }
+    let ids = Arc::new(Mutex::new(Vec::new()));
+    let client = |n, run| {
+        let ids = Arc::clone(&ids);
+        lease(Arc::clone(&backend), names.to_owned(), ids, n, run)
+    };
+    let (calls, over) = record(client, fault).await;
+    let count = |f: fn(&LeaseAnswer) -> bool| calls.iter().filter(|c| f(&c.answer)).count();
+    let summary = format!(
+        "{} granted, {} held, {} unknown",
+        count(|a| matches!(a, LeaseAnswer::Granted { .. })),
+        count(|a| *a == LeaseAnswer::Held),
+        count(|a| *a == LeaseAnswer::Unknown),
     );
-    verdict.unwrap();
-    assert!(after > 0, "no call was answered after the fault");
-    count(|c| c.answer == LeaseAnswer::Unknown)
+    judge(&Lease, &format!("{kind} leases"), &calls, over, summary)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
