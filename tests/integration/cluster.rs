@@ -104,6 +104,61 @@ async fn wait_in_sync(primary: u16, replica: u16) {
     }
 }
 
+/// A cluster with two fencegates and a lease backend on it (`replicas` as written, else the
+/// default), and the shard the test kills: the one of `account:1`'s slot, with `n` account ids
+/// and one lease resource on it.
+struct Shard {
+    topology: ClusterTopology,
+    up: Upstream,
+    prefix: String,
+    a: fencegate::app::Server,
+    b: fencegate::app::Server,
+    leases: Arc<dyn LeaseBackend>,
+    slot: u16,
+    primary: ClusterNode,
+    replica: ClusterNode,
+    ids: Vec<String>,
+    job: String,
+}
+
+impl Shard {
+    async fn start(replicas: Option<u32>, n: usize) -> Shard {
+        let topology = ClusterTopology::start().await;
+        let up = Upstream::start().await;
+        let prefix = fresh_prefix();
+        let yaml = store_yaml(&topology, &prefix, replicas);
+        let a = fencegate(&up.url(), &yaml).await;
+        let b = fencegate(&up.url(), &yaml).await;
+        let lease_prefix = fresh_prefix();
+        let leases = lease_backend(&topology, &lease_prefix, replicas.unwrap_or(1)).await;
+        let slot = topology
+            .slot_of(&format!("{prefix}:{{account:1}}:max"))
+            .await;
+        let (primary, replica) = topology.shard_of(slot).await;
+        let ids = ids_on(&topology, primary.port, n, |i| {
+            format!("{prefix}:{{account:{i}}}:max")
+        })
+        .await;
+        let job = ids_on(&topology, primary.port, 1, |i| {
+            format!("{lease_prefix}:{{job:{i}}}:lease")
+        })
+        .await;
+        Shard {
+            topology,
+            up,
+            prefix,
+            a,
+            b,
+            leases,
+            slot,
+            primary,
+            replica,
+            ids,
+            job: format!("job:{}", job[0]),
+        }
+    }
+}
+
 /// The safe setting (the default with `cluster`, `replicas: 1`): token 7 admitted on two
 /// resources of one shard, that shard's primary killed right after; once its replica took over
 /// (and the killed node, restarted, rejoined as its replica), stale token 6 is 409 through both
@@ -111,28 +166,19 @@ async fn wait_in_sync(primary: u16, replica: u16) {
 /// grants never repeat a token across the failover.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cluster_failover_keeps_every_acknowledged_raise_and_grant() {
-    let mut topology = ClusterTopology::start().await;
-    let up = Upstream::start().await;
-    let prefix = fresh_prefix();
-    let yaml = store_yaml(&topology, &prefix, None);
-    let a = fencegate(&up.url(), &yaml).await;
-    let b = fencegate(&up.url(), &yaml).await;
-    let lease_prefix = fresh_prefix();
-    let leases = lease_backend(&topology, &lease_prefix, 1).await;
-
-    let slot = topology
-        .slot_of(&format!("{prefix}:{{account:1}}:max"))
-        .await;
-    let (primary, replica) = topology.shard_of(slot).await;
-    let ids = ids_on(&topology, primary.port, 3, |i| {
-        format!("{prefix}:{{account:{i}}}:max")
-    })
-    .await;
-    let job = ids_on(&topology, primary.port, 1, |i| {
-        format!("{lease_prefix}:{{job:{i}}}:lease")
-    })
-    .await;
-    let job = format!("job:{}", job[0]);
+    let Shard {
+        mut topology,
+        up,
+        prefix,
+        a,
+        b,
+        leases,
+        slot,
+        primary,
+        replica,
+        ids,
+        job,
+    } = Shard::start(None, 3).await;
     let other = topology
         .cluster_nodes_at(replica.port)
         .await
@@ -212,27 +258,19 @@ async fn cluster_failover_keeps_every_acknowledged_raise_and_grant() {
 /// fencegate after the failover, what the upstream received, and the lease tokens granted
 /// before the failover and the first after.
 async fn lagging_replica(replicas: u32) -> (Reply, Reply, Vec<u64>, Vec<u64>, u64) {
-    let mut topology = ClusterTopology::start().await;
-    let up = Upstream::start().await;
-    let prefix = fresh_prefix();
-    let yaml = store_yaml(&topology, &prefix, Some(replicas));
-    let a = fencegate(&up.url(), &yaml).await;
-    let b = fencegate(&up.url(), &yaml).await;
-    let lease_prefix = fresh_prefix();
-    let leases = lease_backend(&topology, &lease_prefix, replicas).await;
-    let slot = topology
-        .slot_of(&format!("{prefix}:{{account:1}}:max"))
-        .await;
-    let (primary, replica) = topology.shard_of(slot).await;
-    let ids = ids_on(&topology, primary.port, 2, |i| {
-        format!("{prefix}:{{account:{i}}}:max")
-    })
-    .await;
-    let job = ids_on(&topology, primary.port, 1, |i| {
-        format!("{lease_prefix}:{{job:{i}}}:lease")
-    })
-    .await;
-    let job = format!("job:{}", job[0]);
+    let Shard {
+        mut topology,
+        up,
+        a,
+        b,
+        leases,
+        slot,
+        primary,
+        replica,
+        ids,
+        job,
+        ..
+    } = Shard::start(Some(replicas), 2).await;
     // Both connected and in sync before the fault.
     assert_eq!(put(&a, &ids[1], "1").await.status, 200);
     assert_eq!(put(&b, &ids[1], "2").await.status, 200);
