@@ -844,20 +844,22 @@ impl RedisClient {
         Ok(keys)
     }
 
-    /// For each of `keys`, the commands `add` puts in a pipeline, one pipeline per slot (a
-    /// cluster answers a pipeline on one node); one reply per key (a tuple of its commands'
-    /// replies), in the order of `keys`.
-    pub(crate) async fn pipelined<T: redis::FromRedisValue>(
+    /// For each of `items`, the commands `add` puts in a pipeline, one pipeline per slot of
+    /// the item's `key` (a cluster answers a pipeline on one node; every key `add` names for an
+    /// item shares that key's hash tag); one reply per item (a tuple of its commands' replies),
+    /// in the order of `items`.
+    pub(crate) async fn pipelined<I, T: redis::FromRedisValue>(
         &self,
-        keys: Vec<String>,
-        add: impl Fn(&mut redis::Pipeline, &str),
+        items: &[I],
+        key: impl Fn(&I) -> String,
+        add: impl Fn(&mut redis::Pipeline, &I),
     ) -> Result<Vec<T>, RedisError> {
-        let keys: Vec<(usize, String)> = keys.into_iter().enumerate().collect();
-        let mut replies = Vec::with_capacity(keys.len());
-        for group in self.by_slot(keys, |(_, k)| k.as_bytes()) {
+        let keyed: Vec<(usize, String)> = items.iter().map(&key).enumerate().collect();
+        let mut replies = Vec::with_capacity(items.len());
+        for group in self.by_slot(keyed, |(_, k)| k.as_bytes()) {
             let mut pipe = redis::pipe();
-            for (_, key) in &group {
-                add(&mut pipe, key);
+            for (at, _) in &group {
+                add(&mut pipe, &items[*at]);
             }
             let pipe = &pipe;
             let answered: Vec<T> = self

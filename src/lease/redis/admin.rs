@@ -10,19 +10,21 @@ use crate::lease::LeaseError;
 
 impl RedisLeases {
     async fn read(&self, resources: &[String]) -> Result<Vec<Lease>, LeaseError> {
-        // Keyed by the lease key; the counter shares its hash tag (and slot).
-        let keys = resources.iter().map(|r| self.key(r, "lease")).collect();
         let replies: Vec<(Option<String>, i64, Option<String>)> = self
             .conn
-            .pipelined(keys, |pipe, lease| {
-                let counter = format!("{}token", lease.trim_end_matches("lease"));
-                pipe.cmd("GET")
-                    .arg(lease)
-                    .cmd("PTTL")
-                    .arg(lease)
-                    .cmd("GET")
-                    .arg(counter);
-            })
+            .pipelined(
+                resources,
+                |r| self.key(r, "lease"),
+                |pipe, r| {
+                    let lease = self.key(r, "lease");
+                    pipe.cmd("GET")
+                        .arg(&lease)
+                        .cmd("PTTL")
+                        .arg(&lease)
+                        .cmd("GET")
+                        .arg(self.key(r, "token"));
+                },
+            )
             .await
             .map_err(unavailable)?;
         resources

@@ -56,12 +56,16 @@ impl RedisRemote {
     /// The maxima of `resources` (`None` for a key gone meanwhile) with their expiries.
     /// The maxima of `resources` (`None` for a key gone meanwhile) with their expiries.
     async fn read(&self, resources: &[String]) -> Result<Vec<Fence>, StoreError> {
-        let keys = resources.iter().map(|r| self.key(r)).collect();
         let replies: Vec<(Option<String>, i64)> = self
             .conn
-            .pipelined(keys, |pipe, key| {
-                pipe.cmd("GET").arg(key).cmd("PTTL").arg(key);
-            })
+            .pipelined(
+                resources,
+                |r| self.key(r),
+                |pipe, r| {
+                    let key = self.key(r);
+                    pipe.cmd("GET").arg(&key).cmd("PTTL").arg(&key);
+                },
+            )
             .await
             .map_err(unavailable)?;
         resources
