@@ -19,6 +19,7 @@ use tokio::task::JoinHandle;
 use crate::admin::{Admin, Readiness};
 use crate::config::Config;
 use crate::config::LeasesConfig;
+use crate::fence::Fence;
 use crate::lease::agent::Agent;
 use crate::lease::api::LeaseApi;
 use crate::metrics::Metrics;
@@ -171,12 +172,12 @@ impl Server {
             Some(leases) => Some(crate::lease::open(&leases.backend).await?),
             None => None,
         };
-        let mut fence = Proxy::new(config, Arc::clone(&store), Arc::clone(&metrics))?;
+        let mut fence = Fence::new(config, Arc::clone(&store), Arc::clone(&metrics));
         if config.fence.authority == crate::config::Authority::Leases {
             let backend = backend.clone().expect("validated: authority needs leases");
             fence = fence.with_authority(backend);
         }
-        let proxy = Arc::new(ArcSwap::from_pointee(fence));
+        let proxy = Arc::new(ArcSwap::from_pointee(Proxy::over(config, fence)?));
         let tls = match &config.tls {
             Some(tls) => Some(tokio_rustls::TlsAcceptor::from(crate::tls::server_config(
                 tls,

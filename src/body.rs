@@ -13,6 +13,7 @@ use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::combinators::WithTrailers;
 use http_body_util::{BodyExt, Full};
+#[cfg(feature = "proxy")]
 use hyper::body::Incoming;
 
 use crate::fence::barrier::Ticket;
@@ -24,12 +25,14 @@ pub enum ProxyBody {
     /// Streamed from the upstream. The barrier ticket (under `ordering: serialize`) lives as
     /// long as the body, so a higher token waits until this write has fully finished.
     /// With the access log on, `tally` counts what is sent and writes the line at the end.
+    #[cfg(feature = "proxy")]
     Upstream {
         inner: Incoming,
         _ticket: Option<Ticket>,
         tally: Option<crate::proxy::access::Tally>,
     },
     /// Streamed from the upstream and recorded for idempotent replays.
+    #[cfg(feature = "proxy")]
     Recording {
         body: Box<crate::proxy::recording::Recording>,
         tally: Option<crate::proxy::access::Tally>,
@@ -53,6 +56,7 @@ impl ProxyBody {
 
     /// Counts what is sent of a streamed body into `tally` (the body's access line); a body
     /// fencegate wrote itself has its line written already and keeps none.
+    #[cfg(feature = "proxy")]
     pub(crate) fn tallied(self, tally: Option<crate::proxy::access::Tally>) -> Self {
         match self {
             ProxyBody::Upstream { inner, _ticket, .. } => ProxyBody::Upstream {
@@ -75,24 +79,35 @@ impl ProxyBody {
     }
 }
 
+/// What reading a [`ProxyBody`] can fail with: only a body streamed from the upstream fails.
+#[cfg(feature = "proxy")]
+pub type BodyError = hyper::Error;
+/// What reading a [`ProxyBody`] can fail with: nothing, in a build without the proxy.
+#[cfg(not(feature = "proxy"))]
+pub type BodyError = Infallible;
+
 impl Body for ProxyBody {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = BodyError;
 
     fn poll_frame(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
         match self.get_mut() {
+            #[cfg(feature = "proxy")]
             ProxyBody::Upstream {
                 inner, tally: None, ..
             } => Pin::new(inner).poll_frame(cx),
+            #[cfg(feature = "proxy")]
             ProxyBody::Upstream {
                 inner,
                 tally: Some(tally),
                 ..
             } => tally.count(Pin::new(inner).poll_frame(cx)),
+            #[cfg(feature = "proxy")]
             ProxyBody::Recording { body, tally: None } => Pin::new(body.as_mut()).poll_frame(cx),
+            #[cfg(feature = "proxy")]
             ProxyBody::Recording {
                 body,
                 tally: Some(tally),
@@ -111,7 +126,9 @@ impl Body for ProxyBody {
 
     fn is_end_stream(&self) -> bool {
         match self {
+            #[cfg(feature = "proxy")]
             ProxyBody::Upstream { inner, .. } => inner.is_end_stream(),
+            #[cfg(feature = "proxy")]
             ProxyBody::Recording { body, .. } => body.is_end_stream(),
             ProxyBody::Local(full) => full.is_end_stream(),
             ProxyBody::Replay(body) => body.is_end_stream(),
@@ -121,7 +138,9 @@ impl Body for ProxyBody {
 
     fn size_hint(&self) -> SizeHint {
         match self {
+            #[cfg(feature = "proxy")]
             ProxyBody::Upstream { inner, .. } => inner.size_hint(),
+            #[cfg(feature = "proxy")]
             ProxyBody::Recording { body, .. } => body.size_hint(),
             ProxyBody::Local(full) => full.size_hint(),
             ProxyBody::Replay(body) => body.size_hint(),

@@ -4,11 +4,11 @@
 //! [`FenceLayer`] wraps any `Service<http::Request<B>>` in a [`FenceService`] that applies the
 //! fence of a fencegate configuration: its routes and resources, the token header,
 //! `missing_token`, `token.equal`, `token.max_step`, the store's compare-and-raise,
-//! `fence.authority: leases`, and the `ordering: serialize` barrier. The decision is the proxy's own
-//! ([`Proxy::decide`](crate::proxy::Proxy), shared, not copied), and so are the refusals: the
-//! same problem+json bodies, statuses and headers (`Fencing-Token-Current`, `Retry-After`),
-//! in gRPC form for gRPC calls ([`crate::proxy::grpc`]), counted in the same metrics and
-//! logged in the same `WARN` line. A refused request never reaches the inner service; an
+//! `fence.authority: leases`, and the `ordering: serialize` barrier. It is the proxy's own
+//! [`Fence`] (its decision shared, not copied), without an upstream, and so are the refusals:
+//! the same problem+json bodies, statuses and headers (`Fencing-Token-Current`,
+//! `Retry-After`), in gRPC form for gRPC calls ([`crate::problem::grpc`]), counted in the
+//! same metrics and logged in the same `WARN` line (the access log is the sidecar's). A refused request never reaches the inner service; an
 //! admitted one reaches it unchanged. Under `ordering: serialize` the response body holds the
 //! barrier's ticket until it has been read to its end or dropped, as the proxy's does.
 //!
@@ -79,17 +79,15 @@ use tower_service::Service;
 use crate::body::ProxyBody;
 use crate::config::{Authority, Config};
 use crate::fence::barrier::Ticket;
+use crate::fence::{Decision, Fence, Pass};
 use crate::lease::{LeaseBackend, LeaseError};
 use crate::metrics::{Metrics, Outcome};
-use crate::proxy::{grpc, BuildError, Decision, Pass, Proxy};
+use crate::problem::grpc;
 use crate::store::{FenceStore, StoreError};
 
 /// Why the in-process fence could not be made.
 #[derive(Debug, thiserror::Error)]
 pub enum LayerError {
-    /// The fence itself (see [`BuildError`]; the layer reads no `upstream_ca`).
-    #[error(transparent)]
-    Fence(#[from] BuildError),
     /// Registering the `fencegate_*` metrics (in a registry that already has them, say).
     #[error(transparent)]
     Metrics(#[from] prometheus::Error),
@@ -124,7 +122,7 @@ pub enum LayerError {
 /// metrics).
 #[derive(Clone)]
 pub struct FenceLayer {
-    fence: Arc<Proxy>,
+    fence: Arc<Fence>,
 }
 
 impl FenceLayer {
@@ -164,7 +162,7 @@ impl FenceLayer {
             return Err(LayerError::Idempotency);
         }
         let metrics = Arc::new(Metrics::new(registry)?);
-        let mut fence = Proxy::in_process(config, store, metrics)?;
+        let mut fence = Fence::new(config, store, metrics).without_idempotency();
         if config.fence.authority == Authority::Leases {
             fence = fence.with_authority(backend.ok_or(LayerError::NoLeaseBackend)?);
         }
@@ -223,7 +221,7 @@ impl<S> Layer<S> for FenceLayer {
 #[derive(Clone)]
 pub struct FenceService<S> {
     inner: S,
-    fence: Arc<Proxy>,
+    fence: Arc<Fence>,
 }
 
 impl<S, B, RB> Service<Request<B>> for FenceService<S>
@@ -252,7 +250,7 @@ where
         let fence = Arc::clone(&self.fence);
         match fence.decide(&req) {
             Decision::Refuse(refused) => {
-                let response = fence.answer_refused(refused, &req, None, started);
+                let response = fence.answer_refused(refused, &req, started);
                 ResponseFuture::Refused {
                     response: Some(refusal(response, grpc)),
                 }
@@ -279,7 +277,7 @@ where
                     let route = Some(later.route);
                     match fence.admit_later(later).await {
                         Err(refused) => {
-                            let response = fence.answer_refused(refused, &req, None, started);
+                            let response = fence.answer_refused(refused, &req, started);
                             Ok(refusal(response, grpc))
                         }
                         Ok(None) => {
@@ -325,7 +323,7 @@ where
 
 /// What an admitted request's answer is counted under, and the barrier ticket its body keeps.
 pub struct Counted {
-    fence: Arc<Proxy>,
+    fence: Arc<Fence>,
     route: Option<usize>,
     method: http::Method,
     outcome: Outcome,
@@ -357,10 +355,7 @@ fn refusal<RB>(response: Response<ProxyBody>, grpc: bool) -> Response<FenceBody<
     response.map(|body| match body {
         ProxyBody::Local(body) => FenceBody::Refusal { body },
         // Refusals are always written by fencegate itself.
-        ProxyBody::Upstream { .. }
-        | ProxyBody::Recording { .. }
-        | ProxyBody::Replay(_)
-        | ProxyBody::Channel(_) => FenceBody::Refusal {
+        _ => FenceBody::Refusal {
             body: Full::default(),
         },
     })

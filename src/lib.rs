@@ -17,14 +17,16 @@
 //! - [`server`]: accept loop with TLS, HTTP/1 + HTTP/2, limits, `server::drain` (graceful
 //!   drain) and `server::head_timer` (the header-read timer); [`admin`]: metrics, probes and
 //!   the fence inspection API; [`reload`]: live configuration (file change or SIGHUP).
-//! - [`layer`]: the fence in-process, as a tower `Layer` in front of any HTTP service, with
-//!   the proxy's own decision and refusals.
-//! - [`proxy`]: the request path, along the request's way: `handle_on` in [`proxy`] itself,
-//!   `build`, `decide` (authority, compare-and-raise, barrier), [`proxy::idempotent`] and
+//! - [`layer`]: the fence in-process: a [`fence::Fence`] in front of any tower service, as
+//!   a tower `Layer`, with the proxy's own decision and refusals.
+//! - [`proxy`]: a [`fence::Fence`] in front of an upstream, along the request's way:
+//!   `handle_on` in [`proxy`] itself, `build`, [`proxy::idempotent`] and
 //!   [`proxy::recording`] (writes with an `Idempotency-Key`), `forwarding` over
-//!   [`proxy::upstream`] with [`proxy::headers`] (header surgery), [`proxy::problem`]
-//!   (refusals), [`proxy::grpc`] (refusals of gRPC calls as gRPC statuses), `access` (the
-//!   access log).
+//!   [`proxy::upstream`] with [`headers`] (header surgery), `access` (the access log).
+//! - [`fence::Fence`]: what decides a write (routes, token rules, the store or the lease
+//!   agent, barriers, authority, metrics) and the decision itself (`fence::decide`: route,
+//!   token, authority, compare-and-raise, verdict, barrier); refusals are counted and logged
+//!   there.
 //! - [`lease`]: the lease agent ([`lease::agent`]): backends behind one trait
 //!   ([`lease::backend`]; embedded, Redis, PostgreSQL, etcd, with `lease::shared` helpers),
 //!   renewal timing ([`lease::schedule`]), the grant cache ([`lease::grants`]) and the local
@@ -40,9 +42,11 @@
 //!   generated gRPC code.
 //! - [`idempotency`]: records of writes carrying an `Idempotency-Key`, and the pure decision
 //!   of what a retry gets.
-//! - [`problem`]: problem+json bodies, the same on every listener; [`body`]: the response
-//!   body every listener sends.
-//! - [`fence`]: the pure decisions: [`fence::token`] grammar and header hygiene,
+//! - [`problem`]: problem+json bodies, the same on every listener; [`problem::refusal`]:
+//!   every refusal kind in one table (status, type, title, gRPC code, outcome, fault,
+//!   `Retry-After`); [`problem::grpc`]: refusals of gRPC calls as gRPC statuses; [`body`]:
+//!   the response body every listener sends.
+//! - below [`fence::Fence`], the pure decisions: [`fence::token`] grammar and header hygiene,
 //!   [`fence::path`] normalisation, [`fence::routes`] route and resource matching,
 //!   [`fence::method`] method overrides, [`fence::verdict`] compare-and-raise,
 //!   [`fence::barrier`] the `ordering: serialize` in-flight barrier.
@@ -58,34 +62,49 @@
 // A build without every store leaves parts shared by the networked stores unused; the full
 // build (the default, which CI lints) still reports dead code.
 #![cfg_attr(
-    not(all(feature = "redis", feature = "postgres", feature = "etcd")),
+    not(all(
+        feature = "redis",
+        feature = "postgres",
+        feature = "etcd",
+        feature = "embedded",
+        feature = "proxy"
+    )),
     allow(dead_code, unused_imports, unused_variables)
 )]
 
+#[cfg(feature = "proxy")]
 pub mod admin;
+#[cfg(feature = "proxy")]
 pub mod app;
 pub mod body;
 #[cfg(feature = "cli")]
 pub mod cli;
 pub mod config;
 mod conn;
+#[cfg(feature = "demo")]
 pub mod demo;
 pub mod duration;
 #[cfg(feature = "etcd")]
 mod etcd;
 pub mod fault;
 pub mod fence;
+pub mod headers;
 pub mod idempotency;
+#[cfg(feature = "kubernetes")]
 pub mod inject;
 pub mod layer;
 pub mod lease;
 pub mod maxima;
 pub mod metrics;
 pub mod problem;
+#[cfg(feature = "proxy")]
 pub mod proxy;
+#[cfg(feature = "proxy")]
 pub mod reload;
+#[cfg(feature = "proxy")]
 pub mod server;
 pub mod store;
+#[cfg(feature = "proxy")]
 pub mod timer;
 pub mod tls;
 pub mod ttl;

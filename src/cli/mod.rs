@@ -579,6 +579,7 @@ fn runtime(embedded_store: bool, workers: Option<usize>) -> tokio::runtime::Runt
         }
         None => tokio::runtime::Builder::new_multi_thread(),
     };
+    #[cfg(feature = "embedded")]
     if embedded_store {
         crate::store::defer_wakes_to_park(&mut builder);
     }

@@ -98,6 +98,9 @@ impl TryFrom<RawBackend> for BackendConfig {
             BackendKind::Embedded if raw.replicas.is_some() => {
                 Err(KindError::ReplicasWithoutReplication { holder })
             }
+            #[cfg(not(feature = "embedded"))]
+            BackendKind::Embedded => Err(KindError::NotBuilt("embedded")),
+            #[cfg(feature = "embedded")]
             BackendKind::Embedded => Ok(BackendConfig::Embedded {
                 path: raw.path.unwrap_or_else(|| DEFAULT_LEASE_PATH.into()),
                 prefix: raw.prefix,

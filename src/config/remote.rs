@@ -211,6 +211,9 @@ pub enum KindError {
     Cluster(#[from] ClusterError),
     #[error("`replicas` is at most {MAX_REPLICAS} (it is {0})")]
     TooManyReplicas(u32),
+    /// A kind this build left out (Cargo features).
+    #[error("{}", not_built(.0))]
+    NotBuilt(&'static str),
 }
 
 /// A `sentinel` mapping that cannot find a primary.

@@ -181,6 +181,9 @@ impl TryFrom<RawStore> for StoreConfig {
                 check_prefix(&raw.prefix)?;
                 Ok(StoreConfig::Memory)
             }
+            #[cfg(not(feature = "embedded"))]
+            StoreKind::Embedded => Err(KindError::NotBuilt("embedded")),
+            #[cfg(feature = "embedded")]
             StoreKind::Embedded => {
                 check_prefix(&raw.prefix)?;
                 Ok(StoreConfig::Embedded {

@@ -290,7 +290,7 @@ fn parse_placeholder(raw: &str, inner: &str) -> Result<ResourcePart, ResourceTem
 /// Why a header cannot name a resource, for the headers the proxy strips or rewrites before
 /// the upstream sees them: the fence would check one value and the upstream act on another.
 fn rewritten(name: &HeaderName) -> Option<&'static str> {
-    if crate::proxy::headers::is_hop_by_hop(name.as_str()) {
+    if crate::headers::is_hop_by_hop(name.as_str()) {
         return Some("it is a hop-by-hop header, removed before the request is forwarded");
     }
     Some(match name.as_str() {

@@ -5,6 +5,7 @@
 //! its url ([`url`], which the config checks urls with at load). Neither family imports the
 //! other for these.
 
+#[cfg(feature = "embedded")]
 pub mod embedded;
 #[cfg(feature = "etcd")]
 pub mod etcd;

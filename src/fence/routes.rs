@@ -352,6 +352,15 @@ fn single_value<'q>(pairs: impl Iterator<Item = &'q str>, name: &str) -> Option<
     found
 }
 
+/// What a request is about (route, resource, token), as its log lines and a refusal's body
+/// name it.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Subject<'a> {
+    pub route: Option<&'a str>,
+    pub resource: Option<&'a str>,
+    pub token: Option<u64>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -10,8 +10,10 @@
 
 pub mod admin;
 pub mod agent;
+#[cfg(feature = "proxy")]
 pub mod api;
 pub mod backend;
+#[cfg(feature = "embedded")]
 mod embedded;
 mod error;
 #[cfg(feature = "etcd")]
@@ -38,6 +40,7 @@ pub async fn open(config: &BackendConfig) -> Result<Arc<dyn LeaseBackend>, Lease
             .map_err(|e| LeaseError::Config(e.to_string()))
     };
     match config {
+        #[cfg(feature = "embedded")]
         BackendConfig::Embedded { path, prefix } => {
             Ok(Arc::new(embedded::EmbeddedLeases::open(path, prefix)?))
         }
@@ -79,6 +82,7 @@ pub async fn open_for_admin(
             .map_err(|e| LeaseError::Config(e.to_string()))
     };
     match config {
+        #[cfg(feature = "embedded")]
         BackendConfig::Embedded { path, prefix } => {
             Ok(Box::new(embedded::EmbeddedLeasesAdmin::new(path, prefix)))
         }

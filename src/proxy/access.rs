@@ -22,16 +22,8 @@ use http::{HeaderName, HeaderValue, Method, Request, Version};
 use tokio::time::Instant;
 
 use crate::config::LogQuery;
+use crate::fence::routes::Subject;
 use crate::metrics::{Outcome, UNMATCHED};
-
-/// What a request is about (route, resource, token), as its log lines and a refusal's body
-/// name it.
-#[derive(Debug, Default, Clone, Copy)]
-pub struct Subject<'a> {
-    pub route: Option<&'a str>,
-    pub resource: Option<&'a str>,
-    pub token: Option<u64>,
-}
 
 /// When a request's handling began and ended, and how long its upstream exchange took; and,
 /// for the access line, the request as it came ([`Head`], made only when the access log is

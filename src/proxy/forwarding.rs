@@ -15,10 +15,7 @@ use http::{Method, Request, Response, Uri, Version};
 use hyper::body::Incoming;
 use tokio::time::Instant;
 
-use super::access::{Answered, Head, Received, Subject, Tally, Timing};
-use super::grpc;
-use super::headers;
-use super::problem::Refusal;
+use super::access::{Answered, Head, Received, Tally, Timing};
 use super::recording::{Attempt, Recording};
 use super::upstream::{self, Failed, UpstreamBody};
 use super::{Handling, Proxy, Write};
@@ -26,7 +23,10 @@ use crate::body::ProxyBody;
 use crate::fence::barrier::Ticket;
 use crate::fence::path;
 use crate::fence::routes::Route;
+use crate::headers;
 use crate::metrics::Outcome;
+use crate::problem::grpc;
+use crate::problem::refusal::{Refusal, Subject};
 
 /// What answering a forwarded request needs besides the upstream's answer.
 pub(super) struct Answer<'a> {
@@ -128,7 +128,7 @@ impl Proxy {
         let (exchange, sent_at) = match self.send(req, &normalised, true, peer, own) {
             Ok(sending) => sending,
             Err(e) => {
-                let route = answering.route.map(|i| &self.table.routes()[i]);
+                let route = answering.route.map(|i| self.fence.route(i));
                 let subject = answering.subject(route);
                 let refusal = Refusal::InvalidPath(e);
                 let timing =
@@ -148,7 +148,7 @@ impl Proxy {
             forwarding: async move {
                 let sent = exchange.await;
                 let ended = Instant::now();
-                let route = answering.route.map(|i| &self.table.routes()[i]);
+                let route = answering.route.map(|i| self.fence.route(i));
                 let answer = Answer {
                     route,
                     resource: answering.resource,
@@ -190,7 +190,7 @@ impl Proxy {
             own,
             started,
         } = write;
-        let route = &self.table.routes()[index];
+        let route = self.fence.route(index);
         let subject = Subject {
             route: Some(&route.name),
             resource: Some(&resource),
@@ -266,7 +266,7 @@ impl Proxy {
         ended: Instant,
         settled: Result<Response<ProxyBody>, Failed>,
     ) -> Response<ProxyBody> {
-        let metrics = self.metrics_for(answer.route);
+        let metrics = self.fence.metrics_for(answer.route);
         metrics.upstream.observe(took.as_secs_f64());
         let timing = Timing {
             started: answer.started,

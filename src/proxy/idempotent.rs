@@ -13,45 +13,18 @@ use http_body_util::{BodyExt, Either, Full, Limited};
 use hyper::body::Incoming;
 
 use super::access::{log_access, sent_bytes, Access, Timing};
-use super::problem::{Refusal, Unavailable};
 use super::recording::{Attempt, Writer};
 use super::{Proxy, Write};
 use crate::body::ProxyBody;
 use crate::config::Ordering;
 use crate::fence::method::method_override;
-use crate::idempotency::{Begin, Claim, Fingerprint, Record, StoredResponse, MAX_KEY_BYTES};
+use crate::idempotency::{Begin, Claim, Fingerprint, Record, StoredResponse};
 use crate::metrics::Outcome;
+use crate::problem::refusal::{Refusal, Unavailable};
 use crate::store::StoreError;
 
 /// Marks a response answered from a record.
 pub const REPLAYED: &str = "idempotent-replayed";
-
-/// The key of a request, if it has one. More than one key header, or a key that is not
-/// 1-255 visible ASCII characters, is refused.
-pub fn key_from_headers(headers: &HeaderMap, name: &HeaderName) -> Result<Option<String>, String> {
-    let mut values = headers.get_all(name).iter();
-    let Some(value) = values.next() else {
-        return Ok(None);
-    };
-    let name = super::problem::spelled(name);
-    if values.next().is_some() {
-        return Err(format!("more than one `{name}` header: send the key once"));
-    }
-    let bytes = value.as_bytes();
-    if bytes.is_empty() || bytes.len() > MAX_KEY_BYTES {
-        return Err(format!(
-            "the `{name}` header must be 1 to {MAX_KEY_BYTES} characters, got {}",
-            bytes.len()
-        ));
-    }
-    if !bytes.iter().all(|b| (0x21..=0x7e).contains(b)) {
-        return Err(format!(
-            "the `{name}` header may only contain visible ASCII characters (no spaces or \
-             control bytes)"
-        ));
-    }
-    Ok(Some(String::from_utf8_lossy(bytes).into_owned()))
-}
 
 /// A recorded response, answered again.
 fn replay(response: StoredResponse) -> Response<ProxyBody> {
@@ -86,7 +59,7 @@ impl Proxy {
         write: Write,
         key: String,
     ) -> Response<ProxyBody> {
-        let route = &self.table.routes()[write.route];
+        let route = self.fence.route(write.route);
         let subject = write.subject(route);
         let (normalised, resource, token, started) = (
             write.normalised.as_str(),
@@ -95,6 +68,7 @@ impl Proxy {
             write.started,
         );
         let settings = self
+            .fence
             .idempotency
             .as_ref()
             .expect("idempotent routes exist only with the idempotency section");
@@ -144,7 +118,7 @@ impl Proxy {
         // Authoritative mode, asked once the body is in (a slow body gives the lease all the
         // time it needs to pass on): a superseded token may still have its outcome replayed.
         let mut superseded = None;
-        if let Some(refusal) = self.check_authority(resource, token).await {
+        if let Some(refusal) = self.fence.check_authority(resource, token).await {
             match refusal {
                 Refusal::Superseded { .. } => superseded = Some(refusal),
                 other => return refuse(other),
@@ -165,31 +139,31 @@ impl Proxy {
         let claim = Claim {
             token,
             fingerprint,
-            rule: self.rule(),
+            rule: self.fence.rule(),
             window: in_flight,
             may_execute: superseded.is_none(),
             attempt: crate::idempotency::AttemptId::next(),
         };
-        let ticket =
-            (route.ordering == Ordering::Serialize).then(|| self.barriers.enter(resource, token));
-        let m = &self.metrics.idempotency;
+        let ticket = (route.ordering == Ordering::Serialize)
+            .then(|| self.fence.barriers.enter(resource, token));
+        let m = &self.fence.metrics.idempotency;
         let asked = Instant::now();
         let begin = tokio::time::timeout(
             self.timeouts.store,
-            self.store().begin_idempotent(resource, &key, &claim),
+            self.fence.store().begin_idempotent(resource, &key, &claim),
         )
         .await
         .unwrap_or_else(|_| Err(StoreError::no_answer_within(self.timeouts.store)));
         m.store_begin.observe(asked.elapsed().as_secs_f64());
-        let route_metrics = &self.route_metrics[route.index];
+        let route_metrics = self.fence.metrics_for(Some(route));
         match begin {
             Err(e) => {
-                self.metrics.store_error("store", e.label());
+                self.fence.metrics.store_error("store", e.label());
                 // The claim may have landed before the answer was lost: mark it unknown so
                 // retries are not refused as in flight for nothing. Only a record carrying
                 // this attempt's id is replaced: another attempt's live record, with the same
                 // token and body, stays in flight.
-                let store = Arc::clone(self.store());
+                let store = Arc::clone(self.fence.store());
                 let (resource, key) = (resource.to_owned(), key);
                 let outcome = Record::unknown(claim.token, claim.fingerprint);
                 let limit = self.timeouts.store;
@@ -205,7 +179,7 @@ impl Proxy {
             }
             Ok(Begin::TooFar { current }) => {
                 route_metrics.too_far.inc();
-                refuse(self.too_far(current))
+                refuse(self.fence.too_far(current))
             }
             Ok(Begin::InFlight) => {
                 m.in_flight.inc();
@@ -269,11 +243,11 @@ impl Proxy {
                 // waits for its turn or for the upstream), the attempt records an outcome.
                 let attempt = Attempt {
                     writer: Some(Writer {
-                        store: Arc::clone(self.store()),
+                        store: Arc::clone(self.fence.store()),
                         resource: resource.to_owned(),
                         key,
                         store_timeout: self.timeouts.store,
-                        metrics: Arc::clone(&self.metrics),
+                        metrics: Arc::clone(&self.fence.metrics),
                     }),
                     claim,
                     max_response: settings.max_response_bytes,
@@ -287,7 +261,7 @@ impl Proxy {
                     }
                 }
                 // The lease may have passed on while the claim (or the turn) was awaited.
-                if let Some(refusal) = self.check_authority(resource, token).await {
+                if let Some(refusal) = self.fence.check_authority(resource, token).await {
                     // Claimed but never sent: a retry may execute it, with a token at least
                     // this one's, that the authority has to admit first.
                     attempt.unknown().await;

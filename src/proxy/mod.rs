@@ -13,17 +13,14 @@
 
 pub(crate) mod access;
 mod build;
-mod decide;
 mod forwarding;
-pub mod headers;
 pub mod idempotent;
-pub mod problem;
 pub mod recording;
 pub mod upstream;
 
 pub use build::BuildError;
-pub use problem::grpc;
 
+use std::borrow::Borrow;
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
@@ -33,43 +30,31 @@ use std::task::{Context, Poll};
 
 use tokio::time::Instant;
 
-use http::header::HeaderName;
 use http::{Request, Response};
 use hyper::body::Incoming;
 
+use http::Method;
+
 use crate::body::ProxyBody;
-use crate::config::{EqualTokens, IdempotencyConfig, Timeouts, UpstreamUrl};
-use crate::fence::barrier::Barriers;
-use crate::fence::routes::{Route, RouteTable};
-use crate::lease::agent::Agent;
-use crate::metrics::{Metrics, Outcome, RouteMetrics};
-use crate::store::FenceStore;
-use access::Subject;
-pub(crate) use decide::{Decision, Fenced, Pass};
+use crate::config::{Timeouts, UpstreamUrl};
+use crate::fault::Fault;
+use crate::fence::routes::Route;
+use crate::fence::{Decision, Fence, Fenced, Pass, Refused};
+use crate::metrics::Outcome;
+use crate::problem::grpc;
+use crate::problem::refusal::{Refusal, Subject};
+use access::{log_access, sent_bytes, Access, Head, Received, Timing};
 use forwarding::{set_token, Answering};
 use upstream::UpstreamClient;
 
-/// Everything a request needs, built once per configuration.
+/// A [`Fence`] in front of an upstream: what a request needs besides the fence's decision,
+/// built once per configuration.
 pub struct Proxy {
-    table: RouteTable,
-    token_header: HeaderName,
-    equal: EqualTokens,
-    /// `token.max_step` (`None`: off); applied in observed mode only ([`Proxy::rule`]).
-    max_step: Option<u64>,
-    /// What a fenced write's token is checked against, or where it comes from.
-    check: Check,
-    barriers: Arc<Barriers>,
-    metrics: Arc<Metrics>,
-    /// Per-route metric children, indexed like the route table; the last one is for requests
-    /// on no route.
-    route_metrics: Vec<RouteMetrics>,
+    /// The decision: routes, token rules, store or lease agent, barriers, authority, metrics.
+    pub(crate) fence: Arc<Fence>,
     client: UpstreamClient,
     /// The pool for gRPC calls: HTTP/2 (prior knowledge for `http`, ALPN `h2` for `https`).
     grpc_client: UpstreamClient,
-    /// Authoritative mode: the latest grant per resource, from the lease backend that issues
-    /// tokens, cached from its grant events (and the highest grants seen, a lower bound that
-    /// answers refusals without a round trip).
-    authority: Option<Arc<crate::lease::grants::GrantCache>>,
     upstream: UpstreamUrl,
     /// `Host` for requests on a client connection's own upstream connection.
     upstream_host: http::HeaderValue,
@@ -78,9 +63,6 @@ pub struct Proxy {
     timeouts: Timeouts,
     /// The listener's scheme, for `X-Forwarded-Proto`.
     https: bool,
-    /// Idempotency keys: the section, and per route (indexed like the table) whether it applies.
-    idempotency: Option<IdempotencyConfig>,
-    idempotent: Vec<bool>,
     /// `access_log`: one line per request (target `fencegate::access`).
     access_log: bool,
     /// `log.query`: how the access line writes a query.
@@ -89,16 +71,6 @@ pub struct Proxy {
     /// written after their response has gone keep them: shared, not copied per request.
     route_names: Vec<Arc<str>>,
     upstream_name: Arc<str>,
-}
-
-/// How a proxy fences writes.
-#[derive(Clone)]
-enum Check {
-    /// Ingress: the request's token is compared with the highest seen, and raised, in the store.
-    Store(Arc<dyn FenceStore>),
-    /// Egress: the request carries no token; the token of the lease this sidecar holds on the
-    /// resource is attached (docs/leases.md, `egress`), and without one the write is refused.
-    Attach(Arc<Agent>),
 }
 
 /// A fenced write past its token check, on its way to the upstream: what the steps that may
@@ -206,9 +178,9 @@ impl Proxy {
         // End to end: from here, where the request's head has been read, to the response's
         // head (`fencegate_request_duration_seconds`, the access log).
         let started = Instant::now();
-        match self.decide(&req) {
+        match self.fence.decide(&req) {
             Decision::Refuse(refused) => {
-                Handling::done(self.answer_refused(refused, &req, Some(peer), started))
+                Handling::done(self.answer_refused(refused, &req, peer, started))
             }
             Decision::Forward(Pass {
                 normalised,
@@ -225,7 +197,7 @@ impl Proxy {
                     }) => {
                         if attach {
                             let token = token.expect("an attached write has its lease's token");
-                            set_token(req.headers_mut(), &self.token_header, token);
+                            set_token(req.headers_mut(), &self.fence.token_header, token);
                         }
                         let outcome = if token.is_some() {
                             Outcome::Admitted
@@ -251,6 +223,106 @@ impl Proxy {
                 Handling::Later {
                     future: Box::pin(self.fence_later(req, write, later.key)),
                 }
+            }
+        }
+    }
+}
+
+impl Proxy {
+    /// A request [`Fence::decide`] refused: counted, logged and answered as the fence does
+    /// ([`Fence::refuse`]), and written to the access log.
+    fn answer_refused(
+        &self,
+        refused: Refused,
+        req: &Request<Incoming>,
+        peer: SocketAddr,
+        started: Instant,
+    ) -> Response<ProxyBody> {
+        let (refusal, route, subject) = refused.parts(&self.fence);
+        let (method, path) = (req.method(), req.uri().path());
+        let head = self
+            .access_log
+            .then(|| Head::of(req, Some(peer.ip()), self.log_query));
+        let timing = Timing::without_upstream(started).head(head.as_deref());
+        self.refuse(refusal, route, subject, method, path, timing)
+    }
+
+    /// [`Fence::refuse`] (counted, logged, answered), and the access line.
+    fn refuse(
+        &self,
+        refusal: impl Borrow<Refusal>,
+        route: Option<&Route>,
+        subject: Subject<'_>,
+        method: &Method,
+        path: &str,
+        timing: Timing<'_>,
+    ) -> Response<ProxyBody> {
+        let refusal = refusal.borrow();
+        let (outcome, kind) = (refusal.outcome(), refusal.kind());
+        let upstream_failed = refusal.fault() == Fault::Upstream;
+        let response = self
+            .fence
+            .refuse(refusal, route, subject, method, path, timing.took());
+        if self.access_log {
+            let problem_len = http_body::Body::size_hint(response.body()).lower();
+            log_access(Access {
+                subject,
+                method,
+                path,
+                status: kind.status.as_u16(),
+                outcome,
+                problem: Some(kind.urn),
+                timing,
+                bytes_out: sent_bytes(method, problem_len),
+                upstream: upstream_failed.then_some(self.upstream.authority.as_str()),
+            });
+        }
+        response
+    }
+
+    /// The rest of a fenced write that has to wait before its send: an idempotency key, an
+    /// authority, an ordering barrier, or a store that answers later.
+    async fn fence_later(
+        self: Arc<Self>,
+        req: Request<Incoming>,
+        write: Write,
+        key: Option<String>,
+    ) -> Response<ProxyBody> {
+        let route = self.fence.route(write.route);
+        if let Some(key) = key {
+            return self.idempotent_write(req, write, key).await;
+        }
+        let ticket = match self.fence.admit(route, &write.resource, write.token).await {
+            Ok(ticket) => ticket,
+            Err(refusal) => {
+                let (method, path) = (req.method(), req.uri().path());
+                let head = self
+                    .access_log
+                    .then(|| Head::of(&req, Some(write.peer.ip()), self.log_query));
+                let timing = Timing::without_upstream(write.started).head(head.as_deref());
+                let subject = write.subject(route);
+                return self.refuse(refusal, Some(route), subject, method, path, timing);
+            }
+        };
+        match ticket {
+            None => {
+                let Write {
+                    route: index,
+                    resource,
+                    token,
+                    normalised,
+                    peer,
+                    own,
+                    started,
+                } = write;
+                let answering =
+                    Answering::fenced(index, resource, Some(token), Outcome::Admitted, started);
+                let forwarded = Arc::clone(&self).forwarding(req, normalised, answering, peer, own);
+                forwarded.await.unwrap_or_else(|never| match never {})
+            }
+            ticket => {
+                let req = req.map(|body| http_body_util::Either::Left(Received::new(body, None)));
+                self.forward_held(req, write, ticket, None, None).await
             }
         }
     }

@@ -224,7 +224,7 @@ static GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
 fn grpc_unknown(head: &HeaderMap, trailed: Option<&HeaderValue>) -> bool {
     let headed = head.get(&GRPC_STATUS);
     if headed.is_none() && trailed.is_none() {
-        return super::headers::is_grpc(head);
+        return crate::headers::is_grpc(head);
     }
     headed
         .into_iter()

@@ -100,7 +100,7 @@ impl SharedSlot {
         match self.0.forwarded_for.get() {
             Some((ip, value)) if *ip == peer => value.clone(),
             _ => {
-                let value = super::headers::peer_value(peer);
+                let value = crate::headers::peer_value(peer);
                 let _ = self.0.forwarded_for.set((peer, value.clone()));
                 value
             }

@@ -3,6 +3,7 @@
 //! shared by all of them.
 
 pub mod admin;
+#[cfg(feature = "embedded")]
 mod embedded;
 mod error;
 #[cfg(feature = "etcd")]
@@ -18,8 +19,9 @@ pub use shared::retention;
 
 use std::sync::Arc;
 
-#[cfg(test)]
+#[cfg(all(test, feature = "embedded"))]
 pub(crate) use embedded::parks_here;
+#[cfg(feature = "embedded")]
 pub use embedded::{defer_wakes_to_park, EmbeddedStore};
 pub use error::StoreError;
 pub use memory::MemoryStore;
@@ -140,6 +142,7 @@ pub async fn open_with_clock(
     };
     match config {
         StoreConfig::Memory => Ok(Arc::new(MemoryStore::new())),
+        #[cfg(feature = "embedded")]
         StoreConfig::Embedded {
             path,
             prefix,
@@ -207,6 +210,7 @@ pub async fn open_for_admin(config: &StoreConfig) -> Result<Box<dyn admin::Inspe
              outside"
                 .into(),
         )),
+        #[cfg(feature = "embedded")]
         StoreConfig::Embedded { path, prefix, .. } => {
             Ok(Box::new(embedded::EmbeddedAdmin::new(path, prefix)))
         }

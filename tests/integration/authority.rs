@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use fencegate::config::Config;
+use fencegate::fence::Fence;
 use fencegate::idempotency::{Begin, Claim, Record};
 use fencegate::lease::{Acquired, Grant};
 use fencegate::metrics::Metrics;
@@ -160,9 +161,11 @@ async fn a_plain_write_whose_lease_passes_on_during_its_raise_is_superseded() {
     });
     let metrics = Arc::new(Metrics::new(prometheus::Registry::new()).unwrap());
     let proxy = Arc::new(
-        Proxy::new(&config, store, metrics)
-            .unwrap()
-            .with_authority(Arc::clone(&backend)),
+        Proxy::over(
+            &config,
+            Fence::new(&config, store, metrics).with_authority(Arc::clone(&backend)),
+        )
+        .unwrap(),
     );
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();

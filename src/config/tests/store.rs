@@ -368,18 +368,29 @@ fn only_a_password_is_masked_and_the_printed_config_loads_again() {
     }
 }
 
-/// A build without the redis store and lease backend (`--no-default-features`) refuses a config
-/// naming either when it loads (so `check` does too), and says how to get it.
+/// A build without the redis and the embedded store and lease backend
+/// (`--no-default-features`) refuses a config naming either when it loads (so `check` does
+/// too), and says how to get it.
 #[test]
-#[cfg(not(feature = "redis"))]
+#[cfg(not(any(feature = "redis", feature = "embedded")))]
 fn a_store_left_out_of_the_build_is_refused_when_the_config_loads() {
-    let wanted = "this fencegate was built without the `redis` store and lease backend: build it \
-                  with the Cargo feature `redis` (the default builds them all)";
-    for yaml in [
-        "store: { kind: redis, url: 'redis://r:6379/' }",
-        "leases: { backend: { kind: redis, url: 'redis://r:6379/' }, ttl: 1s }",
+    for (kind, yaml) in [
+        ("redis", "store: { kind: redis, url: 'redis://r:6379/' }"),
+        (
+            "redis",
+            "leases: { backend: { kind: redis, url: 'redis://r:6379/' }, ttl: 1s }",
+        ),
+        ("embedded", "store: { kind: embedded }"),
+        (
+            "embedded",
+            "leases: { backend: { kind: embedded }, ttl: 1s }",
+        ),
     ] {
+        let wanted = format!(
+            "this fencegate was built without the `{kind}` store and lease backend: build it \
+             with the Cargo feature `{kind}` (the default builds them all)"
+        );
         let got = err(&format!("upstream: http://a:1\n{yaml}\n"));
-        assert!(got.contains(wanted), "{yaml}\n got: {got}");
+        assert!(got.contains(&wanted), "{yaml}\n got: {got}");
     }
 }

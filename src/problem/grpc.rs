@@ -4,7 +4,7 @@
 //! `grpc-message` percent-encoded as the gRPC HTTP/2 protocol says), with the same detail
 //! headers the problem+json refusal carries (`fencing-token-current`, `retry-after`).
 //!
-//! A refusal is made once, as problem+json ([`Refusal::response`]), which notes its gRPC
+//! A refusal is made once, as problem+json ([`super::refusal::Refusal::response`]), which notes its gRPC
 //! status in the response's extensions ([`mark`]); [`Answered`] turns it into the gRPC form when
 //! the request was a gRPC call. Upstream responses pass untouched, trailers included: the fence
 //! decides on the request's headers, so streaming calls are never held up by it.
@@ -18,7 +18,6 @@ use http::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_LENGTH, CONTENT_T
 use http::{Response, StatusCode, Version};
 use percent_encoding::{AsciiSet, CONTROLS};
 
-use super::Refusal;
 use crate::body::ProxyBody;
 
 /// gRPC status codes fencegate answers with (grpc/doc/statuscodes.md).
@@ -51,32 +50,6 @@ impl Code {
     }
 }
 
-/// A refusal's gRPC status: one exhaustive match, no `_`, so a new refusal must pick one.
-pub fn code(refusal: &Refusal) -> Code {
-    match refusal {
-        Refusal::Stale { .. }
-        | Refusal::Superseded { .. }
-        | Refusal::Unissued { .. }
-        | Refusal::TooFar { .. } => Code::Aborted,
-        Refusal::IdempotencyInFlight => Code::Aborted,
-        Refusal::InvalidToken(_)
-        | Refusal::InvalidPath(_)
-        | Refusal::InvalidResource(_)
-        | Refusal::TokenRequired
-        | Refusal::InvalidIdempotencyKey(_)
-        | Refusal::InvalidRequest(_) => Code::InvalidArgument,
-        Refusal::IdempotencyKeyReused | Refusal::NotReplayable { .. } | Refusal::LeaseNotHeld => {
-            Code::FailedPrecondition
-        }
-        Refusal::RequestTooLarge { .. } => Code::ResourceExhausted,
-        Refusal::NoRoute => Code::Unimplemented,
-        Refusal::StoreUnavailable(_) | Refusal::BarrierTimeout | Refusal::UpstreamError(_) => {
-            Code::Unavailable
-        }
-        Refusal::UpstreamTimeout(_) => Code::DeadlineExceeded,
-    }
-}
-
 /// What a refusal's response carries for its gRPC form, in the response's extensions.
 #[derive(Debug, Clone)]
 struct Status {
@@ -84,15 +57,16 @@ struct Status {
     message: String,
 }
 
-/// Notes `refusal`'s gRPC status (and `detail`, its message) on its problem+json response.
-pub fn mark(response: &mut Response<ProxyBody>, refusal: &Refusal, detail: String) {
+/// Notes a refusal's gRPC status (`code`, and `detail`, its message) on its problem+json
+/// response.
+pub fn mark(response: &mut Response<ProxyBody>, code: Code, detail: String) {
     response.extensions_mut().insert(Status {
-        code: code(refusal),
+        code,
         message: detail,
     });
 }
 
-use crate::proxy::headers::is_grpc;
+use crate::headers::is_grpc;
 
 /// Whether a request is a gRPC call over HTTP/2, the only transport gRPC has: its refusals
 /// are answered in gRPC form, and it goes upstream over HTTP/2 (gRPC servers speak nothing
@@ -180,8 +154,7 @@ where
 mod tests {
     use super::*;
     use crate::fence::token::TokenError;
-    use crate::proxy::access::Subject;
-    use crate::proxy::problem::Unavailable;
+    use crate::problem::refusal::{Refusal, Subject, Unavailable};
     use crate::store::StoreError;
 
     fn headers(content_type: &str) -> HeaderMap {
@@ -270,7 +243,7 @@ mod tests {
             (Refusal::NoRoute, 12),
         ];
         for (refusal, want) in cases {
-            assert_eq!(code(&refusal).as_u8(), want, "{refusal:?}");
+            assert_eq!(refusal.kind().grpc.as_u8(), want, "{refusal:?}");
         }
     }
 

@@ -1,6 +1,10 @@
 //! problem+json bodies (RFC 9457), the same on every listener: the proxy's refusals, the lease
 //! API and the admin listener answer `type`, `title`, `status`, `detail`, then what the problem
-//! is about.
+//! is about. [`refusal`] holds every reason the fence answers instead of the upstream, in
+//! one table; [`grpc`] answers them the gRPC way to gRPC calls.
+
+pub mod grpc;
+pub mod refusal;
 
 use http::header::{HeaderValue, ALLOW, CONTENT_TYPE};
 use http::{Method, Response, StatusCode};

@@ -1,28 +1,27 @@
-//! Refusals: every reason fencegate answers instead of the upstream, each mapped in one
-//! exhaustive match to its problem (status, type and title: RFC 9457 problem+json bodies,
-//! docs/requests.md), in another to its metric outcome, and in a third to whose fault it is.
-//! The body is a [`crate::problem::Problem`], as the lease API's and the admin listener's are.
-//! [`Proxy::refuse`] is the one place a refusal is answered, counted and logged.
-
-pub mod grpc;
+//! Refusals: every reason fencegate answers instead of the upstream (or, in-process, the
+//! inner service). Each kind is declared once in [`KINDS`]'s table: its status, problem type
+//! and title (RFC 9457 problem+json, docs/requests.md), gRPC status, metric outcome, whose
+//! fault it is and whether it says `Retry-After`. [`Refusal::kind`] is the one match that
+//! picks a refusal's row; the detail sentence and the members after it are the refusal's own.
+//! The body is a [`crate::problem::Problem`], as the lease API's and the admin listener's are;
+//! it is rendered once, as problem+json, and in gRPC form for gRPC calls
+//! ([`super::grpc::Answered`]).
 
 use std::time::Duration;
 
 use http::header::{HeaderName, HeaderValue, RETRY_AFTER};
-use http::{Method, Request, Response, StatusCode, Version};
+use http::{Response, StatusCode};
 
-use super::access::{log_access, sent_bytes, Access, Subject, Timing};
-use super::Proxy;
+use super::grpc::{self, Code};
+use super::Problem;
 use crate::body::ProxyBody;
 use crate::fault::Fault;
 use crate::fence::path::PathError;
 use crate::fence::routes::ResourceError;
-use crate::fence::routes::Route;
+pub use crate::fence::routes::Subject;
 use crate::fence::token::TokenError;
 use crate::lease::LeaseError;
 use crate::metrics::Outcome;
-use crate::metrics::RouteMetrics;
-use crate::problem::Problem;
 use crate::store::StoreError;
 
 /// Header carrying the recorded maximum on a stale (or too far) refusal.
@@ -123,159 +122,149 @@ impl Unavailable {
     }
 }
 
+/// What every refusal of one kind answers with: one row of the refusal table.
+#[derive(Debug)]
+pub struct Kind {
+    pub status: StatusCode,
+    /// The problem type URI.
+    pub urn: &'static str,
+    pub title: &'static str,
+    /// The gRPC status of its gRPC form (docs/grpc.md).
+    pub grpc: Code,
+    /// The metric outcome (`fencegate_requests_total{outcome}`).
+    pub outcome: Outcome,
+    /// Whose fault it is; a store's failure says whose itself ([`Refusal::fault`]).
+    pub fault: Fault,
+    /// Whether the answer says `Retry-After: 1`: the same request may pass in a moment.
+    pub retry_after: bool,
+}
+
+macro_rules! kinds {
+    ($($name:ident: $status:ident, $urn:literal, $title:literal, $grpc:ident, $outcome:ident,
+       $fault:ident, $retry:literal;)*) => {
+        $(
+            const $name: Kind = Kind {
+                status: StatusCode::$status,
+                urn: concat!("urn:fencegate:", $urn),
+                title: $title,
+                grpc: Code::$grpc,
+                outcome: Outcome::$outcome,
+                fault: Fault::$fault,
+                retry_after: $retry,
+            };
+        )*
+        /// Every refusal kind, in the order of the table.
+        pub const KINDS: &[&Kind] = &[$(&$name),*];
+    };
+}
+
+kinds! {
+    // The client's: fix the request.
+    INVALID_TOKEN: BAD_REQUEST, "invalid-token", "Invalid fencing token",
+        InvalidArgument, InvalidToken, Client, false;
+    INVALID_PATH: BAD_REQUEST, "invalid-path", "Invalid request path",
+        InvalidArgument, InvalidPath, Client, false;
+    INVALID_RESOURCE: BAD_REQUEST, "invalid-resource",
+        "Cannot tell which resource this write is for",
+        InvalidArgument, InvalidResource, Client, false;
+    TOKEN_REQUIRED: PRECONDITION_REQUIRED, "token-required", "Fencing token required",
+        InvalidArgument, TokenRequired, Client, false;
+    STALE: CONFLICT, "stale-token", "Stale fencing token",
+        Aborted, Stale, Client, false;
+    UNISSUED: CONFLICT, "unissued-token", "Fencing token was never issued",
+        Aborted, Unissued, Client, false;
+    TOO_FAR: CONFLICT, "token-too-far", "Fencing token too far above the recorded maximum",
+        Aborted, TooFar, Client, false;
+    NO_ROUTE: NOT_FOUND, "no-route", "No route for this request",
+        Unimplemented, NoRoute, Client, false;
+    INVALID_IDEMPOTENCY_KEY: BAD_REQUEST, "invalid-idempotency-key", "Invalid idempotency key",
+        InvalidArgument, InvalidRequest, Client, false;
+    REQUEST_TOO_LARGE: PAYLOAD_TOO_LARGE, "request-too-large",
+        "Request body too large for an idempotent write",
+        ResourceExhausted, InvalidRequest, Client, false;
+    INVALID_REQUEST: BAD_REQUEST, "invalid-request", "Invalid request",
+        InvalidArgument, InvalidRequest, Client, false;
+    IDEMPOTENCY_IN_FLIGHT: CONFLICT, "idempotency-in-flight",
+        "A request with this idempotency key is still being processed",
+        Aborted, IdempotencyInFlight, Client, true;
+    IDEMPOTENCY_KEY_REUSED: UNPROCESSABLE_ENTITY, "idempotency-key-reused",
+        "Idempotency key reused for a different request",
+        FailedPrecondition, IdempotencyKeyReused, Client, false;
+    NOT_REPLAYABLE: CONFLICT, "idempotency-not-replayable",
+        "The request with this idempotency key completed; its response was not kept",
+        FailedPrecondition, NotReplayable, Client, false;
+    // Ours (or our store's): retry later.
+    STORE_UNAVAILABLE: SERVICE_UNAVAILABLE, "store-unavailable", "Fence store unavailable",
+        Unavailable, StoreUnavailable, Store, true;
+    LEASE_NOT_HELD: SERVICE_UNAVAILABLE, "lease-not-held", "Lease not held",
+        FailedPrecondition, LeaseNotHeld, Ours, true;
+    BARRIER_TIMEOUT: SERVICE_UNAVAILABLE, "barrier-timeout",
+        "Earlier writes to this resource are still in flight",
+        Unavailable, BarrierTimeout, Ours, true;
+    // The upstream's.
+    UPSTREAM_ERROR: BAD_GATEWAY, "upstream-error", "Upstream failed",
+        Unavailable, UpstreamError, Upstream, false;
+    UPSTREAM_TIMEOUT: GATEWAY_TIMEOUT, "upstream-timeout", "Upstream timed out",
+        DeadlineExceeded, UpstreamTimeout, Upstream, false;
+}
+
 impl Refusal {
+    /// This refusal's row of the table: the one exhaustive match, no `_`, so a new refusal
+    /// must pick its kind.
+    pub fn kind(&self) -> &'static Kind {
+        match self {
+            Refusal::InvalidToken(_) => &INVALID_TOKEN,
+            Refusal::InvalidPath(_) => &INVALID_PATH,
+            Refusal::InvalidResource(_) => &INVALID_RESOURCE,
+            Refusal::TokenRequired => &TOKEN_REQUIRED,
+            Refusal::Stale { .. } | Refusal::Superseded { .. } => &STALE,
+            Refusal::Unissued { .. } => &UNISSUED,
+            Refusal::TooFar { .. } => &TOO_FAR,
+            Refusal::NoRoute => &NO_ROUTE,
+            Refusal::InvalidIdempotencyKey(_) => &INVALID_IDEMPOTENCY_KEY,
+            Refusal::RequestTooLarge { .. } => &REQUEST_TOO_LARGE,
+            Refusal::InvalidRequest(_) => &INVALID_REQUEST,
+            Refusal::IdempotencyInFlight => &IDEMPOTENCY_IN_FLIGHT,
+            Refusal::IdempotencyKeyReused => &IDEMPOTENCY_KEY_REUSED,
+            Refusal::NotReplayable { .. } => &NOT_REPLAYABLE,
+            Refusal::StoreUnavailable(_) => &STORE_UNAVAILABLE,
+            Refusal::LeaseNotHeld => &LEASE_NOT_HELD,
+            Refusal::BarrierTimeout => &BARRIER_TIMEOUT,
+            Refusal::UpstreamError(_) => &UPSTREAM_ERROR,
+            Refusal::UpstreamTimeout(_) => &UPSTREAM_TIMEOUT,
+        }
+    }
+
     /// Whose fault the refusal is; a store's failure says whose itself.
     pub fn fault(&self) -> Fault {
         match self {
-            Refusal::InvalidToken(_)
-            | Refusal::InvalidPath(_)
-            | Refusal::InvalidResource(_)
-            | Refusal::TokenRequired
-            | Refusal::Stale { .. }
-            | Refusal::Superseded { .. }
-            | Refusal::Unissued { .. }
-            | Refusal::TooFar { .. }
-            | Refusal::NoRoute
-            | Refusal::InvalidIdempotencyKey(_)
-            | Refusal::RequestTooLarge { .. }
-            | Refusal::InvalidRequest(_)
-            | Refusal::IdempotencyInFlight
-            | Refusal::IdempotencyKeyReused
-            | Refusal::NotReplayable { .. } => Fault::Client,
             Refusal::StoreUnavailable(e) => e.fault(),
-            Refusal::BarrierTimeout | Refusal::LeaseNotHeld => Fault::Ours,
-            Refusal::UpstreamError(_) | Refusal::UpstreamTimeout(_) => Fault::Upstream,
+            _ => self.kind().fault,
         }
     }
 
     /// The metric outcome.
     pub fn outcome(&self) -> Outcome {
-        match self {
-            Refusal::InvalidToken(_) => Outcome::InvalidToken,
-            Refusal::InvalidPath(_) => Outcome::InvalidPath,
-            Refusal::InvalidResource(_) => Outcome::InvalidResource,
-            Refusal::TokenRequired => Outcome::TokenRequired,
-            Refusal::Stale { .. } | Refusal::Superseded { .. } => Outcome::Stale,
-            Refusal::Unissued { .. } => Outcome::Unissued,
-            Refusal::TooFar { .. } => Outcome::TooFar,
-            Refusal::NoRoute => Outcome::NoRoute,
-            Refusal::InvalidIdempotencyKey(_)
-            | Refusal::RequestTooLarge { .. }
-            | Refusal::InvalidRequest(_) => Outcome::InvalidRequest,
-            Refusal::IdempotencyInFlight => Outcome::IdempotencyInFlight,
-            Refusal::IdempotencyKeyReused => Outcome::IdempotencyKeyReused,
-            Refusal::NotReplayable { .. } => Outcome::NotReplayable,
-            Refusal::StoreUnavailable(_) => Outcome::StoreUnavailable,
-            Refusal::LeaseNotHeld => Outcome::LeaseNotHeld,
-            Refusal::BarrierTimeout => Outcome::BarrierTimeout,
-            Refusal::UpstreamError(_) => Outcome::UpstreamError,
-            Refusal::UpstreamTimeout(_) => Outcome::UpstreamTimeout,
+        self.kind().outcome
+    }
+
+    /// The recorded maximum (or latest grant) a stale, unissued or too-far refusal names.
+    pub fn current_token(&self) -> Option<u64> {
+        match *self {
+            Refusal::Stale { current } | Refusal::Superseded { latest: current } => Some(current),
+            Refusal::Unissued { latest } => latest,
+            Refusal::TooFar { current, .. } => current,
+            _ => None,
         }
     }
 
-    /// The problem: status, type and title by the refusal's kind, `detail` from
+    /// The problem: status, type and title from its [`Kind`], `detail` from
     /// [`Refusal::detail`], then what it is about (resource, token, the current token or the
     /// recorded status).
     pub fn problem(&self, subject: &Subject<'_>, token_header: &HeaderName) -> Problem {
+        let kind = self.kind();
         let detail = self.detail(subject, token_header);
-        let problem = |status, kind, title| Problem::new(status, kind, title, detail);
-        let mut problem = match self {
-            Refusal::InvalidToken(_) => problem(
-                StatusCode::BAD_REQUEST,
-                "urn:fencegate:invalid-token",
-                "Invalid fencing token",
-            ),
-            Refusal::InvalidPath(_) => problem(
-                StatusCode::BAD_REQUEST,
-                "urn:fencegate:invalid-path",
-                "Invalid request path",
-            ),
-            Refusal::InvalidResource(_) => problem(
-                StatusCode::BAD_REQUEST,
-                "urn:fencegate:invalid-resource",
-                "Cannot tell which resource this write is for",
-            ),
-            Refusal::TokenRequired => problem(
-                StatusCode::PRECONDITION_REQUIRED,
-                "urn:fencegate:token-required",
-                "Fencing token required",
-            ),
-            Refusal::Stale { .. } | Refusal::Superseded { .. } => problem(
-                StatusCode::CONFLICT,
-                "urn:fencegate:stale-token",
-                "Stale fencing token",
-            ),
-            Refusal::Unissued { .. } => problem(
-                StatusCode::CONFLICT,
-                "urn:fencegate:unissued-token",
-                "Fencing token was never issued",
-            ),
-            Refusal::TooFar { .. } => problem(
-                StatusCode::CONFLICT,
-                "urn:fencegate:token-too-far",
-                "Fencing token too far above the recorded maximum",
-            ),
-            Refusal::NoRoute => problem(
-                StatusCode::NOT_FOUND,
-                "urn:fencegate:no-route",
-                "No route for this request",
-            ),
-            Refusal::InvalidIdempotencyKey(_) => problem(
-                StatusCode::BAD_REQUEST,
-                "urn:fencegate:invalid-idempotency-key",
-                "Invalid idempotency key",
-            ),
-            Refusal::RequestTooLarge { .. } => problem(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "urn:fencegate:request-too-large",
-                "Request body too large for an idempotent write",
-            ),
-            Refusal::InvalidRequest(_) => problem(
-                StatusCode::BAD_REQUEST,
-                "urn:fencegate:invalid-request",
-                "Invalid request",
-            ),
-            Refusal::IdempotencyInFlight => problem(
-                StatusCode::CONFLICT,
-                "urn:fencegate:idempotency-in-flight",
-                "A request with this idempotency key is still being processed",
-            ),
-            Refusal::IdempotencyKeyReused => problem(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "urn:fencegate:idempotency-key-reused",
-                "Idempotency key reused for a different request",
-            ),
-            Refusal::NotReplayable { .. } => problem(
-                StatusCode::CONFLICT,
-                "urn:fencegate:idempotency-not-replayable",
-                "The request with this idempotency key completed; its response was not kept",
-            ),
-            Refusal::StoreUnavailable(_) => problem(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "urn:fencegate:store-unavailable",
-                "Fence store unavailable",
-            ),
-            Refusal::LeaseNotHeld => problem(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "urn:fencegate:lease-not-held",
-                "Lease not held",
-            ),
-            Refusal::BarrierTimeout => problem(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "urn:fencegate:barrier-timeout",
-                "Earlier writes to this resource are still in flight",
-            ),
-            Refusal::UpstreamError(_) => problem(
-                StatusCode::BAD_GATEWAY,
-                "urn:fencegate:upstream-error",
-                "Upstream failed",
-            ),
-            Refusal::UpstreamTimeout(_) => problem(
-                StatusCode::GATEWAY_TIMEOUT,
-                "urn:fencegate:upstream-timeout",
-                "Upstream timed out",
-            ),
-        };
+        let mut problem = Problem::new(kind.status, kind.urn, kind.title, detail);
         if let Some(resource) = subject.resource {
             problem = problem.with("resource", resource);
         }
@@ -440,28 +429,24 @@ impl Refusal {
     }
 
     /// `problem` (this refusal's) as the response, its gRPC status noted ([`grpc::mark`]).
-    fn respond(&self, problem: Problem) -> Response<ProxyBody> {
+    pub fn respond(&self, problem: Problem) -> Response<ProxyBody> {
+        let kind = self.kind();
         let detail = problem.detail().to_owned();
         let mut response = problem.response();
         let headers = response.headers_mut();
-        match self {
-            Refusal::Stale { current }
-            | Refusal::Superseded { latest: current }
-            | Refusal::TooFar {
-                current: Some(current),
-                ..
-            } => {
-                headers.insert(TOKEN_CURRENT, HeaderValue::from(*current));
-            }
-            Refusal::StoreUnavailable(_)
-            | Refusal::BarrierTimeout
-            | Refusal::LeaseNotHeld
-            | Refusal::IdempotencyInFlight => {
-                headers.insert(RETRY_AFTER, HeaderValue::from_static("1"));
-            }
-            _ => {}
+        if let Refusal::Stale { current }
+        | Refusal::Superseded { latest: current }
+        | Refusal::TooFar {
+            current: Some(current),
+            ..
+        } = self
+        {
+            headers.insert(TOKEN_CURRENT, HeaderValue::from(*current));
         }
-        grpc::mark(&mut response, self, detail);
+        if kind.retry_after {
+            headers.insert(RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        grpc::mark(&mut response, kind.grpc, detail);
         response
     }
 }
@@ -480,93 +465,6 @@ pub fn spelled(name: &HeaderName) -> String {
         word_start = c == '-';
     }
     out
-}
-
-impl Proxy {
-    /// Counts, logs (one line per refusal, and the access line) and answers.
-    pub(super) fn refuse(
-        &self,
-        refusal: Refusal,
-        route: Option<&Route>,
-        subject: Subject<'_>,
-        method: &Method,
-        path: &str,
-        timing: Timing<'_>,
-    ) -> Response<ProxyBody> {
-        let outcome = refusal.outcome();
-        let problem = refusal.problem(&subject, &self.token_header);
-        let code = problem.status().as_u16();
-        self.metrics_for(route)
-            .finish(outcome, method, code, timing.took());
-        let current_token = match refusal {
-            Refusal::Stale { current } | Refusal::Superseded { latest: current } => Some(current),
-            Refusal::Unissued { latest } => latest,
-            Refusal::TooFar { current, .. } => current,
-            _ => None,
-        };
-        let fault = refusal.fault();
-        let store_error = match &refusal {
-            Refusal::StoreUnavailable(e) => Some(e.label()),
-            _ => None,
-        };
-        tracing::warn!(
-            route = subject.route,
-            %method,
-            path,
-            resource = subject.resource,
-            fencing_token = subject.token,
-            current_token,
-            status = problem.status().as_u16(),
-            r#type = problem.kind(),
-            detail = problem.detail(),
-            fault = fault.label(),
-            store_error,
-            "{}",
-            if fault == Fault::Upstream {
-                "upstream failed"
-            } else {
-                "write refused"
-            }
-        );
-        let status = problem.status().as_u16();
-        let kind = self.access_log.then(|| problem.kind().to_owned());
-        let response = refusal.respond(problem);
-        if let Some(kind) = kind.as_deref() {
-            let problem_len = http_body::Body::size_hint(response.body()).lower();
-            log_access(Access {
-                subject,
-                method,
-                path,
-                status,
-                outcome,
-                problem: Some(kind),
-                timing,
-                bytes_out: sent_bytes(method, problem_len),
-                upstream: (fault == Fault::Upstream).then_some(self.upstream.authority.as_str()),
-            });
-        }
-        response
-    }
-
-    pub(super) fn metrics_for(&self, route: Option<&Route>) -> &RouteMetrics {
-        let index = route.map_or(self.route_metrics.len() - 1, |r| r.index);
-        &self.route_metrics[index]
-    }
-}
-
-/// RFC 9112 §3.2: more than one `Host`, or an HTTP/1.1 request with neither `Host` nor an
-/// absolute-form target, is a bad request (the upstream and `X-Forwarded-Host` would have to
-/// pick one of two claims).
-pub(super) fn host_problem<B>(req: &Request<B>) -> Option<&'static str> {
-    let mut hosts = req.headers().get_all(http::header::HOST).iter();
-    let first = hosts.next();
-    if hosts.next().is_some() {
-        return Some("more than one Host header (RFC 9112 §3.2)");
-    }
-    if first.is_none() && req.version() == Version::HTTP_11 && req.uri().authority().is_none() {
-        return Some("an HTTP/1.1 request needs a Host header (RFC 9112 §3.2)");
-    }
-    None
 }
 
 #[cfg(test)]
@@ -693,7 +591,7 @@ mod tests {
             (far.fault(), far.outcome()),
             (Fault::Client, Outcome::TooFar)
         );
-        assert_eq!(grpc::code(&far), grpc::Code::Aborted);
+        assert_eq!(far.kind().grpc, grpc::Code::Aborted);
         let response = far.response(&subject, &header);
         assert_eq!(response.headers()[TOKEN_CURRENT], "17");
         let first = Refusal::TooFar {

@@ -1,29 +1,28 @@
 //! The fence decision, shared by the proxy and the in-process layer ([`crate::layer`]):
-//! [`Proxy::decide`] decides what it can from a request's head alone (route, resource, token,
-//! and the store's compare-and-raise when it answers at once); [`Proxy::admit`] is the rest
+//! [`Fence::decide`] decides what it can from a request's head alone (route, resource, token,
+//! and the store's compare-and-raise when it answers at once); [`Fence::admit`] is the rest
 //! for a write that has to wait: the authority (`fence.authority: leases`), the store's
 //! compare-and-raise (bounded by the store timeout), its verdict, and under
 //! `ordering: serialize` the barrier's turn.
 
 use std::sync::Arc;
 
-use http::{Request, Response};
-use hyper::body::Incoming;
+use http::header::HeaderName;
+use http::{HeaderMap, Request, Response, Version};
 use tokio::time::Instant;
 
-use super::access::{Head, Received, Subject, Timing};
-use super::forwarding::Answering;
-use super::problem::{host_problem, Refusal, Unavailable};
-use super::{idempotent, Check, Proxy, Write};
+use super::barrier::Ticket;
+use super::method::method_override;
+use super::path;
+use super::routes::{Matched, Route};
+use super::token::{connection_nominates, token_from_headers, TokenError};
+use super::verdict::{Rule, Verdict};
+use super::{Check, Fence};
 use crate::body::ProxyBody;
 use crate::config::{MissingToken, Ordering, Unmatched};
-use crate::fence::barrier::Ticket;
-use crate::fence::method::method_override;
-use crate::fence::path;
-use crate::fence::routes::{Matched, Route};
-use crate::fence::token::{connection_nominates, token_from_headers, TokenError};
-use crate::fence::verdict::{Rule, Verdict};
+use crate::idempotency::MAX_KEY_BYTES;
 use crate::metrics::Outcome;
+use crate::problem::refusal::{spelled, Refusal, Subject, Unavailable};
 use crate::store::{FenceStore, StoreError};
 
 /// What the fence decides about a request from its head alone.
@@ -32,7 +31,7 @@ pub(crate) enum Decision {
     Refuse(Refused),
     /// Send it on now: unfenced, or a fenced write admitted.
     Forward(Pass),
-    /// A fenced write that has to wait before it may be sent: see [`Proxy::admit`] (and, with
+    /// A fenced write that has to wait before it may be sent: see [`Fence::admit`] (and, with
     /// an idempotency key, the proxy's idempotent write).
     Later(Later),
 }
@@ -44,6 +43,22 @@ pub(crate) struct Refused {
     pub(crate) route: Option<usize>,
     pub(crate) resource: Option<String>,
     pub(crate) token: Option<u64>,
+}
+
+impl Refused {
+    /// The refusal, and the route it is on with what its body and log line say it is about.
+    pub(crate) fn parts<'a>(
+        &'a self,
+        fence: &'a Fence,
+    ) -> (&'a Refusal, Option<&'a Route>, Subject<'a>) {
+        let route = self.route.map(|i| fence.route(i));
+        let subject = Subject {
+            route: route.map(|r| r.name.as_str()),
+            resource: self.resource.as_deref(),
+            token: self.token,
+        };
+        (&self.refusal, route, subject)
+    }
 }
 
 /// A request to send on now.
@@ -75,7 +90,7 @@ pub(crate) struct Later {
     pub(crate) key: Option<String>,
 }
 
-impl Proxy {
+impl Fence {
     /// The fence decision on a request's head: `host → normalised path → route match
     /// (resource) → token → idempotency key → compare-and-raise when the store answers at
     /// once`. Everything that needs no waiting happens here, for the proxy and the layer alike.
@@ -183,14 +198,10 @@ impl Proxy {
             Ok(Some(token)) => token,
         };
         let key = match (&self.idempotency, self.idempotent[index]) {
-            (Some(settings), true) => {
-                match idempotent::key_from_headers(req.headers(), &settings.header.0) {
-                    Ok(key) => key,
-                    Err(e) => {
-                        return refuse(Refusal::InvalidIdempotencyKey(e), resource, Some(token))
-                    }
-                }
-            }
+            (Some(settings), true) => match key_from_headers(req.headers(), &settings.header.0) {
+                Ok(key) => key,
+                Err(e) => return refuse(Refusal::InvalidIdempotencyKey(e), resource, Some(token)),
+            },
             _ => None,
         };
         // The common case decides here: no key, no authority, no barrier, and a store that
@@ -220,30 +231,15 @@ impl Proxy {
         &self,
         refused: Refused,
         req: &Request<B>,
-        peer: Option<std::net::SocketAddr>,
         started: Instant,
     ) -> Response<ProxyBody> {
-        let Refused {
-            refusal,
-            route,
-            resource,
-            token,
-        } = refused;
-        let route = route.map(|i| &self.table.routes()[i]);
-        let subject = Subject {
-            route: route.map(|r| r.name.as_str()),
-            resource: resource.as_deref(),
-            token,
-        };
+        let (refusal, route, subject) = refused.parts(self);
         let (method, path) = (req.method(), req.uri().path());
-        let head = self
-            .access_log
-            .then(|| Head::of(req, peer.map(|p| p.ip()), self.log_query));
-        let timing = Timing::without_upstream(started).head(head.as_deref());
-        self.refuse(refusal, route, subject, method, path, timing)
+        let took = started.elapsed();
+        self.refuse(refusal, route, subject, method, path, took)
     }
 
-    /// [`Proxy::admit`] for a write [`Proxy::decide`] left to wait; a refusal comes back with
+    /// [`Fence::admit`] for a write [`Fence::decide`] left to wait; a refusal comes back with
     /// what it is about.
     pub(crate) async fn admit_later(&self, later: Later) -> Result<Option<Ticket>, Refused> {
         let route = &self.table.routes()[later.route];
@@ -257,11 +253,6 @@ impl Proxy {
             })
     }
 
-    /// The registry the fence's metrics are in.
-    pub(crate) fn metrics_registry(&self) -> &prometheus::Registry {
-        &self.metrics.registry
-    }
-
     /// Counts a request answered by whatever the fence let it through to (the in-process
     /// layer's inner service), as the proxy counts the upstream's answers.
     pub(crate) fn answered(
@@ -272,8 +263,9 @@ impl Proxy {
         code: u16,
         started: Instant,
     ) {
-        let metrics = &self.route_metrics[route.unwrap_or(self.route_metrics.len() - 1)];
-        metrics.finish(outcome, method, code, started.elapsed());
+        let route = route.map(|i| self.route(i));
+        self.metrics_for(route)
+            .finish(outcome, method, code, started.elapsed());
     }
 
     /// The rest of a fenced write that has to wait before its send (without an idempotency
@@ -304,55 +296,8 @@ impl Proxy {
         Ok(ticket)
     }
 
-    /// The rest of a fenced write that has to wait before its send: an idempotency key, an
-    /// authority, an ordering barrier, or a store that answers later.
-    pub(super) async fn fence_later(
-        self: Arc<Self>,
-        req: Request<Incoming>,
-        write: Write,
-        key: Option<String>,
-    ) -> Response<ProxyBody> {
-        let route = &self.table.routes()[write.route];
-        if let Some(key) = key {
-            return self.idempotent_write(req, write, key).await;
-        }
-        let ticket = match self.admit(route, &write.resource, write.token).await {
-            Ok(ticket) => ticket,
-            Err(refusal) => {
-                let (method, path) = (req.method(), req.uri().path());
-                let head = self
-                    .access_log
-                    .then(|| Head::of(&req, Some(write.peer.ip()), self.log_query));
-                let timing = Timing::without_upstream(write.started).head(head.as_deref());
-                let subject = write.subject(route);
-                return self.refuse(refusal, Some(route), subject, method, path, timing);
-            }
-        };
-        match ticket {
-            None => {
-                let Write {
-                    route: index,
-                    resource,
-                    token,
-                    normalised,
-                    peer,
-                    own,
-                    started,
-                } = write;
-                let answering =
-                    Answering::fenced(index, resource, Some(token), Outcome::Admitted, started);
-                let forwarded = Arc::clone(&self).forwarding(req, normalised, answering, peer, own);
-                forwarded.await.unwrap_or_else(|never| match never {})
-            }
-            ticket => {
-                let req = req.map(|body| http_body_util::Either::Left(Received::new(body, None)));
-                self.forward_held(req, write, ticket, None, None).await
-            }
-        }
-    }
-
     /// Counts a store's verdict on an admitted write, and turns the others into refusals.
-    pub(super) fn on_verdict(
+    pub(crate) fn on_verdict(
         &self,
         route: &Route,
         token: u64,
@@ -382,14 +327,14 @@ impl Proxy {
     /// grant seen before need no round trip; everything else asks the grant cache, which
     /// answers from the backend's grant events while subscribed and asks the backend
     /// otherwise; a backend that does not answer refuses the write (fail closed).
-    pub(super) async fn check_authority(&self, resource: &str, token: u64) -> Option<Refusal> {
+    pub(crate) async fn check_authority(&self, resource: &str, token: u64) -> Option<Refusal> {
         let grants = self.authority.as_ref()?;
         if let Some(floor) = grants.floor(resource) {
             if token < floor {
                 return Some(Refusal::Superseded { latest: floor });
             }
         }
-        let latest = tokio::time::timeout(self.timeouts.store, grants.latest(resource)).await;
+        let latest = tokio::time::timeout(self.store_timeout, grants.latest(resource)).await;
         match latest {
             Ok(Ok(Some(latest))) => match token.cmp(&latest) {
                 std::cmp::Ordering::Less => Some(Refusal::Superseded { latest }),
@@ -406,20 +351,20 @@ impl Proxy {
             Err(_) => {
                 self.metrics.store_error("leases", "timeout");
                 Some(Refusal::StoreUnavailable(Unavailable::LeasesSilent(
-                    self.timeouts.store,
+                    self.store_timeout,
                 )))
             }
         }
     }
 
     /// Compare-and-raise, bounded by the store timeout; a late answer counts as no answer.
-    pub(super) async fn check(&self, resource: &str, token: u64) -> Result<Verdict, StoreError> {
+    pub(crate) async fn check(&self, resource: &str, token: u64) -> Result<Verdict, StoreError> {
         if let Some(answer) = self.raise_at_once(resource, token) {
             return answer;
         }
         let started = Instant::now();
         let answer = bounded(
-            self.timeouts.store,
+            self.store_timeout,
             self.store().compare_and_raise(resource, token, self.rule()),
         )
         .await;
@@ -428,8 +373,8 @@ impl Proxy {
     }
 
     /// The compare-and-raise of a store that answers at once (see
-    /// [`FenceStore::raise_at_once`]), timed and counted as [`Proxy::check`] does.
-    pub(super) fn raise_at_once(
+    /// [`FenceStore::raise_at_once`]), timed and counted as [`Fence::check`] does.
+    pub(crate) fn raise_at_once(
         &self,
         resource: &str,
         token: u64,
@@ -445,7 +390,7 @@ impl Proxy {
     /// backend's latest grant before (and after) the raise, and one above it is refused as
     /// unissued, so an absurd token never reaches the store, and a ceiling could only refuse
     /// a token the backend did issue.
-    pub(super) fn rule(&self) -> Rule {
+    pub(crate) fn rule(&self) -> Rule {
         Rule {
             equal: self.equal,
             max_step: self.max_step.filter(|_| self.authority.is_none()),
@@ -453,7 +398,7 @@ impl Proxy {
     }
 
     /// The refusal of a token too far above `current` (the store's verdict).
-    pub(super) fn too_far(&self, current: Option<u64>) -> Refusal {
+    pub(crate) fn too_far(&self, current: Option<u64>) -> Refusal {
         Refusal::TooFar {
             current,
             max_step: self.max_step.unwrap_or(u64::MAX),
@@ -461,15 +406,15 @@ impl Proxy {
     }
 
     /// The store writes are checked against. Only an ingress proxy gets this far: an egress
-    /// proxy decides every fenced write in [`Proxy::decide`], by the lease it holds.
-    pub(super) fn store(&self) -> &Arc<dyn FenceStore> {
+    /// proxy decides every fenced write in [`Fence::decide`], by the lease it holds.
+    pub(crate) fn store(&self) -> &Arc<dyn FenceStore> {
         match &self.check {
             Check::Store(store) => store,
             Check::Attach(_) => unreachable!("an egress proxy never consults the store"),
         }
     }
 
-    pub(super) fn observe_store(&self, started: Instant, answer: &Result<Verdict, StoreError>) {
+    pub(crate) fn observe_store(&self, started: Instant, answer: &Result<Verdict, StoreError>) {
         self.metrics
             .store_raise
             .observe(started.elapsed().as_secs_f64());
@@ -477,6 +422,48 @@ impl Proxy {
             self.metrics.store_error("store", e.label());
         }
     }
+}
+
+/// The key of a request, if it has one. More than one key header, or a key that is not
+/// 1-255 visible ASCII characters, is refused.
+fn key_from_headers(headers: &HeaderMap, name: &HeaderName) -> Result<Option<String>, String> {
+    let mut values = headers.get_all(name).iter();
+    let Some(value) = values.next() else {
+        return Ok(None);
+    };
+    let name = spelled(name);
+    if values.next().is_some() {
+        return Err(format!("more than one `{name}` header: send the key once"));
+    }
+    let bytes = value.as_bytes();
+    if bytes.is_empty() || bytes.len() > MAX_KEY_BYTES {
+        return Err(format!(
+            "the `{name}` header must be 1 to {MAX_KEY_BYTES} characters, got {}",
+            bytes.len()
+        ));
+    }
+    if !bytes.iter().all(|b| (0x21..=0x7e).contains(b)) {
+        return Err(format!(
+            "the `{name}` header may only contain visible ASCII characters (no spaces or \
+             control bytes)"
+        ));
+    }
+    Ok(Some(String::from_utf8_lossy(bytes).into_owned()))
+}
+
+/// RFC 9112 §3.2: more than one `Host`, or an HTTP/1.1 request with neither `Host` nor an
+/// absolute-form target, is a bad request (the upstream and `X-Forwarded-Host` would have to
+/// pick one of two claims).
+pub(crate) fn host_problem<B>(req: &Request<B>) -> Option<&'static str> {
+    let mut hosts = req.headers().get_all(http::header::HOST).iter();
+    let first = hosts.next();
+    if hosts.next().is_some() {
+        return Some("more than one Host header (RFC 9112 §3.2)");
+    }
+    if first.is_none() && req.version() == Version::HTTP_11 && req.uri().authority().is_none() {
+        return Some("an HTTP/1.1 request needs a Host header (RFC 9112 §3.2)");
+    }
+    None
 }
 
 /// A store answer, bounded by `limit`. Answers that are ready at once (the memory store, a
