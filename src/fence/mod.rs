@@ -1,7 +1,7 @@
 //! The fence: one [`Fence`] holds what decides a write (routes, token rules, the store or
 //! the lease agent, the barriers, the authority, its metrics), and decides it
-//! ([`Fence::decide`], then [`Fence::admit`] for a write that has to wait). The proxy
-//! ([`crate::proxy`]) is a `Fence` plus an upstream and forwarding; the in-process
+//! (`Fence::decide`, then `Fence::admit` for a write that has to wait, in `fence/decide.rs`).
+//! The proxy ([`crate::proxy`]) is a `Fence` plus an upstream and forwarding; the in-process
 //! [`crate::layer`] is a `Fence` in front of a tower service.
 //!
 //! Below it, the pure decisions, as functions over values (no sockets, no clocks):
@@ -14,6 +14,8 @@ pub mod method;
 mod model;
 pub mod path;
 pub mod routes;
+#[cfg(test)]
+mod tests;
 pub mod token;
 pub mod verdict;
 
@@ -230,7 +232,10 @@ impl Fence {
             Refusal::StoreUnavailable(e) => Some(e.label()),
             _ => None,
         };
+        // The target is the one refusals have always been logged under, which log pipelines
+        // and filters (`FENCEGATE_LOG`) select on.
         tracing::warn!(
+            target: "fencegate::proxy::problem",
             route = subject.route,
             %method,
             path,

@@ -27,7 +27,7 @@ use crate::metrics::{Outcome, UNMATCHED};
 
 /// When a request's handling began and ended, and how long its upstream exchange took; and,
 /// for the access line, the request as it came ([`Head`], made only when the access log is
-/// on): the lines of [`Proxy::refuse`] are given the normalised path, the access line the one
+/// on): the lines of [`crate::fence::Fence::refuse`] are given the normalised path, the access line the one
 /// received.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Timing<'a> {

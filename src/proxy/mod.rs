@@ -2,14 +2,15 @@
 //!
 //! `normalise path → route match (resource id) → token parse → compare-and-raise → optional
 //! barrier → forward (streaming) → metrics + log`. Every early exit is a [`Refusal`], turned
-//! into a response in one place ([`Proxy::refuse`]), where it is also counted and logged.
+//! into a response in one place (`Fence::refuse`), where it is also counted and logged.
 //!
-//! Along the request's way: [`Proxy::handle_on`] (here) checks what needs no waiting;
-//! [`build`] makes a `Proxy`; [`decide`] is the fence decision (route, token, authority,
-//! compare-and-raise, verdict, barrier), shared with the in-process [`crate::layer`]; [`idempotent`] handles writes with an `Idempotency-Key` and
-//! [`recording`] records their outcome; [`forwarding`] sends and answers, over [`upstream`]
-//! with [`headers`]' header surgery; [`problem`] answers refusals, in gRPC form for gRPC
-//! calls ([`grpc`]); [`access`] writes the access log.
+//! A `Proxy` is a [`Fence`] (the decision, shared with the in-process [`crate::layer`]) in
+//! front of an upstream. Along the request's way: [`Proxy::handle_on`] (here) asks the fence
+//! for its `Decision` and acts on it; `build` makes a `Proxy`; [`idempotent`] handles
+//! writes with an `Idempotency-Key` and [`recording`] records their outcome; `forwarding`
+//! sends and answers, over [`upstream`] with [`crate::headers`]' header surgery; refusals are
+//! answered by the fence, in gRPC form for gRPC calls ([`grpc`]); `access` writes the
+//! access log.
 
 pub(crate) mod access;
 mod build;
