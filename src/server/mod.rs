@@ -20,8 +20,8 @@ use hyper::server::conn::{http1, http2};
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
-use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_rustls::TlsAcceptor;
 
 use crate::body::ProxyBody;
@@ -41,7 +41,9 @@ pub struct ServerSettings {
     pub drain: Duration,
 }
 
-/// Serves `handler` on `listener` until `shutdown` resolves, then drains.
+/// Serves `handler` on `listener` until `shutdown` resolves, then drains: accepts
+/// connections ([`Acceptor`]), serves each in a task of its own ([`connection`]), and at the
+/// end waits for them ([`drain_connections`]).
 pub async fn serve<H, F>(
     listener: TcpListener,
     settings: ServerSettings,
@@ -51,136 +53,169 @@ pub async fn serve<H, F>(
     H: Fn(Request<Incoming>, SocketAddr) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = Result<Response<ProxyBody>, Infallible>> + Send + 'static,
 {
-    // Connections are served by hyper's HTTP/1 or HTTP/2 connection, as ALPN or, in
-    // cleartext, their first bytes say ([`sniff`]); plain ones whose first bytes do not tell
-    // yet by hyper-util's builder, which reads them itself and replays them to the connection.
-    // Serving directly spares every read that replay wrapper, and a connection that sends
-    // nothing is closed after `header_read` (the builder would wait for its first bytes for
-    // ever). The header-read timer is per connection ([`HeadTimer`]), set on each
-    // connection's copy of the builder.
-    //
-    // hyper's builders and hyper-util's take the same settings through different types.
-    macro_rules! http1_settings {
-        ($builder:expr) => {
-            $builder
-                .header_read_timeout(settings.header_read)
-                .writev(false)
-                .max_buf_size(settings.max_header_bytes.max(8192))
-                .max_headers(settings.max_headers)
-        };
-    }
-    macro_rules! http2_settings {
-        ($builder:expr) => {
-            $builder
-                .timer(TokioTimer::new())
-                .max_header_list_size(u32::try_from(settings.max_header_bytes).unwrap_or(u32::MAX))
-                .max_concurrent_streams(256)
-                // Bounds the rapid-reset pattern (CVE-2023-44487): too many resets close the
-                // connection.
-                .max_pending_accept_reset_streams(50)
-                .max_local_error_reset_streams(256)
-        };
-    }
-    let mut http1 = http1::Builder::new();
-    http1_settings!(http1);
-    let mut http2 = http2::Builder::new(TokioExecutor::new());
-    http2_settings!(http2);
-    let mut auto = auto::Builder::new(TokioExecutor::new());
-    http1_settings!(auto.http1());
-    http2_settings!(auto.http2());
-    let builders = Arc::new(Builders { http1, http2, auto });
+    let builders = Arc::new(Builders::new(&settings));
     let drain = Arc::new(Drain::default());
-    let slots = Arc::new(Semaphore::new(settings.max_connections));
+    let mut acceptor = Acceptor::new(listener, settings.max_connections);
     tokio::pin!(shutdown);
-    let mut backoff = Duration::from_millis(5);
-    loop {
-        let permit = tokio::select! {
-            () = &mut shutdown => break,
-            permit = Arc::clone(&slots).acquire_owned() => permit.expect("never closed"),
+    while let Some((stream, peer, permit)) = acceptor.accept(shutdown.as_mut()).await {
+        let handler = handler.clone();
+        let service = service_fn(move |req| handler(req, peer));
+        let conn = Connection {
+            builders: Arc::clone(&builders),
+            tls: settings.tls.clone(),
+            handshake_limit: settings.header_read,
+            peer,
         };
-        let (stream, peer) = tokio::select! {
-            () = &mut shutdown => break,
-            accepted = listener.accept() => match accepted {
-                Ok(pair) => pair,
+        let entry = drain.enter();
+        tokio::spawn(async move {
+            let _permit = permit;
+            conn.serve(stream, service, entry).await;
+        });
+    }
+    let addr = acceptor.listener.local_addr().ok();
+    drop(acceptor);
+    drain_connections(addr, &drain, settings.drain).await;
+}
+
+/// The listener and what bounds it: at most `max_connections` open at once, and a backoff
+/// when accepting fails.
+struct Acceptor {
+    listener: TcpListener,
+    slots: Arc<Semaphore>,
+    backoff: Duration,
+}
+
+impl Acceptor {
+    fn new(listener: TcpListener, max_connections: usize) -> Self {
+        Acceptor {
+            listener,
+            slots: Arc::new(Semaphore::new(max_connections)),
+            backoff: Duration::from_millis(5),
+        }
+    }
+
+    /// The next connection (with its slot), once a slot is free; `None` once `shutdown` has
+    /// resolved.
+    async fn accept(
+        &mut self,
+        mut shutdown: std::pin::Pin<&mut impl Future<Output = ()>>,
+    ) -> Option<(TcpStream, SocketAddr, OwnedSemaphorePermit)> {
+        loop {
+            let permit = tokio::select! {
+                () = &mut shutdown => return None,
+                permit = Arc::clone(&self.slots).acquire_owned() => permit.expect("never closed"),
+            };
+            let accepted = tokio::select! {
+                () = &mut shutdown => return None,
+                accepted = self.listener.accept() => accepted,
+            };
+            match accepted {
+                Ok((stream, peer)) => {
+                    self.backoff = Duration::from_millis(5);
+                    let _ = stream.set_nodelay(true);
+                    return Some((stream, peer, permit));
+                }
                 Err(e) => {
                     // Usually EMFILE: back off instead of spinning or dying.
                     tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_secs(1));
-                    continue;
-                }
-            },
-        };
-        backoff = Duration::from_millis(5);
-        let _ = stream.set_nodelay(true);
-        let builders = Arc::clone(&builders);
-        let entry = drain.enter();
-        let handler = handler.clone();
-        let settings_tls = settings.tls.clone();
-        let handshake_limit = settings.header_read;
-        tokio::spawn(async move {
-            let _permit = permit;
-            let service = service_fn(move |req| handler(req, peer));
-            match settings_tls {
-                None => match tokio::time::timeout(handshake_limit, sniff(&stream)).await {
-                    Ok(Ok(Sniffed::Http1)) => {
-                        let conn = builders
-                            .http1()
-                            .serve_connection(TokioIo::new(stream), service);
-                        let _ = entry.watch(conn, |conn| conn.graceful_shutdown()).await;
-                    }
-                    Ok(Ok(Sniffed::Http2)) => {
-                        let conn = builders
-                            .http2
-                            .serve_connection(TokioIo::new(stream), service);
-                        let _ = entry.watch(conn, |conn| conn.graceful_shutdown()).await;
-                    }
-                    Ok(Ok(Sniffed::NotYet)) => {
-                        let mut auto = builders.auto.clone();
-                        auto.http1().timer(HeadTimer::default());
-                        let conn = auto.serve_connection(TokioIo::new(stream), service);
-                        let _ = entry.watch(conn, |conn| conn.graceful_shutdown()).await;
-                    }
-                    // Closed, failed, or silent for as long as a head may take.
-                    Ok(Err(_)) | Err(_) => {}
-                },
-                Some(acceptor) => {
-                    let tls = match tokio::time::timeout(handshake_limit, acceptor.accept(stream))
-                        .await
-                    {
-                        Ok(Ok(tls)) => tls,
-                        Ok(Err(e)) => {
-                            let error = crate::tls::handshake_error(&e, "client");
-                            // A client certificate refused (`tls.client_ca`) is a setup to fix;
-                            // other failures are the client's business.
-                            if crate::tls::certificate_refused(&e) {
-                                tracing::warn!(%peer, %error, "TLS handshake failed");
-                            } else {
-                                tracing::debug!(%peer, %error, "TLS handshake failed");
-                            }
-                            return;
-                        }
-                        Err(_) => {
-                            tracing::debug!(%peer, "TLS handshake timed out");
-                            return;
-                        }
-                    };
-                    // Over TLS the version is negotiated (ALPN), never sniffed (RFC 9113 §3.3).
-                    if tls.get_ref().1.alpn_protocol() == Some(b"h2") {
-                        let conn = builders.http2.serve_connection(TokioIo::new(tls), service);
-                        let _ = entry.watch(conn, |conn| conn.graceful_shutdown()).await;
-                    } else {
-                        let conn = builders
-                            .http1()
-                            .serve_connection(TokioIo::new(tls), service);
-                        let _ = entry.watch(conn, |conn| conn.graceful_shutdown()).await;
-                    }
+                    tokio::time::sleep(self.backoff).await;
+                    self.backoff = (self.backoff * 2).min(Duration::from_secs(1));
                 }
             }
-        });
+        }
     }
-    let addr = listener.local_addr().ok();
-    drop(listener);
+}
+
+/// One connection: TLS or not, HTTP/1 or HTTP/2, served until it ends or the drain tells it
+/// to finish.
+///
+/// Connections are served by hyper's HTTP/1 or HTTP/2 connection, as ALPN or, in cleartext,
+/// their first bytes say ([`sniff`]); plain ones whose first bytes do not tell yet by
+/// hyper-util's builder, which reads them itself and replays them to the connection. Serving
+/// directly spares every read that replay wrapper, and a connection that sends nothing is
+/// closed after `header_read` (the builder would wait for its first bytes for ever). The
+/// header-read timer is per connection ([`HeadTimer`]), set on each connection's copy of the
+/// builder.
+struct Connection {
+    builders: Arc<Builders>,
+    tls: Option<TlsAcceptor>,
+    /// `header_read`: how long the TLS handshake, or the first bytes, may take.
+    handshake_limit: Duration,
+    peer: SocketAddr,
+}
+
+impl Connection {
+    async fn serve<S>(self, stream: TcpStream, service: S, entry: drain::Entry)
+    where
+        S: hyper::service::Service<
+                Request<Incoming>,
+                Response = Response<ProxyBody>,
+                Error = Infallible,
+            > + Clone
+            + Send
+            + 'static,
+        S::Future: Send + 'static,
+    {
+        let builders = &self.builders;
+        let Some(acceptor) = self.tls else {
+            match tokio::time::timeout(self.handshake_limit, sniff(&stream)).await {
+                Ok(Ok(Sniffed::Http1)) => {
+                    let conn = builders
+                        .http1()
+                        .serve_connection(TokioIo::new(stream), service);
+                    let _ = entry.watch(conn, |conn| conn.graceful_shutdown()).await;
+                }
+                Ok(Ok(Sniffed::Http2)) => {
+                    let conn = builders
+                        .http2
+                        .serve_connection(TokioIo::new(stream), service);
+                    let _ = entry.watch(conn, |conn| conn.graceful_shutdown()).await;
+                }
+                Ok(Ok(Sniffed::NotYet)) => {
+                    let mut auto = builders.auto.clone();
+                    auto.http1().timer(HeadTimer::default());
+                    let conn = auto.serve_connection(TokioIo::new(stream), service);
+                    let _ = entry.watch(conn, |conn| conn.graceful_shutdown()).await;
+                }
+                // Closed, failed, or silent for as long as a head may take.
+                Ok(Err(_)) | Err(_) => {}
+            }
+            return;
+        };
+        let peer = self.peer;
+        let tls = match tokio::time::timeout(self.handshake_limit, acceptor.accept(stream)).await {
+            Ok(Ok(tls)) => tls,
+            Ok(Err(e)) => {
+                let error = crate::tls::handshake_error(&e, "client");
+                // A client certificate refused (`tls.client_ca`) is a setup to fix; other
+                // failures are the client's business.
+                if crate::tls::certificate_refused(&e) {
+                    tracing::warn!(%peer, %error, "TLS handshake failed");
+                } else {
+                    tracing::debug!(%peer, %error, "TLS handshake failed");
+                }
+                return;
+            }
+            Err(_) => {
+                tracing::debug!(%peer, "TLS handshake timed out");
+                return;
+            }
+        };
+        // Over TLS the version is negotiated (ALPN), never sniffed (RFC 9113 §3.3).
+        if tls.get_ref().1.alpn_protocol() == Some(b"h2") {
+            let conn = builders.http2.serve_connection(TokioIo::new(tls), service);
+            let _ = entry.watch(conn, |conn| conn.graceful_shutdown()).await;
+        } else {
+            let conn = builders
+                .http1()
+                .serve_connection(TokioIo::new(tls), service);
+            let _ = entry.watch(conn, |conn| conn.graceful_shutdown()).await;
+        }
+    }
+}
+
+/// After the listener has closed: waits for the open connections to finish, at most `limit`.
+async fn drain_connections(addr: Option<SocketAddr>, drain: &Drain, limit: Duration) {
     tracing::info!(
         addr = addr.map(tracing::field::display),
         open = drain.count(),
@@ -188,11 +223,11 @@ pub async fn serve<H, F>(
     );
     tokio::select! {
         () = drain.shutdown() => {}
-        () = tokio::time::sleep(settings.drain) => {
+        () = tokio::time::sleep(limit) => {
             tracing::warn!(
                 addr = addr.map(tracing::field::display),
                 open = drain.count(),
-                drain = %crate::duration::display(settings.drain),
+                drain = %crate::duration::display(limit),
                 "connections still open after the drain timeout; closing them"
             );
         }
@@ -208,6 +243,42 @@ struct Builders {
 }
 
 impl Builders {
+    /// The builders with `settings`' limits. hyper's builders and hyper-util's take the same
+    /// settings through different types.
+    fn new(settings: &ServerSettings) -> Self {
+        macro_rules! http1_settings {
+            ($builder:expr) => {
+                $builder
+                    .header_read_timeout(settings.header_read)
+                    .writev(false)
+                    .max_buf_size(settings.max_header_bytes.max(8192))
+                    .max_headers(settings.max_headers)
+            };
+        }
+        macro_rules! http2_settings {
+            ($builder:expr) => {
+                $builder
+                    .timer(TokioTimer::new())
+                    .max_header_list_size(
+                        u32::try_from(settings.max_header_bytes).unwrap_or(u32::MAX),
+                    )
+                    .max_concurrent_streams(256)
+                    // Bounds the rapid-reset pattern (CVE-2023-44487): too many resets close
+                    // the connection.
+                    .max_pending_accept_reset_streams(50)
+                    .max_local_error_reset_streams(256)
+            };
+        }
+        let mut http1 = http1::Builder::new();
+        http1_settings!(http1);
+        let mut http2 = http2::Builder::new(TokioExecutor::new());
+        http2_settings!(http2);
+        let mut auto = auto::Builder::new(TokioExecutor::new());
+        http1_settings!(auto.http1());
+        http2_settings!(auto.http2());
+        Builders { http1, http2, auto }
+    }
+
     /// The HTTP/1 builder, with a header-read timer of the connection's own.
     fn http1(&self) -> http1::Builder {
         let mut http1 = self.http1.clone();
