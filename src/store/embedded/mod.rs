@@ -35,10 +35,12 @@
 //! the maximum and writes the `in_flight` record in the batch's write transaction, so it is
 //! durable before the write it admits is forwarded. Records live in `{prefix}.idempotency`
 //! under [`record_key`], with the wall-clock instant (ms since the Unix epoch) they expire at,
-//! since the file outlives the process; an expired record counts as absent. Except an
-//! `in_flight` record whose attempt this process started: the writer also keeps its deadline
-//! on the monotonic clock, and until that passes the record is live whatever the wall clock
-//! says, so a forward step of the clock cannot let a retry execute beside a running attempt. A second table,
+//! since the file outlives the process; an expired record counts as absent. A record this
+//! process wrote (an attempt's `in_flight` record, or its outcome) expires by the monotonic
+//! clock instead: the writer keeps its deadline, and the record is live until that passes,
+//! whatever the wall clock says. So a forward step of the wall clock can neither let a retry
+//! execute beside a running attempt nor run again one whose outcome is recorded, and a step
+//! back keeps no record alive past its window. A second table,
 //! `{prefix}.idempotency.expiry`, holds `(expires_ms, record key)` for every record, so
 //! purging the expired ones (inside write transactions) visits only those.
 //!
@@ -153,18 +155,28 @@ impl Op {
     }
 }
 
-/// The attempts of this process whose `in_flight` records are live, by record key: the owner
-/// and its deadline on the monotonic clock (`None`: the window does not fit in an `Instant`).
-type Running = HashMap<String, (AttemptId, Option<Instant>)>;
+/// The records this process wrote and that have not expired yet, by record key: each one's
+/// stored wall-clock expiry (the mark that the stored record is still the one written here),
+/// the attempt of an `in_flight` one, and its deadline on the monotonic clock (`None`: the
+/// window does not fit in an `Instant`).
+type Running = HashMap<String, Written>;
 
-/// Whether `record`, stored under `key`, is the `in_flight` record of an attempt of this
-/// process whose monotonic deadline has not passed.
-fn running(live: &Running, key: &str, record: &Record, now: Instant) -> bool {
-    live.get(key).is_some_and(|(attempt, deadline)| {
-        record.phase == Phase::InFlight
-            && record.attempt == Some(*attempt)
-            && deadline.is_none_or(|d| d > now)
-    })
+/// A record this process wrote: see [`Running`].
+#[derive(Debug, Clone, Copy)]
+struct Written {
+    at: u64,
+    attempt: Option<AttemptId>,
+    deadline: Option<Instant>,
+}
+
+/// Whether `record`, stored under `key` to expire at `at` (wall clock), is live at `now`
+/// (monotonic) by this process's own clock: `Some` for a record this process wrote, `None`
+/// for one it did not (written before a restart), which the wall clock decides.
+fn live_here(written: &Running, key: &str, at: u64, record: &Record, now: Instant) -> Option<bool> {
+    let mine = written.get(key).filter(|w| {
+        w.at == at && (record.phase != Phase::InFlight || record.attempt == w.attempt)
+    })?;
+    Some(mine.deadline.is_none_or(|d| d > now))
 }
 
 /// Milliseconds since the Unix epoch, the clock record expiries are kept in.
@@ -196,7 +208,7 @@ struct Shared {
     retention_ms: AtomicU64,
     /// Added to the wall clock the writer reads (tests: a clock step).
     #[cfg(test)]
-    clock_step_ms: AtomicU64,
+    clock_step_ms: std::sync::atomic::AtomicI64,
     /// Runs in the writer just before it commits a batch that wrote (tests).
     #[cfg(test)]
     before_commit: std::sync::Mutex<Option<Box<BeforeCommit>>>,
@@ -216,7 +228,7 @@ impl Shared {
         let step = self.clock_step_ms.load(Ordering::Relaxed);
         #[cfg(not(test))]
         let step = 0;
-        now_ms().saturating_add(step)
+        now_ms().saturating_add_signed(step)
     }
 }
 
@@ -292,7 +304,7 @@ impl EmbeddedStore {
             idle: AtomicBool::new(false),
             retention_ms: AtomicU64::new(0),
             #[cfg(test)]
-            clock_step_ms: AtomicU64::new(0),
+            clock_step_ms: std::sync::atomic::AtomicI64::new(0),
             #[cfg(test)]
             before_commit: std::sync::Mutex::new(None),
             #[cfg(test)]

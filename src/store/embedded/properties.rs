@@ -13,6 +13,7 @@ use std::sync::Mutex;
 use super::*;
 use crate::config::EqualTokens;
 use crate::idempotency::{AttemptId, Fingerprint};
+use crate::sync::Locked;
 
 /// Deterministic pseudo-random numbers.
 struct Rng(u64);
@@ -208,9 +209,9 @@ async fn race(seed: u64) {
                         .unwrap();
                     let ended = clock.fetch_add(1, Ordering::SeqCst);
                     if let Verdict::Admitted { .. } = verdict {
-                        answered[resource].lock().unwrap().push(token);
+                        answered[resource].locked().push(token);
                     }
-                    seen.lock().unwrap().push(Seen {
+                    seen.locked().push(Seen {
                         resource,
                         token,
                         began,
@@ -228,7 +229,7 @@ async fn race(seed: u64) {
             let mut rng = Rng::new(seed ^ 0xDEAD_BEEF);
             for i in 0..200 {
                 let resource = rng.below(3) as usize;
-                let past = answered[resource].lock().unwrap().clone();
+                let past = answered[resource].locked().clone();
                 if !past.is_empty() {
                     let value = past[rng.below(past.len() as u64) as usize];
                     store.shared.cache.observe(&format!("r{resource}"), value);
@@ -243,7 +244,7 @@ async fn race(seed: u64) {
         writer.await.unwrap();
     }
     meddler.await.unwrap();
-    let seen = seen.lock().unwrap().clone();
+    let seen = seen.locked().clone();
     for a in &seen {
         let at = format!("seed {seed}: {a:?}");
         let admitted = |s: &&Seen| matches!(s.verdict, Verdict::Admitted { .. });

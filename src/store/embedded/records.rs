@@ -10,7 +10,8 @@ pub(super) struct Found {
     /// entry in the expiry index.
     pub(super) expires: Option<u64>,
     /// The stored record if it is live: unexpired at `now`, or the `in_flight` record of an
-    /// attempt still running here ([`running`]).
+    /// attempt still running here, or a record this process wrote that its monotonic clock
+    /// keeps ([`live_here`]).
     pub(super) live: Option<Record>,
 }
 
@@ -41,7 +42,7 @@ impl Found {
         };
         let expires = stored.as_ref().map(|(at, _)| *at);
         let live = stored
-            .filter(|(at, r)| *at > now || running(running_here, &key, r, monotonic))
+            .filter(|(at, r)| live_here(running_here, &key, *at, r, monotonic).unwrap_or(*at > now))
             .map(|(_, r)| r);
         Ok(Ok(Found { key, expires, live }))
     }
@@ -84,14 +85,14 @@ pub(super) fn purge(
         expired.push((at, key.to_owned()));
     }
     for (at, key) in expired {
-        // A running attempt's record stays, index entry and all, until its outcome or its
-        // monotonic deadline.
+        // A record this process wrote stays, index entry and all, until its monotonic
+        // deadline.
         if live.contains_key(&key) {
             let guard = records.get(key.as_str())?;
             let bytes = guard.as_ref().map(|g| g.value().1.to_vec());
             drop(guard);
             let record = bytes.and_then(|b| Record::decode(&b).ok());
-            if record.is_some_and(|r| running(live, &key, &r, monotonic)) {
+            if record.is_some_and(|r| live_here(live, &key, at, &r, monotonic) == Some(true)) {
                 continue;
             }
         }

@@ -2,6 +2,7 @@
 
 use super::*;
 use crate::config::EqualTokens;
+use crate::sync::Locked;
 
 #[tokio::test]
 async fn survives_reopen() {
@@ -107,9 +108,10 @@ async fn expired_records_are_absent_and_purged_by_later_writes() {
 
 /// The wall clock steps an hour forward while an attempt runs: its in-flight record is
 /// past its stored expiry, but a retry is still refused as in flight (and no purge removes
-/// it), and the attempt's outcome lands. Records of attempts that ended do expire.
+/// it), and the attempt's outcome lands. Nor does a step expire a completed record early: a
+/// retry within the window is answered from it, however far the wall clock has moved.
 #[tokio::test]
-async fn a_wall_clock_step_does_not_expire_a_running_attempt() {
+async fn a_wall_clock_step_expires_no_record_early() {
     let dir = tempfile::tempdir().unwrap();
     let store = EmbeddedStore::open(&dir.path().join("f.db"), "t", 1000).unwrap();
     let a = claim(4, Duration::from_secs(60));
@@ -117,10 +119,7 @@ async fn a_wall_clock_step_does_not_expire_a_running_attempt() {
         store.begin_idempotent("r", "k", &a).await.unwrap(),
         Begin::Execute { previous: None }
     );
-    store
-        .shared
-        .clock_step_ms
-        .store(3_600_000, Ordering::Relaxed);
+    step_clock(&store, 3_600_000);
     let retry = claim(4, Duration::from_secs(60));
     assert_eq!(
         store.begin_idempotent("r", "k", &retry).await.unwrap(),
@@ -143,22 +142,58 @@ async fn a_wall_clock_step_does_not_expire_a_running_attempt() {
     assert!(store.finish_idempotent("r", "k", &a, &done).await.unwrap());
     assert_eq!(
         store.begin_idempotent("r", "k", &retry).await.unwrap(),
-        Begin::Completed(done)
+        Begin::Completed(done.clone())
     );
-    // A further day: "other" is still `retry`'s running attempt here, so it stays.
-    store
-        .shared
-        .clock_step_ms
-        .store(3_600_000 + 86_400_000, Ordering::Relaxed);
+    // A further day on the wall clock, a few milliseconds in fact: "other" is still
+    // `retry`'s running attempt, and "k"'s outcome is still the answer to a retry.
+    step_clock(&store, 3_600_000 + 86_400_000);
     assert_eq!(
         store.begin_idempotent("r", "other", &a).await.unwrap(),
         Begin::InFlight
     );
-    // "k" completed: its record is no attempt's any more, and the wall clock expires it.
     assert_eq!(
         store.begin_idempotent("r", "k", &a).await.unwrap(),
-        Begin::Execute { previous: Some(4) }
+        Begin::Completed(done)
     );
+}
+
+/// A wall clock stepped back keeps no record of this process alive past its window: records
+/// written here expire by the monotonic clock (a window of 200 ms, a step of a day back).
+#[tokio::test]
+async fn a_wall_clock_stepped_back_keeps_no_record_alive() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = EmbeddedStore::open(&dir.path().join("f.db"), "t", 1000).unwrap();
+    let window = Duration::from_millis(200);
+    let a = claim(4, window);
+    assert!(matches!(
+        store.begin_idempotent("r", "k", &a).await.unwrap(),
+        Begin::Execute { .. }
+    ));
+    let done = Record {
+        phase: Phase::Completed,
+        status: Some(204),
+        ..Record::in_flight(4, a.fingerprint)
+    };
+    assert!(store.finish_idempotent("r", "k", &a, &done).await.unwrap());
+    let written = Instant::now();
+    // Back a day: by the wall clock the record now expires a day after its window.
+    step_clock(&store, -86_400_000);
+    // Within its window (asked with time to spare) it is the answer to a retry...
+    let answer = store
+        .begin_idempotent("r", "k", &claim(4, window))
+        .await
+        .unwrap();
+    if written.elapsed() < window {
+        assert!(matches!(answer, Begin::Completed(_)), "{answer:?}");
+    }
+    // ... and past it (what is awaited is the window itself, on the clock) it is gone.
+    tokio::time::sleep((window + Duration::from_millis(50)).saturating_sub(written.elapsed()))
+        .await;
+    let answer = store
+        .begin_idempotent("r", "k", &claim(4, window))
+        .await
+        .unwrap();
+    assert!(matches!(answer, Begin::Execute { .. }), "{answer:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -455,8 +490,8 @@ async fn the_writer_keeps_exact_values_exact() {
     assert_eq!(store.shared.cache.entry("r"), exact(4));
     let seen = Arc::new(std::sync::Mutex::new(None));
     let saw = Arc::clone(&seen);
-    *store.shared.before_commit.lock().unwrap() = Some(Box::new(move |cache| {
-        *saw.lock().unwrap() = cache.entry("r");
+    *store.shared.before_commit.locked() = Some(Box::new(move |cache| {
+        *saw.locked() = cache.entry("r");
     }));
     store
         .compare_and_raise("r", 6, EqualTokens::Allow.into())
@@ -464,7 +499,7 @@ async fn the_writer_keeps_exact_values_exact() {
         .unwrap();
     // While the raise to 6 committed, 4 was a lower bound only.
     assert_eq!(
-        *seen.lock().unwrap(),
+        *seen.locked(),
         Some(crate::maxima::Cached {
             value: 4,
             exact: false
@@ -481,12 +516,12 @@ async fn the_writer_keeps_exact_values_exact() {
     assert_eq!(store.shared.cache.entry("r"), exact(6));
 }
 
-/// Moves the store's wall clock to `ms` after the real one.
-fn step_clock(store: &EmbeddedStore, ms: u64) {
+/// Moves the store's wall clock to `ms` after (or, negative, before) the real one.
+fn step_clock(store: &EmbeddedStore, ms: i64) {
     store.shared.clock_step_ms.store(ms, Ordering::Relaxed);
 }
 
-const MINUTE: u64 = 60_000;
+const MINUTE: i64 = 60_000;
 
 /// With retention, a maximum not raised for the period is forgotten by the writer (file and
 /// cache), a maximum raised since is kept with its new age, and a repeat of the maximum

@@ -357,8 +357,12 @@ fn commit_batch(
                         write_record(records, expiries, &found.key, found.expires, at, &record)?;
                         // Kept even if this batch fails to commit: it names an attempt whose
                         // record then does not exist, and it goes at its deadline.
-                        let deadline = monotonic.checked_add(claim.window);
-                        live.insert(found.key, (claim.attempt, deadline));
+                        let written = Written {
+                            at,
+                            attempt: Some(claim.attempt),
+                            deadline: monotonic.checked_add(claim.window),
+                        };
+                        live.insert(found.key, written);
                         wrote = true;
                     }
                     Answer::Begin(begin)
@@ -382,7 +386,12 @@ fn commit_batch(
                     if ours {
                         let next = expiry_ms(now, claim.window);
                         write_record(records, expiries, &found.key, found.expires, next, outcome)?;
-                        live.remove(&found.key);
+                        let written = Written {
+                            at: next,
+                            attempt: None,
+                            deadline: monotonic.checked_add(claim.window),
+                        };
+                        live.insert(found.key, written);
                     }
                     wrote |= ours;
                     Answer::Finished(ours)
@@ -391,7 +400,7 @@ fn commit_batch(
             answers.push(answer);
         }
         if let (true, Some((records, expiries))) = (wrote, idempotency.as_mut()) {
-            live.retain(|_, (_, deadline)| deadline.is_none_or(|d| d > monotonic));
+            live.retain(|_, w| w.deadline.is_none_or(|d| d > monotonic));
             purge(records, expiries, now, live, monotonic)?;
             *next_purge = now.saturating_add(PURGE_EVERY_MS);
         }
