@@ -26,9 +26,8 @@ use fencegate::config::Config;
 use fencegate::layer::FenceLayer;
 
 /// The fence when no `--config` is given: `PUT /accounts/{id}` fenced as `account:{id}`, the
-/// maxima in memory. `upstream` is the sidecar's setting, unused in-process.
+/// maxima in memory.
 pub const DEFAULT_CONFIG: &str = "\
-upstream: http://unused.invalid
 store: { kind: memory }
 routes:
   - { name: accounts, path: '/accounts/{id}', methods: [PUT], resource: 'account:{id}' }
@@ -128,8 +127,8 @@ async fn main() -> ExitCode {
         }
     };
     let config = match &args.config {
-        Some(path) => Config::load(path).map_err(|e| e.to_string()),
-        None => Config::parse(DEFAULT_CONFIG).map_err(|e| e.to_string()),
+        Some(path) => Config::load_fence(path).map_err(|e| e.to_string()),
+        None => Config::parse_fence(DEFAULT_CONFIG).map_err(|e| e.to_string()),
     };
     let fence = match config {
         Ok(config) => FenceLayer::open(&config).await.map_err(|e| e.to_string()),

@@ -13,8 +13,9 @@
 //! barrier's ticket until it has been read to its end or dropped, as the proxy's does.
 //!
 //! Of the configuration, what is about the sidecar (`listen`, `admin`, `upstream`, `tls`,
-//! `timeouts` other than `store`, `limits` other than `max_resource_bytes`) is not used;
-//! `upstream` must still be given, any URL. Idempotency keys are not handled in-process: a
+//! `timeouts` other than `store`, `limits` other than `max_resource_bytes`, `access_log`) is
+//! not used; [`Config::parse_fence`] reads a configuration without `upstream`. Idempotency
+//! keys are not handled in-process: a
 //! configuration with an `idempotency` section is refused ([`LayerError::Idempotency`]).
 //!
 //! The layer sees the path its server hands it: behind axum's `Router::nest` that is the path
@@ -33,9 +34,8 @@
 //!
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() {
-//! let config = Config::parse(
-//!     "upstream: http://unused.invalid\n\
-//!      store: { kind: memory }\n\
+//! let config = Config::parse_fence(
+//!     "store: { kind: memory }\n\
 //!      routes:\n  - { name: accounts, path: '/accounts/{id}', methods: [PUT], resource: 'account:{id}' }\n",
 //! )
 //! .unwrap();

@@ -38,6 +38,12 @@ pub enum ParseError {
 /// Sections that disagree with each other.
 #[derive(Debug, thiserror::Error)]
 pub enum SectionsError {
+    #[error(
+        "missing field `upstream`: the service the sidecar forwards to, such as \
+         `upstream: http://127.0.0.1:8080` (an in-process fence, FenceLayer, needs none: \
+         read its config with Config::parse_fence)"
+    )]
+    NoUpstream,
     #[error("routes[{route}].barrier_timeout must be at most {}", MAX_TIMEOUT_TEXT)]
     BarrierTimeoutTooLong { route: usize },
     #[error(

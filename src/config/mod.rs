@@ -69,8 +69,10 @@ pub struct Config {
     /// Metrics, probes and the fence inspection API, on their own port so probes answer under load.
     #[serde(default = "default_admin", deserialize_with = "values::address")]
     pub admin: SocketAddr,
-    /// The protected service.
-    pub upstream: UpstreamUrl,
+    /// The protected service: required by the sidecar ([`Config::parse`]); an in-process fence
+    /// ([`Config::parse_fence`]) has none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub upstream: Option<UpstreamUrl>,
     /// Extra CA bundle (PEM) trusted for an `https` upstream, on top of the public roots.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub upstream_ca: Option<PathBuf>,
@@ -284,8 +286,21 @@ impl TryFrom<String> for Authority {
 }
 
 impl Config {
-    /// Reads and validates a configuration file.
+    /// Reads and validates the sidecar's configuration file ([`Config::parse`]).
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        Self::load_with(path, Config::parse)
+    }
+
+    /// Reads and validates an in-process fence's configuration file
+    /// ([`Config::parse_fence`]: `upstream` may be left out).
+    pub fn load_fence(path: &Path) -> Result<Config, ConfigError> {
+        Self::load_with(path, Config::parse_fence)
+    }
+
+    fn load_with(
+        path: &Path,
+        parse: fn(&str) -> Result<Config, ParseError>,
+    ) -> Result<Config, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.to_owned(),
             source,
@@ -296,11 +311,22 @@ impl Config {
         };
         let text = expand_env(&text, |name| std::env::var(name).ok())
             .map_err(|e| invalid(ParseError::Env(e)))?;
-        Config::parse(&text).map_err(invalid)
+        parse(&text).map_err(invalid)
     }
 
-    /// Parses configuration text; the error names line, column and field path.
+    /// Parses the sidecar's configuration text; the error names line, column and field path.
+    /// `upstream` is required.
     pub fn parse(text: &str) -> Result<Config, ParseError> {
+        let config = Config::parse_fence(text)?;
+        if config.upstream.is_none() {
+            return Err(SectionsError::NoUpstream.into());
+        }
+        Ok(config)
+    }
+
+    /// Parses the configuration of an in-process fence ([`crate::layer::FenceLayer`]): as
+    /// [`Config::parse`], but `upstream`, the sidecar's, may be left out.
+    pub fn parse_fence(text: &str) -> Result<Config, ParseError> {
         let mut config = serde_yaml::from_str::<Config>(text)
             .map_err(|e| located::LocatedError::new(e, text))?;
         config.check_sections()?;

@@ -13,12 +13,11 @@ use crate::store::MemoryStore;
 
 fn fence(extra: &str) -> Fence {
     let yaml = format!(
-        "upstream: http://unused.invalid\n\
-         store: {{ kind: memory }}\n\
+        "store: {{ kind: memory }}\n\
          routes:\n  - {{ name: accounts, path: '/accounts/{{id}}', methods: [PUT], \
          resource: 'account:{{id}}'{extra} }}\n"
     );
-    let config = Config::parse(&yaml).unwrap();
+    let config = Config::parse_fence(&yaml).unwrap();
     let metrics = Arc::new(Metrics::new(prometheus::Registry::new()).unwrap());
     Fence::new(&config, Arc::new(MemoryStore::new()), metrics)
 }

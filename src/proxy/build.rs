@@ -23,6 +23,10 @@ pub enum BuildError {
     /// crypto provider offers no usable protocol version).
     #[error(transparent)]
     UpstreamTls(#[from] TlsError),
+    /// A configuration without `upstream` (read by `Config::parse_fence`, for an in-process
+    /// fence): the proxy has nowhere to forward to.
+    #[error("the proxy needs `upstream`: the service it forwards to")]
+    NoUpstream,
 }
 
 impl Proxy {
@@ -37,9 +41,10 @@ impl Proxy {
 
     /// `fence` (made from `config`: with an authority, say) in front of `config`'s upstream.
     pub fn over(config: &Config, fence: Fence) -> Result<Self, BuildError> {
+        let upstream = config.upstream.as_ref().ok_or(BuildError::NoUpstream)?;
         let clients = upstream_clients(config.upstream_ca.as_deref(), config.timeouts.upstream)?;
         let https = config.tls.is_some();
-        Ok(Self::build(config, fence, &config.upstream, https, clients))
+        Ok(Self::build(config, fence, upstream, https, clients))
     }
 
     /// The egress proxy: app → fencegate → `egress.upstream`, with the held lease's token
@@ -61,15 +66,15 @@ impl Proxy {
     /// and authority: maxima and in-flight writes carry over), same connection pool when the
     /// upstream did not change.
     pub fn reconfigure(&self, config: &Config) -> Result<Self, BuildError> {
-        let clients = if config.upstream == self.upstream && config.upstream_ca == self.upstream_ca
-        {
+        let upstream = config.upstream.as_ref().ok_or(BuildError::NoUpstream)?;
+        let clients = if *upstream == self.upstream && config.upstream_ca == self.upstream_ca {
             (self.client.clone(), self.grpc_client.clone())
         } else {
             upstream_clients(config.upstream_ca.as_deref(), config.timeouts.upstream)?
         };
         let fence = self.fence.reconfigure(config);
         let https = config.tls.is_some();
-        Ok(Self::build(config, fence, &config.upstream, https, clients))
+        Ok(Self::build(config, fence, upstream, https, clients))
     }
 
     /// A proxy from its fence and upstream, and from `config` the upstream CA, the timeouts

@@ -534,8 +534,8 @@ async fn fenced_ledger() -> (Ledger, SocketAddr) {
     use tower::ServiceExt;
     use tower_layer::Layer;
 
-    let yaml = format!("upstream: http://unused.invalid\nstore: {{ kind: memory }}\n{ROUTES}");
-    let config = fencegate::config::Config::parse(&yaml).unwrap();
+    let yaml = format!("store: {{ kind: memory }}\n{ROUTES}");
+    let config = fencegate::config::Config::parse_fence(&yaml).unwrap();
     let fence = fencegate::layer::FenceLayer::open(&config).await.unwrap();
     let ledger = Ledger::default();
     let handler = ledger.clone();

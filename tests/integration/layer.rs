@@ -38,8 +38,8 @@ async fn fenced(extra: &str) -> (fencegate::layer::FenceService<Inner>, Log) {
     } else {
         "store: { kind: memory }\n"
     };
-    let yaml = format!("upstream: http://unused.invalid\n{store}{extra}");
-    let config = Config::parse(&yaml).unwrap_or_else(|e| panic!("{e}\n{yaml}"));
+    let yaml = format!("{store}{extra}");
+    let config = Config::parse_fence(&yaml).unwrap_or_else(|e| panic!("{e}\n{yaml}"));
     let log: Log = Arc::default();
     let seen = Arc::clone(&log);
     let inner = tower::service_fn(move |req: Request<Full<Bytes>>| {
@@ -268,7 +268,7 @@ async fn a_grpc_call_is_refused_in_grpc_form() {
 
 #[tokio::test]
 async fn the_axum_example_answers_a_stale_write_with_the_proxys_409() {
-    let config = Config::parse(axum_ledger::DEFAULT_CONFIG).unwrap();
+    let config = Config::parse_fence(axum_ledger::DEFAULT_CONFIG).unwrap();
     let app = axum_ledger::app(FenceLayer::open(&config).await.unwrap());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let ledger = listener.local_addr().unwrap();
@@ -299,11 +299,11 @@ async fn the_axum_example_answers_a_stale_write_with_the_proxys_409() {
 async fn an_authoritative_config_is_never_fenced_without_its_lease_backend() {
     let dir = tempfile::tempdir().unwrap();
     let yaml = format!(
-        "upstream: http://unused.invalid\nstore: {{ kind: memory }}\nfence: {{ authority: leases }}\n\
+        "store: {{ kind: memory }}\nfence: {{ authority: leases }}\n\
          leases: {{ backend: {{ kind: embedded, path: {} }}, ttl: 5s }}\n{ACCOUNTS}",
         dir.path().join("leases.db").display()
     );
-    let config = Config::parse(&yaml).unwrap();
+    let config = Config::parse_fence(&yaml).unwrap();
     let store = || Arc::new(fencegate::store::MemoryStore::new());
     let refused = FenceLayer::new(&config, store(), prometheus::Registry::new()).err();
     assert_eq!(
@@ -361,7 +361,7 @@ async fn an_authoritative_config_is_never_fenced_without_its_lease_backend() {
 /// never reaches the balance.
 #[tokio::test]
 async fn the_axum_example_fences_every_spelling_of_an_account_as_one() {
-    let config = Config::parse(axum_ledger::DEFAULT_CONFIG).unwrap();
+    let config = Config::parse_fence(axum_ledger::DEFAULT_CONFIG).unwrap();
     let app = axum_ledger::app(FenceLayer::open(&config).await.unwrap());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let ledger = listener.local_addr().unwrap();
@@ -387,10 +387,10 @@ async fn the_axum_example_fences_every_spelling_of_an_account_as_one() {
 /// finished: the next token does not reach the service alongside it.
 #[tokio::test(start_paused = true)]
 async fn a_dropped_serialized_call_keeps_the_barrier_until_the_service_finishes() {
-    let yaml = "upstream: http://unused.invalid\nstore: { kind: memory }\nroutes:
+    let yaml = "store: { kind: memory }\nroutes:
   - { name: accounts, path: '/accounts/{id}', resource: 'account:{id}', ordering: serialize, barrier_timeout: 5s }
 ";
-    let config = Config::parse(yaml).unwrap();
+    let config = Config::parse_fence(yaml).unwrap();
     let layer = FenceLayer::open(&config).await.unwrap();
     // The service writes token 5 until `finish` lets it; every call logs its start and end.
     let events: Arc<Mutex<Vec<String>>> = Arc::default();
@@ -445,10 +445,8 @@ async fn a_dropped_serialized_call_keeps_the_barrier_until_the_service_finishes(
 /// not taken and ignored.
 #[tokio::test]
 async fn an_idempotency_section_is_refused_in_process() {
-    let yaml = format!(
-        "upstream: http://unused.invalid\nstore: {{ kind: memory }}\nidempotency: {{ window: 1m }}\n{ACCOUNTS}"
-    );
-    let config = Config::parse(&yaml).unwrap();
+    let yaml = format!("store: {{ kind: memory }}\nidempotency: {{ window: 1m }}\n{ACCOUNTS}");
+    let config = Config::parse_fence(&yaml).unwrap();
     let refused = FenceLayer::open(&config).await.err().map(|e| e.to_string());
     assert_eq!(
         refused.as_deref(),
@@ -472,10 +470,10 @@ async fn an_idempotency_section_is_refused_in_process() {
 /// for `/v1/accounts/{id}` fences the nested route.
 #[tokio::test]
 async fn the_layer_outside_a_nest_fences_whole_paths() {
-    let yaml = "upstream: http://unused.invalid\nstore: { kind: memory }\nroutes:
+    let yaml = "store: { kind: memory }\nroutes:
   - { name: accounts, path: '/v1/accounts/{id}', methods: [PUT], resource: 'account:{id}' }
 ";
-    let config = Config::parse(yaml).unwrap();
+    let config = Config::parse_fence(yaml).unwrap();
     let fence = FenceLayer::open(&config).await.unwrap();
     let accounts =
         axum::Router::new().route("/accounts/{id}", axum::routing::put(|| async { "stored" }));
@@ -501,8 +499,8 @@ async fn the_layers_metrics_are_in_the_apps_registry() {
     let registry = prometheus::Registry::new();
     let own = prometheus::IntCounter::new("app_requests_total", "the app's own").unwrap();
     registry.register(Box::new(own.clone())).unwrap();
-    let yaml = format!("upstream: http://unused.invalid\nstore: {{ kind: memory }}\n{ACCOUNTS}");
-    let config = Config::parse(&yaml).unwrap();
+    let yaml = format!("store: {{ kind: memory }}\n{ACCOUNTS}");
+    let config = Config::parse_fence(&yaml).unwrap();
     let layer = FenceLayer::open_in(&config, registry.clone())
         .await
         .unwrap();
@@ -535,11 +533,10 @@ async fn the_layers_metrics_are_in_the_apps_registry() {
 /// `no-route`) instead of forwarding writes unfenced.
 #[tokio::test]
 async fn a_layer_misplaced_inside_a_nest_refuses_loudly_with_unmatched_reject() {
-    let yaml =
-        "upstream: http://unused.invalid\nstore: { kind: memory }\nunmatched: reject\nroutes:
+    let yaml = "store: { kind: memory }\nunmatched: reject\nroutes:
   - { name: accounts, path: '/v1/accounts/{id}', methods: [PUT], resource: 'account:{id}' }
 ";
-    let config = Config::parse(yaml).unwrap();
+    let config = Config::parse_fence(yaml).unwrap();
     let fence = FenceLayer::open(&config).await.unwrap();
     let accounts = axum::Router::new()
         .route("/accounts/{id}", axum::routing::put(|| async { "stored" }))

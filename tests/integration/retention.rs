@@ -11,7 +11,7 @@
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use fencegate::config::{Config, EqualTokens};
 use fencegate::store::retention::{CHECK_EVERY, QUIET};
@@ -414,7 +414,7 @@ async fn redis_equal_allow_with_retention_then_reject_keeps_refusing_the_repeat(
 
 /// A monotonic clock that a test moves, for the store that checks for the mark.
 fn test_clock() -> (Clock, Arc<AtomicU64>) {
-    let base = Instant::now();
+    let base = tokio::time::Instant::now();
     let offset = Arc::new(AtomicU64::new(0));
     let read = Arc::clone(&offset);
     let clock: Clock = Arc::new(move || base + Duration::from_millis(read.load(Ordering::SeqCst)));
@@ -942,11 +942,8 @@ async fn the_layer_applies_retention_like_the_sidecar() {
     use tower::{Service, ServiceExt};
     use tower_layer::Layer;
     let prefix = fresh_prefix();
-    let yaml = format!(
-        "upstream: http://unused.invalid\n{}",
-        on_redis(&prefix, "{ authority: leases, retention: 1h }")
-    );
-    let config = Config::parse(&yaml).unwrap();
+    let yaml = on_redis(&prefix, "{ authority: leases, retention: 1h }");
+    let config = Config::parse_fence(&yaml).unwrap();
     let layer = fencegate::layer::FenceLayer::open(&config).await.unwrap();
     let backend = fencegate::lease::open(&config.leases.as_ref().unwrap().backend)
         .await

@@ -15,7 +15,7 @@ fn environment_variables_expand_in_config_files() {
     assert!(expanded.contains("app:s3cret@db"), "{expanded}");
     assert!(expanded.contains("0.0.0.0:7441"), "{expanded}");
     let c = Config::parse(&expanded).unwrap();
-    assert_eq!(c.upstream.to_string(), "http://127.0.0.1:9090");
+    assert_eq!(c.upstream.unwrap().to_string(), "http://127.0.0.1:9090");
     let e = expand_env("upstream: x\nlisten: ${MISSING}\n", env).unwrap_err();
     assert_eq!(
         e,

@@ -56,7 +56,7 @@ unmatched: reject
 "#,
     )
     .unwrap();
-    assert!(c.upstream.is_https());
+    assert!(c.upstream.unwrap().is_https());
     assert_eq!(c.token.header.0.as_str(), "x-fence");
     let r = &c.routes[0];
     assert_eq!(r.ordering, Ordering::Serialize);
@@ -488,4 +488,29 @@ fn the_annotated_example_loads_and_names_every_field() {
             "config/fencegate.yaml lacks `{field}`"
         );
     }
+}
+
+/// The sidecar needs an upstream; an in-process fence has none, and its config may leave it
+/// out.
+#[test]
+fn upstream_is_required_by_the_sidecar_only() {
+    let yaml =
+        "store: { kind: memory }\nroutes:\n  - { name: a, path: '/a/{id}', resource: 'a:{id}' }\n";
+    let got = Config::parse(yaml).unwrap_err().to_string();
+    assert_eq!(
+        got,
+        "missing field `upstream`: the service the sidecar forwards to, such as `upstream: \
+         http://127.0.0.1:8080` (an in-process fence, FenceLayer, needs none: read its config \
+         with Config::parse_fence)"
+    );
+    let fence = Config::parse_fence(yaml).unwrap();
+    assert!(fence.upstream.is_none());
+    let printed = fence.to_yaml();
+    assert!(
+        !printed.lines().any(|l| l.starts_with("upstream")),
+        "{printed}"
+    );
+    // Given, it is read as the sidecar reads it.
+    let with = Config::parse_fence(&format!("upstream: http://a:1\n{yaml}")).unwrap();
+    assert_eq!(with.upstream.unwrap().to_string(), "http://a:1");
 }
