@@ -103,7 +103,7 @@ impl Admin {
             }
             Err(_) => return invalid_resource("the resource id is not UTF-8 once percent-decoded"),
         };
-        let started = std::time::Instant::now();
+        let started = tokio::time::Instant::now();
         let current = self.store.current(&resource).await;
         self.metrics
             .store_get

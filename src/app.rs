@@ -7,7 +7,7 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 
 use arc_swap::cache::Cache;
 use arc_swap::ArcSwap;
@@ -28,6 +28,7 @@ use crate::proxy::Proxy;
 use crate::reload::Reloader;
 use crate::server::{serve, ServerSettings};
 use crate::store::{self, FenceStore, StoreError};
+use crate::sync::Locked;
 use crate::tls::TlsError;
 
 /// Why fencegate could not start.
@@ -54,6 +55,9 @@ pub enum StartError {
     /// A bound listener that cannot say its address.
     #[error(transparent)]
     LocalAddress(std::io::Error),
+    /// `fence.authority: leases` without a `leases` section to open the backend from.
+    #[error("fence.authority: leases needs the leases section")]
+    AuthorityWithoutLeases,
 }
 
 /// Which of fencegate's listeners.
@@ -112,14 +116,14 @@ impl ConnProxy {
     fn current(&self) -> Arc<Proxy> {
         // One connection's requests come one at a time: never contended. Nothing panics
         // while it is held, so poisoning cannot happen; a poisoned cache would still be whole.
-        let mut cache = self.cache.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut cache = self.cache.locked();
         Arc::clone(cache.load())
     }
 }
 
 impl Clone for ConnProxy {
     fn clone(&self) -> Self {
-        let cache = self.cache.lock().unwrap_or_else(PoisonError::into_inner);
+        let cache = self.cache.locked();
         ConnProxy {
             cache: Mutex::new(cache.clone()),
             own: ConnUpstream::default(),
@@ -174,7 +178,8 @@ impl Server {
         };
         let mut fence = Fence::new(config, Arc::clone(&store), Arc::clone(&metrics));
         if config.fence.authority == crate::config::Authority::Leases {
-            let backend = backend.clone().expect("validated: authority needs leases");
+            // `Config::parse` refuses the one without the other; a config built in code may not.
+            let backend = backend.clone().ok_or(StartError::AuthorityWithoutLeases)?;
             fence = fence.with_authority(backend);
         }
         let proxy = Arc::new(ArcSwap::from_pointee(Proxy::over(config, fence)?));

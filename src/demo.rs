@@ -28,6 +28,7 @@ use crate::lease::{Acquired, Grant, LeaseBackend, LeaseError};
 use crate::proxy::Proxy;
 use crate::server::{serve, ServerSettings};
 use crate::store::BoxFuture;
+use crate::sync::Locked;
 
 const LEASE_TTL: Duration = Duration::from_millis(300);
 
@@ -47,7 +48,7 @@ struct Locks {
 
 impl Locks {
     fn try_acquire(&self, who: &'static str) -> Option<u64> {
-        let mut state = self.state.lock().expect("demo lock");
+        let mut state = self.state.locked();
         let free = state.1.is_none_or(|(_, expires)| expires <= Instant::now());
         free.then(|| {
             state.0 += 1;
@@ -112,7 +113,7 @@ fn ledger_answer(
         None => String::new(),
     };
     let method = &req.method;
-    let mut kept = kept.lock().expect("demo lock");
+    let mut kept = kept.locked();
     match *method {
         Method::PUT | Method::POST | Method::PATCH => {
             kept.insert(path.clone(), body);
@@ -231,7 +232,7 @@ async fn scenario() -> Result<(), String> {
     );
     println!("{:>22}{body}", "");
 
-    let applied = ledger.lock().expect("demo lock").clone();
+    let applied = ledger.locked().clone();
     println!();
     for (i, (balance, token)) in applied.iter().enumerate() {
         println!("  ledger write {}: {balance} (token {token})", i + 1);
@@ -292,8 +293,7 @@ async fn start_ledger(ledger: Ledger) -> Result<std::net::SocketAddr, String> {
                 let body = req.into_body().collect().await.map(|b| b.to_bytes());
                 let body = body.unwrap_or_default();
                 ledger
-                    .lock()
-                    .expect("demo lock")
+                    .locked()
                     .push((String::from_utf8_lossy(&body).into_owned(), token));
                 Ok(Response::new(ProxyBody::local("applied\n")))
             }
@@ -532,7 +532,7 @@ async fn act_two() -> Result<(), String> {
         ),
     );
 
-    let applied = ledger.lock().expect("demo lock").clone();
+    let applied = ledger.locked().clone();
     println!();
     for (i, (balance, token)) in applied.iter().enumerate() {
         println!("  ledger write {}: {balance} (token {token})", i + 1);

@@ -73,7 +73,7 @@
 )]
 
 #[cfg(feature = "proxy")]
-pub mod admin;
+pub(crate) mod admin;
 #[cfg(feature = "proxy")]
 pub mod app;
 pub mod body;
@@ -83,20 +83,20 @@ pub mod config;
 mod conn;
 #[cfg(feature = "demo")]
 pub mod demo;
-pub mod duration;
+pub(crate) mod duration;
 #[cfg(feature = "etcd")]
 mod etcd;
-pub mod fault;
+pub(crate) mod fault;
 pub mod fence;
-pub mod headers;
+pub(crate) mod headers;
 pub mod idempotency;
 #[cfg(feature = "kubernetes")]
 pub mod inject;
 pub mod layer;
 pub mod lease;
-pub mod maxima;
+pub(crate) mod maxima;
 pub mod metrics;
-pub mod problem;
+pub(crate) mod problem;
 #[cfg(feature = "proxy")]
 pub mod proxy;
 #[cfg(feature = "proxy")]
@@ -104,7 +104,8 @@ pub mod reload;
 #[cfg(feature = "proxy")]
 pub mod server;
 pub mod store;
+pub(crate) mod sync;
 #[cfg(feature = "proxy")]
-pub mod timer;
+pub(crate) mod timer;
 pub mod tls;
-pub mod ttl;
+pub(crate) mod ttl;

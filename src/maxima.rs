@@ -22,11 +22,12 @@
 //! clear but cached after it would bring the old maximum back, so [`BoundedMaxima::observe_in`]
 //! caches only values read since the last clear ([`BoundedMaxima::era`]).
 
+use crate::sync::Locked;
 use std::collections::hash_map::RandomState;
 use std::collections::HashMap;
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Mutex, MutexGuard};
 
 /// A cached maximum.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -157,9 +158,7 @@ impl BoundedMaxima {
         };
         // A panic while a shard was locked left it consistent (every step is one map
         // operation), and every value in it is still a lower bound.
-        self.shards[i]
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
+        self.shards[i].locked()
     }
 
     /// A lower bound of the maximum of `resource`, if cached; counts as a use.
@@ -219,7 +218,7 @@ impl BoundedMaxima {
     pub fn clear(&self) {
         self.era.fetch_add(1, Ordering::SeqCst);
         for shard in self.shards.iter() {
-            let mut shard = shard.lock().unwrap_or_else(PoisonError::into_inner);
+            let mut shard = shard.locked();
             shard.young.clear();
             shard.old.clear();
         }
@@ -234,10 +233,7 @@ impl BoundedMaxima {
 
     /// How many resources are cached.
     pub fn len(&self) -> usize {
-        self.shards
-            .iter()
-            .map(|s| s.lock().unwrap_or_else(PoisonError::into_inner).len())
-            .sum()
+        self.shards.iter().map(|s| s.locked().len()).sum()
     }
 
     pub fn is_empty(&self) -> bool {

@@ -12,6 +12,7 @@ use rustls_pki_types::pem::{self, PemObject};
 use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 
 use crate::config::{ClientTlsConfig, Config, Remote, TlsConfig};
+use crate::sync::Locked;
 
 /// Why a certificate, key or CA bundle cannot be used: the file and what is wrong with it.
 #[derive(Debug, thiserror::Error)]
@@ -306,7 +307,7 @@ impl ClientTls {
     /// something unusable, as they last were usable.
     pub fn config(&self) -> Arc<ClientConfig> {
         let now = stamps(&self.files);
-        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut state = self.state.locked();
         if state.stamps != now {
             state.stamps = now;
             match build(&self.files, self.field, &self.alpn) {

@@ -19,6 +19,7 @@ use tokio_postgres::tls::{ChannelBinding, MakeTlsConnect, TlsConnect};
 use tokio_postgres::{NoTls, Socket};
 
 use super::{BoxFuture, Failure};
+use crate::sync::Locked;
 use crate::tls::ClientTls;
 
 /// A connection pool for `url` (at most 16 connections), the same for the store and the lease
@@ -218,7 +219,7 @@ impl Guard {
         match replication.judge(self.replicas) {
             Verdict::Fits => Ok(()),
             Verdict::Warn(message) => {
-                let mut warned = self.warned.lock().unwrap();
+                let mut warned = self.warned.locked();
                 if warned.as_deref() != Some(message.as_str()) {
                     tracing::warn!("postgres: {message}");
                     *warned = Some(message);
@@ -226,7 +227,7 @@ impl Guard {
                 Ok(())
             }
             Verdict::Refuse(message) => {
-                *self.refused.lock().unwrap() = Some(message.clone());
+                *self.refused.locked() = Some(message.clone());
                 Err(message)
             }
         }
@@ -251,7 +252,7 @@ impl Guard {
 
     /// The replication refusal of the last connection refused for it, if any.
     pub fn refusal(&self) -> Option<String> {
-        self.refused.lock().unwrap().clone()
+        self.refused.locked().clone()
     }
 
     /// At start-up: a connection within `wait`, so that a server whose replication falls

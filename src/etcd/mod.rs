@@ -49,7 +49,9 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use http::HeaderValue;
 use hyper_util::rt::TokioIo;
@@ -57,6 +59,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tonic::codegen::Service;
 use tonic::transport::{Channel, Endpoint, Uri};
 
+use crate::sync::Locked;
 use crate::tls::ClientTls;
 
 pub use kv::{Compare, CompareOp, GetOptions, KvClient, PutOptions, Txn, TxnOp, TxnOpResponse};
@@ -102,7 +105,7 @@ impl Auth {
                 return Ok(value.clone());
             }
         }
-        if let Some((status, at)) = &*self.failed.lock().unwrap() {
+        if let Some((status, at)) = &*self.failed.locked() {
             if at.elapsed() < AUTH_RETRY {
                 return Err(tonic::Status::new(status.code(), status.message()));
             }
@@ -124,7 +127,7 @@ impl Auth {
                 Instant::now(),
             )
         });
-        *self.failed.lock().unwrap() = failed;
+        *self.failed.locked() = failed;
         let value = answer?;
         *token = Some((value.clone(), Instant::now()));
         Ok(value)

@@ -10,6 +10,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::sync::Locked;
 use dashmap::DashMap;
 use tokio::sync::Notify;
 
@@ -28,7 +29,7 @@ struct Slot {
 
 impl Slot {
     fn lower_in_flight(&self, token: u64) -> bool {
-        let map = self.in_flight.lock().expect("barrier lock poisoned");
+        let map = self.in_flight.locked();
         map.range(..token).next().is_some()
     }
 }
@@ -52,12 +53,7 @@ impl Barriers {
         // emptied slot (which also takes the shard lock).
         let slot = {
             let entry = self.slots.entry(resource.into()).or_default();
-            *entry
-                .in_flight
-                .lock()
-                .expect("barrier lock poisoned")
-                .entry(token)
-                .or_default() += 1;
+            *entry.in_flight.locked().entry(token).or_default() += 1;
             Arc::clone(&entry)
         };
         Ticket {
@@ -107,7 +103,7 @@ impl Ticket {
 impl Drop for Ticket {
     fn drop(&mut self) {
         {
-            let mut map = self.slot.in_flight.lock().expect("barrier lock poisoned");
+            let mut map = self.slot.in_flight.locked();
             if let Some(count) = map.get_mut(&self.token) {
                 *count -= 1;
                 if *count == 0 {
@@ -116,12 +112,9 @@ impl Drop for Ticket {
             }
         }
         self.slot.changed.notify_waiters();
-        self.barriers.slots.remove_if(&self.resource, |_, slot| {
-            slot.in_flight
-                .lock()
-                .expect("barrier lock poisoned")
-                .is_empty()
-        });
+        self.barriers
+            .slots
+            .remove_if(&self.resource, |_, slot| slot.in_flight.locked().is_empty());
     }
 }
 

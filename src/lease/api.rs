@@ -17,7 +17,7 @@ use hyper::body::Incoming;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use super::agent::{AcquireError, Agent, Attempt, Lease};
+use super::agent::{AcquireError, Agent, Attempt, Lease, State};
 use crate::body::ProxyBody;
 use crate::problem::{method_not_allowed, Problem};
 
@@ -316,7 +316,7 @@ pub fn view_attempt(attempt: &Attempt) -> Value {
         "fencing_token": null,
         "ttl_ms": attempt.ttl.as_millis() as u64,
         "renew_every_ms": (attempt.ttl / 3).as_millis() as u64,
-        "state": "acquiring",
+        "state": State::Acquiring,
         "valid_for_ms": 0,
     })
 }

@@ -31,6 +31,7 @@ use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 use super::backend::{Acquired, Grant, GrantEvents, LeaseBackend, LeaseError};
 use super::shared::{new_lease_id, GrantFeed, Waiters};
 use crate::conn::BoxFuture;
+use crate::sync::Locked;
 
 /// `(token, expires_at_unix_ms, lease_id, holder)`; a released lease has expiry 0 and empty
 /// lease id and holder.
@@ -122,7 +123,7 @@ impl Inner {
         &self,
         f: impl FnOnce(&Database, &mut HashMap<String, Instant>, &str) -> Result<T, redb::Error>,
     ) -> Result<T, LeaseError> {
-        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut state = self.state.locked();
         let state = &mut *state;
         if state.db.is_none() {
             state.db = Some(Database::create(&self.path).map_err(|e| {

@@ -40,6 +40,7 @@ use tokio::sync::broadcast::Receiver;
 
 use super::backend::{GrantEvent, LeaseBackend, LeaseError};
 use crate::maxima::BoundedMaxima;
+use crate::sync::Locked;
 
 /// The latest grant per resource, from the cache when trusted, else from the backend.
 pub struct GrantCache {
@@ -137,7 +138,7 @@ impl GrantCache {
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
-        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut state = self.state.locked();
         state.sync();
         state
     }

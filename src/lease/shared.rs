@@ -14,6 +14,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::sync::{broadcast, watch, Notify};
 
 use super::backend::{GrantEvent, GrantEvents};
+use crate::sync::Locked;
 
 /// A fresh lease id: 128 bits, hex. Unique (a process-wide counter, the time and the process id
 /// go into it) and not guessable from outside (two hashers with per-process random keys).
@@ -43,7 +44,7 @@ pub(super) struct Waiters {
 
 impl Waiters {
     pub(super) fn register(&self, resource: &str) -> Registration<'_> {
-        let mut map = self.map.lock().unwrap_or_else(|p| p.into_inner());
+        let mut map = self.map.locked();
         let notify = Arc::clone(map.entry(resource.to_owned()).or_default());
         Registration {
             waiters: self,
@@ -54,7 +55,7 @@ impl Waiters {
 
     /// Wakes the waiters of `resource` registered so far.
     pub(super) fn wake(&self, resource: &str) {
-        let map = self.map.lock().unwrap_or_else(|p| p.into_inner());
+        let map = self.map.locked();
         if let Some(notify) = map.get(resource) {
             notify.notify_waiters();
         }
@@ -62,7 +63,7 @@ impl Waiters {
 
     /// Wakes every waiter (events may have been lost, e.g. on a reconnect).
     pub(super) fn wake_all(&self) {
-        let map = self.map.lock().unwrap_or_else(|p| p.into_inner());
+        let map = self.map.locked();
         for notify in map.values() {
             notify.notify_waiters();
         }
@@ -85,7 +86,7 @@ impl Registration<'_> {
 
 impl Drop for Registration<'_> {
     fn drop(&mut self) {
-        let mut map = self.waiters.map.lock().unwrap_or_else(|p| p.into_inner());
+        let mut map = self.waiters.map.locked();
         // Every clone and drop of these Arcs happens under the lock, so the count is exact.
         drop(self.notify.take());
         if map
@@ -144,7 +145,7 @@ impl GrantFeed {
     }
 
     pub(super) fn subscribe(&self) -> GrantEvents {
-        let live = self.live.lock().unwrap_or_else(|p| p.into_inner());
+        let live = self.live.locked();
         GrantEvents {
             live: *live,
             events: self.tx.subscribe(),
@@ -159,7 +160,7 @@ impl GrantFeed {
     }
 
     pub(super) fn lost(&self) {
-        let mut live = self.live.lock().unwrap_or_else(|p| p.into_inner());
+        let mut live = self.live.locked();
         if *live {
             *live = false;
             let _ = self.tx.send(GrantEvent::Lost);
@@ -167,7 +168,7 @@ impl GrantFeed {
     }
 
     pub(super) fn live(&self) {
-        let mut live = self.live.lock().unwrap_or_else(|p| p.into_inner());
+        let mut live = self.live.locked();
         if !*live {
             *live = true;
             let _ = self.tx.send(GrantEvent::Live);
@@ -177,7 +178,7 @@ impl GrantFeed {
     /// Events may have been missed although the subscription is up (an event the backend
     /// could not attribute to one resource): everything cached must be read again.
     pub(super) fn resync(&self) {
-        let live = self.live.lock().unwrap_or_else(|p| p.into_inner());
+        let live = self.live.locked();
         if *live {
             let _ = self.tx.send(GrantEvent::Lost);
             let _ = self.tx.send(GrantEvent::Live);

@@ -34,11 +34,13 @@ impl Problem {
         }
     }
 
+    #[cfg(test)]
     pub fn status(&self) -> StatusCode {
         self.status
     }
 
     /// The type URI.
+    #[cfg(test)]
     pub fn kind(&self) -> &str {
         self.body["type"].as_str().unwrap_or_default()
     }

@@ -122,7 +122,8 @@ impl Unavailable {
     }
 }
 
-/// What every refusal of one kind answers with: one row of the refusal table.
+/// What every refusal of one kind answers with: one row of the refusal table (`KINDS` lists
+/// them for the tests).
 #[derive(Debug)]
 pub struct Kind {
     pub status: StatusCode,
@@ -154,6 +155,7 @@ macro_rules! kinds {
             };
         )*
         /// Every refusal kind, in the order of the table.
+        #[cfg(test)]
         pub static KINDS: &[&Kind] = &[$(&$name),*];
     };
 }
@@ -420,6 +422,7 @@ impl Refusal {
 
     /// The problem+json response, with `Fencing-Token-Current` or `Retry-After` where they
     /// apply.
+    #[cfg(test)]
     pub fn response(
         &self,
         subject: &Subject<'_>,

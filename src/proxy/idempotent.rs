@@ -5,7 +5,9 @@
 //! record`. How an executed attempt's outcome is recorded is [`super::recording`]'s part.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use http::header::{HeaderName, HeaderValue};
 use http::{HeaderMap, Request, Response, StatusCode};

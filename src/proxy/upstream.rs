@@ -22,6 +22,7 @@ use hyper::client::conn::http1::SendRequest;
 use hyper_util::rt::TokioIo;
 use tokio::time::Instant;
 
+use crate::sync::Locked;
 use crate::timer::Kept;
 
 /// The request body the upstream client sends: the client's, streamed, or one read whole
@@ -108,7 +109,7 @@ impl SharedSlot {
     }
 
     fn take(&self, authority: &Authority) -> (Option<SendRequest<UpstreamBody>>, Option<Kept>) {
-        let mut idle = self.0.upstream.lock().expect("upstream slot poisoned");
+        let mut idle = self.0.upstream.locked();
         let sender = match idle.held.take() {
             // Byte equality, not `Authority`'s case-insensitive one: both come from the same
             // configuration, and this runs on every request.
@@ -121,7 +122,7 @@ impl SharedSlot {
     }
 
     fn put(&self, held: Option<Held>, timer: Kept) {
-        let mut idle = self.0.upstream.lock().expect("upstream slot poisoned");
+        let mut idle = self.0.upstream.locked();
         idle.held = held;
         idle.timer = Some(timer);
     }

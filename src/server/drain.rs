@@ -1,6 +1,7 @@
 //! Graceful drain: the open connections, and the signal that tells them to finish their
 //! current requests and close.
 
+use crate::sync::Locked;
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
@@ -31,7 +32,7 @@ struct Open {
 impl Drain {
     /// A new connection's place; the connection is open until the [`Entry`] is dropped.
     pub(super) fn enter(self: &Arc<Self>) -> Entry {
-        let mut open = self.open.lock().expect("drain lock poisoned");
+        let mut open = self.open.locked();
         let id = open.next;
         open.next += 1;
         open.wakers.insert(id, None);
@@ -42,7 +43,7 @@ impl Drain {
     }
 
     pub(super) fn count(&self) -> usize {
-        self.open.lock().expect("drain lock poisoned").wakers.len()
+        self.open.locked().wakers.len()
     }
 
     /// Tells every open connection to finish its current request and close (HTTP/1 keep-alive
@@ -52,7 +53,7 @@ impl Drain {
         // Taken under the lock, woken after it: a connection registering now either is in
         // this list or, registering after it, reads the flag set above.
         let wakers: Vec<Waker> = {
-            let mut open = self.open.lock().expect("drain lock poisoned");
+            let mut open = self.open.locked();
             open.wakers.values_mut().filter_map(Option::take).collect()
         };
         for waker in wakers {
@@ -120,7 +121,7 @@ impl<C: Future> Future for Watched<C> {
         if !this.told {
             if !this.registered {
                 // The connection's own task polls it, so this waker stays the one to wake.
-                let mut open = this.entry.drain.open.lock().expect("drain lock poisoned");
+                let mut open = this.entry.drain.open.locked();
                 open.wakers.insert(this.entry.id, Some(cx.waker().clone()));
                 this.registered = true;
             }

@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use crate::sync::Locked;
 use crate::timer::Kept;
 
 type IdleSleep = Arc<Mutex<Option<Kept>>>;
@@ -38,7 +39,7 @@ impl hyper::rt::Timer for HeadTimer {
 
     fn sleep_until(&self, deadline: std::time::Instant) -> Pin<Box<dyn hyper::rt::Sleep>> {
         let deadline = tokio::time::Instant::from_std(deadline);
-        let idle = self.0.lock().map(|mut idle| idle.take()).unwrap_or(None);
+        let idle = self.0.locked().take();
         let kept = match idle {
             Some(mut kept) => {
                 kept.no_later_than(deadline);

@@ -10,6 +10,7 @@ use tokio::time::Instant;
 
 use super::{decide, record_key, BoxFuture, FenceStore, Rule, StoreError, Verdict};
 use crate::idempotency::{self, Begin, Claim, Record};
+use crate::sync::Locked;
 
 /// A test's look at the maxima from inside a claim.
 #[cfg(test)]
@@ -73,7 +74,7 @@ impl MemoryStore {
     }
 
     fn expire(&self, now: Instant) {
-        let mut heap = self.expiries.lock().expect("expiry heap poisoned");
+        let mut heap = self.expiries.locked();
         while let Some(Reverse((at, _))) = heap.peek() {
             if *at > now {
                 break;
@@ -85,7 +86,7 @@ impl MemoryStore {
     }
 
     fn schedule(&self, key: String, at: Instant) {
-        let mut heap = self.expiries.lock().expect("expiry heap poisoned");
+        let mut heap = self.expiries.locked();
         heap.push(Reverse((at, key)));
     }
 

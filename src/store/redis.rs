@@ -33,7 +33,9 @@ use redis::Script;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use super::retention::{Freshness, MARK_SLACK};
 use super::shared::{Claimed, Owner, Remote};

@@ -19,12 +19,15 @@ pub mod resets;
 pub mod retention;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use super::{decide, BoxFuture, FenceStore, Rule, StoreError, Verdict};
 use crate::idempotency::{AttemptId, Begin, Claim, Record};
 use crate::maxima::BoundedMaxima;
 
+use crate::sync::Locked;
 use retention::Guard;
 
 /// The monotonic clock in-flight records are timed by: `Instant::now` but in tests.
@@ -185,7 +188,7 @@ impl InFlightSightings {
     /// The attempt a claim of `record` at `now` may take over: the one seen owning it since
     /// at least its deadline.
     pub fn takeover(&self, record: &str, now: Instant) -> Option<AttemptId> {
-        let map = self.map.lock().expect("sightings poisoned");
+        let map = self.map.locked();
         let seen = map.get(record)?;
         seen.deadline
             .is_some_and(|deadline| now >= deadline)
@@ -197,7 +200,7 @@ impl InFlightSightings {
     /// the first one, its deadline only ever moving later.
     pub fn in_flight(&self, record: &str, owner: Owner, lifetime: Duration, now: Instant) {
         let lifetime = owner.lifetime.map_or(lifetime, |l| l.max(lifetime));
-        let mut map = self.map.lock().expect("sightings poisoned");
+        let mut map = self.map.locked();
         if let Some(seen) = map.get_mut(record) {
             if seen.attempt == owner.attempt {
                 if lifetime > seen.lifetime {
@@ -235,11 +238,11 @@ impl InFlightSightings {
 
     /// A claim found `record` not in flight (or in flight for nobody): forget it.
     pub fn settled(&self, record: &str) {
-        self.map.lock().expect("sightings poisoned").remove(record);
+        self.map.locked().remove(record);
     }
 
     pub fn len(&self) -> usize {
-        self.map.lock().expect("sightings poisoned").len()
+        self.map.locked().len()
     }
 
     pub fn is_empty(&self) -> bool {

@@ -433,7 +433,7 @@ async fn owner_and_observer(kind: &str) -> (Arc<dyn FenceStore>, Arc<dyn FenceSt
         "upstream: http://127.0.0.1:1\nstore: {{ kind: {kind}, url: '{url}', prefix: {prefix} }}\n"
     ))
     .unwrap();
-    let base = Instant::now();
+    let base = tokio::time::Instant::now();
     let offset = Arc::new(AtomicU64::new(0));
     let read = Arc::clone(&offset);
     let clock: Clock =

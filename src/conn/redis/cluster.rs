@@ -18,11 +18,14 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use redis::{AsyncConnectionConfig, RedisError, Value};
 
 use super::{no_primary, RedisConn, RedisTarget, RESPONSE_TIMEOUT};
+use crate::sync::Locked;
 
 /// Slots in a Redis Cluster.
 const SLOTS: u16 = 16384;
@@ -143,7 +146,7 @@ impl Cluster {
     }
 
     fn map(&self) -> std::sync::MutexGuard<'_, Map> {
-        self.map.lock().unwrap_or_else(|e| e.into_inner())
+        self.map.locked()
     }
 
     /// A connection for the primary at `host:port`: the one in the map, else a new one.

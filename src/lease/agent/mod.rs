@@ -17,6 +17,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::sync::Locked;
 use tokio::sync::{broadcast, watch};
 use tokio::time::Instant;
 
@@ -50,7 +51,7 @@ struct Acquiring<'a> {
 
 impl Drop for Acquiring<'_> {
     fn drop(&mut self) {
-        let mut acquiring = self.agent.acquiring.lock().expect("acquiring lock");
+        let mut acquiring = self.agent.acquiring.locked();
         if let Some(attempts) = acquiring.get_mut(&self.resource) {
             attempts.retain(|(id, _)| *id != self.id);
             if attempts.is_empty() {
@@ -150,21 +151,11 @@ impl Agent {
     }
 
     pub fn get(&self, resource: &str) -> Option<Arc<Lease>> {
-        self.leases
-            .lock()
-            .expect("leases lock")
-            .get(resource)
-            .cloned()
+        self.leases.locked().get(resource).cloned()
     }
 
     pub fn all(&self) -> Vec<Arc<Lease>> {
-        let mut all: Vec<_> = self
-            .leases
-            .lock()
-            .expect("leases lock")
-            .values()
-            .cloned()
-            .collect();
+        let mut all: Vec<_> = self.leases.locked().values().cloned().collect();
         all.sort_by(|a, b| a.grant.resource.cmp(&b.grant.resource));
         all
     }
@@ -172,8 +163,7 @@ impl Agent {
     /// The oldest acquisition under way for `resource`, if any.
     pub fn attempt(&self, resource: &str) -> Option<Attempt> {
         self.acquiring
-            .lock()
-            .expect("acquiring lock")
+            .locked()
             .get(resource)
             .and_then(|attempts| attempts.first())
             .map(|(_, attempt)| attempt.clone())
@@ -183,8 +173,7 @@ impl Agent {
     pub fn attempts(&self) -> Vec<Attempt> {
         let mut all: Vec<Attempt> = self
             .acquiring
-            .lock()
-            .expect("acquiring lock")
+            .locked()
             .values()
             .filter_map(|attempts| attempts.first())
             .map(|(_, attempt)| attempt.clone())
@@ -203,8 +192,7 @@ impl Agent {
             ttl,
         };
         self.acquiring
-            .lock()
-            .expect("acquiring lock")
+            .locked()
             .entry(resource.to_owned())
             .or_default()
             .push((id, attempt));
@@ -257,7 +245,7 @@ impl Agent {
                 State::Held | State::Acquiring | State::Draining => {}
                 // A lost or released lease is only replaced by an explicit new request, as this.
                 State::Expired | State::Released => {
-                    self.leases.lock().expect("leases lock").remove(resource);
+                    self.leases.locked().remove(resource);
                 }
             }
         }
@@ -341,7 +329,7 @@ impl Agent {
         sent: Instant,
     ) -> Result<Arc<Lease>, Grant> {
         let lease = {
-            let mut leases = self.leases.lock().expect("leases lock");
+            let mut leases = self.leases.locked();
             if self.is_draining() {
                 return Err(grant);
             }
@@ -362,7 +350,7 @@ impl Agent {
         };
         self.emit("held", &lease);
         let renewer = tokio::spawn(Arc::clone(self).renew_loop(Arc::clone(&lease)));
-        *lease.renewer.lock().expect("renewer lock") = Some(renewer);
+        *lease.renewer.locked() = Some(renewer);
         Ok(lease)
     }
 
@@ -445,7 +433,7 @@ impl Agent {
         {
             // A newer lease on the resource (granted after the backend dropped this one) has
             // the gauge: only the lease listed for the resource writes it.
-            let leases = self.leases.lock().expect("leases lock");
+            let leases = self.leases.locked();
             let current = leases
                 .get(&lease.grant.resource)
                 .is_none_or(|l| Arc::ptr_eq(l, lease));
@@ -472,12 +460,12 @@ impl Agent {
     /// back to the backend in case it still has it, but it was not held).
     pub async fn release(&self, resource: &str) -> Option<Result<Arc<Lease>, LeaseError>> {
         let lease = {
-            let mut leases = self.leases.lock().expect("leases lock");
+            let mut leases = self.leases.locked();
             let lease = leases.remove(resource)?;
             self.metrics.lease.not_held(&lease.grant.resource);
             lease
         };
-        if let Some(renewer) = lease.renewer.lock().expect("renewer lock").take() {
+        if let Some(renewer) = lease.renewer.locked().take() {
             renewer.abort();
         }
         let now = Instant::now();
@@ -511,7 +499,7 @@ impl Agent {
     /// SIGTERM: grant nothing from now on (waiting acquisitions end with
     /// [`AcquireError::Draining`]), and stop attaching the tokens of held leases.
     pub fn start_draining(&self) {
-        let leases = self.leases.lock().expect("leases lock");
+        let leases = self.leases.locked();
         self.draining.send_replace(true);
         for lease in leases.values() {
             lease.transition(|s| {

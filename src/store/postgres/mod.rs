@@ -44,7 +44,9 @@ mod records;
 mod retention;
 
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use deadpool_postgres::Pool;
 use tokio::sync::OnceCell;

@@ -3,7 +3,9 @@
 //! row), an outcome in one conditional `UPDATE`, and the purge of expired rows (see the
 //! module documentation of [`super`]).
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use deadpool_postgres::Pool;
 use tokio_postgres::types::ToSql;

@@ -38,13 +38,16 @@
 //! admitted, and the sweep says so in its log line (see docs/guarantees.md).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, PoisonError};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use tokio::sync::{watch, Notify};
 
 use super::{Clock, Remote};
 use crate::store::StoreError;
+use crate::sync::Locked;
 
 /// How often a run with retention writes its mark, and a run without reads it.
 pub const CHECK_EVERY: Duration = Duration::from_secs(60);
@@ -237,7 +240,7 @@ impl Guard {
     /// nothing until that check succeeds.
     pub fn restart(&self) {
         // Under the lock `finish` publishes under: no outcome of an older check lands after.
-        let logged = self.logged.lock().unwrap_or_else(PoisonError::into_inner);
+        let logged = self.logged.locked();
         self.generation.fetch_add(1, Ordering::AcqRel);
         self.ready.store(false, Ordering::Release);
         self.status.send_replace(Status::Pending);
@@ -248,7 +251,7 @@ impl Guard {
     /// Publishes a check's outcome, if no `forget_after` came since it started. One log line
     /// when checks start failing (or fail differently), one when they work again.
     fn finish(&self, generation: u64, result: Result<(), StoreError>, kind: &'static str) {
-        let mut logged = self.logged.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut logged = self.logged.locked();
         if self.generation.load(Ordering::Acquire) != generation {
             return;
         }
