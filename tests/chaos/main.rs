@@ -5,7 +5,8 @@
 //! 1. the checker's own tests: each invariant fires on a hand-made bad history;
 //! 2. the fenced scenario for `FENCEGATE_CHAOS_SECS` seconds of fault injection (default
 //!    35, at least three rounds of every fault kind: about 80 s with the failovers), which
-//!    must show no violation. The partition fault needs root, `ip` and `nft`; without them it
+//!    must show no violation. The clock-step fault needs libfaketime (skipped without it).
+//!    The partition fault needs root, `ip` and `nft`; without them it
 //!    is reported as `SKIPPED partition fault: <reason>` and the other faults run. The
 //!    failover faults need `redis-server` (Sentinel), PostgreSQL's server binaries and
 //!    `etcd`/`etcdctl`; a topology that cannot start is reported as `SKIPPED <fault> fault`;

@@ -32,6 +32,7 @@ pub(super) async fn inject(
         }
         Fault::SlowUpstream => slow_upstream(ctx, &mut note_text).await,
         Fault::ConfigReload => config_reload(ctx, group, rig, evidence, &mut note_text).await,
+        Fault::ClockStep => clock_step(ctx, group, round, rig, evidence, &mut note_text).await,
         Fault::RedisFailover
         | Fault::RedisDeposed
         | Fault::PostgresFailover
@@ -162,7 +163,7 @@ pub(super) async fn fence_restart(
             status.success(),
         );
     }
-    f.process = Fencegate::start(&f.config).await;
+    f.process = Fencegate::start_with(&f.prefix, &f.config).await;
     let end = ctx.clock.now();
     let kept = maxima_kept(ctx, f, group).await;
     note(
@@ -923,4 +924,89 @@ async fn replay_answered(
         }
         pace().await;
     }
+}
+
+/// The fence's wall clock stepped an hour ahead, then a day back, then right again (group 0:
+/// the embedded store, whose idempotency records outlive a restart by the wall clock). A
+/// keyed write completed before each step is retried after it, within the window: it must be
+/// answered from its record, not run again (the ledger would apply the key twice: invariant
+/// (e)). Skipped without libfaketime.
+pub(super) async fn clock_step(
+    ctx: &Ctx,
+    group: usize,
+    round: usize,
+    rig: &mut Rig,
+    evidence: &mut Evidence,
+    note_text: &mut String,
+) -> Injection {
+    let f = &rig.fences[group];
+    let Some(clock) = f.clock.clone() else {
+        return Err("skipped: libfaketime is not installed (apt-get install libfaketime)".into());
+    };
+    let fence = f.process.proxy;
+    let path = format!("/accounts/clk{round}");
+    let token = round as u64 + 1;
+    let put = |key: &'static str| keyed_put(fence, &path, token, key, round);
+    let step = |offset: &str| std::fs::write(&clock, format!("{offset}\n"));
+    let mut outcomes = Vec::new();
+    let first = put("before").await;
+    outcomes.push(format!("written: {first:?}"));
+    step("+3600").map_err(|e| e.to_string())?;
+    let ahead = put("before").await;
+    let during = put("ahead").await;
+    step("-86400").map_err(|e| e.to_string())?;
+    let back = put("ahead").await;
+    step("+0").map_err(|e| e.to_string())?;
+    let end = ctx.clock.now();
+    outcomes.push(format!("an hour ahead: {ahead:?}, a day back: {back:?}"));
+    let executed = |a: Option<(u16, bool)>| a == Some((200, false));
+    let replayed = |a: Option<(u16, bool)>| a == Some((200, true));
+    note(
+        evidence,
+        "clock step: the wall clock an hour ahead, a key completed before is replayed, not run again",
+        executed(first) && replayed(ahead),
+    );
+    note(
+        evidence,
+        "clock step: the wall clock a day back, a key completed before is replayed, not run again",
+        executed(during) && replayed(back),
+    );
+    *note_text = outcomes.join("; ");
+    let first_ok = ctx
+        .rec
+        .wait_ok(end, 1, Duration::from_secs(20), |o| o.group == group)
+        .await;
+    Ok((end, first_ok))
+}
+
+/// A `PUT` of `path` with `token` and the idempotency key `key` (made unique by `round`),
+/// straight to the fence: its status and whether it was answered from the key's record.
+async fn keyed_put(
+    fence: SocketAddr,
+    path: &str,
+    token: u64,
+    key: &str,
+    round: usize,
+) -> Option<(u16, bool)> {
+    let body = format!("clock step {round} {key}");
+    let request = format!(
+        "PUT {path} HTTP/1.1\r\nhost: fence\r\nconnection: close\r\nfencing-token: {token}\r\n\
+         idempotency-key: clk{round}-{key}\r\nx-writer: {CLOCK_STEP_WRITER}\r\n\
+         x-op: clk{round}-{key}\r\n\
+         content-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let exchange = async {
+        let mut s = TcpStream::connect(fence).await.ok()?;
+        s.write_all(request.as_bytes()).await.ok()?;
+        let mut text = String::new();
+        s.read_to_string(&mut text).await.ok()?;
+        let status = text.split(' ').nth(1)?.parse().ok()?;
+        let head = text.split("\r\n\r\n").next()?.to_ascii_lowercase();
+        Some((status, head.contains("\r\nidempotent-replayed: true")))
+    };
+    tokio::time::timeout(Duration::from_secs(10), exchange)
+        .await
+        .ok()
+        .flatten()
 }

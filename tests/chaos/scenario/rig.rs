@@ -12,6 +12,33 @@ pub(super) struct Fence {
     pub(super) postgres: Option<Postgres>,
     /// The fence store's replicated topology (the failover groups).
     pub(super) replicated: Option<Replicated>,
+    /// What the fence is started under (again after a restart): for group 0, libfaketime
+    /// reading its wall clock's offset from `clock`.
+    pub(super) prefix: Vec<String>,
+    /// The file holding the fence's wall-clock offset (`+3600`: an hour ahead), when
+    /// libfaketime is installed; the monotonic clock is left alone.
+    pub(super) clock: Option<PathBuf>,
+}
+
+/// libfaketime, which steps a process's wall clock (and, as set here, only that).
+const FAKETIME: &str = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1";
+
+/// The command prefix that starts a fence with its wall clock read from `clock` (an offset
+/// in seconds, `+0` at first), when libfaketime is installed.
+fn faketime(dir: &Path, group: usize) -> (Vec<String>, Option<PathBuf>) {
+    if !Path::new(FAKETIME).exists() {
+        return (Vec::new(), None);
+    }
+    let clock = dir.join(format!("clock{group}"));
+    std::fs::write(&clock, "+0\n").expect("write the clock file");
+    let prefix = vec![
+        "env".to_owned(),
+        format!("LD_PRELOAD={FAKETIME}"),
+        format!("FAKETIME_TIMESTAMP_FILE={}", clock.display()),
+        "FAKETIME_NO_CACHE=1".to_owned(),
+        "FAKETIME_DONT_FAKE_MONOTONIC=1".to_owned(),
+    ];
+    (prefix, Some(clock))
 }
 
 pub(super) struct Worker {
@@ -196,13 +223,21 @@ pub(super) async fn start_fence(
         &format!("fence{group}.yaml"),
         &fence_yaml(ip, port, ledger, &store, upstream, authority),
     );
-    let process = Fencegate::start(&config).await;
+    // The embedded store keeps idempotency records by the wall clock across restarts: its
+    // fence is the one whose wall clock the clock-step fault moves.
+    let (prefix, clock) = match group {
+        0 => faketime(dir, group),
+        _ => (Vec::new(), None),
+    };
+    let process = Fencegate::start_with(&prefix, &config).await;
     let fence = Fence {
         config,
         process,
         redis,
         postgres,
         replicated,
+        prefix,
+        clock,
     };
     (fence, unavailable)
 }
