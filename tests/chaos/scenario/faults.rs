@@ -33,6 +33,7 @@ pub(super) async fn inject(
         Fault::SlowUpstream => slow_upstream(ctx, &mut note_text).await,
         Fault::ConfigReload => config_reload(ctx, group, rig, evidence, &mut note_text).await,
         Fault::ClockStep => clock_step(ctx, group, round, rig, evidence, &mut note_text).await,
+        Fault::FullDisk => full_disk(ctx, group, round, rig, evidence, &mut note_text).await,
         Fault::RedisFailover
         | Fault::RedisDeposed
         | Fault::PostgresFailover
@@ -988,11 +989,11 @@ async fn keyed_put(
     key: &str,
     round: usize,
 ) -> Option<(u16, bool)> {
+    let op = format!("clk{round}-{key}");
     let body = format!("clock step {round} {key}");
     let request = format!(
         "PUT {path} HTTP/1.1\r\nhost: fence\r\nconnection: close\r\nfencing-token: {token}\r\n\
-         idempotency-key: clk{round}-{key}\r\nx-writer: {CLOCK_STEP_WRITER}\r\n\
-         x-op: clk{round}-{key}\r\n\
+         idempotency-key: {op}\r\nx-writer: {HARNESS_WRITER}\r\nx-op: {op}\r\n\
          content-length: {}\r\n\r\n{body}",
         body.len()
     );
@@ -1009,4 +1010,116 @@ async fn keyed_put(
         .await
         .ok()
         .flatten()
+}
+
+/// How long the embedded store's disk stays full while the group writes.
+const FULL_DISK_DWELL: Duration = Duration::from_millis(1500);
+
+/// The embedded store's disk (group 0's tmpfs) filled to the last byte while the group
+/// writes, then emptied; then the fence is killed (-9) and restarted, and its recorded maxima
+/// compared with the ledger: every write it admitted while the disk was full must have been
+/// durable. Skipped where the tmpfs could not be mounted.
+pub(super) async fn full_disk(
+    ctx: &Ctx,
+    group: usize,
+    round: usize,
+    rig: &mut Rig,
+    evidence: &mut Evidence,
+    note_text: &mut String,
+) -> Injection {
+    let f = &mut rig.fences[group];
+    let Some(disk) = &f.disk else {
+        return Err("skipped: no tmpfs for the embedded store (mounting one needs root)".into());
+    };
+    let filler = disk.path.join("filler");
+    let filled = fill(&filler);
+    let since = ctx.clock.now();
+    // Besides the group's own writes (which mostly rewrite pages the file already has), new
+    // resources with long ids, which grow it: the first one it cannot hold must be refused.
+    let fence = f.process.proxy;
+    let growing = async {
+        for i in 0..4000 {
+            let path = format!("/accounts/full{round}x{i}{}", "y".repeat(400));
+            match keyed_put(fence, &path, 1, &format!("g{i}"), round).await {
+                Some((200, _)) => continue,
+                other => return (i, other),
+            }
+        }
+        (4000, None)
+    };
+    let ((grown, refusal), ()) = tokio::join!(growing, tokio::time::sleep(FULL_DISK_DWELL));
+    let until = ctx.clock.now();
+    let _ = std::fs::remove_file(&filler);
+    let filled = filled?;
+    note(
+        evidence,
+        "full disk: a write whose raise needs more room than the disk has is refused (503 store-unavailable)",
+        refusal.is_some_and(|(status, _)| status == 503),
+    );
+    // Room again: the fence takes writes again without a restart.
+    let again = keyed_put(
+        fence,
+        &format!("/accounts/full{round}again"),
+        1,
+        "again",
+        round,
+    )
+    .await;
+    note(
+        evidence,
+        "full disk: once it has room, the fence takes writes again without a restart",
+        again.is_some_and(|(status, _)| status == 200),
+    );
+    let (mut admitted, mut refused) = (0, 0);
+    for o in ctx.rec.ops.lock().unwrap().iter() {
+        if o.group == group && o.sent >= since && o.answered <= until {
+            match o.status {
+                200..=299 => admitted += 1,
+                503 if o.problem.as_deref() == Some("urn:fencegate:store-unavailable") => {
+                    refused += 1
+                }
+                _ => {}
+            }
+        }
+    }
+    f.process.signal("-KILL");
+    f.process.exited(Duration::from_secs(10)).await;
+    f.process = Fencegate::start_with(&f.prefix, &f.config).await;
+    let end = ctx.clock.now();
+    let kept = maxima_kept(ctx, f, group).await;
+    note(
+        evidence,
+        "full disk: recorded maxima >= committed after the disk filled and emptied and the fence was killed (-9)",
+        kept,
+    );
+    *note_text = format!(
+        "{} MiB of filler; while full: {admitted} of the group's writes admitted, {refused} refused \
+         503 store-unavailable; new resources admitted before the first refusal: {grown} \
+         ({refusal:?}); with room again: {again:?}",
+        filled >> 20
+    );
+    let first = ctx
+        .rec
+        .wait_ok(end, 1, Duration::from_secs(20), |o| o.group == group)
+        .await;
+    Ok((end, first))
+}
+
+/// Writes zeros to `path` until the file system is full: the bytes written.
+fn fill(path: &std::path::Path) -> Result<u64, String> {
+    use std::io::Write;
+    let mut file = std::fs::File::create(path).map_err(|e| e.to_string())?;
+    let mut written = 0u64;
+    for size in [1 << 20, 4096, 1] {
+        let chunk = vec![0u8; size];
+        loop {
+            match file.write(&chunk) {
+                Ok(0) => break,
+                Ok(n) => written += n as u64,
+                Err(e) if e.raw_os_error() == Some(28) => break,
+                Err(e) => return Err(format!("filling the disk: {e}")),
+            }
+        }
+    }
+    Ok(written)
 }

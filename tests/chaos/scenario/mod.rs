@@ -86,8 +86,9 @@ const PG_HA_GROUP: usize = 4;
 const ETCD_GROUP: usize = 5;
 /// The resource id the slow-body fault hands over mid-body (in the authoritative group).
 const SLOW_BODY_ID: &str = "f2s";
-/// The writer the clock-step fault's own keyed writes name (they hold no lease).
-const CLOCK_STEP_WRITER: &str = "clockstep";
+/// The writer the harness's own keyed writes name (the clock-step and full-disk faults': they
+/// hold no lease).
+const HARNESS_WRITER: &str = "clockstep";
 
 type HttpClient<B> = Client<HttpConnector, B>;
 
@@ -113,6 +114,7 @@ pub enum Fault {
     SigtermWaiting,
     ConfigReload,
     ClockStep,
+    FullDisk,
     RedisFailover,
     RedisDeposed,
     PostgresFailover,
@@ -120,7 +122,7 @@ pub enum Fault {
 }
 
 impl Fault {
-    pub const ALL: [Fault; 16] = [
+    pub const ALL: [Fault; 17] = [
         Fault::WorkerFreeze,
         Fault::FenceKill9,
         Fault::RedisKill9,
@@ -133,6 +135,7 @@ impl Fault {
         Fault::SigtermWaiting,
         Fault::ConfigReload,
         Fault::ClockStep,
+        Fault::FullDisk,
         Fault::RedisFailover,
         Fault::RedisDeposed,
         Fault::PostgresFailover,
@@ -166,6 +169,9 @@ impl Fault {
             }
             Fault::ClockStep => {
                 "fence sidecar's wall clock (embedded store) an hour ahead, then a day back, then right (libfaketime; its monotonic clock untouched): a keyed write completed before each step is replayed, not run again"
+            }
+            Fault::FullDisk => {
+                "the embedded store's disk (a 64 MiB tmpfs) filled to the last byte while the group writes, emptied, then the fence killed (-9) and restarted: what it admitted meanwhile is durable"
             }
             Fault::RedisFailover => {
                 "Redis primary (fence store and lease backend of the group) kill -9, Sentinel promotes a replica (replicas: 1); old primary back as a replica"
@@ -398,7 +404,7 @@ pub async fn run(mode: Mode, secs: u64) -> Outcome {
                 }
                 let fault = active[round % active.len()];
                 let group = match fault {
-                    Fault::FenceKill9 | Fault::ClockStep => 0,
+                    Fault::FenceKill9 | Fault::ClockStep | Fault::FullDisk => 0,
                     Fault::RedisKill9 => 1,
                     Fault::SlowBody => AUTH_GROUP,
                     // Long on group 2's store, long on group 1's, short, short.
@@ -495,11 +501,11 @@ pub async fn run(mode: Mode, secs: u64) -> Outcome {
     let violations = checker::check(&history);
     let ops = ctx.rec.ops.lock().unwrap().clone();
     // The token each write carried at the ledger is the one its writer was granted (the
-    // clock-step fault's own writes hold no lease: they are left out).
+    // harness's own writes hold no lease: they are left out).
     let by_op: HashMap<&str, &Op> = ops.iter().map(|o| (o.op.as_str(), o)).collect();
     let granted: Vec<&checker::Commit> = commits
         .iter()
-        .filter(|c| c.writer != CLOCK_STEP_WRITER)
+        .filter(|c| c.writer != HARNESS_WRITER)
         .collect();
     let matching = granted
         .iter()

@@ -18,6 +18,39 @@ pub(super) struct Fence {
     /// The file holding the fence's wall-clock offset (`+3600`: an hour ahead), when
     /// libfaketime is installed; the monotonic clock is left alone.
     pub(super) clock: Option<PathBuf>,
+    /// The small tmpfs the embedded store's file lives on (group 0, as root), which the
+    /// full-disk fault fills.
+    pub(super) disk: Option<Tmpfs>,
+}
+
+/// A tmpfs mounted for the run, unmounted when dropped.
+pub(super) struct Tmpfs {
+    pub(super) path: PathBuf,
+}
+
+impl Tmpfs {
+    /// A tmpfs of `mib` MiB at `path`; `None` where mounting is not allowed (not root).
+    fn mount(path: &Path, mib: u64) -> Option<Tmpfs> {
+        std::fs::create_dir_all(path).ok()?;
+        let mounted = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={mib}m"), "tmpfs"])
+            .arg(path)
+            .stderr(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        mounted.then(|| Tmpfs {
+            path: path.to_owned(),
+        })
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.path)
+            .status();
+    }
 }
 
 /// libfaketime, which steps a process's wall clock (and, as set here, only that).
@@ -150,6 +183,7 @@ pub(super) async fn start_fence(
 ) -> (Fence, Option<String>) {
     let port = free_port();
     let (mut redis, mut postgres, mut replicated) = (None, None, None);
+    let mut disk = None;
     let mut unavailable = None;
     let store = if let Some(fault) = failover_fault(group) {
         // A replicated store with the safe settings: Redis acknowledges a write once a replica
@@ -184,9 +218,12 @@ pub(super) async fn start_fence(
         }
         store
     } else if group == 0 {
+        // On a tmpfs of its own where it can be mounted: the full-disk fault fills it.
+        disk = Tmpfs::mount(&dir.join("disk0"), 64);
+        let db_dir = disk.as_ref().map_or(dir.to_owned(), |d| d.path.clone());
         format!(
             "store: {{ kind: embedded, path: {} }}\n",
-            dir.join("fences.db").display()
+            db_dir.join("fences.db").display()
         )
     } else {
         let pg = match group {
@@ -238,6 +275,7 @@ pub(super) async fn start_fence(
         replicated,
         prefix,
         clock,
+        disk,
     };
     (fence, unavailable)
 }
