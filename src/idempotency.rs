@@ -125,7 +125,7 @@ impl std::fmt::Debug for AttemptId {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Phase {
     InFlight,
@@ -418,5 +418,7 @@ pub fn grpc_outcome_unknown(grpc_status: &[u8]) -> bool {
     !matches!(code, Some(0 | 3 | 5 | 6 | 7 | 9 | 10 | 11 | 16))
 }
 
+#[cfg(test)]
+mod model;
 #[cfg(test)]
 mod tests;
