@@ -235,9 +235,26 @@ impl Lab {
     /// Cuts link `n` off the TCP port `port` of the host, both ways: what the namespace sends
     /// to it and what it answers are dropped (silently: no reset, as a real partition).
     pub async fn partition(&self, n: usize, port: u16) -> Result<(), String> {
+        self.drop_packets(n, port, None).await
+    }
+
+    /// Makes link `n` to the TCP port `port` of the host lossy, both ways: each packet is
+    /// dropped with probability `percent` in 100 (nftables' `numgen random`; this kernel has
+    /// no netem).
+    pub async fn lossy(&self, n: usize, port: u16, percent: u8) -> Result<(), String> {
+        self.drop_packets(n, port, Some(percent)).await
+    }
+
+    /// Drop rules for link `n` and `port`, both ways: every packet, or `percent` in 100.
+    async fn drop_packets(&self, n: usize, port: u16, percent: Option<u8>) -> Result<(), String> {
         let table = self.table.as_deref().ok_or("no table")?;
         let link = &self.links[n];
         let port = port.to_string();
+        let percent = percent.map(|p| p.to_string());
+        let sample: Vec<&str> = match &percent {
+            Some(p) => vec!["numgen", "random", "mod", "100", "<", p],
+            None => Vec::new(),
+        };
         let inbound = [
             "add",
             "rule",
@@ -249,7 +266,6 @@ impl Lab {
             "tcp",
             "dport",
             &port,
-            "drop",
         ];
         let outbound = [
             "add",
@@ -262,10 +278,17 @@ impl Lab {
             "tcp",
             "sport",
             &port,
-            "drop",
         ];
-        run_async(&self.nft, &inbound).await?;
-        run_async(&self.nft, &outbound).await
+        for rule in [&inbound[..], &outbound[..]] {
+            let rule: Vec<&str> = rule
+                .iter()
+                .copied()
+                .chain(sample.iter().copied())
+                .chain(["drop"])
+                .collect();
+            run_async(&self.nft, &rule).await?;
+        }
+        Ok(())
     }
 
     /// Ends every partition (one fault at a time: the table's rules are all the partition's).

@@ -25,6 +25,7 @@ pub(super) async fn inject(
         Fault::RedisKill9 => redis_kill9(ctx, group, rig, evidence).await,
         Fault::FenceFreeze => fence_freeze(ctx, group, rig, &mut note_text).await,
         Fault::Partition => partition(ctx, group, rig, evidence, &mut note_text).await,
+        Fault::LossyLink => lossy_link(ctx, group, rig, evidence, &mut note_text).await,
         Fault::StoreStall => store_stall(ctx, group, round, rig, evidence, &mut note_text).await,
         Fault::SlowBody => slow_body(ctx, group, rig, evidence, &mut note_text).await,
         Fault::SigtermWaiting => {
@@ -1122,4 +1123,72 @@ fn fill(path: &std::path::Path) -> Result<u64, String> {
         }
     }
     Ok(written)
+}
+
+/// How many packets in 100 the lossy link drops, and for how long.
+const LOSS_PERCENT: u8 = 30;
+const LOSSY_DWELL: Duration = Duration::from_secs(2);
+
+/// A lossy link between a namespaced worker's sidecar and the lease Redis: 30 packets in 100
+/// dropped both ways, for 2 s, while the worker keeps writing. Its sidecar renews through the
+/// losses (TCP retransmits) or loses the lease cleanly (its local deadline passes, it stops
+/// attaching the token); either way the run's invariants must hold, and the worker writes
+/// again once the link is whole.
+pub(super) async fn lossy_link(
+    ctx: &Ctx,
+    group: usize,
+    rig: &mut Rig,
+    evidence: &mut Evidence,
+    note_text: &mut String,
+) -> Injection {
+    let Some(lab) = rig.lab.as_ref() else {
+        return Err("skipped: no network namespaces".into());
+    };
+    let Some(w) = rig
+        .workers
+        .iter()
+        .find(|w| w.group == group && w.link.is_some())
+    else {
+        return Err(format!("skipped: no namespaced worker in group {group}"));
+    };
+    let (link, name) = (w.link.expect("namespaced"), w.name.clone());
+    let since = ctx.clock.now();
+    let made = lab.lossy(link, rig.lease_redis.port, LOSS_PERCENT).await;
+    note(
+        evidence,
+        "lossy link applied (nftables random drop rules added)",
+        made.is_ok(),
+    );
+    if let Err(e) = made {
+        let _ = lab.heal().await;
+        return Err(format!("failed: {e}"));
+    }
+    tokio::time::sleep(LOSSY_DWELL).await;
+    let healed = lab.heal().await;
+    note(
+        evidence,
+        "lossy link healed (nftables rules removed)",
+        healed.is_ok(),
+    );
+    let end = ctx.clock.now();
+    let (mut admitted, mut not_held, mut other) = (0, 0, 0);
+    for o in ctx.rec.ops.lock().unwrap().iter() {
+        if o.writer == name && o.sent >= since && o.answered <= end {
+            match (o.status, o.problem.as_deref()) {
+                (200..=299, _) => admitted += 1,
+                (503, Some("urn:fencegate:lease-not-held")) => not_held += 1,
+                _ => other += 1,
+            }
+        }
+    }
+    *note_text = format!(
+        "{LOSS_PERCENT}% of the packets between {name}'s sidecar and the lease Redis dropped for \
+         {}ms: {admitted} of its writes admitted, {not_held} refused lease-not-held, {other} other",
+        LOSSY_DWELL.as_millis()
+    );
+    let first = ctx
+        .rec
+        .wait_ok(end, 1, Duration::from_secs(20), |o| o.writer == name)
+        .await;
+    Ok((end, first))
 }

@@ -109,6 +109,7 @@ pub enum Fault {
     FenceSigterm,
     SlowUpstream,
     Partition,
+    LossyLink,
     StoreStall,
     SlowBody,
     SigtermWaiting,
@@ -122,7 +123,7 @@ pub enum Fault {
 }
 
 impl Fault {
-    pub const ALL: [Fault; 17] = [
+    pub const ALL: [Fault; 18] = [
         Fault::WorkerFreeze,
         Fault::FenceKill9,
         Fault::RedisKill9,
@@ -130,6 +131,7 @@ impl Fault {
         Fault::FenceSigterm,
         Fault::SlowUpstream,
         Fault::Partition,
+        Fault::LossyLink,
         Fault::StoreStall,
         Fault::SlowBody,
         Fault::SigtermWaiting,
@@ -154,6 +156,9 @@ impl Fault {
             Fault::SlowUpstream => "ledger commits slower than the fence's upstream timeout",
             Fault::Partition => {
                 "sidecar cut off from the lease Redis past the TTL (netns + nftables drop), still running"
+            }
+            Fault::LossyLink => {
+                "lossy link: 30% of the packets between a namespaced sidecar and the lease Redis dropped, both ways, for 2 s while its worker writes (nftables numgen random; no netem in this kernel)"
             }
             Fault::StoreStall => {
                 "fence store stopped (SIGSTOP/SIGCONT: PostgreSQL of group 2, Redis of group 1) past / within timeouts.store while a keyed write is at a slow ledger"
@@ -240,7 +245,10 @@ pub async fn run(mode: Mode, secs: u64) -> Outcome {
     if mode == Mode::Fenced {
         match Lab::setup(BASE_GROUPS) {
             Ok(l) => lab = Some(l),
-            Err(reason) => skipped.push((Fault::Partition, reason)),
+            Err(reason) => {
+                skipped.push((Fault::Partition, reason.clone()));
+                skipped.push((Fault::LossyLink, reason));
+            }
         }
     }
     let also = lab
@@ -252,7 +260,8 @@ pub async fn run(mode: Mode, secs: u64) -> Outcome {
     let lease_redis = Redis::start_on(false, also).await;
     if let Some(l) = &lab {
         if let Err(reason) = l.probe(lease_redis.port).await {
-            skipped.push((Fault::Partition, reason));
+            skipped.push((Fault::Partition, reason.clone()));
+            skipped.push((Fault::LossyLink, reason));
             lab = None;
         }
     }
