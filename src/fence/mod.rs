@@ -11,7 +11,7 @@ pub mod barrier;
 mod decide;
 pub mod method;
 #[cfg(test)]
-mod model;
+pub(crate) mod model;
 pub mod path;
 pub mod routes;
 #[cfg(test)]

@@ -293,13 +293,23 @@ fn off_by_one(current: Option<u64>, token: u64, rule: Rule) -> Verdict {
     }
 }
 
-/// Runs the checker to the end; returns the number of distinct states and the trace that
-/// breaks the property, if one does, as readable lines.
 fn check(model: Fencing) -> (usize, Option<Vec<String>>) {
+    explore(model, PROPERTY)
+}
+
+/// Runs the checker on `model` to the end; returns the number of distinct states and the
+/// trace that breaks `property`, if one does, as readable lines. Shared by the models of the
+/// crate (this one and `idempotency::model`).
+pub(crate) fn explore<M>(model: M, property: &'static str) -> (usize, Option<Vec<String>>)
+where
+    M: Model + Send + Sync + 'static,
+    M::State: Clone + Eq + std::hash::Hash + std::fmt::Debug + Send + Sync,
+    M::Action: Clone + PartialEq + std::fmt::Debug + Send + Sync,
+{
     let started = std::time::Instant::now();
     let checker = model.checker().threads(2).spawn_bfs().join();
     let states = checker.unique_state_count();
-    let trace = checker.discovery(PROPERTY).map(|path| {
+    let trace = checker.discovery(property).map(|path| {
         path.into_actions()
             .iter()
             .enumerate()

@@ -11,7 +11,7 @@
 //! do not expire in the model (the config keeps the window longer than an attempt may run).
 //! Negative control: a decision that runs a completed key again is caught with a trace.
 
-use stateright::{Checker, Model, Property};
+use stateright::{Model, Property};
 
 use super::{decide, AttemptId, Begin, Claim, Fingerprint, Phase, Record};
 use crate::config::EqualTokens;
@@ -207,22 +207,7 @@ fn runs_completed_again(existing: Option<&Record>, current: Option<u64>, claim: 
 }
 
 fn check(model: Keyed) -> (usize, Option<Vec<String>>) {
-    let started = std::time::Instant::now();
-    let checker = model.checker().threads(2).spawn_bfs().join();
-    let states = checker.unique_state_count();
-    let trace = checker.discovery(PROPERTY).map(|path| {
-        path.into_actions()
-            .iter()
-            .enumerate()
-            .map(|(n, a)| format!("{:>2}. {a:?}", n + 1))
-            .collect()
-    });
-    println!(
-        "{states} states, depth {}, {} ms",
-        checker.max_depth(),
-        started.elapsed().as_millis()
-    );
-    (states, trace)
+    crate::fence::model::explore(model, PROPERTY)
 }
 
 fn model(decide: Decide) -> Keyed {
