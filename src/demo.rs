@@ -381,7 +381,7 @@ impl LeaseBackend for Link {
 impl Link {
     fn check(&self) -> Result<(), LeaseError> {
         if self.cut.load(std::sync::atomic::Ordering::SeqCst) {
-            Err(LeaseError::Unreachable("network partition".into()))
+            Err(LeaseError::unreachable("network partition"))
         } else {
             Ok(())
         }

@@ -33,11 +33,13 @@
 //!   lease API ([`lease::api`]).
 //! - [`store`]: recorded maxima behind one trait: `memory`, `embedded` (redb, fsync'd,
 //!   group commit), Redis, PostgreSQL, etcd; each also keeps the idempotency records.
-//!   [`store::StoreError`] and [`lease::LeaseError`] name what failed (unreachable, timeout,
-//!   refused, corrupt, …) and whose fault it is.
+//!   [`store::StoreError`] and [`lease::LeaseError`] are one [`store::BackendError`] naming
+//!   its system: what failed (a [`store::ErrorKind`]: unreachable, timeout, refused, corrupt,
+//!   …), in the backend's words, whose fault it is, and the error it came from.
 //! - `conn`: what the stores and the lease backends share to reach their systems: the
 //!   `BoxFuture` their traits answer with, Redis connections (`conn::redis`), PostgreSQL pools
-//!   and TLS (`conn::postgres`), etcd clients (`conn::etcd`), and how a call failed.
+//!   and TLS (`conn::postgres`), etcd clients (`conn::etcd`), how a call failed, and the one
+//!   error both report (`conn::error`).
 //! - `etcd`: the small etcd v3 client the etcd store and lease backend share, over committed
 //!   generated gRPC code.
 //! - [`idempotency`]: records of writes carrying an `Idempotency-Key`, and the pure decision

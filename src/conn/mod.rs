@@ -7,6 +7,7 @@
 
 #[cfg(feature = "embedded")]
 pub mod embedded;
+pub mod error;
 #[cfg(feature = "etcd")]
 pub mod etcd;
 #[cfg(feature = "postgres")]

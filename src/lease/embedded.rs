@@ -63,13 +63,13 @@ impl EmbeddedLeases {
     /// Opens (creating if needed) the database and its table.
     pub fn open(path: &Path, prefix: &str) -> Result<Self, LeaseError> {
         let fail = |what: &str, e: &dyn std::fmt::Display| {
-            LeaseError::Unreachable(format!("{what} {}: {e}", path.display()))
+            LeaseError::unreachable(format!("{what} {}: {e}", path.display()))
         };
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(|e| fail("cannot create the directory of", &e))?;
         }
         let db = Database::create(path)
-            .map_err(|e| LeaseError::Unreachable(crate::conn::embedded::open_error(path, &e)))?;
+            .map_err(|e| LeaseError::unreachable(crate::conn::embedded::open_error(path, &e)))?;
         let table = format!("{prefix}.leases");
         {
             let txn = db.begin_write().map_err(|e| fail("cannot write", &e))?;
@@ -127,7 +127,7 @@ impl Inner {
         let state = &mut *state;
         if state.db.is_none() {
             state.db = Some(Database::create(&self.path).map_err(|e| {
-                LeaseError::Unreachable(format!("cannot reopen {}: {e}", self.path.display()))
+                LeaseError::unreachable(format!("cannot reopen {}: {e}", self.path.display()))
             })?);
             // A failed commit may or may not have reached the disk: read deadlines afresh.
             state.deadlines.clear();
@@ -139,7 +139,7 @@ impl Inner {
                 // Drop the handle: after an I/O error redb wants a fresh one.
                 state.db = None;
                 tracing::error!(path = %self.path.display(), error = %e, "lease database failed");
-                Err(LeaseError::Unreachable(format!(
+                Err(LeaseError::unreachable(format!(
                     "lease database {}: {e}",
                     self.path.display()
                 )))
@@ -321,7 +321,7 @@ async fn blocking<T: Send + 'static>(
     let inner = Arc::clone(inner);
     tokio::task::spawn_blocking(move || f(&inner))
         .await
-        .map_err(|e| LeaseError::Internal(format!("lease database task failed: {e}")))?
+        .map_err(|e| LeaseError::internal(format!("lease database task failed: {e}")))?
 }
 
 impl LeaseBackend for EmbeddedLeases {

@@ -76,7 +76,7 @@ impl EtcdLeases {
     ) -> Result<Self, LeaseError> {
         let client = crate::conn::etcd::client(url, tls)
             .await
-            .map_err(LeaseError::Config)?;
+            .map_err(LeaseError::config)?;
         Ok(EtcdLeases {
             kv: client.kv_client(),
             lease: client.lease_client(),
@@ -164,7 +164,7 @@ async fn watch_grants(watch: WatchClient, prefix: String, grants: Arc<GrantFeed>
 }
 
 fn unavailable(e: crate::etcd::Error) -> LeaseError {
-    LeaseError::new(crate::conn::etcd::failure(&e), format!("etcd: {e}"))
+    LeaseError::new(crate::conn::etcd::failure(&e), format!("etcd: {e}")).with_source(e)
 }
 
 /// Whole seconds, rounded up, at least one.
@@ -177,7 +177,7 @@ fn token_of(revision: i64) -> Result<u64, LeaseError> {
     u64::try_from(revision)
         .ok()
         .filter(|&t| t > 0)
-        .ok_or_else(|| LeaseError::Corrupt(format!("etcd answered revision {revision}")))
+        .ok_or_else(|| LeaseError::corrupt(format!("etcd answered revision {revision}")))
 }
 
 impl LeaseBackend for EtcdLeases {
@@ -260,7 +260,7 @@ impl LeaseBackend for EtcdLeases {
                 return Ok(false);
             }
             if status.granted_ttl() < ttl_secs(ttl) {
-                return Err(LeaseError::Refused(format!(
+                return Err(LeaseError::refused(format!(
                     "the etcd lease was granted for {}s and cannot be renewed for {ttl:?}",
                     status.granted_ttl()
                 )));

@@ -294,7 +294,7 @@ mod tests {
             Box::pin(async move {
                 self.reads.fetch_add(1, Ordering::SeqCst);
                 if self.fail.load(Ordering::SeqCst) {
-                    return Err(LeaseError::Unreachable("down".into()));
+                    return Err(LeaseError::unreachable("down"));
                 }
                 let snapshot = self.tokens.lock().unwrap().get(resource).copied();
                 if self.hold.load(Ordering::SeqCst) {

@@ -37,7 +37,7 @@ pub async fn open(config: &BackendConfig) -> Result<Arc<dyn LeaseBackend>, Lease
     // TLS files are read now, so that a bad one stops `run` with the field's name.
     let tls = |remote, alpn| {
         crate::tls::ClientTls::for_remote(remote, "leases.backend.tls", alpn)
-            .map_err(|e| LeaseError::Config(e.to_string()))
+            .map_err(|e| LeaseError::config(e.to_string()))
     };
     match config {
         #[cfg(feature = "embedded")]
@@ -68,7 +68,7 @@ pub async fn open(config: &BackendConfig) -> Result<Arc<dyn LeaseBackend>, Lease
                 .await?,
         )),
         #[allow(unreachable_patterns)]
-        other => Err(LeaseError::Config(crate::config::not_built(other.kind()))),
+        other => Err(LeaseError::config(crate::config::not_built(other.kind()))),
     }
 }
 
@@ -79,7 +79,7 @@ pub async fn open_for_admin(
 ) -> Result<Box<dyn admin::InspectLeases>, LeaseError> {
     let tls = |remote, alpn| {
         crate::tls::ClientTls::for_remote(remote, "leases.backend.tls", alpn)
-            .map_err(|e| LeaseError::Config(e.to_string()))
+            .map_err(|e| LeaseError::config(e.to_string()))
     };
     match config {
         #[cfg(feature = "embedded")]
@@ -106,6 +106,6 @@ pub async fn open_for_admin(
                 .await?,
         )),
         #[allow(unreachable_patterns)]
-        other => Err(LeaseError::Config(crate::config::not_built(other.kind()))),
+        other => Err(LeaseError::config(crate::config::not_built(other.kind()))),
     }
 }

@@ -101,7 +101,7 @@ impl PostgresLeases {
         tls: Option<Arc<ClientTls>>,
         replicas: Option<u32>,
     ) -> Result<Self, LeaseError> {
-        let (pool, config, guard) = pool(url, tls.clone(), replicas).map_err(LeaseError::Config)?;
+        let (pool, config, guard) = pool(url, tls.clone(), replicas).map_err(LeaseError::config)?;
         let table = format!("{prefix}_leases");
         // Unquoted identifiers fold to lower case; channel names given as strings do not.
         let channel = table.to_ascii_lowercase();
@@ -177,7 +177,7 @@ impl PostgresLeases {
         self.guard
             .check_at_start(&self.pool, START_CHECK)
             .await
-            .map_err(|e| LeaseError::Config(format!("leases.backend: {e}")))
+            .map_err(|e| LeaseError::config(format!("leases.backend: {e}")))
     }
 
     /// A failed call, with the error's causes ([`describe`]); a read-only answer retires the
@@ -332,7 +332,7 @@ fn failed(e: &(dyn std::error::Error + 'static)) -> LeaseError {
 
 fn token_of(v: i64) -> Result<u64, LeaseError> {
     u64::try_from(v)
-        .map_err(|_| LeaseError::Corrupt(format!("postgres holds a negative token {v}")))
+        .map_err(|_| LeaseError::corrupt(format!("postgres holds a negative token {v}")))
 }
 
 fn ttl_ms(ttl: Duration) -> f64 {

@@ -138,7 +138,7 @@ impl RedisLeases {
     ) -> Result<Self, LeaseError> {
         let target = RedisTarget::new(url, tls)
             .and_then(|t| t.with_ha(ha))
-            .map_err(LeaseError::Config)?;
+            .map_err(LeaseError::config)?;
         Ok(RedisLeases {
             conn: RedisClient::new(target, Some("lease backend"), ha.replicas, true),
             events: OnceLock::new(),
@@ -258,7 +258,7 @@ fn dispatch(push: &PushInfo, head: &str, waiters: &Waiters, grants: &GrantFeed) 
 }
 
 fn unavailable(e: redis::RedisError) -> LeaseError {
-    LeaseError::new(failure(&e), format!("redis: {e}"))
+    LeaseError::new(failure(&e), format!("redis: {e}")).with_source(e)
 }
 
 /// Too few replicas acknowledged a grant in time: not granted as far as the caller knows
@@ -269,7 +269,7 @@ fn lagging(lag: Unconfirmed) -> LeaseError {
 
 fn parse_token(raw: &str) -> Result<u64, LeaseError> {
     raw.parse()
-        .map_err(|_| LeaseError::Corrupt(format!("redis holds a non-token counter `{raw}`")))
+        .map_err(|_| LeaseError::corrupt(format!("redis holds a non-token counter `{raw}`")))
 }
 
 fn ttl_ms(ttl: Duration) -> u64 {

@@ -228,9 +228,7 @@ mod tests {
             (Refusal::IdempotencyKeyReused, 9),
             (Refusal::LeaseNotHeld, 9),
             (
-                Refusal::StoreUnavailable(Unavailable::Store(StoreError::Unreachable(
-                    "down".into(),
-                ))),
+                Refusal::StoreUnavailable(Unavailable::Store(StoreError::unreachable("down"))),
                 14,
             ),
             (Refusal::BarrierTimeout, 14),

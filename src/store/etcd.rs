@@ -53,7 +53,7 @@ impl EtcdRemote {
         prefix: &str,
         tls: Option<Arc<ClientTls>>,
     ) -> Result<Self, StoreError> {
-        let client = client(url, tls).await.map_err(StoreError::Config)?;
+        let client = client(url, tls).await.map_err(StoreError::config)?;
         Ok(EtcdRemote {
             kv: client.kv_client(),
             lease: client.lease_client(),
@@ -105,9 +105,7 @@ impl EtcdRemote {
             _ => None,
         });
         let (Some(record), Some(maximum)) = (gets.next(), gets.next()) else {
-            return Err(StoreError::Corrupt(
-                "etcd: malformed transaction answer".into(),
-            ));
+            return Err(StoreError::corrupt("etcd: malformed transaction answer"));
         };
         let (record, record_revision, record_lease) = match record.kvs().first() {
             Some(kv) => (Some(decode(kv.value())?), kv.mod_revision(), kv.lease()),
@@ -172,7 +170,7 @@ impl EtcdRemote {
             }
         }
         self.release(lease);
-        Err(StoreError::Contended(format!(
+        Err(StoreError::contended(format!(
             "etcd: the idempotency record of {resource} changed under {ATTEMPTS} attempts"
         )))
     }
@@ -225,7 +223,7 @@ impl EtcdRemote {
             }
         }
         self.release(lease);
-        Err(StoreError::Contended(format!(
+        Err(StoreError::contended(format!(
             "etcd: the idempotency record of {resource} changed under {ATTEMPTS} attempts"
         )))
     }
@@ -249,11 +247,11 @@ fn lease_ttl(window: Duration) -> i64 {
 }
 
 fn decode(value: &[u8]) -> Result<Record, StoreError> {
-    Record::decode(value).map_err(|e| StoreError::Corrupt(format!("etcd: {e}")))
+    Record::decode(value).map_err(|e| StoreError::corrupt(format!("etcd: {e}")))
 }
 
 fn unavailable(e: crate::etcd::Error) -> StoreError {
-    StoreError::new(failure(&e), format!("etcd: {e}"))
+    StoreError::new(failure(&e), format!("etcd: {e}")).with_source(e)
 }
 
 fn padded(token: u64) -> String {
@@ -264,7 +262,7 @@ fn parse(value: &[u8]) -> Result<u64, StoreError> {
     std::str::from_utf8(value)
         .ok()
         .and_then(|s| s.parse().ok())
-        .ok_or_else(|| StoreError::Corrupt("etcd holds a non-token maximum".into()))
+        .ok_or_else(|| StoreError::corrupt("etcd holds a non-token maximum"))
 }
 
 /// The value read by the first `Get` among transaction responses.
@@ -329,7 +327,7 @@ impl Remote for EtcdRemote {
                     TxnOpResponse::Txn(inner) => Some(inner),
                     _ => None,
                 })
-                .ok_or_else(|| StoreError::Corrupt("etcd: malformed transaction answer".into()))?;
+                .ok_or_else(|| StoreError::corrupt("etcd: malformed transaction answer"))?;
             let current = read_value(&inner.op_responses())?;
             if inner.succeeded() {
                 Ok(Verdict::Admitted { previous: current })

@@ -19,6 +19,9 @@ pub use shared::retention;
 
 use std::sync::Arc;
 
+/// What a [`StoreError`] (and a [`crate::lease::LeaseError`]) is: one error with a kind, a
+/// detail and a source.
+pub use crate::conn::error::{BackendError, Kind as ErrorKind};
 #[cfg(all(test, feature = "embedded"))]
 pub(crate) use embedded::parks_here;
 #[cfg(feature = "embedded")]
@@ -107,7 +110,7 @@ pub trait FenceStore: Send + Sync + 'static {
 /// What a store without retention answers [`FenceStore::forget_after`] (the config refuses
 /// `fence.retention` for it first).
 pub(crate) fn cannot_forget(kind: &str) -> StoreError {
-    StoreError::Config(format!(
+    StoreError::config(format!(
         "the {kind} store cannot forget maxima (fence.retention)"
     ))
 }
@@ -138,7 +141,7 @@ pub async fn open_with_clock(
     // TLS files are read now, so that a bad one stops `run` with the field's name.
     let tls = |remote, alpn| {
         crate::tls::ClientTls::for_remote(remote, "store.tls", alpn)
-            .map_err(|e| StoreError::Config(e.to_string()))
+            .map_err(|e| StoreError::config(e.to_string()))
     };
     match config {
         StoreConfig::Memory => Ok(Arc::new(MemoryStore::new())),
@@ -191,7 +194,7 @@ pub async fn open_with_clock(
             )))
         }
         #[allow(unreachable_patterns)]
-        other => Err(StoreError::Config(crate::config::not_built(other.kind()))),
+        other => Err(StoreError::config(crate::config::not_built(other.kind()))),
     }
 }
 
@@ -202,13 +205,12 @@ pub async fn open_with_clock(
 pub async fn open_for_admin(config: &StoreConfig) -> Result<Box<dyn admin::Inspect>, StoreError> {
     let tls = |remote, alpn| {
         crate::tls::ClientTls::for_remote(remote, "store.tls", alpn)
-            .map_err(|e| StoreError::Config(e.to_string()))
+            .map_err(|e| StoreError::config(e.to_string()))
     };
     match config {
-        StoreConfig::Memory => Err(StoreError::Config(
+        StoreConfig::Memory => Err(StoreError::config(
             "the memory store lives inside the fencegate that uses it: nothing to inspect from \
-             outside"
-                .into(),
+             outside",
         )),
         #[cfg(feature = "embedded")]
         StoreConfig::Embedded { path, prefix, .. } => {
@@ -242,6 +244,6 @@ pub async fn open_for_admin(config: &StoreConfig) -> Result<Box<dyn admin::Inspe
             ))
         }
         #[allow(unreachable_patterns)]
-        other => Err(StoreError::Config(crate::config::not_built(other.kind()))),
+        other => Err(StoreError::config(crate::config::not_built(other.kind()))),
     }
 }

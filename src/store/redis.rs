@@ -224,7 +224,7 @@ impl RedisRemote {
     ) -> Result<Self, StoreError> {
         let target = RedisTarget::new(url, tls)
             .and_then(|t| t.with_ha(ha))
-            .map_err(StoreError::Config)?;
+            .map_err(StoreError::config)?;
         Ok(RedisRemote {
             conn: RedisClient::new(target, None, ha.replicas, false),
             replicas: ha.replicas,
@@ -266,21 +266,21 @@ impl RedisRemote {
 }
 
 fn unavailable(e: redis::RedisError) -> StoreError {
-    StoreError::new(failure(&e), format!("redis: {e}"))
+    StoreError::new(failure(&e), format!("redis: {e}")).with_source(e)
 }
 
 /// Too few replicas acknowledged a write in time: not acknowledged (`503`), though the
 /// primary holds it (a raise that stays only makes later stale tokens fail).
 fn lagging(lag: Unconfirmed) -> StoreError {
     match lag.failure() {
-        crate::conn::Failure::Timeout => StoreError::Timeout(lag.to_string()),
-        _ => StoreError::Unreachable(lag.to_string()),
+        crate::conn::Failure::Timeout => StoreError::timeout(lag.to_string()),
+        _ => StoreError::unreachable(lag.to_string()),
     }
 }
 
 fn parse(raw: &str) -> Result<u64, StoreError> {
     raw.parse()
-        .map_err(|_| StoreError::Corrupt(format!("redis holds a non-token maximum `{raw}`")))
+        .map_err(|_| StoreError::corrupt(format!("redis holds a non-token maximum `{raw}`")))
 }
 
 fn flag(on: bool) -> &'static str {
@@ -300,7 +300,7 @@ fn window_ms(claim: &Claim) -> u64 {
 }
 
 fn bad_reply(what: &str) -> StoreError {
-    StoreError::Corrupt(format!("redis: unexpected idempotency reply: {what}"))
+    StoreError::corrupt(format!("redis: unexpected idempotency reply: {what}"))
 }
 
 /// The begin script's reply as a [`Claimed`].
@@ -346,7 +346,7 @@ fn begin_reply(reply: &[Vec<u8>]) -> Result<Claimed, StoreError> {
         "completed" => {
             let raw = reply.get(2).ok_or_else(|| bad_reply("no record"))?;
             let record = Record::decode(raw)
-                .map_err(|e| StoreError::Corrupt(format!("redis holds a {e}")))?;
+                .map_err(|e| StoreError::corrupt(format!("redis holds a {e}")))?;
             Begin::Completed(record)
         }
         other => return Err(bad_reply(other)),

@@ -387,7 +387,7 @@ async fn probe<R: Remote>(remote: Arc<R>, health: Arc<Health>) {
         let error = match tokio::time::timeout(PROBE_TIMEOUT, remote.ping()).await {
             Ok(Ok(())) => None,
             Ok(Err(e)) => Some(e),
-            Err(_) => Some(StoreError::Timeout(format!(
+            Err(_) => Some(StoreError::timeout(format!(
                 "no answer to a probe within {}ms",
                 PROBE_TIMEOUT.as_millis()
             ))),

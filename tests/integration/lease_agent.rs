@@ -36,8 +36,8 @@ impl LeaseBackend for Partitionable {
     ) -> BoxFuture<'a, Result<bool, LeaseError>> {
         self.renewals.lock().unwrap().push(Instant::now());
         if self.cut.load(Ordering::SeqCst) {
-            return Box::pin(std::future::ready(Err(LeaseError::Unreachable(
-                "partitioned".into(),
+            return Box::pin(std::future::ready(Err(LeaseError::unreachable(
+                "partitioned",
             ))));
         }
         self.inner.renew(grant, ttl)

@@ -28,7 +28,7 @@ impl EmbeddedLeasesAdmin {
     }
 
     fn failed(&self, e: impl std::fmt::Display) -> LeaseError {
-        LeaseError::Unreachable(format!("cannot read {}: {e}", self.path.display()))
+        LeaseError::unreachable(format!("cannot read {}: {e}", self.path.display()))
     }
 
     /// Leases from `from` on (after it with `exclusive`) while the resource starts with
@@ -46,7 +46,7 @@ impl EmbeddedLeasesAdmin {
         let db = redb::Builder::new()
             .open_read_only(&self.path)
             .map_err(|e| match e {
-                DatabaseError::DatabaseAlreadyOpen => LeaseError::Unreachable(format!(
+                DatabaseError::DatabaseAlreadyOpen => LeaseError::unreachable(format!(
                     "{} is open in another process (a running fencegate: the embedded \
                      backend's file is one process's): stop it, or run this where no fencegate \
                      has the file open",

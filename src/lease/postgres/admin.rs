@@ -40,7 +40,7 @@ fn lease(row: &Row) -> Result<Lease, LeaseError> {
     let resource: String = row.get(0);
     let token: i64 = row.get(3);
     let token = u64::try_from(token)
-        .map_err(|_| LeaseError::Corrupt(format!("postgres holds a negative token {token}")))?;
+        .map_err(|_| LeaseError::corrupt(format!("postgres holds a negative token {token}")))?;
     let remaining: Option<i64> = row.get(4);
     match remaining {
         Some(ms) => Ok(Lease {

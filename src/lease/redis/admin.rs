@@ -40,7 +40,7 @@ impl RedisLeases {
                 let (Some(id), Some(token), Some(holder)) =
                     (parts.next(), parts.next(), parts.next())
                 else {
-                    return Err(LeaseError::Corrupt(format!(
+                    return Err(LeaseError::corrupt(format!(
                         "redis holds a malformed lease `{lease}`"
                     )));
                 };

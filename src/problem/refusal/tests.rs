@@ -36,8 +36,8 @@ fn a_store_that_failed_is_the_stores_fault_in_its_own_words() {
         silent.response(&subject, &header).headers()[RETRY_AFTER],
         "1"
     );
-    let leases = Refusal::StoreUnavailable(Unavailable::Leases(LeaseError::Refused(
-        "etcd: permission denied".into(),
+    let leases = Refusal::StoreUnavailable(Unavailable::Leases(LeaseError::refused(
+        "etcd: permission denied",
     )));
     assert_eq!(
         leases.detail(&subject, &header),

@@ -33,17 +33,17 @@ impl EmbeddedAdmin {
 
     fn opening(&self, e: DatabaseError) -> StoreError {
         match e {
-            DatabaseError::DatabaseAlreadyOpen => StoreError::Unreachable(format!(
+            DatabaseError::DatabaseAlreadyOpen => StoreError::unreachable(format!(
                 "{} is open in another process (a running fencegate: the embedded store's file \
                  is one process's): stop it, or run this where no fencegate has the file open",
                 self.path.display()
             )),
-            e => StoreError::Unreachable(format!("cannot open {}: {e}", self.path.display())),
+            e => StoreError::unreachable(format!("cannot open {}: {e}", self.path.display())),
         }
     }
 
     fn failed(&self, e: impl std::fmt::Display) -> StoreError {
-        StoreError::Unreachable(format!("cannot read {}: {e}", self.path.display()))
+        StoreError::unreachable(format!("cannot read {}: {e}", self.path.display()))
     }
 
     /// Up to `limit` maxima from `start` (included, or excluded with `exclusive`) while the
@@ -144,7 +144,7 @@ impl Inspect for EmbeddedAdmin {
                 Ok(before)
             };
             write().map_err(|e| {
-                StoreError::Unreachable(format!("cannot write {}: {e}", self.path.display()))
+                StoreError::unreachable(format!("cannot write {}: {e}", self.path.display()))
             })
         })
     }

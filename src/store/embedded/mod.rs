@@ -265,14 +265,14 @@ impl EmbeddedStore {
         poll: Duration,
     ) -> Result<Self, StoreError> {
         let fail = |what: &str, e: &dyn std::fmt::Display| {
-            StoreError::Unreachable(format!("{what} {}: {e}", path.display()))
+            StoreError::unreachable(format!("{what} {}: {e}", path.display()))
         };
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(|e| fail("cannot create the directory of", &e))?;
         }
         let db =
             Arc::new(open_file(path).map_err(|e| {
-                StoreError::Unreachable(crate::conn::embedded::open_error(path, &e))
+                StoreError::unreachable(crate::conn::embedded::open_error(path, &e))
             })?);
         let names = Names::new(prefix);
         let fences = TableDefinition::<&str, u64>::new(&names.fences);
@@ -346,10 +346,10 @@ impl EmbeddedStore {
             None => Err(()),
         };
         Box::pin(async move {
-            sent.map_err(|_| StoreError::Internal("the store writer has stopped".into()))?;
+            sent.map_err(|_| StoreError::internal("the store writer has stopped"))?;
             answer
                 .await
-                .map_err(|_| StoreError::Internal("the store writer has stopped".into()))?
+                .map_err(|_| StoreError::internal("the store writer has stopped"))?
         })
     }
 
@@ -370,7 +370,7 @@ impl EmbeddedStore {
         batch: usize,
     ) -> Result<u64, StoreError> {
         let fail = |e: &dyn std::fmt::Display| {
-            StoreError::Unreachable(format!("cannot fill {}: {e}", path.display()))
+            StoreError::unreachable(format!("cannot fill {}: {e}", path.display()))
         };
         let db = open_file(path).map_err(|e| fail(&e))?;
         let names = Names::new(prefix);
@@ -408,7 +408,7 @@ impl EmbeddedStore {
     /// cached as a lower bound).
     fn read_maximum(&self, resource: &str) -> Result<Option<u64>, StoreError> {
         let Some(db) = self.shared.db.load_full() else {
-            return Err(StoreError::Unreachable(format!(
+            return Err(StoreError::unreachable(format!(
                 "{} is being reopened after a failed write",
                 self.shared.path.display()
             )));
@@ -420,7 +420,7 @@ impl EmbeddedStore {
             Ok(value)
         };
         let durable = read().map_err(|e| {
-            StoreError::Unreachable(format!("cannot read {}: {e}", self.shared.path.display()))
+            StoreError::unreachable(format!("cannot read {}: {e}", self.shared.path.display()))
         })?;
         if let Some(value) = durable {
             self.shared.cache.observe(resource, value);

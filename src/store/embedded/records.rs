@@ -32,7 +32,7 @@ impl Found {
                 match Record::decode(bytes) {
                     Ok(record) => Some((at, record)),
                     Err(e) => {
-                        return Ok(Err(StoreError::Corrupt(format!(
+                        return Ok(Err(StoreError::corrupt(format!(
                             "the idempotency record {key:?} is unreadable: {e}"
                         ))))
                     }

@@ -151,7 +151,7 @@ pub(super) fn writer(
                 db = None;
                 tracing::error!(path = %path.display(), error = %e, "fence store commit failed");
                 for op in batch.drain(..) {
-                    op.reply(Err(StoreError::Unreachable(e.clone())));
+                    op.reply(Err(StoreError::unreachable(e.clone())));
                 }
             }
         }

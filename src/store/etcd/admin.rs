@@ -31,7 +31,7 @@ impl EtcdRemote {
 
     fn fence_of(&self, kv: &KeyValue) -> Result<Fence, StoreError> {
         let key = std::str::from_utf8(kv.key())
-            .map_err(|_| StoreError::Corrupt("etcd holds a key that is not UTF-8".into()))?;
+            .map_err(|_| StoreError::corrupt("etcd holds a key that is not UTF-8"))?;
         let resource = key.strip_prefix(&self.key("")).unwrap_or(key);
         let mut fence = Fence::recorded(resource, Some(parse(kv.value())?));
         fence.mod_revision = Some(kv.mod_revision());
@@ -124,9 +124,7 @@ impl Inspect for EtcdRemote {
                 _ => None,
             });
             let Some(before) = before else {
-                return Err(StoreError::Corrupt(
-                    "etcd: malformed transaction answer".into(),
-                ));
+                return Err(StoreError::corrupt("etcd: malformed transaction answer"));
             };
             before.kvs().first().map(|kv| parse(kv.value())).transpose()
         })

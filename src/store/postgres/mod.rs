@@ -92,7 +92,7 @@ impl PostgresRemote {
         tls: Option<Arc<ClientTls>>,
         replicas: Option<u32>,
     ) -> Result<Self, StoreError> {
-        let (pool, _, guard) = pool(url, tls, replicas).map_err(StoreError::Config)?;
+        let (pool, _, guard) = pool(url, tls, replicas).map_err(StoreError::config)?;
         let table = format!("{prefix}_fences");
         let records = format!("{prefix}_idempotency");
         let marks = format!("{prefix}_retention");
@@ -133,7 +133,7 @@ impl PostgresRemote {
         self.guard
             .check_at_start(&self.pool, START_CHECK)
             .await
-            .map_err(|e| StoreError::Config(format!("store: {e}")))
+            .map_err(|e| StoreError::config(format!("store: {e}")))
     }
 
     /// A failed call, with the error's causes ([`describe`]); a read-only answer retires the
@@ -203,7 +203,7 @@ impl PostgresRemote {
                 if let Err(e) = result {
                     // The server's message, not only tokio-postgres's "db error".
                     return Err(match e.as_db_error() {
-                        Some(db) => StoreError::Refused(format!(
+                        Some(db) => StoreError::refused(format!(
                             "postgres: creating the tables: {} ({})",
                             db.message(),
                             db.code().code()
@@ -225,7 +225,7 @@ fn failed(e: &(dyn std::error::Error + 'static)) -> StoreError {
 
 /// Tokens are `BIGINT`; the token grammar keeps them below 2^63, so this is a guard.
 fn too_large() -> StoreError {
-    StoreError::Refused("postgres: token above 2^63-1".into())
+    StoreError::refused("postgres: token above 2^63-1")
 }
 
 fn signed(token: u64) -> Result<i64, StoreError> {
@@ -238,7 +238,7 @@ fn encoded(record: &Record) -> String {
 
 fn token_of(v: i64) -> Result<u64, StoreError> {
     u64::try_from(v)
-        .map_err(|_| StoreError::Corrupt(format!("postgres holds a negative maximum {v}")))
+        .map_err(|_| StoreError::corrupt(format!("postgres holds a negative maximum {v}")))
 }
 
 impl Remote for PostgresRemote {

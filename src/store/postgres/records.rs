@@ -124,8 +124,8 @@ impl PostgresRemote {
                 return Ok(claimed);
             }
         }
-        Err(StoreError::Contended(
-            "postgres: the maximum kept appearing under an idempotent claim".into(),
+        Err(StoreError::contended(
+            "postgres: the maximum kept appearing under an idempotent claim",
         ))
     }
 
@@ -197,7 +197,7 @@ impl PostgresRemote {
             .as_ref()
             .map(|row| {
                 Record::decode(row.get::<_, &str>(0).as_bytes())
-                    .map_err(|e| StoreError::Corrupt(format!("postgres holds a {e}")))
+                    .map_err(|e| StoreError::corrupt(format!("postgres holds a {e}")))
             })
             .transpose()?;
         // Locked, so no other raise moves the maximum between this read and the raise below.

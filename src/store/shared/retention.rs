@@ -210,8 +210,8 @@ impl Guard {
                 Status::Pending => asked = true,
             }
             if status.changed().await.is_err() {
-                return Err(StoreError::Internal(
-                    "the retention check of the store stopped".into(),
+                return Err(StoreError::internal(
+                    "the retention check of the store stopped",
                 ));
             }
         }
