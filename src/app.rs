@@ -396,3 +396,32 @@ impl LeaseSide {
 async fn wait_for(mut flag: watch::Receiver<bool>) {
     let _ = flag.wait_for(|stop| *stop).await;
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `Config::parse` refuses `fence.authority: leases` without a `leases` section; a config
+    /// built in code can still have it, and starting from it is an error, not a panic.
+    #[tokio::test]
+    async fn authority_without_a_leases_section_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let yaml = format!(
+            "upstream: http://127.0.0.1:9\nlisten: 127.0.0.1:0\nadmin: 127.0.0.1:0\n\
+             store: {{ kind: memory }}\nfence: {{ authority: leases }}\n\
+             leases:\n  listen: 127.0.0.1:0\n  backend: {{ kind: embedded, path: {} }}\n  ttl: 1s\n",
+            dir.path().join("leases.db").display()
+        );
+        let mut config = Config::parse(&yaml).unwrap();
+        config.leases = None;
+        let refused = Server::start(&config).await.err().expect("refused");
+        assert!(
+            matches!(refused, StartError::AuthorityWithoutLeases),
+            "{refused}"
+        );
+        assert_eq!(
+            refused.to_string(),
+            "fence.authority: leases needs the leases section"
+        );
+    }
+}

@@ -162,7 +162,8 @@ impl FenceLayer {
             return Err(LayerError::Idempotency);
         }
         let metrics = Arc::new(Metrics::new(registry)?);
-        let mut fence = Fence::new(config, store, metrics).without_idempotency();
+        // The `idempotency` section was refused above: no route of this fence takes keys.
+        let mut fence = Fence::new(config, store, metrics);
         if config.fence.authority == Authority::Leases {
             fence = fence.with_authority(backend.ok_or(LayerError::NoLeaseBackend)?);
         }

@@ -126,14 +126,6 @@ impl Fence {
         fence
     }
 
-    /// Without idempotency keys, as the in-process layer is (the sidecar records and replays
-    /// them).
-    pub(crate) fn without_idempotency(mut self) -> Self {
-        self.idempotency = None;
-        self.idempotent.iter_mut().for_each(|on| *on = false);
-        self
-    }
-
     fn ingress(
         config: &Config,
         check: Check,

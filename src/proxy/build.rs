@@ -141,3 +141,19 @@ fn upstream_clients(
     let http1 = builder.pool_max_idle_per_host(1024).build(connector);
     Ok((http1, grpc))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::MemoryStore;
+
+    /// A config read for an in-process fence has no upstream: a proxy over it is refused with
+    /// an error, not built with a missing piece.
+    #[test]
+    fn a_proxy_without_an_upstream_is_refused() {
+        let config = Config::parse_fence("store: { kind: memory }\n").unwrap();
+        let metrics = Arc::new(Metrics::new(prometheus::Registry::new()).unwrap());
+        let refused = Proxy::new(&config, Arc::new(MemoryStore::new()), metrics).err();
+        assert!(matches!(refused, Some(BuildError::NoUpstream)));
+    }
+}

@@ -134,7 +134,7 @@ impl Proxy {
                 let timing =
                     Timing::without_upstream(answering.started).head(answering.head.as_deref());
                 return Handling::done(self.refuse(
-                    refusal,
+                    &refusal,
                     route,
                     subject,
                     &method,
@@ -218,7 +218,7 @@ impl Proxy {
                 }
                 let refusal = Refusal::InvalidPath(e);
                 let timing = Timing::without_upstream(started).head(head.as_deref());
-                return self.refuse(refusal, route, subject, &method, normalised, timing);
+                return self.refuse(&refusal, route, subject, &method, normalised, timing);
             }
         };
         let (tx, rx) = tokio::sync::oneshot::channel();
@@ -246,7 +246,7 @@ impl Proxy {
                 let refusal = Refusal::UpstreamError("the upstream exchange failed".into());
                 let timing = Timing::without_upstream(started).head(answer.head.as_deref());
                 self.refuse(
-                    refusal,
+                    &refusal,
                     route,
                     answer.subject(),
                     &method,
@@ -308,7 +308,7 @@ impl Proxy {
             Err(Failed::Timeout) => Refusal::UpstreamTimeout(self.timeouts.upstream),
         };
         self.refuse(
-            refusal,
+            &refusal,
             answer.route,
             answer.subject(),
             answer.method,

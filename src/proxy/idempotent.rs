@@ -81,7 +81,7 @@ impl Proxy {
         let head = self.access_head(&mut req, Some(write.peer));
         let refuse = |refusal| {
             let timing = Timing::without_upstream(started).head(head.as_deref());
-            self.refuse(refusal, Some(route), subject, &method, normalised, timing)
+            self.refuse(&refusal, Some(route), subject, &method, normalised, timing)
         };
 
         let (parts, body) = req.into_parts();

@@ -21,7 +21,6 @@ pub mod upstream;
 
 pub use build::BuildError;
 
-use std::borrow::Borrow;
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
@@ -240,6 +239,20 @@ impl Proxy {
         started: Instant,
     ) -> Response<ProxyBody> {
         let (refusal, route, subject) = refused.parts(&self.fence);
+        self.refuse_request(refusal, route, subject, req, peer, started)
+    }
+
+    /// [`Proxy::refuse`] for a request refused before anything was sent: its method and path
+    /// as it came, its access line made from its head.
+    fn refuse_request(
+        &self,
+        refusal: &Refusal,
+        route: Option<&Route>,
+        subject: Subject<'_>,
+        req: &Request<Incoming>,
+        peer: SocketAddr,
+        started: Instant,
+    ) -> Response<ProxyBody> {
         let (method, path) = (req.method(), req.uri().path());
         let head = self
             .access_log
@@ -251,14 +264,13 @@ impl Proxy {
     /// [`Fence::refuse`] (counted, logged, answered), and the access line.
     fn refuse(
         &self,
-        refusal: impl Borrow<Refusal>,
+        refusal: &Refusal,
         route: Option<&Route>,
         subject: Subject<'_>,
         method: &Method,
         path: &str,
         timing: Timing<'_>,
     ) -> Response<ProxyBody> {
-        let refusal = refusal.borrow();
         let (outcome, kind) = (refusal.outcome(), refusal.kind());
         let upstream_failed = refusal.fault() == Fault::Upstream;
         let response = self
@@ -296,13 +308,9 @@ impl Proxy {
         let ticket = match self.fence.admit(route, &write.resource, write.token).await {
             Ok(ticket) => ticket,
             Err(refusal) => {
-                let (method, path) = (req.method(), req.uri().path());
-                let head = self
-                    .access_log
-                    .then(|| Head::of(&req, Some(write.peer.ip()), self.log_query));
-                let timing = Timing::without_upstream(write.started).head(head.as_deref());
                 let subject = write.subject(route);
-                return self.refuse(refusal, Some(route), subject, method, path, timing);
+                let (peer, started) = (write.peer, write.started);
+                return self.refuse_request(&refusal, Some(route), subject, &req, peer, started);
             }
         };
         match ticket {
