@@ -8,9 +8,11 @@
 //! [`Fence`] (its decision shared, not copied), without an upstream, and so are the refusals:
 //! the same problem+json bodies, statuses and headers (`Fencing-Token-Current`,
 //! `Retry-After`), in gRPC form for gRPC calls ([`crate::problem::grpc`]), counted in the
-//! same metrics and logged in the same `WARN` line (the access log is the sidecar's). A refused request never reaches the inner service; an
-//! admitted one reaches it unchanged. Under `ordering: serialize` the response body holds the
-//! barrier's ticket until it has been read to its end or dropped, as the proxy's does.
+//! same metrics and logged in the same `WARN` line (the access log is the sidecar's). A
+//! refused request never reaches the inner service; an admitted one reaches it unchanged but
+//! for a path that was not normal, which it gets as the fence read it (as the sidecar forwards
+//! it). Under `ordering: serialize` the response body holds the barrier's ticket until it has
+//! been read to its end or dropped, as the proxy's does.
 //!
 //! Of the configuration, what is about the sidecar (`listen`, `admin`, `upstream`, `tls`,
 //! `timeouts` other than `store`, `limits` other than `max_resource_bytes`, `access_log`) is
@@ -256,7 +258,12 @@ where
                     response: Some(refusal(response, grpc)),
                 }
             }
-            Decision::Forward(Pass { route, fenced, .. }) => {
+            Decision::Forward(Pass {
+                route,
+                fenced,
+                normalised,
+            }) => {
+                let req = with_path(req, &normalised);
                 let outcome = match fenced.and_then(|f| f.token) {
                     Some(_) => Outcome::Admitted,
                     None => Outcome::Forwarded,
@@ -275,6 +282,7 @@ where
             }
             Decision::Later(later) => ResponseFuture::Waiting {
                 future: Box::pin(async move {
+                    let req = with_path(req, &later.normalised);
                     let route = Some(later.route);
                     match fence.admit_later(later).await {
                         Err(refused) => {
@@ -343,6 +351,54 @@ impl Counted {
             body,
             _ticket: ticket,
         })
+    }
+}
+
+/// `req` with its path replaced by `normalised`, the one the fence decided on (its query
+/// kept), so that the service routes the write the fence admitted as the sidecar would have
+/// forwarded it. A path already normal (nearly every one) is left as it is.
+fn with_path<B>(req: Request<B>, normalised: &str) -> Request<B> {
+    if req.uri().path() == normalised {
+        return req;
+    }
+    let (mut parts, body) = req.into_parts();
+    let path_and_query = match parts.uri.query() {
+        Some(query) => format!("{normalised}?{query}"),
+        None => normalised.to_owned(),
+    };
+    let mut uri = parts.uri.clone().into_parts();
+    // A normalised path keeps only bytes a path may hold as they are, and the query is the
+    // one that came: both parse. Were one not to, the request stays as it came.
+    if let Ok(path_and_query) = path_and_query.parse() {
+        uri.path_and_query = Some(path_and_query);
+        if let Ok(uri) = http::Uri::from_parts(uri) {
+            parts.uri = uri;
+        }
+    }
+    Request::from_parts(parts, body)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::with_path;
+    use http::Request;
+
+    #[test]
+    fn the_normalised_path_replaces_the_received_one_and_the_query_stays() {
+        let to = |uri: &str, normalised: &str| {
+            let req = Request::get(uri).body(()).unwrap();
+            with_path(req, normalised).uri().to_string()
+        };
+        assert_eq!(
+            to("/accounts/7/../42?mode=a", "/accounts/42"),
+            "/accounts/42?mode=a"
+        );
+        assert_eq!(to("/accounts//42", "/accounts/42"), "/accounts/42");
+        assert_eq!(
+            to("http://ledger/accounts/./42?x", "/accounts/42"),
+            "http://ledger/accounts/42?x"
+        );
+        assert_eq!(to("/accounts/42?y", "/accounts/42"), "/accounts/42?y");
     }
 }
 

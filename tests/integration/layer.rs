@@ -1,6 +1,6 @@
 //! The fence in-process ([`fencegate::layer::FenceLayer`]), driven as a tower service without a
 //! socket: the same decisions and refusals as the proxy (byte for byte), admitted requests
-//! reaching the inner service unchanged, the serialize barrier held by the response body, and
+//! reaching the inner service unchanged (a path that was not normal, normalised), the serialize barrier held by the response body, and
 //! gRPC calls refused in gRPC form.
 
 use std::convert::Infallible;
@@ -567,4 +567,37 @@ fn the_axum_example_prints_help() {
         asked(&["--verbose"]).err().as_deref(),
         Some("unknown argument --verbose")
     );
+}
+
+/// The service behind the layer routes on the path the fence decided on: a path that was not
+/// normal reaches it normalised (as the sidecar forwards it), so the write the fence admitted
+/// for `account:42` is the write the service applies to account 42, and the query is kept.
+#[tokio::test]
+async fn the_service_gets_the_path_the_fence_decided_on() {
+    let (mut service, log) = fenced(ACCOUNTS).await;
+    let admitted = call(
+        &mut service,
+        request("PUT", "/accounts/7/../42?mode=a", &[("fencing-token", "5")]),
+    )
+    .await;
+    assert_eq!(admitted.status, StatusCode::OK);
+    let stale = call(
+        &mut service,
+        request("PUT", "/accounts/42", &[("fencing-token", "4")]),
+    )
+    .await;
+    assert_eq!(stale.status, StatusCode::CONFLICT);
+    let normal = call(
+        &mut service,
+        request("PUT", "/accounts/42", &[("fencing-token", "5")]),
+    )
+    .await;
+    assert_eq!(normal.status, StatusCode::OK);
+    let seen: Vec<String> = log
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(_, p, _)| p.clone())
+        .collect();
+    assert_eq!(seen, ["/accounts/42", "/accounts/42"]);
 }
