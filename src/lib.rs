@@ -77,13 +77,16 @@
 #[cfg(feature = "proxy")]
 pub(crate) mod admin;
 #[cfg(feature = "proxy")]
+#[doc(hidden)]
 pub mod app;
 pub mod body;
 #[cfg(feature = "cli")]
+#[doc(hidden)]
 pub mod cli;
 pub mod config;
 mod conn;
 #[cfg(feature = "demo")]
+#[doc(hidden)]
 pub mod demo;
 pub(crate) mod duration;
 #[cfg(feature = "etcd")]
@@ -93,6 +96,7 @@ pub mod fence;
 pub(crate) mod headers;
 pub mod idempotency;
 #[cfg(feature = "kubernetes")]
+#[doc(hidden)]
 pub mod inject;
 pub mod layer;
 pub mod lease;
@@ -100,10 +104,13 @@ pub(crate) mod maxima;
 pub mod metrics;
 pub(crate) mod problem;
 #[cfg(feature = "proxy")]
+#[doc(hidden)]
 pub mod proxy;
 #[cfg(feature = "proxy")]
+#[doc(hidden)]
 pub mod reload;
 #[cfg(feature = "proxy")]
+#[doc(hidden)]
 pub mod server;
 pub mod store;
 pub(crate) mod sync;
