@@ -13,6 +13,7 @@ use fencegate::config::{Config, EqualTokens};
 use fencegate::fence::path::normalise;
 use fencegate::fence::routes::RouteTable;
 use fencegate::fence::token::{parse_token, token_from_headers};
+use fencegate::fence::Token;
 use fencegate::store::MemoryStore;
 use http::{HeaderMap, HeaderName, HeaderValue, Method};
 
@@ -132,18 +133,19 @@ fn store(c: &mut Criterion) {
     let store = MemoryStore::new();
     let names: Vec<String> = (0..10_000).map(|i| format!("account:{i}")).collect();
     for n in &names {
-        store.raise(n, 0, EqualTokens::Allow.into());
+        store.raise(n, 0.into(), EqualTokens::Allow.into());
     }
     let mut next = 1u64;
     g.bench_function("raise_existing_10k", |b| {
         b.iter(|| {
             let i = (next % 10_000) as usize;
             next += 1;
-            store.raise(black_box(&names[i]), next, EqualTokens::Allow.into())
+            let token = Token::new(next).expect("far below 2^63");
+            store.raise(black_box(&names[i]), token, EqualTokens::Allow.into())
         })
     });
     g.bench_function("stale_existing_10k", |b| {
-        b.iter(|| store.raise(black_box(&names[42]), 0, EqualTokens::Allow.into()))
+        b.iter(|| store.raise(black_box(&names[42]), 0.into(), EqualTokens::Allow.into()))
     });
     // First sight of a resource: the insert path (allocates the key).
     g.bench_function("insert_new_x1000", |b| {
@@ -151,7 +153,7 @@ fn store(c: &mut Criterion) {
             || (MemoryStore::new(), names[..1000].to_vec()),
             |(s, keys)| {
                 for k in &keys {
-                    s.raise(k, 1, EqualTokens::Allow.into());
+                    s.raise(k, 1.into(), EqualTokens::Allow.into());
                 }
                 s
             },

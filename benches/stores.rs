@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fencegate::config::{Config, EqualTokens};
+use fencegate::fence::Token;
 use fencegate::store::{self, FenceStore, Verdict};
 
 const SEQUENTIAL: usize = 2000;
@@ -35,9 +36,13 @@ struct Row {
 
 async fn measure(kind: &'static str, store: Arc<dyn FenceStore>) -> Row {
     // Warm up connections and prepared statements.
-    for i in 0..50u64 {
+    for i in 0..50u32 {
         store
-            .compare_and_raise(&format!("warm{i}"), i, EqualTokens::Allow.into())
+            .compare_and_raise(
+                &format!("warm{i}"),
+                Token::from(i),
+                EqualTokens::Allow.into(),
+            )
             .await
             .unwrap();
     }
@@ -46,25 +51,30 @@ async fn measure(kind: &'static str, store: Arc<dyn FenceStore>) -> Row {
         let resource = format!("account:{i}");
         let started = Instant::now();
         let verdict = store
-            .compare_and_raise(&resource, 7, EqualTokens::Allow.into())
+            .compare_and_raise(&resource, 7.into(), EqualTokens::Allow.into())
             .await
             .unwrap();
         admit.push(started.elapsed());
         assert_eq!(verdict, Verdict::Admitted { previous: None });
     }
     store
-        .compare_and_raise("hot", 1000, EqualTokens::Allow.into())
+        .compare_and_raise("hot", 1000.into(), EqualTokens::Allow.into())
         .await
         .unwrap();
     let mut refuse = Vec::with_capacity(SEQUENTIAL);
     for _ in 0..SEQUENTIAL {
         let started = Instant::now();
         let verdict = store
-            .compare_and_raise("hot", 1, EqualTokens::Allow.into())
+            .compare_and_raise("hot", 1.into(), EqualTokens::Allow.into())
             .await
             .unwrap();
         refuse.push(started.elapsed());
-        assert_eq!(verdict, Verdict::Stale { current: 1000 });
+        assert_eq!(
+            verdict,
+            Verdict::Stale {
+                current: 1000.into()
+            }
+        );
     }
     // Concurrent admitted writes: what group commit and connection pools buy.
     let started = Instant::now();
@@ -75,7 +85,7 @@ async fn measure(kind: &'static str, store: Arc<dyn FenceStore>) -> Row {
                 for i in 0..CONCURRENT_OPS {
                     let resource = format!("c{t}:{i}");
                     store
-                        .compare_and_raise(&resource, 1, EqualTokens::Allow.into())
+                        .compare_and_raise(&resource, 1.into(), EqualTokens::Allow.into())
                         .await
                         .unwrap();
                 }

@@ -9,6 +9,7 @@
 //! `fencegate demo upstream` runs the toy ledger alone, on a fixed address, as the service
 //! the README's quickstart and docs/leases.md put fencegate in front of.
 
+use crate::fence::Token;
 use std::process::ExitCode;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -367,7 +368,7 @@ impl LeaseBackend for Link {
     fn latest_token<'a>(
         &'a self,
         resource: &'a str,
-    ) -> BoxFuture<'a, Result<Option<u64>, LeaseError>> {
+    ) -> BoxFuture<'a, Result<Option<Token>, LeaseError>> {
         self.inner.latest_token(resource)
     }
     fn changed<'a>(&'a self, resource: &'a str) -> BoxFuture<'a, ()> {
@@ -522,8 +523,13 @@ async fn act_two() -> Result<(), String> {
     println!("{:>22}{body}", "");
 
     // Had it gone around its sidecar with the old token, the fence would still refuse it.
-    let (bypassed, _) =
-        put_balance(client.clone(), fence.listen, Some(lease1.grant.token), 90).await?;
+    let (bypassed, _) = put_balance(
+        client.clone(),
+        fence.listen,
+        Some(lease1.grant.token.get()),
+        90,
+    )
+    .await?;
     t.say(
         "worker-1",
         format!(

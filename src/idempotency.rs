@@ -23,6 +23,7 @@
 //! [`decide`] is the whole decision, pure; every store runs it (or, for Redis, its Lua
 //! transcription) in the same atomic step as the raise of the resource's maximum.
 
+use crate::fence::Token;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 use std::time::Duration;
@@ -169,7 +170,7 @@ pub struct StoredResponse {
 pub struct Record {
     pub phase: Phase,
     /// The token of the attempt that wrote this record.
-    pub token: u64,
+    pub token: Token,
     pub fingerprint: Fingerprint,
     /// `completed` only: the upstream's status, also when the response was too large to keep.
     pub status: Option<u16>,
@@ -182,7 +183,7 @@ pub struct Record {
 }
 
 impl Record {
-    pub fn in_flight(token: u64, fingerprint: Fingerprint) -> Self {
+    pub fn in_flight(token: Token, fingerprint: Fingerprint) -> Self {
         Record {
             phase: Phase::InFlight,
             token,
@@ -193,7 +194,7 @@ impl Record {
         }
     }
 
-    pub fn unknown(token: u64, fingerprint: Fingerprint) -> Self {
+    pub fn unknown(token: Token, fingerprint: Fingerprint) -> Self {
         Record {
             phase: Phase::Unknown,
             ..Record::in_flight(token, fingerprint)
@@ -291,7 +292,7 @@ fn decode_fields(
 #[derive(Serialize, Deserialize)]
 struct Wire {
     phase: Phase,
-    token: u64,
+    token: Token,
     fingerprint: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     status: Option<u16>,
@@ -315,7 +316,7 @@ struct WireResponse {
 /// What an attempt brings to [`decide`].
 #[derive(Debug, Clone, Copy)]
 pub struct Claim {
-    pub token: u64,
+    pub token: Token,
     pub fingerprint: Fingerprint,
     /// `token.equal` and `token.max_step`, as the fence applies them.
     pub rule: Rule,
@@ -343,12 +344,12 @@ impl Claim {
 pub enum Begin {
     /// Claimed: the maximum was raised (as by the fence) and the record is now `in_flight`
     /// with this attempt's token. `previous` is the maximum before.
-    Execute { previous: Option<u64> },
+    Execute { previous: Option<Token> },
     /// The fence refused the token; nothing changed.
-    Stale { current: u64 },
+    Stale { current: Token },
     /// The token exceeds the maximum (`None`: there is none) by more than `token.max_step`;
     /// nothing changed.
-    TooFar { current: Option<u64> },
+    TooFar { current: Option<Token> },
     /// An attempt with this key is with the upstream.
     InFlight,
     /// The key was used for a different request.
@@ -362,7 +363,7 @@ pub enum Begin {
 /// The decision, given the live record (expired ones are absent) and the resource's maximum.
 /// When it is [`Begin::Execute`], the store must, in the same atomic step, raise the maximum
 /// to `claim.token` (if higher) and write [`Claim::in_flight`].
-pub fn decide(existing: Option<&Record>, current: Option<u64>, claim: &Claim) -> Begin {
+pub fn decide(existing: Option<&Record>, current: Option<Token>, claim: &Claim) -> Begin {
     let equal = match existing {
         Some(r) if r.fingerprint != claim.fingerprint => return Begin::Reused,
         Some(r) if r.phase == Phase::InFlight => return Begin::InFlight,

@@ -22,6 +22,7 @@
 //! clear but cached after it would bring the old maximum back, so [`BoundedMaxima::observe_in`]
 //! caches only values read since the last clear ([`BoundedMaxima::era`]).
 
+use crate::fence::Token;
 use crate::sync::Locked;
 use std::collections::hash_map::RandomState;
 use std::collections::HashMap;
@@ -33,7 +34,7 @@ use std::sync::{Mutex, MutexGuard};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Cached {
     /// At most the recorded maximum.
-    pub value: u64,
+    pub value: Token,
     /// The recorded maximum itself (set by the embedded store's writer only).
     pub exact: bool,
 }
@@ -111,7 +112,7 @@ impl Shard {
 }
 
 /// A higher `value` replaces the cached one and is not exact; one at or below it changes nothing.
-fn lift(shard: &mut Shard, resource: &str, value: u64) {
+fn lift(shard: &mut Shard, resource: &str, value: Token) {
     match shard.find(resource) {
         Some(cached) if cached.value >= value => {}
         Some(cached) => {
@@ -162,7 +163,7 @@ impl BoundedMaxima {
     }
 
     /// A lower bound of the maximum of `resource`, if cached; counts as a use.
-    pub fn get(&self, resource: &str) -> Option<u64> {
+    pub fn get(&self, resource: &str) -> Option<Token> {
         self.entry(resource).map(|c| c.value)
     }
 
@@ -173,14 +174,14 @@ impl BoundedMaxima {
 
     /// Records that the maximum is at least `value`. A higher value replaces the cached one
     /// and is not exact; a value at or below it changes nothing.
-    pub fn observe(&self, resource: &str, value: u64) {
+    pub fn observe(&self, resource: &str, value: Token) {
         let mut shard = self.shard(resource);
         lift(&mut shard, resource, value);
     }
 
     /// Records that `value` is the maximum of `resource` now, exactly. Only the embedded
     /// store's writer may call this, with a value read or committed in its own transaction.
-    pub fn confirm(&self, resource: &str, value: u64) {
+    pub fn confirm(&self, resource: &str, value: Token) {
         let mut shard = self.shard(resource);
         let exact = Cached { value, exact: true };
         match shard.find(resource) {
@@ -204,7 +205,7 @@ impl BoundedMaxima {
 
     /// [`BoundedMaxima::observe`] for a value read in `era`: nothing if the cache was cleared
     /// since (the value may predate a reset).
-    pub fn observe_in(&self, era: u64, resource: &str, value: u64) {
+    pub fn observe_in(&self, era: u64, resource: &str, value: Token) {
         let mut shard = self.shard(resource);
         // Checked under the shard's lock: a clear moves the era before it takes each shard's
         // lock, so a value cached here is either still of the current era or cleared after.
@@ -255,50 +256,54 @@ impl BoundedMaxima {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fence::token::tk;
 
     #[test]
     fn a_value_read_before_a_clear_is_not_cached_after_it() {
         let c = BoundedMaxima::new(16);
         let before = c.era();
-        c.observe_in(before, "a", 9);
-        assert_eq!(c.get("a"), Some(9));
+        c.observe_in(before, "a", 9.into());
+        assert_eq!(c.get("a"), Some(9.into()));
         c.clear();
         assert_eq!(c.get("a"), None);
-        c.observe_in(before, "a", 9);
+        c.observe_in(before, "a", 9.into());
         assert_eq!(c.get("a"), None);
-        c.observe_in(c.era(), "a", 4);
-        assert_eq!(c.get("a"), Some(4));
+        c.observe_in(c.era(), "a", 4.into());
+        assert_eq!(c.get("a"), Some(4.into()));
     }
 
     #[test]
     fn cache_is_bounded_and_only_rises() {
         let c = BoundedMaxima::new(2);
-        c.observe("a", 5);
-        c.observe("a", 3);
-        assert_eq!(c.get("a"), Some(5));
-        c.observe("b", 1);
-        c.observe("c", 1);
+        c.observe("a", 5.into());
+        c.observe("a", 3.into());
+        assert_eq!(c.get("a"), Some(5.into()));
+        c.observe("b", 1.into());
+        c.observe("c", 1.into());
         assert_eq!(c.len(), 2);
-        assert_eq!(c.get("c"), Some(1));
+        assert_eq!(c.get("c"), Some(1.into()));
         let none = BoundedMaxima::new(0);
-        none.observe("a", 1);
-        none.confirm("a", 1);
+        none.observe("a", 1.into());
+        none.confirm("a", 1.into());
         assert!(none.is_empty());
         let one = BoundedMaxima::new(1);
-        one.observe("a", 1);
-        one.observe("b", 2);
-        assert_eq!((one.len(), one.get("a"), one.get("b")), (1, None, Some(2)));
+        one.observe("a", 1.into());
+        one.observe("b", 2.into());
+        assert_eq!(
+            (one.len(), one.get("a"), one.get("b")),
+            (1, None, Some(2.into()))
+        );
     }
 
     #[test]
     fn the_recently_used_stay() {
         let c = BoundedMaxima::new(100);
-        c.observe("hot", 7);
+        c.observe("hot", 7.into());
         for i in 0..10_000 {
-            c.observe(&format!("cold{i}"), i);
+            c.observe(&format!("cold{i}"), i.into());
             // Used more often than every half share of new resources: never evicted.
             if i % 40 == 0 {
-                assert_eq!(c.get("hot"), Some(7), "after {i} others");
+                assert_eq!(c.get("hot"), Some(7.into()), "after {i} others");
             }
             assert!(c.len() <= 100);
         }
@@ -313,7 +318,7 @@ mod tests {
         let c = BoundedMaxima::new(100_000);
         assert_eq!(c.shards.len(), MAX_SHARDS);
         for i in 0..300_000u64 {
-            c.observe(&format!("r{i}"), i);
+            c.observe(&format!("r{i}"), tk(i));
         }
         assert!(c.len() <= 100_000, "{}", c.len());
         // Every shard holds at least its young generation's worth.
@@ -323,39 +328,39 @@ mod tests {
     #[test]
     fn exact_values_come_from_confirm_only() {
         let c = BoundedMaxima::new(10);
-        c.observe("r", 5);
+        c.observe("r", 5.into());
         assert_eq!(
             c.entry("r"),
             Some(Cached {
-                value: 5,
+                value: 5.into(),
                 exact: false
             })
         );
-        c.confirm("r", 6);
+        c.confirm("r", 6.into());
         assert_eq!(
             c.entry("r"),
             Some(Cached {
-                value: 6,
+                value: 6.into(),
                 exact: true
             })
         );
         // A bound at or below an exact value leaves it exact; above it, it is a bound again.
-        c.observe("r", 6);
+        c.observe("r", 6.into());
         assert!(c.entry("r").unwrap().exact);
         c.unconfirm("r");
         assert_eq!(
             c.entry("r"),
             Some(Cached {
-                value: 6,
+                value: 6.into(),
                 exact: false
             })
         );
-        c.confirm("r", 8);
-        c.observe("r", 9);
+        c.confirm("r", 8.into());
+        c.observe("r", 9.into());
         assert_eq!(
             c.entry("r"),
             Some(Cached {
-                value: 9,
+                value: 9.into(),
                 exact: false
             })
         );

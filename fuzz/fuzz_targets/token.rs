@@ -60,7 +60,7 @@ fuzz_target!(|data: &[u8]| {
         Ok(Some(v)) => {
             assert_eq!(tokens.len(), 1);
             assert!(!aliased && !nominated);
-            assert_eq!(parse_token(tokens[0].as_bytes()), Ok(v));
+            assert_eq!(parse_token(tokens[0].as_bytes()), Ok(v.get()));
         }
         Ok(None) => assert!(tokens.is_empty() && !aliased && !nominated),
         Err(TokenError::Duplicate) => assert!(tokens.len() > 1),

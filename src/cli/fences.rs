@@ -6,6 +6,7 @@
 //! changed), 2 usage errors (clap). The store is opened with [`store::open_for_admin`]: no
 //! background task, and nothing written but a reset.
 
+use crate::fence::Token;
 use std::io::{BufRead, IsTerminal, Write};
 use std::path::Path;
 use std::process::ExitCode;
@@ -38,7 +39,7 @@ pub enum Target {
 /// A reset, as asked on the command line.
 pub struct Reset {
     pub target: Target,
-    pub to: u64,
+    pub to: Token,
     pub reason: String,
     pub yes: bool,
 }
@@ -197,8 +198,8 @@ pub(super) async fn reset(config: &Path, reset: Reset, output: Output) -> ExitCo
                     uid,
                     store = store.kind(),
                     resource,
-                    before = previous,
-                    after = reset.to,
+                    before = previous.map(Token::get),
+                    after = reset.to.get(),
                     reason = reset.reason.as_str(),
                     "fence maximum reset"
                 );
@@ -211,7 +212,7 @@ pub(super) async fn reset(config: &Path, reset: Reset, output: Output) -> ExitCo
                     uid,
                     store = store.kind(),
                     resource,
-                    after = reset.to,
+                    after = reset.to.get(),
                     reason = reset.reason.as_str(),
                     error = %e,
                     "fence maximum not reset"
@@ -313,9 +314,9 @@ mod tests {
 
     #[test]
     fn the_table_aligns_columns_and_names_what_the_store_knows() {
-        let mut expiring = Fence::recorded("account:10", Some(9));
+        let mut expiring = Fence::recorded("account:10", Some(9.into()));
         expiring.expires_in_ms = Some(1500);
-        let text = table(&[Fence::recorded("a", Some(12345)), expiring]);
+        let text = table(&[Fence::recorded("a", Some(12345.into())), expiring]);
         assert_eq!(
             text,
             "RESOURCE    MAX_TOKEN  DETAILS\n\

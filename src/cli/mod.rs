@@ -166,8 +166,8 @@ enum FencesCommand {
         #[arg(long, value_name = "PREFIX")]
         all_under: Option<String>,
         /// The new maximum (a token: at most 2^63-1).
-        #[arg(long, value_parser = clap::value_parser!(u64).range(0..=i64::MAX as u64))]
-        to: u64,
+        #[arg(long)]
+        to: crate::fence::Token,
         /// Why, for the audit line (logged with who ran it, before and after).
         #[arg(long)]
         reason: String,

@@ -6,6 +6,7 @@
 //! resource in non-decreasing token order. Equal tokens (one lease epoch) do not wait for each
 //! other. The lowest registered token never waits, so the barrier cannot deadlock.
 
+use crate::fence::Token;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -23,12 +24,12 @@ pub struct Barriers {
 struct Slot {
     /// Registered tokens and how many writes carry each. Held only for map updates, never
     /// across an await.
-    in_flight: Mutex<BTreeMap<u64, usize>>,
+    in_flight: Mutex<BTreeMap<Token, usize>>,
     changed: Notify,
 }
 
 impl Slot {
-    fn lower_in_flight(&self, token: u64) -> bool {
+    fn lower_in_flight(&self, token: Token) -> bool {
         let map = self.in_flight.locked();
         map.range(..token).next().is_some()
     }
@@ -38,7 +39,7 @@ impl Slot {
 pub struct Ticket {
     barriers: Arc<Barriers>,
     resource: Box<str>,
-    token: u64,
+    token: Token,
     slot: Arc<Slot>,
 }
 
@@ -48,7 +49,7 @@ impl Barriers {
     }
 
     /// Registers a write; call before the compare-and-raise.
-    pub fn enter(self: &Arc<Self>, resource: &str, token: u64) -> Ticket {
+    pub fn enter(self: &Arc<Self>, resource: &str, token: Token) -> Ticket {
         // Registration happens under the shard lock so it cannot race the removal of an
         // emptied slot (which also takes the shard lock).
         let slot = {
@@ -95,7 +96,7 @@ impl Ticket {
         }
     }
 
-    pub fn token(&self) -> u64 {
+    pub fn token(&self) -> Token {
         self.token
     }
 }
@@ -125,9 +126,9 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn higher_waits_for_lower_and_equal_does_not() {
         let b = Barriers::new();
-        let low = b.enter("r", 5);
-        let same = b.enter("r", 5);
-        let high = b.enter("r", 7);
+        let low = b.enter("r", 5.into());
+        let same = b.enter("r", 5.into());
+        let high = b.enter("r", 7.into());
         assert_eq!(same.wait_turn(Duration::from_secs(1)).await, Ok(()));
         assert_eq!(
             high.wait_turn(Duration::from_secs(1)).await,
@@ -144,8 +145,8 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn other_resources_are_independent() {
         let b = Barriers::new();
-        let _a = b.enter("a", 1);
-        let other = b.enter("b", 9);
+        let _a = b.enter("a", 1.into());
+        let other = b.enter("b", 9.into());
         assert_eq!(other.wait_turn(Duration::from_millis(1)).await, Ok(()));
         assert_eq!(b.len(), 2);
     }

@@ -5,6 +5,7 @@
 //! compare-and-raise (bounded by the store timeout), its verdict, and under
 //! `ordering: serialize` the barrier's turn.
 
+use crate::fence::Token;
 use std::sync::Arc;
 
 use http::header::HeaderName;
@@ -42,7 +43,7 @@ pub(crate) struct Refused {
     /// Index of the route in the table, when the request is on one.
     pub(crate) route: Option<usize>,
     pub(crate) resource: Option<String>,
-    pub(crate) token: Option<u64>,
+    pub(crate) token: Option<Token>,
 }
 
 impl Refused {
@@ -75,7 +76,7 @@ pub(crate) struct Pass {
 pub(crate) struct Fenced {
     pub(crate) resource: String,
     /// `None` for a write without a token on a `missing_token: allow` route.
-    pub(crate) token: Option<u64>,
+    pub(crate) token: Option<Token>,
     /// Egress: the token is the held lease's, to be set on the request before it is sent.
     pub(crate) attach: bool,
 }
@@ -84,7 +85,7 @@ pub(crate) struct Fenced {
 pub(crate) struct Later {
     pub(crate) route: usize,
     pub(crate) resource: String,
-    pub(crate) token: u64,
+    pub(crate) token: Token,
     pub(crate) normalised: String,
     /// The write's `Idempotency-Key`, on a route where keys apply.
     pub(crate) key: Option<String>,
@@ -158,7 +159,7 @@ impl Fence {
             Ok(Matched::Fence { route, resource }) => (route, resource),
         };
         let index = route.index;
-        let refuse = |refusal: Refusal, resource: String, token: Option<u64>| {
+        let refuse = |refusal: Refusal, resource: String, token: Option<Token>| {
             Decision::Refuse(Refused {
                 refusal,
                 route: Some(index),
@@ -276,7 +277,7 @@ impl Fence {
         &self,
         route: &Route,
         resource: &str,
-        token: u64,
+        token: Token,
     ) -> Result<Option<Ticket>, Refusal> {
         if let Some(refusal) = self.check_authority(resource, token).await {
             return Err(refusal);
@@ -300,7 +301,7 @@ impl Fence {
     pub(crate) fn on_verdict(
         &self,
         route: &Route,
-        token: u64,
+        token: Token,
         answer: Result<Verdict, StoreError>,
     ) -> Result<(), Refusal> {
         match answer {
@@ -327,7 +328,7 @@ impl Fence {
     /// grant seen before need no round trip; everything else asks the grant cache, which
     /// answers from the backend's grant events while subscribed and asks the backend
     /// otherwise; a backend that does not answer refuses the write (fail closed).
-    pub(crate) async fn check_authority(&self, resource: &str, token: u64) -> Option<Refusal> {
+    pub(crate) async fn check_authority(&self, resource: &str, token: Token) -> Option<Refusal> {
         let grants = self.authority.as_ref()?;
         if let Some(floor) = grants.floor(resource) {
             if token < floor {
@@ -358,7 +359,7 @@ impl Fence {
     }
 
     /// Compare-and-raise, bounded by the store timeout; a late answer counts as no answer.
-    pub(crate) async fn check(&self, resource: &str, token: u64) -> Result<Verdict, StoreError> {
+    pub(crate) async fn check(&self, resource: &str, token: Token) -> Result<Verdict, StoreError> {
         if let Some(answer) = self.raise_at_once(resource, token) {
             return answer;
         }
@@ -377,7 +378,7 @@ impl Fence {
     pub(crate) fn raise_at_once(
         &self,
         resource: &str,
-        token: u64,
+        token: Token,
     ) -> Option<Result<Verdict, StoreError>> {
         let started = Instant::now();
         let answer = self.store().raise_at_once(resource, token, self.rule())?;
@@ -398,7 +399,7 @@ impl Fence {
     }
 
     /// The refusal of a token too far above `current` (the store's verdict).
-    pub(crate) fn too_far(&self, current: Option<u64>) -> Refusal {
+    pub(crate) fn too_far(&self, current: Option<Token>) -> Refusal {
         Refusal::TooFar {
             current,
             max_step: self.max_step.unwrap_or(u64::MAX),

@@ -18,6 +18,7 @@ pub mod routes;
 mod tests;
 pub mod token;
 pub mod verdict;
+pub use token::Token;
 
 pub(crate) use decide::{Decision, Fenced, Pass, Refused};
 
@@ -232,8 +233,8 @@ impl Fence {
             %method,
             path,
             resource = subject.resource,
-            fencing_token = subject.token,
-            current_token = refusal.current_token(),
+            fencing_token = subject.token.map(Token::get),
+            current_token = refusal.current_token().map(Token::get),
             status = kind.status.as_u16(),
             r#type = kind.urn,
             detail = problem.detail(),

@@ -18,13 +18,14 @@
 //! shortest trace that breaks a property, and the model is plain Rust that calls the crate's own
 //! functions, so it cannot drift from them.
 
+use crate::fence::Token;
 use stateright::{Checker, Model, Property};
 
 use crate::config::EqualTokens;
 use crate::fence::verdict::{decide, Rule, Verdict};
 
 /// The decision the model runs: [`decide`], or a mutation of it for a negative control.
-type Decide = fn(Option<u64>, u64, Rule) -> Verdict;
+type Decide = fn(Option<Token>, Token, Rule) -> Verdict;
 
 #[derive(Clone)]
 struct Fencing {
@@ -56,22 +57,22 @@ enum Phase {
 struct Write {
     sidecar: usize,
     resource: usize,
-    token: u64,
+    token: Token,
     phase: Phase,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq)]
 struct State {
-    granted: u64,
+    granted: Token,
     /// The holder of the live lease, if any.
     lease: Option<usize>,
     /// The token each holder believes it holds: kept after its lease expired (a stall).
-    believes: Vec<Option<u64>>,
+    believes: Vec<Option<Token>>,
     sent: Vec<u8>,
     /// Per sidecar and resource: the cached maximum, a lower bound of the store's.
-    cache: Vec<Vec<Option<u64>>>,
-    primary: Vec<Option<u64>>,
-    replica: Vec<Option<u64>>,
+    cache: Vec<Vec<Option<Token>>>,
+    primary: Vec<Option<Token>>,
+    replica: Vec<Option<Token>>,
     failovers: u8,
     in_flight: Vec<Write>,
     /// What happened to writes, in order.
@@ -81,9 +82,9 @@ struct State {
 #[derive(Clone, Debug, Hash, PartialEq, Eq)]
 enum Event {
     /// The store admitted (resource, token).
-    Admitted(usize, u64),
+    Admitted(usize, Token),
     /// The sidecar acknowledged it and forwarded the write.
-    Acknowledged(usize, u64),
+    Acknowledged(usize, Token),
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq)]
@@ -113,7 +114,7 @@ impl Model for Fencing {
 
     fn init_states(&self) -> Vec<State> {
         vec![State {
-            granted: 0,
+            granted: 0.into(),
             lease: None,
             believes: vec![None; self.holders],
             sent: vec![0; self.holders],
@@ -127,7 +128,7 @@ impl Model for Fencing {
     }
 
     fn actions(&self, state: &State, actions: &mut Vec<Action>) {
-        if state.lease.is_none() && state.granted < self.grants {
+        if state.lease.is_none() && state.granted.get() < self.grants {
             actions.extend((0..self.holders).map(Action::Grant));
         }
         if state.lease.is_some() {
@@ -176,7 +177,7 @@ impl Model for Fencing {
         let mut state = last.clone();
         match action {
             Action::Grant(holder) => {
-                state.granted += 1;
+                state.granted = state.granted.next()?;
                 state.lease = Some(holder);
                 state.believes[holder] = Some(state.granted);
             }
@@ -286,9 +287,9 @@ fn model(wait: bool, decide: Decide) -> Fencing {
 }
 
 /// [`decide`] with `<=` where `<` belongs: the token just below the maximum passes.
-fn off_by_one(current: Option<u64>, token: u64, rule: Rule) -> Verdict {
+fn off_by_one(current: Option<Token>, token: Token, rule: Rule) -> Verdict {
     match current {
-        Some(c) if token + 1 < c => Verdict::Stale { current: c },
+        Some(c) if token.next().is_some_and(|next| next < c) => Verdict::Stale { current: c },
         _ => decide(current.map(|c| c.min(token)), token, rule),
     }
 }

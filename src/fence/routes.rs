@@ -1,6 +1,7 @@
 //! The route table: which route a request is on, whether its method is fenced, and which
 //! resource it writes to. Built once per configuration; matching allocates only the resource id.
 
+use crate::fence::Token;
 use std::borrow::Cow;
 
 use http::{HeaderMap, Method};
@@ -358,7 +359,7 @@ fn single_value<'q>(pairs: impl Iterator<Item = &'q str>, name: &str) -> Option<
 pub struct Subject<'a> {
     pub route: Option<&'a str>,
     pub resource: Option<&'a str>,
-    pub token: Option<u64>,
+    pub token: Option<Token>,
 }
 
 #[cfg(test)]

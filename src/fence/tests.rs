@@ -49,17 +49,21 @@ fn a_higher_token_is_admitted_and_raises_and_a_lower_one_is_stale() {
             fenced:
                 Some(Fenced {
                     resource,
-                    token: Some(34),
+                    token: Some(token),
                     attach: false,
                 }),
         }) => {
+            assert_eq!(token, 34.into());
             assert_eq!(normalised, "/accounts/42");
             assert_eq!(resource, "account:42");
         }
         _ => panic!("34 was not admitted at once"),
     }
     let stale = refusal(fence.decide(&put("/accounts/42", Some("33"))));
-    assert!(matches!(stale, Refusal::Stale { current: 34 }), "{stale:?}");
+    assert!(
+        matches!(stale, Refusal::Stale { current } if current == 34.into()),
+        "{stale:?}"
+    );
     assert_eq!(stale.kind().status, StatusCode::CONFLICT);
     // Another resource has its own maximum.
     let other = fence.decide(&put("/accounts/7", Some("1")));
@@ -120,7 +124,7 @@ fn a_serialized_route_leaves_the_write_to_wait_for_its_barrier() {
     let fence = fence(", ordering: serialize");
     match fence.decide(&put("/accounts/42", Some("5"))) {
         Decision::Later(later) => {
-            assert_eq!((later.route, later.token), (0, 5));
+            assert_eq!((later.route, later.token), (0, 5.into()));
             assert_eq!(later.resource, "account:42");
             assert!(later.key.is_none());
         }
@@ -132,11 +136,11 @@ fn a_serialized_route_leaves_the_write_to_wait_for_its_barrier() {
 async fn admit_raises_and_then_refuses_the_same_token_below() {
     let fence = fence(", ordering: serialize");
     let route = fence.route(0);
-    let ticket = fence.admit(route, "account:42", 5).await.unwrap();
+    let ticket = fence.admit(route, "account:42", 5.into()).await.unwrap();
     assert!(ticket.is_some(), "a serialized write holds its turn");
     drop(ticket);
-    match fence.admit(route, "account:42", 4).await {
-        Err(Refusal::Stale { current: 5 }) => {}
+    match fence.admit(route, "account:42", 4.into()).await {
+        Err(Refusal::Stale { current }) if current == 5.into() => {}
         Err(other) => panic!("{other:?}"),
         Ok(_) => panic!("4 was admitted after 5"),
     }

@@ -1,9 +1,160 @@
-//! The fencing token on the wire: grammar and header hygiene (docs/requests.md).
+//! The fencing token: its type, its grammar on the wire and header hygiene (docs/requests.md).
+
+use std::fmt;
 
 use http::header::{HeaderMap, HeaderName, HeaderValue, CONNECTION};
 
 /// Largest token: tokens are signed 64-bit in every store we talk to.
 pub const MAX_TOKEN: u64 = i64::MAX as u64;
+
+/// A fencing token: an integer from 0 to 2^63 − 1 ([`MAX_TOKEN`]), the range every store
+/// holds as a signed 64-bit integer, so a `Token` always fits the store it is written to.
+///
+/// Built by parsing a header ([`Token::parse`], [`token_from_headers`]), from a number that is
+/// checked ([`Token::new`], `TryFrom<u64>`, `TryFrom<i64>`), or from a `u32`, which always fits.
+///
+/// ```
+/// use fencegate::fence::Token;
+///
+/// let token = Token::parse(b"42").unwrap();
+/// assert_eq!(token, Token::from(42u32));
+/// assert_eq!(token.get(), 42);
+/// assert!(Token::new(u64::MAX).is_none());
+/// assert!(Token::try_from(-1i64).is_err());
+/// ```
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    Default,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    serde::Serialize,
+    serde::Deserialize,
+)]
+#[serde(try_from = "u64", into = "u64")]
+pub struct Token(u64);
+
+impl Token {
+    /// The lowest token, 0.
+    pub const ZERO: Token = Token(0);
+    /// The highest token, 2^63 − 1.
+    pub const MAX: Token = Token(MAX_TOKEN);
+
+    /// `value` as a token; `None` above [`MAX_TOKEN`].
+    pub const fn new(value: u64) -> Option<Token> {
+        if value <= MAX_TOKEN {
+            Some(Token(value))
+        } else {
+            None
+        }
+    }
+
+    /// The token's value.
+    pub const fn get(self) -> u64 {
+        self.0
+    }
+
+    /// The token as the signed 64-bit integer the stores keep; never negative.
+    pub const fn to_i64(self) -> i64 {
+        self.0 as i64
+    }
+
+    /// Parses the header grammar `0|[1-9][0-9]{0,18}` with a value of at most 2^63 − 1.
+    pub fn parse(raw: &[u8]) -> Result<Token, TokenError> {
+        parse_token(raw).map(Token)
+    }
+
+    /// The token after this one; `None` after [`Token::MAX`]: the token space is spent.
+    pub const fn next(self) -> Option<Token> {
+        Token::new(self.0 + 1)
+    }
+
+    /// The token `step` below this one; `None` below 0.
+    pub const fn checked_sub(self, step: u64) -> Option<Token> {
+        match self.0.checked_sub(step) {
+            Some(value) => Some(Token(value)),
+            None => None,
+        }
+    }
+}
+
+impl fmt::Display for Token {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&self.0, f)
+    }
+}
+
+impl std::str::FromStr for Token {
+    type Err = TokenError;
+    fn from_str(s: &str) -> Result<Token, TokenError> {
+        Token::parse(s.as_bytes())
+    }
+}
+
+/// Every `u32` is a token.
+impl From<u32> for Token {
+    fn from(value: u32) -> Token {
+        Token(u64::from(value))
+    }
+}
+
+impl From<Token> for u64 {
+    fn from(token: Token) -> u64 {
+        token.0
+    }
+}
+
+impl From<Token> for i64 {
+    fn from(token: Token) -> i64 {
+        token.to_i64()
+    }
+}
+
+/// `value` as a token, in tests (whose values are well inside the range).
+#[cfg(test)]
+pub(crate) fn tk(value: u64) -> Token {
+    Token::new(value).expect("a test token is at most 2^63-1")
+}
+
+/// The token as a header value (its canonical decimal).
+impl From<Token> for HeaderValue {
+    fn from(token: Token) -> HeaderValue {
+        HeaderValue::from(token.0)
+    }
+}
+
+/// The token as a JSON number.
+impl From<Token> for serde_json::Value {
+    fn from(token: Token) -> serde_json::Value {
+        serde_json::Value::from(token.0)
+    }
+}
+
+/// A number outside the token range (a negative one, or one above [`MAX_TOKEN`]), as a store
+/// or a lease backend might answer it: such an answer is corrupt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("{0} is not a fencing token (0 to 9223372036854775807)")]
+pub struct OutOfRange(pub i128);
+
+impl TryFrom<u64> for Token {
+    type Error = OutOfRange;
+    fn try_from(value: u64) -> Result<Token, OutOfRange> {
+        Token::new(value).ok_or(OutOfRange(i128::from(value)))
+    }
+}
+
+impl TryFrom<i64> for Token {
+    type Error = OutOfRange;
+    fn try_from(value: i64) -> Result<Token, OutOfRange> {
+        u64::try_from(value)
+            .map(Token)
+            .map_err(|_| OutOfRange(i128::from(value)))
+    }
+}
 
 /// Why a token header was refused; each maps to 400 `invalid-token`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -20,7 +171,8 @@ pub enum TokenError {
     ConnectionNominated,
 }
 
-/// Parses `0|[1-9][0-9]{0,18}` with a value of at most 2^63-1.
+/// Parses `0|[1-9][0-9]{0,18}` with a value of at most 2^63-1, as a bare number
+/// ([`Token::parse`] gives the [`Token`]).
 pub fn parse_token(raw: &[u8]) -> Result<u64, TokenError> {
     match raw {
         [] => Err(TokenError::Grammar),
@@ -58,7 +210,7 @@ pub fn parse_token(raw: &[u8]) -> Result<u64, TokenError> {
 pub fn token_from_headers(
     headers: &HeaderMap,
     name: &HeaderName,
-) -> Result<Option<u64>, TokenError> {
+) -> Result<Option<Token>, TokenError> {
     // One walk over the header lines finds the token (and any second one), an alias, and a
     // `Connection` line naming the token: cheaper than a lookup by name, which hashes it.
     let mut first = None;
@@ -84,7 +236,7 @@ pub fn token_from_headers(
     if let Some(alias) = alias {
         return Err(TokenError::Alias(alias.as_str().to_owned()));
     }
-    first.map(|v| parse_token(v.as_bytes())).transpose()
+    first.map(|v| Token::parse(v.as_bytes())).transpose()
 }
 
 /// Whether a `Connection` header names `name`: a proxy strips such a header in transit.
@@ -196,7 +348,10 @@ mod tests {
         let mut h = HeaderMap::new();
         assert_eq!(token_from_headers(&h, &name()), Ok(None));
         h.insert("fencing-token", HeaderValue::from_static("12"));
-        assert_eq!(token_from_headers(&h, &name()), Ok(Some(12)));
+        assert_eq!(
+            token_from_headers(&h, &name()),
+            Ok(Some(Token::from(12u32)))
+        );
 
         let mut dup = h.clone();
         dup.append("fencing-token", HeaderValue::from_static("12"));
@@ -215,10 +370,16 @@ mod tests {
         // Same length, one letter off, no `_`: another header, not an alias.
         let mut other = h.clone();
         other.insert("fencing-tokem", HeaderValue::from_static("99"));
-        assert_eq!(token_from_headers(&other, &name()), Ok(Some(12)));
+        assert_eq!(
+            token_from_headers(&other, &name()),
+            Ok(Some(Token::from(12u32)))
+        );
         let mut mixed = h.clone();
         mixed.insert("fencing_tokem", HeaderValue::from_static("99"));
-        assert_eq!(token_from_headers(&mixed, &name()), Ok(Some(12)));
+        assert_eq!(
+            token_from_headers(&mixed, &name()),
+            Ok(Some(Token::from(12u32)))
+        );
 
         let mut conn = h.clone();
         conn.insert(
@@ -248,6 +409,9 @@ mod tests {
         let mut harmless = h.clone();
         harmless.insert("connection", HeaderValue::from_static("keep-alive"));
         harmless.insert("x_other", HeaderValue::from_static("1"));
-        assert_eq!(token_from_headers(&harmless, &name()), Ok(Some(12)));
+        assert_eq!(
+            token_from_headers(&harmless, &name()),
+            Ok(Some(Token::from(12u32)))
+        );
     }
 }

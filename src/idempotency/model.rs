@@ -11,13 +11,14 @@
 //! do not expire in the model (the config keeps the window longer than an attempt may run).
 //! Negative control: a decision that runs a completed key again is caught with a trace.
 
+use crate::fence::Token;
 use stateright::{Model, Property};
 
 use super::{decide, AttemptId, Begin, Claim, Fingerprint, Phase, Record};
 use crate::config::EqualTokens;
 use crate::fence::verdict::Rule;
 
-type Decide = fn(Option<&Record>, Option<u64>, &Claim) -> Begin;
+type Decide = fn(Option<&Record>, Option<Token>, &Claim) -> Begin;
 
 /// Every attempt sends the same request: one fingerprint.
 const REQUEST: Fingerprint = Fingerprint([7; 32]);
@@ -35,14 +36,14 @@ struct Keyed {
 #[derive(Clone, Debug, Hash, PartialEq, Eq)]
 struct Kept {
     phase: Phase,
-    token: u64,
+    token: Token,
     attempt: Option<u8>,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq)]
 struct Attempt {
     id: u8,
-    token: u64,
+    token: Token,
     applied: bool,
 }
 
@@ -55,7 +56,7 @@ enum Event {
 #[derive(Clone, Debug, Hash, PartialEq, Eq)]
 struct State {
     record: Option<Kept>,
-    maximum: Option<u64>,
+    maximum: Option<Token>,
     sent: Vec<u8>,
     next_id: u8,
     running: Vec<Attempt>,
@@ -74,7 +75,7 @@ enum Action {
     Fail(usize),
 }
 
-fn claim(token: u64, id: u8) -> Claim {
+fn claim(token: Token, id: u8) -> Claim {
     Claim {
         token,
         fingerprint: REQUEST,
@@ -132,7 +133,7 @@ impl Model for Keyed {
         match action {
             Action::Send(h) => {
                 state.sent[h as usize] += 1;
-                let (token, id) = (h + 1, state.next_id);
+                let (token, id) = (Token::new(h + 1)?, state.next_id);
                 state.next_id += 1;
                 let claim = claim(token, id);
                 let existing = state.record.as_ref().map(record);
@@ -199,7 +200,7 @@ const PROPERTY: &str =
     "a key's write is applied at most once, but for one more per unknown outcome";
 
 /// [`decide`] that runs a completed key again instead of replaying it.
-fn runs_completed_again(existing: Option<&Record>, current: Option<u64>, claim: &Claim) -> Begin {
+fn runs_completed_again(existing: Option<&Record>, current: Option<Token>, claim: &Claim) -> Begin {
     match existing {
         Some(r) if r.phase == Phase::Completed => decide(None, current, claim),
         _ => decide(existing, current, claim),

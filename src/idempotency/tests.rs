@@ -1,23 +1,24 @@
 //! Unit tests of idempotency records and decisions.
 
 use super::*;
+use crate::fence::token::tk;
 
 fn fp(n: u8) -> Fingerprint {
     Fingerprint([n; 32])
 }
 
-fn claim(token: u64, f: u8) -> Claim {
+fn claim(token: Token, f: u8) -> Claim {
     Claim {
         token,
         fingerprint: fp(f),
         rule: EqualTokens::Allow.into(),
         window: Duration::from_secs(5),
         may_execute: true,
-        attempt: AttemptId(u128::from(token)),
+        attempt: AttemptId(u128::from(token.get())),
     }
 }
 
-fn completed(token: u64, f: u8) -> Record {
+fn completed(token: Token, f: u8) -> Record {
     Record {
         phase: Phase::Completed,
         status: Some(201),
@@ -34,33 +35,36 @@ fn completed(token: u64, f: u8) -> Record {
 #[test]
 fn absent_key_is_the_fence() {
     assert_eq!(
-        decide(None, None, &claim(3, 1)),
+        decide(None, None, &claim(3.into(), 1)),
         Begin::Execute { previous: None }
     );
     assert_eq!(
-        decide(None, Some(5), &claim(3, 1)),
-        Begin::Stale { current: 5 }
+        decide(None, Some(5.into()), &claim(3.into(), 1)),
+        Begin::Stale { current: 5.into() }
     );
     let reject = Claim {
         rule: EqualTokens::Reject.into(),
-        ..claim(5, 1)
+        ..claim(5.into(), 1)
     };
-    assert_eq!(decide(None, Some(5), &reject), Begin::Stale { current: 5 });
+    assert_eq!(
+        decide(None, Some(5.into()), &reject),
+        Begin::Stale { current: 5.into() }
+    );
 }
 
 #[test]
 fn completed_replays_even_after_newer_tokens() {
-    let r = completed(3, 1);
+    let r = completed(3.into(), 1);
     assert_eq!(
-        decide(Some(&r), Some(9), &claim(3, 1)),
+        decide(Some(&r), Some(9.into()), &claim(3.into(), 1)),
         Begin::Completed(r.clone())
     );
     let refused_elsewhere = Claim {
         may_execute: false,
-        ..claim(3, 1)
+        ..claim(3.into(), 1)
     };
     assert_eq!(
-        decide(Some(&r), Some(9), &refused_elsewhere),
+        decide(Some(&r), Some(9.into()), &refused_elsewhere),
         Begin::Completed(r)
     );
 }
@@ -68,43 +72,53 @@ fn completed_replays_even_after_newer_tokens() {
 #[test]
 fn reuse_wins_over_every_phase() {
     for r in [
-        Record::in_flight(3, fp(1)),
-        Record::unknown(3, fp(1)),
-        completed(3, 1),
+        Record::in_flight(3.into(), fp(1)),
+        Record::unknown(3.into(), fp(1)),
+        completed(3.into(), 1),
     ] {
-        assert_eq!(decide(Some(&r), Some(3), &claim(3, 2)), Begin::Reused);
+        assert_eq!(
+            decide(Some(&r), Some(3.into()), &claim(3.into(), 2)),
+            Begin::Reused
+        );
     }
 }
 
 #[test]
 fn in_flight_is_a_conflict() {
-    let r = Record::in_flight(3, fp(1));
-    assert_eq!(decide(Some(&r), Some(3), &claim(4, 1)), Begin::InFlight);
+    let r = Record::in_flight(3.into(), fp(1));
+    assert_eq!(
+        decide(Some(&r), Some(3.into()), &claim(4.into(), 1)),
+        Begin::InFlight
+    );
 }
 
 #[test]
 fn unknown_redoes_only_with_a_token_at_least_the_recorded_one() {
-    let r = Record::unknown(7, fp(1));
+    let r = Record::unknown(7.into(), fp(1));
     assert_eq!(
-        decide(Some(&r), Some(7), &claim(6, 1)),
-        Begin::Stale { current: 7 }
+        decide(Some(&r), Some(7.into()), &claim(6.into(), 1)),
+        Begin::Stale { current: 7.into() }
     );
     let same = Claim {
         rule: EqualTokens::Reject.into(),
-        ..claim(7, 1)
+        ..claim(7.into(), 1)
     };
     assert_eq!(
-        decide(Some(&r), Some(7), &same),
-        Begin::Execute { previous: Some(7) }
+        decide(Some(&r), Some(7.into()), &same),
+        Begin::Execute {
+            previous: Some(7.into())
+        }
     );
     assert_eq!(
-        decide(Some(&r), Some(7), &claim(8, 1)),
-        Begin::Execute { previous: Some(7) }
+        decide(Some(&r), Some(7.into()), &claim(8.into(), 1)),
+        Begin::Execute {
+            previous: Some(7.into())
+        }
     );
     // A newer epoch wrote meanwhile: the fence still applies.
     assert_eq!(
-        decide(Some(&r), Some(9), &claim(8, 1)),
-        Begin::Stale { current: 9 }
+        decide(Some(&r), Some(9.into()), &claim(8.into(), 1)),
+        Begin::Stale { current: 9.into() }
     );
 }
 
@@ -112,7 +126,7 @@ fn unknown_redoes_only_with_a_token_at_least_the_recorded_one() {
 fn may_not_execute_claims_nothing() {
     let c = Claim {
         may_execute: false,
-        ..claim(3, 1)
+        ..claim(3.into(), 1)
     };
     assert_eq!(decide(None, None, &c), Begin::Refused);
 }
@@ -120,25 +134,25 @@ fn may_not_execute_claims_nothing() {
 #[test]
 fn records_round_trip() {
     for r in [
-        Record::in_flight(1, fp(1)),
-        Record::unknown(u64::MAX >> 1, fp(2)),
-        completed(3, 3),
+        Record::in_flight(1.into(), fp(1)),
+        Record::unknown(tk(u64::MAX >> 1), fp(2)),
+        completed(3.into(), 3),
         Record {
             response: None,
-            ..completed(4, 4)
+            ..completed(4.into(), 4)
         },
-        with_trailers(5, 5),
+        with_trailers(5.into(), 5),
     ] {
         assert_eq!(Record::decode(&r.encode()).unwrap(), r);
     }
-    let owned = claim(5, 1).in_flight();
+    let owned = claim(5.into(), 1).in_flight();
     assert_eq!(owned.attempt, Some(AttemptId(5)));
     assert_eq!(Record::decode(&owned.encode()).unwrap(), owned);
     assert!(Record::decode(b"{}").is_err());
     assert!(Record::decode(b"not json").is_err());
 }
 
-fn with_trailers(token: u64, f: u8) -> Record {
+fn with_trailers(token: Token, f: u8) -> Record {
     let mut r = completed(token, f);
     let response = r.response.as_mut().unwrap();
     response.trailers = vec![
@@ -150,9 +164,9 @@ fn with_trailers(token: u64, f: u8) -> Record {
 
 #[test]
 fn records_without_trailers_encode_as_before() {
-    let encoded = String::from_utf8(completed(3, 3).encode()).unwrap();
+    let encoded = String::from_utf8(completed(3.into(), 3).encode()).unwrap();
     assert!(!encoded.contains("trailers"), "{encoded}");
-    let encoded = String::from_utf8(with_trailers(3, 3).encode()).unwrap();
+    let encoded = String::from_utf8(with_trailers(3.into(), 3).encode()).unwrap();
     assert!(
         encoded.contains(r#""trailers":[["grpc-status","NQ=="],"#),
         "{encoded}"
@@ -167,7 +181,10 @@ fn records_written_before_trailers_were_kept_decode() {
         r#"{{"phase":"completed","token":3,"fingerprint":"{}","status":201,"response":{{"status":201,"headers":[["content-type","dGV4dC9wbGFpbg=="]],"body":"b2v/"}}}}"#,
         fp(3).hex()
     );
-    assert_eq!(Record::decode(old.as_bytes()).unwrap(), completed(3, 3));
+    assert_eq!(
+        Record::decode(old.as_bytes()).unwrap(),
+        completed(3.into(), 3)
+    );
 }
 
 #[test]
@@ -177,8 +194,8 @@ fn records_without_an_attempt_decode_as_owned_by_nobody() {
         fp(1).hex()
     );
     let record = Record::decode(old.as_bytes()).unwrap();
-    assert_eq!(record, Record::in_flight(3, fp(1)));
-    assert!(!record.owned_by(&claim(3, 1)));
+    assert_eq!(record, Record::in_flight(3.into(), fp(1)));
+    assert!(!record.owned_by(&claim(3.into(), 1)));
     let bad = format!(
         r#"{{"phase":"in_flight","token":3,"fingerprint":"{}","attempt":"xyz"}}"#,
         fp(1).hex()
@@ -188,7 +205,7 @@ fn records_without_an_attempt_decode_as_owned_by_nobody() {
 
 #[test]
 fn only_the_claiming_attempt_owns_its_record() {
-    let a = claim(3, 1);
+    let a = claim(3.into(), 1);
     let record = a.in_flight();
     assert!(record.owned_by(&a));
     let b = Claim {
@@ -196,7 +213,7 @@ fn only_the_claiming_attempt_owns_its_record() {
         ..a
     };
     assert!(!record.owned_by(&b));
-    assert!(!Record::unknown(3, fp(1)).owned_by(&a));
+    assert!(!Record::unknown(3.into(), fp(1)).owned_by(&a));
 }
 
 #[test]
@@ -278,27 +295,33 @@ fn a_claim_too_far_above_the_maximum_claims_nothing() {
             equal: EqualTokens::Allow,
             max_step: Some(10),
         },
-        ..claim(21, 1)
+        ..claim(21.into(), 1)
     };
     assert_eq!(
-        decide(None, Some(10), &far),
-        Begin::TooFar { current: Some(10) }
+        decide(None, Some(10.into()), &far),
+        Begin::TooFar {
+            current: Some(10.into())
+        }
     );
     assert_eq!(
-        decide(None, Some(11), &far),
-        Begin::Execute { previous: Some(11) }
+        decide(None, Some(11.into()), &far),
+        Begin::Execute {
+            previous: Some(11.into())
+        }
     );
     // No maximum counts as 0; a completed record is still replayed.
     assert_eq!(decide(None, None, &far), Begin::TooFar { current: None });
-    let done = completed(21, 1);
+    let done = completed(21.into(), 1);
     assert_eq!(
-        decide(Some(&done), Some(10), &far),
+        decide(Some(&done), Some(10.into()), &far),
         Begin::Completed(done.clone())
     );
     // A redo of an unknown outcome with the same token is held to the step as well.
-    let unknown = Record::unknown(21, fp(1));
+    let unknown = Record::unknown(21.into(), fp(1));
     assert_eq!(
-        decide(Some(&unknown), Some(10), &far),
-        Begin::TooFar { current: Some(10) }
+        decide(Some(&unknown), Some(10.into()), &far),
+        Begin::TooFar {
+            current: Some(10.into())
+        }
     );
 }

@@ -2,6 +2,7 @@
 //! docs/operations.md "Inspect"). A backend opened for this
 //! ([`crate::lease::open_for_admin`]) reads only: no event subscription, no table set-up.
 
+use crate::fence::Token;
 use serde::Serialize;
 
 use super::LeaseError;
@@ -18,7 +19,7 @@ pub struct Lease {
     pub lease_id: Option<String>,
     /// The fencing token of the lease held now, or of the last one granted; `None`: never
     /// granted.
-    pub token: Option<u64>,
+    pub token: Option<Token>,
     /// Milliseconds until the lease held now expires, by the backend's clock (etcd: whole
     /// seconds).
     pub expires_in_ms: Option<u64>,
@@ -26,7 +27,7 @@ pub struct Lease {
 
 impl Lease {
     /// A resource never leased, or one whose lease is not held (`token`: the last grant's).
-    pub fn free(resource: &str, token: Option<u64>) -> Self {
+    pub fn free(resource: &str, token: Option<Token>) -> Self {
         Lease {
             resource: resource.to_owned(),
             held: false,

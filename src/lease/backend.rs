@@ -15,6 +15,7 @@
 //! its capacity behind gets `Lagged` and must treat it as `Lost` immediately followed by `Live`.
 //! One subscription (one connection) per backend serves every receiver.
 
+use crate::fence::Token;
 use std::time::Duration;
 
 use tokio::sync::broadcast;
@@ -30,7 +31,7 @@ pub struct Grant {
     /// Unique per grant (the owner value compared on renew and release).
     pub lease_id: String,
     /// The fencing token: strictly greater than every earlier grant's for this resource.
-    pub token: u64,
+    pub token: Token,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -67,7 +68,7 @@ pub trait LeaseBackend: Send + Sync + 'static {
     fn latest_token<'a>(
         &'a self,
         resource: &'a str,
-    ) -> BoxFuture<'a, Result<Option<u64>, LeaseError>>;
+    ) -> BoxFuture<'a, Result<Option<Token>, LeaseError>>;
 
     /// Resolves when the lease on `resource` may have become free (released or expired), as
     /// far as the backend's change events tell; backends without events never resolve.

@@ -21,6 +21,7 @@
 mod admin;
 pub use admin::EmbeddedLeasesAdmin;
 
+use crate::fence::Token;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -104,7 +105,7 @@ fn ms(d: Duration) -> u64 {
 
 /// What a row says about the current lease.
 struct Current {
-    token: u64,
+    token: Token,
     lease_id: String,
     holder: String,
     /// Monotonic deadline; `None` when released.
@@ -169,6 +170,7 @@ fn current(
         return Ok(None);
     };
     let (token, expires_ms, lease_id, holder) = row.value();
+    let token = Token::try_from(token).map_err(|e| redb::Error::Corrupted(e.to_string()))?;
     let deadline = if expires_ms == 0 {
         None
     } else {
@@ -212,10 +214,15 @@ impl Inner {
                 match current {
                     Some(c) if c.live(now) => Err(c.holder),
                     current => {
-                        let token = current.map_or(0, |c| c.token) + 1;
+                        let next = current.map_or(Some(Token::from(1u32)), |c| c.token.next());
+                        let Some(token) = next else {
+                            return Err(redb::Error::Corrupted(format!(
+                                "{resource}: the token is 2^63-1, no higher one can be granted"
+                            )));
+                        };
                         let lease_id = new_lease_id();
                         let expires = unix_ms().saturating_add(ms(ttl)).max(1);
-                        t.insert(resource, (token, expires, lease_id.as_str(), holder))?;
+                        t.insert(resource, (token.get(), expires, lease_id.as_str(), holder))?;
                         Ok((token, lease_id, later(now, ttl)))
                     }
                 }
@@ -249,7 +256,12 @@ impl Inner {
                         let expires = unix_ms().saturating_add(ms(ttl)).max(1);
                         t.insert(
                             &*grant.resource,
-                            (c.token, expires, c.lease_id.as_str(), c.holder.as_str()),
+                            (
+                                c.token.get(),
+                                expires,
+                                c.lease_id.as_str(),
+                                c.holder.as_str(),
+                            ),
                         )?;
                         Some(later(now, ttl))
                     }
@@ -274,7 +286,7 @@ impl Inner {
                 let mut t = txn.open_table(Table::new(table))?;
                 match current(&t, deadlines, &grant.resource)? {
                     Some(c) if c.live(Instant::now()) && c.lease_id == grant.lease_id => {
-                        t.insert(&*grant.resource, (c.token, 0, "", ""))?;
+                        t.insert(&*grant.resource, (c.token.get(), 0, "", ""))?;
                         true
                     }
                     _ => false,
@@ -292,11 +304,14 @@ impl Inner {
         Ok(released)
     }
 
-    fn latest_token(&self, resource: &str) -> Result<Option<u64>, LeaseError> {
+    fn latest_token(&self, resource: &str) -> Result<Option<Token>, LeaseError> {
         self.with(|db, _, table| {
             let txn = db.begin_read()?;
             let t = txn.open_table(Table::new(table))?;
-            Ok(t.get(resource)?.map(|row| row.value().0))
+            let latest = t.get(resource)?.map(|row| Token::try_from(row.value().0));
+            latest
+                .transpose()
+                .map_err(|e| redb::Error::Corrupted(e.to_string()))
         })
     }
 
@@ -354,7 +369,7 @@ impl LeaseBackend for EmbeddedLeases {
     fn latest_token<'a>(
         &'a self,
         resource: &'a str,
-    ) -> BoxFuture<'a, Result<Option<u64>, LeaseError>> {
+    ) -> BoxFuture<'a, Result<Option<Token>, LeaseError>> {
         let resource = resource.to_owned();
         Box::pin(blocking(&self.inner, move |i| i.latest_token(&resource)))
     }
@@ -419,6 +434,6 @@ mod tests {
         let Acquired::Granted(second) = leases.try_acquire("r", "b", ttl).await.unwrap() else {
             panic!("released")
         };
-        assert_eq!(second.token, first.token + 1);
+        assert_eq!(Some(second.token), first.token.next());
     }
 }

@@ -34,6 +34,7 @@
 
 mod admin;
 
+use crate::fence::Token;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -173,10 +174,10 @@ fn ttl_secs(ttl: Duration) -> i64 {
     i64::try_from(secs.max(1)).unwrap_or(i64::MAX)
 }
 
-fn token_of(revision: i64) -> Result<u64, LeaseError> {
-    u64::try_from(revision)
+fn token_of(revision: i64) -> Result<Token, LeaseError> {
+    Token::try_from(revision)
         .ok()
-        .filter(|&t| t > 0)
+        .filter(|&t| t > Token::ZERO)
         .ok_or_else(|| LeaseError::corrupt(format!("etcd answered revision {revision}")))
 }
 
@@ -289,7 +290,7 @@ impl LeaseBackend for EtcdLeases {
     fn latest_token<'a>(
         &'a self,
         resource: &'a str,
-    ) -> BoxFuture<'a, Result<Option<u64>, LeaseError>> {
+    ) -> BoxFuture<'a, Result<Option<Token>, LeaseError>> {
         Box::pin(async move {
             let response = self
                 .kv

@@ -32,6 +32,7 @@
 //! names the previous grant, so a write carrying the previous grant's token can pass this
 //! check. The observed fence (the store's compare-and-raise) still applies to it.
 
+use crate::fence::Token;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
@@ -65,7 +66,7 @@ enum Entry {
     /// A read started after this marker was placed; its answer may replace it.
     Pending(u64),
     /// The latest grant (`None`: never granted), as read while nothing was announced since.
-    Ready(Option<u64>),
+    Ready(Option<Token>),
 }
 
 impl State {
@@ -145,7 +146,7 @@ impl GrantCache {
 
     /// The token of the latest grant for `resource` (`None`: never granted), from the cache
     /// when it is trusted, else from the backend. Never below [`GrantCache::floor`].
-    pub async fn latest(&self, resource: &str) -> Result<Option<u64>, LeaseError> {
+    pub async fn latest(&self, resource: &str) -> Result<Option<Token>, LeaseError> {
         let ticket = {
             let mut state = self.state();
             if !state.live {
@@ -181,7 +182,7 @@ impl GrantCache {
     }
 
     /// The highest grant seen for `resource` (a lower bound of the latest grant), if any.
-    pub fn floor(&self, resource: &str) -> Option<u64> {
+    pub fn floor(&self, resource: &str) -> Option<Token> {
         self.floor.get(resource)
     }
 
@@ -199,7 +200,7 @@ impl GrantCache {
         self.len() == 0
     }
 
-    fn raised(&self, resource: &str, latest: Option<u64>) -> Option<u64> {
+    fn raised(&self, resource: &str, latest: Option<Token>) -> Option<Token> {
         match (latest, self.floor.get(resource)) {
             (Some(latest), Some(floor)) => Some(latest.max(floor)),
             (latest, floor) => latest.or(floor),
@@ -209,6 +210,7 @@ impl GrantCache {
 
 #[cfg(test)]
 mod tests {
+    use crate::fence::token::tk;
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::time::Duration;
 
@@ -222,7 +224,7 @@ mod tests {
     /// An in-memory backend whose events the test sends, and whose reads can be held after
     /// they took their snapshot of the token.
     struct Fake {
-        tokens: Mutex<HashMap<String, u64>>,
+        tokens: Mutex<HashMap<String, Token>>,
         events: broadcast::Sender<GrantEvent>,
         live: bool,
         reads: AtomicUsize,
@@ -248,11 +250,11 @@ mod tests {
         }
 
         /// A new grant: committed, then announced.
-        fn grant(&self, resource: &str) -> u64 {
+        fn grant(&self, resource: &str) -> Token {
             let token = {
                 let mut tokens = self.tokens.lock().unwrap();
-                let t = tokens.entry(resource.to_owned()).or_insert(0);
-                *t += 1;
+                let t = tokens.entry(resource.to_owned()).or_insert(Token::ZERO);
+                *t = t.next().expect("a test grants few tokens");
                 *t
             };
             self.send(GrantEvent::Changed(resource.to_owned()));
@@ -290,7 +292,7 @@ mod tests {
         fn latest_token<'a>(
             &'a self,
             resource: &'a str,
-        ) -> BoxFuture<'a, Result<Option<u64>, LeaseError>> {
+        ) -> BoxFuture<'a, Result<Option<Token>, LeaseError>> {
             Box::pin(async move {
                 self.reads.fetch_add(1, Ordering::SeqCst);
                 if self.fail.load(Ordering::SeqCst) {
@@ -331,19 +333,19 @@ mod tests {
         assert_eq!(cache.latest("r").await.unwrap(), None);
         assert_eq!(fake.reads(), 1, "never granted is cached too");
         let t1 = fake.grant("r");
-        assert_eq!(cache.latest("r").await.unwrap(), Some(t1));
+        assert_eq!(cache.latest("r").await.unwrap(), Some(tk(t1.get())));
         for _ in 0..10 {
-            assert_eq!(cache.latest("r").await.unwrap(), Some(t1));
+            assert_eq!(cache.latest("r").await.unwrap(), Some(tk(t1.get())));
         }
         assert_eq!(fake.reads(), 2);
         // Another resource's grant leaves this entry alone.
         fake.grant("other");
-        assert_eq!(cache.latest("r").await.unwrap(), Some(t1));
+        assert_eq!(cache.latest("r").await.unwrap(), Some(tk(t1.get())));
         assert_eq!(fake.reads(), 2);
         let t2 = fake.grant("r");
-        assert_eq!(cache.latest("r").await.unwrap(), Some(t2));
+        assert_eq!(cache.latest("r").await.unwrap(), Some(tk(t2.get())));
         assert_eq!(fake.reads(), 3);
-        assert_eq!(cache.floor("r"), Some(t2));
+        assert_eq!(cache.floor("r"), Some(tk(t2.get())));
     }
 
     /// The negative control: a grant is committed and announced while a read that took its
@@ -365,13 +367,13 @@ mod tests {
         fake.hold.store(false, Ordering::SeqCst);
         fake.resume.notify_one();
         // The reader itself answers what it read (the window the observed fence covers)...
-        assert_eq!(reader.await.unwrap().unwrap(), Some(t1));
+        assert_eq!(reader.await.unwrap().unwrap(), Some(tk(t1.get())));
         // ...but did not cache it: the next look reads the backend again and sees t2.
         assert_eq!(cache.state().entries.get("r"), None);
         let reads = fake.reads();
-        assert_eq!(cache.latest("r").await.unwrap(), Some(t2));
+        assert_eq!(cache.latest("r").await.unwrap(), Some(tk(t2.get())));
         assert_eq!(fake.reads(), reads + 1, "the stale answer was cached");
-        assert_eq!(cache.latest("r").await.unwrap(), Some(t2));
+        assert_eq!(cache.latest("r").await.unwrap(), Some(tk(t2.get())));
         assert_eq!(fake.reads(), reads + 1);
     }
 
@@ -393,7 +395,8 @@ mod tests {
             // Granted while nothing is announced.
             let t2 = {
                 let mut tokens = fake.tokens.lock().unwrap();
-                *tokens.get_mut("r").unwrap() += 1;
+                let t = tokens.get_mut("r").unwrap();
+                *t = t.next().unwrap();
                 tokens["r"]
             };
             if restored {
@@ -401,11 +404,11 @@ mod tests {
             }
             fake.hold.store(false, Ordering::SeqCst);
             fake.resume.notify_one();
-            assert_eq!(reader.await.unwrap().unwrap(), Some(t1));
+            assert_eq!(reader.await.unwrap().unwrap(), Some(tk(t1.get())));
             assert!(cache.state().entries.is_empty());
             assert_eq!(cache.is_live(), restored);
             let reads = fake.reads();
-            assert_eq!(cache.latest("r").await.unwrap(), Some(t2));
+            assert_eq!(cache.latest("r").await.unwrap(), Some(tk(t2.get())));
             assert_eq!(fake.reads(), reads + 1);
         }
     }
@@ -415,8 +418,8 @@ mod tests {
         let fake = Fake::new(true, 64);
         let cache = cache(&fake, 100);
         let t1 = fake.grant("r");
-        assert_eq!(cache.latest("r").await.unwrap(), Some(t1));
-        assert_eq!(cache.latest("r").await.unwrap(), Some(t1));
+        assert_eq!(cache.latest("r").await.unwrap(), Some(tk(t1.get())));
+        assert_eq!(cache.latest("r").await.unwrap(), Some(tk(t1.get())));
         assert_eq!(fake.reads(), 1);
 
         fake.send(GrantEvent::Lost);
@@ -429,17 +432,17 @@ mod tests {
         assert_eq!(fake.reads(), 3);
         // Up again, still not subscribed: answers, but nothing is cached.
         fake.fail.store(false, Ordering::SeqCst);
-        assert_eq!(cache.latest("r").await.unwrap(), Some(t1));
-        assert_eq!(cache.latest("r").await.unwrap(), Some(t1));
+        assert_eq!(cache.latest("r").await.unwrap(), Some(tk(t1.get())));
+        assert_eq!(cache.latest("r").await.unwrap(), Some(tk(t1.get())));
         assert_eq!(fake.reads(), 5);
         assert!(cache.is_empty());
         // The lower bound survives: a grant seen is never forgotten.
-        assert_eq!(cache.floor("r"), Some(t1));
+        assert_eq!(cache.floor("r"), Some(tk(t1.get())));
 
         fake.send(GrantEvent::Live);
         assert!(cache.is_live());
-        assert_eq!(cache.latest("r").await.unwrap(), Some(t1));
-        assert_eq!(cache.latest("r").await.unwrap(), Some(t1));
+        assert_eq!(cache.latest("r").await.unwrap(), Some(tk(t1.get())));
+        assert_eq!(cache.latest("r").await.unwrap(), Some(tk(t1.get())));
         assert_eq!(fake.reads(), 6);
     }
 
@@ -448,16 +451,17 @@ mod tests {
         let fake = Fake::new(true, 64);
         let cache = cache(&fake, 100);
         let t1 = fake.grant("r");
-        assert_eq!(cache.latest("r").await.unwrap(), Some(t1));
+        assert_eq!(cache.latest("r").await.unwrap(), Some(tk(t1.get())));
         // Lost and Live back to back (a reconnect): grants in between were not announced.
         fake.send(GrantEvent::Lost);
         let t2 = {
             let mut tokens = fake.tokens.lock().unwrap();
-            *tokens.get_mut("r").unwrap() += 1;
+            let t = tokens.get_mut("r").unwrap();
+            *t = t.next().unwrap();
             tokens["r"]
         };
         fake.send(GrantEvent::Live);
-        assert_eq!(cache.latest("r").await.unwrap(), Some(t2));
+        assert_eq!(cache.latest("r").await.unwrap(), Some(tk(t2.get())));
         assert_eq!(fake.reads(), 2);
     }
 
@@ -466,14 +470,14 @@ mod tests {
         let fake = Fake::new(true, 4);
         let cache = cache(&fake, 100);
         let t1 = fake.grant("r");
-        assert_eq!(cache.latest("r").await.unwrap(), Some(t1));
+        assert_eq!(cache.latest("r").await.unwrap(), Some(tk(t1.get())));
         // More events than the channel holds: the one about `r` may be among the lost ones.
         for i in 0..10 {
             fake.grant(&format!("other{i}"));
         }
         assert!(cache.is_empty());
         assert!(cache.is_live());
-        assert_eq!(cache.latest("r").await.unwrap(), Some(t1));
+        assert_eq!(cache.latest("r").await.unwrap(), Some(tk(t1.get())));
         assert_eq!(fake.reads(), 2);
     }
 
@@ -483,7 +487,7 @@ mod tests {
         let cache = cache(&fake, 100);
         let t1 = fake.grant("r");
         for _ in 0..3 {
-            assert_eq!(cache.latest("r").await.unwrap(), Some(t1));
+            assert_eq!(cache.latest("r").await.unwrap(), Some(tk(t1.get())));
         }
         assert_eq!(fake.reads(), 3);
         // The default `grant_events` of the trait: a closed channel, never live.
@@ -493,7 +497,7 @@ mod tests {
             events: closed.events,
             live: true,
             closed: false,
-            entries: HashMap::from([("r".into(), Entry::Ready(Some(1)))]),
+            entries: HashMap::from([("r".into(), Entry::Ready(Some(1.into())))]),
             capacity: 10,
             next_ticket: 0,
         };
@@ -526,8 +530,8 @@ mod tests {
         let cache = cache(&fake, 100);
         let t1 = fake.grant("r");
         assert_eq!(cache.latest("r").await.unwrap(), Some(t1));
-        cache.floor.observe("r", t1 + 5);
-        assert_eq!(cache.latest("r").await.unwrap(), Some(t1 + 5));
+        cache.floor.observe("r", tk(t1.get() + 5));
+        assert_eq!(cache.latest("r").await.unwrap(), Some(tk(t1.get() + 5)));
         assert_eq!(fake.reads(), 1);
     }
 
@@ -545,14 +549,14 @@ mod tests {
         });
         first_taken.await;
         fake.hold.store(false, Ordering::SeqCst);
-        assert_eq!(cache.latest("r").await.unwrap(), Some(t1));
+        assert_eq!(cache.latest("r").await.unwrap(), Some(tk(t1.get())));
         assert_eq!(
             cache.state().entries.get("r"),
-            Some(&Entry::Ready(Some(t1)))
+            Some(&Entry::Ready(Some(tk(t1.get()))))
         );
         fake.resume.notify_one();
-        assert_eq!(first.await.unwrap().unwrap(), Some(t1));
-        assert_eq!(cache.latest("r").await.unwrap(), Some(t1));
+        assert_eq!(first.await.unwrap().unwrap(), Some(tk(t1.get())));
+        assert_eq!(cache.latest("r").await.unwrap(), Some(tk(t1.get())));
         assert_eq!(fake.reads(), 2);
     }
 }

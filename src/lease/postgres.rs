@@ -29,6 +29,7 @@
 
 mod admin;
 
+use crate::fence::Token;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -330,8 +331,8 @@ fn failed(e: &(dyn std::error::Error + 'static)) -> LeaseError {
     LeaseError::new(failure(e), format!("postgres: {}", describe(e)))
 }
 
-fn token_of(v: i64) -> Result<u64, LeaseError> {
-    u64::try_from(v)
+fn token_of(v: i64) -> Result<Token, LeaseError> {
+    Token::try_from(v)
         .map_err(|_| LeaseError::corrupt(format!("postgres holds a negative token {v}")))
 }
 
@@ -380,9 +381,7 @@ impl LeaseBackend for PostgresLeases {
         ttl: Duration,
     ) -> BoxFuture<'a, Result<bool, LeaseError>> {
         Box::pin(async move {
-            let Ok(token) = i64::try_from(grant.token) else {
-                return Ok(false);
-            };
+            let token = grant.token.to_i64();
             let client = self.client().await?;
             let statement = client
                 .prepare_cached(&self.renew_sql)
@@ -401,9 +400,7 @@ impl LeaseBackend for PostgresLeases {
 
     fn release<'a>(&'a self, grant: &'a Grant) -> BoxFuture<'a, Result<bool, LeaseError>> {
         Box::pin(async move {
-            let Ok(token) = i64::try_from(grant.token) else {
-                return Ok(false);
-            };
+            let token = grant.token.to_i64();
             let client = self.client().await?;
             let statement = client
                 .prepare_cached(&self.release_sql)
@@ -420,7 +417,7 @@ impl LeaseBackend for PostgresLeases {
     fn latest_token<'a>(
         &'a self,
         resource: &'a str,
-    ) -> BoxFuture<'a, Result<Option<u64>, LeaseError>> {
+    ) -> BoxFuture<'a, Result<Option<Token>, LeaseError>> {
         Box::pin(async move {
             let client = self.client().await?;
             let statement = client

@@ -31,6 +31,7 @@
 
 mod admin;
 
+use crate::fence::Token;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -267,7 +268,7 @@ fn lagging(lag: Unconfirmed) -> LeaseError {
     LeaseError::new(lag.failure(), lag.to_string())
 }
 
-fn parse_token(raw: &str) -> Result<u64, LeaseError> {
+fn parse_token(raw: &str) -> Result<Token, LeaseError> {
     raw.parse()
         .map_err(|_| LeaseError::corrupt(format!("redis holds a non-token counter `{raw}`")))
 }
@@ -407,7 +408,7 @@ impl LeaseBackend for RedisLeases {
     fn latest_token<'a>(
         &'a self,
         resource: &'a str,
-    ) -> BoxFuture<'a, Result<Option<u64>, LeaseError>> {
+    ) -> BoxFuture<'a, Result<Option<Token>, LeaseError>> {
         Box::pin(async move {
             let counter = &self.key(resource, "token");
             let value: Option<String> = self

@@ -203,10 +203,10 @@ mod tests {
         let subject = Subject {
             route: Some("accounts"),
             resource: Some("account:1"),
-            token: Some(3),
+            token: Some(3.into()),
         };
         let token_header = HeaderName::from_static("fencing-token");
-        let problem = Refusal::Stale { current: 5 }.response(&subject, &token_header);
+        let problem = Refusal::Stale { current: 5.into() }.response(&subject, &token_header);
         let r = answer(problem);
         assert_eq!(r.status(), StatusCode::OK);
         assert_eq!(r.headers()[CONTENT_TYPE], "application/grpc");

@@ -7,6 +7,7 @@
 //! it is rendered once, as problem+json, and in gRPC form for gRPC calls
 //! ([`super::grpc::Answered`]).
 
+use crate::fence::Token;
 use std::time::Duration;
 
 use http::header::{HeaderName, HeaderValue, RETRY_AFTER};
@@ -36,20 +37,20 @@ pub enum Refusal {
     InvalidResource(ResourceError),
     TokenRequired,
     Stale {
-        current: u64,
+        current: Token,
     },
     /// Authoritative mode: a newer lease was granted (whether or not its holder wrote yet).
     Superseded {
-        latest: u64,
+        latest: Token,
     },
     /// Authoritative mode: a token no lease grant has issued (yet).
     Unissued {
-        latest: Option<u64>,
+        latest: Option<Token>,
     },
     /// Observed mode: the token exceeds the recorded maximum (`None`: there is none, counted
     /// as 0) by more than `token.max_step`; admitting it would make every later token stale.
     TooFar {
-        current: Option<u64>,
+        current: Option<Token>,
         max_step: u64,
     },
     NoRoute,
@@ -251,7 +252,7 @@ impl Refusal {
     }
 
     /// The recorded maximum (or latest grant) a stale, unissued or too-far refusal names.
-    pub fn current_token(&self) -> Option<u64> {
+    pub fn current_token(&self) -> Option<Token> {
         match *self {
             Refusal::Stale { current } | Refusal::Superseded { latest: current } => Some(current),
             Refusal::Unissued { latest } => latest,

@@ -7,6 +7,7 @@
 //! the client's connection. Both count into the request's [`Head`], made only when the access
 //! log is on: with it off they hold `None` and count nothing.
 
+use crate::fence::Token;
 use std::net::IpAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -94,7 +95,7 @@ pub(super) struct Answered {
     /// Shared with the proxy that answered (made once per configuration): no copy per request.
     pub(super) route: Option<Arc<str>>,
     pub(super) resource: Option<String>,
-    pub(super) token: Option<u64>,
+    pub(super) token: Option<Token>,
     pub(super) method: Method,
     pub(super) status: u16,
     pub(super) outcome: Outcome,
@@ -238,7 +239,7 @@ pub(super) fn log_access(access: Access<'_>) {
         request_id = head.and_then(|h| h.request_id.to_str().ok()),
         traceparent = head.and_then(|h| h.traceparent.as_deref()),
         resource = access.subject.resource,
-        fencing_token = access.subject.token,
+        fencing_token = access.subject.token.map(Token::get),
         status = access.status,
         outcome = access.outcome.label(),
         refusal = access

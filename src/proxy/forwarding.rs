@@ -4,6 +4,7 @@
 //! there is none. A write holding a barrier ticket or an idempotency claim is settled apart
 //! from its client ([`Proxy::forward_held`]).
 
+use crate::fence::Token;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -33,7 +34,7 @@ pub(super) struct Answer<'a> {
     route: Option<&'a Route>,
     /// Owned: an access line written after the response has gone keeps it.
     resource: Option<String>,
-    token: Option<u64>,
+    token: Option<Token>,
     outcome: Outcome,
     method: &'a Method,
     normalised: &'a str,
@@ -57,7 +58,7 @@ pub(super) struct Answering {
     /// Index of the route in the table; `None` for a request on no route.
     route: Option<usize>,
     resource: Option<String>,
-    token: Option<u64>,
+    token: Option<Token>,
     outcome: Outcome,
     /// When the request's head was handed to fencegate.
     started: Instant,
@@ -80,7 +81,7 @@ impl Answering {
     pub(super) fn fenced(
         route: usize,
         resource: String,
-        token: Option<u64>,
+        token: Option<Token>,
         outcome: Outcome,
         started: Instant,
     ) -> Self {
@@ -436,7 +437,7 @@ impl Proxy {
 }
 
 /// Replaces whatever token the app sent (any spelling, any count) with the lease's token.
-pub(super) fn set_token(headers: &mut http::HeaderMap, name: &HeaderName, token: u64) {
+pub(super) fn set_token(headers: &mut http::HeaderMap, name: &HeaderName, token: Token) {
     let aliases: Vec<HeaderName> = headers
         .keys()
         .filter(|k| {

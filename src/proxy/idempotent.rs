@@ -222,8 +222,8 @@ impl Proxy {
                         %method,
                         path = normalised,
                         resource,
-                        fencing_token = token,
-                        recorded_token = record.token,
+                        fencing_token = token.get(),
+                        recorded_token = record.token.get(),
                         status = response.status,
                         "idempotent write replayed"
                     );

@@ -19,6 +19,7 @@ pub mod idempotent;
 pub mod recording;
 pub mod upstream;
 
+use crate::fence::Token;
 pub use build::BuildError;
 
 use std::convert::Infallible;
@@ -80,7 +81,7 @@ struct Write {
     /// Index of the route in the table.
     route: usize,
     resource: String,
-    token: u64,
+    token: Token,
     /// The request's path, normalised: what the upstream is sent and the log lines name.
     normalised: String,
     peer: SocketAddr,

@@ -83,14 +83,14 @@ impl Writer {
             Ok(true) => {}
             Ok(false) => tracing::warn!(
                 resource = %self.resource,
-                fencing_token = claim.token,
+                fencing_token = claim.token.get(),
                 "idempotency record changed while the attempt ran (expired?); outcome not recorded"
             ),
             Err(e) => {
                 self.metrics.store_error("store", e.label());
                 tracing::error!(
                     resource = %self.resource,
-                    fencing_token = claim.token,
+                    fencing_token = claim.token.get(),
                     error = %e,
                     store_error = e.label(),
                     "idempotency outcome not recorded; the key stays in flight until it expires or is taken over"

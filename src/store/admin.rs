@@ -7,6 +7,7 @@
 //! store's reset generation ([`crate::store::shared::resets`]), which tells the running
 //! fencegates to drop their cached maxima.
 
+use crate::fence::Token;
 use serde::Serialize;
 
 use super::{BoxFuture, StoreError};
@@ -16,10 +17,10 @@ use super::{BoxFuture, StoreError};
 pub struct Fence {
     pub resource: String,
     /// The recorded maximum; `None`: nothing recorded.
-    pub max_token: Option<u64>,
+    pub max_token: Option<Token>,
     /// PostgreSQL: the maximum before the last raise (or reset).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub previous_token: Option<u64>,
+    pub previous_token: Option<Token>,
     /// When the maximum was last raised, in milliseconds since the Unix epoch: kept by
     /// PostgreSQL and the embedded store only while a run with `fence.retention` raises it.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -39,7 +40,7 @@ impl Fence {
     }
 
     /// A maximum with nothing else known.
-    pub fn recorded(resource: &str, max_token: Option<u64>) -> Self {
+    pub fn recorded(resource: &str, max_token: Option<Token>) -> Self {
         Fence {
             resource: resource.to_owned(),
             max_token,
@@ -94,19 +95,20 @@ pub trait Inspect: Send + Sync {
     fn reset<'a>(
         &'a self,
         resource: &'a str,
-        to: u64,
-    ) -> BoxFuture<'a, Result<Option<u64>, StoreError>>;
+        to: Token,
+    ) -> BoxFuture<'a, Result<Option<Token>, StoreError>>;
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fence::token::tk;
 
     #[test]
     fn a_page_names_its_last_resource_as_next_only_when_there_is_more() {
         let fences = |n: usize| {
             (0..n)
-                .map(|i| Fence::recorded(&format!("r{i}"), Some(i as u64)))
+                .map(|i| Fence::recorded(&format!("r{i}"), Some(tk(i as u64))))
                 .collect::<Vec<_>>()
         };
         let page = Page::of(fences(3), 2);

@@ -21,6 +21,7 @@
 
 mod admin;
 
+use crate::fence::Token;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -236,7 +237,7 @@ struct Snapshot {
     record_revision: i64,
     /// The lease the record is attached to (0: none), given back once it is replaced.
     record_lease: i64,
-    current: Option<u64>,
+    current: Option<Token>,
     maximum_revision: i64,
 }
 
@@ -254,19 +255,20 @@ fn unavailable(e: crate::etcd::Error) -> StoreError {
     StoreError::new(failure(&e), format!("etcd: {e}")).with_source(e)
 }
 
-fn padded(token: u64) -> String {
+fn padded(token: Token) -> String {
     format!("{token:020}")
 }
 
-fn parse(value: &[u8]) -> Result<u64, StoreError> {
+fn parse(value: &[u8]) -> Result<Token, StoreError> {
     std::str::from_utf8(value)
         .ok()
         .and_then(|s| s.parse().ok())
+        .and_then(Token::new)
         .ok_or_else(|| StoreError::corrupt("etcd holds a non-token maximum"))
 }
 
 /// The value read by the first `Get` among transaction responses.
-fn read_value(responses: &[TxnOpResponse]) -> Result<Option<u64>, StoreError> {
+fn read_value(responses: &[TxnOpResponse]) -> Result<Option<Token>, StoreError> {
     for response in responses {
         if let TxnOpResponse::Get(get) = response {
             return get.kvs().first().map(|kv| parse(kv.value())).transpose();
@@ -279,7 +281,7 @@ impl Remote for EtcdRemote {
     fn raise<'a>(
         &'a self,
         resource: &'a str,
-        token: u64,
+        token: Token,
         rule: Rule,
     ) -> BoxFuture<'a, Result<Verdict, StoreError>> {
         Box::pin(async move {
@@ -290,7 +292,11 @@ impl Remote for EtcdRemote {
                     .when([
                         Compare::value(key.clone(), CompareOp::Less, value.clone()),
                         // floor >= 1: above floor - 1 is at least the floor.
-                        Compare::value(key.clone(), CompareOp::Greater, padded(floor - 1)),
+                        Compare::value(
+                            key.clone(),
+                            CompareOp::Greater,
+                            padded(floor.checked_sub(1).unwrap_or(Token::ZERO)),
+                        ),
                     ])
                     .and_then([
                         TxnOp::get(key.clone(), None),
@@ -337,7 +343,7 @@ impl Remote for EtcdRemote {
         })
     }
 
-    fn get<'a>(&'a self, resource: &'a str) -> BoxFuture<'a, Result<Option<u64>, StoreError>> {
+    fn get<'a>(&'a self, resource: &'a str) -> BoxFuture<'a, Result<Option<Token>, StoreError>> {
         Box::pin(async move {
             let response = self
                 .kv
@@ -405,10 +411,10 @@ mod tests {
 
     #[test]
     fn padding_orders_like_numbers() {
-        assert!(padded(9) < padded(10));
-        assert!(padded(i64::MAX as u64 - 1) < padded(i64::MAX as u64));
-        assert_eq!(padded(i64::MAX as u64).len(), 20);
-        assert_eq!(parse(padded(42).as_bytes()).unwrap(), 42);
+        assert!(padded(9.into()) < padded(10.into()));
+        assert!(padded(Token::MAX.checked_sub(1).unwrap()) < padded(Token::MAX));
+        assert_eq!(padded(Token::MAX).len(), 20);
+        assert_eq!(parse(padded(42.into()).as_bytes()).unwrap(), 42.into());
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! In-process maxima: fast and forgetful. For tests and demos; a restart forgets everything.
 
+use crate::fence::Token;
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::sync::Mutex;
@@ -14,11 +15,11 @@ use crate::sync::Locked;
 
 /// A test's look at the maxima from inside a claim.
 #[cfg(test)]
-type Between = dyn Fn(&DashMap<Box<str>, u64>) + Send + Sync;
+type Between = dyn Fn(&DashMap<Box<str>, Token>) + Send + Sync;
 
 #[derive(Default)]
 pub struct MemoryStore {
-    maxima: DashMap<Box<str>, u64>,
+    maxima: DashMap<Box<str>, Token>,
     /// Idempotency records by [`record_key`], with their expiry instants (monotonic, so a
     /// wall-clock step expires nothing; `None`: the window does not fit in an `Instant`, the
     /// record never expires).
@@ -37,7 +38,7 @@ impl MemoryStore {
     }
 
     /// The compare-and-raise itself, synchronous: one shard lock, no await inside.
-    pub fn raise(&self, resource: &str, token: u64, rule: Rule) -> Verdict {
+    pub fn raise(&self, resource: &str, token: Token, rule: Rule) -> Verdict {
         // Existing resources (the common case) take the lookup path, which allocates nothing.
         if let Some(mut current) = self.maxima.get_mut(resource) {
             let verdict = decide(Some(*current), token, rule);
@@ -163,7 +164,7 @@ impl FenceStore for MemoryStore {
     fn compare_and_raise<'a>(
         &'a self,
         resource: &'a str,
-        token: u64,
+        token: Token,
         rule: Rule,
     ) -> BoxFuture<'a, Result<Verdict, StoreError>> {
         let verdict = self.raise(resource, token, rule);
@@ -173,13 +174,16 @@ impl FenceStore for MemoryStore {
     fn raise_at_once(
         &self,
         resource: &str,
-        token: u64,
+        token: Token,
         rule: Rule,
     ) -> Option<Result<Verdict, StoreError>> {
         Some(Ok(self.raise(resource, token, rule)))
     }
 
-    fn current<'a>(&'a self, resource: &'a str) -> BoxFuture<'a, Result<Option<u64>, StoreError>> {
+    fn current<'a>(
+        &'a self,
+        resource: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Token>, StoreError>> {
         let current = self.maxima.get(resource).map(|v| *v);
         Box::pin(std::future::ready(Ok(current)))
     }
@@ -225,7 +229,7 @@ mod tests {
     use crate::config::EqualTokens;
     use crate::idempotency::{AttemptId, Fingerprint};
 
-    fn claim(token: u64) -> Claim {
+    fn claim(token: Token) -> Claim {
         Claim {
             token,
             fingerprint: Fingerprint([1; 32]),
@@ -246,7 +250,7 @@ mod tests {
             between: Some(Box::new(move |maxima| {
                 let raced = match maxima.try_get_mut("r") {
                     TryResult::Present(mut current) => {
-                        *current = 9;
+                        *current = 9.into();
                         "raised to 9"
                     }
                     TryResult::Locked => "locked",
@@ -257,19 +261,27 @@ mod tests {
             ..MemoryStore::default()
         };
         assert_eq!(
-            store.raise("r", 3, EqualTokens::Allow.into()),
+            store.raise("r", 3.into(), EqualTokens::Allow.into()),
             Verdict::Admitted { previous: None }
         );
-        let begin = store.begin("r", "k", &claim(5));
+        let begin = store.begin("r", "k", &claim(5.into()));
         let current = *store.maxima.get("r").unwrap();
         // Executed means token 5 is now the maximum: nothing higher was admitted before it.
         assert_eq!(
             (begin, current, *seen.lock().unwrap()),
-            (Begin::Execute { previous: Some(3) }, 5, Some("locked"))
+            (
+                Begin::Execute {
+                    previous: Some(3.into())
+                },
+                5.into(),
+                Some("locked")
+            )
         );
         assert_eq!(
-            store.raise("r", 9, EqualTokens::Allow.into()),
-            Verdict::Admitted { previous: Some(5) }
+            store.raise("r", 9.into(), EqualTokens::Allow.into()),
+            Verdict::Admitted {
+                previous: Some(5.into())
+            }
         );
     }
 }

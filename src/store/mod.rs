@@ -32,6 +32,7 @@ pub use memory::MemoryStore;
 use crate::config::StoreConfig;
 // The backends apply the decision; they import it from here.
 pub use crate::fence::verdict::{decide, Rule, Verdict};
+pub use crate::fence::Token;
 use crate::idempotency::{Begin, Claim, Record};
 
 pub use crate::conn::BoxFuture;
@@ -44,7 +45,7 @@ pub trait FenceStore: Send + Sync + 'static {
     fn compare_and_raise<'a>(
         &'a self,
         resource: &'a str,
-        token: u64,
+        token: Token,
         rule: Rule,
     ) -> BoxFuture<'a, Result<Verdict, StoreError>>;
 
@@ -53,14 +54,15 @@ pub trait FenceStore: Send + Sync + 'static {
     fn raise_at_once(
         &self,
         _resource: &str,
-        _token: u64,
+        _token: Token,
         _rule: Rule,
     ) -> Option<Result<Verdict, StoreError>> {
         None
     }
 
     /// The recorded maximum, if any.
-    fn current<'a>(&'a self, resource: &'a str) -> BoxFuture<'a, Result<Option<u64>, StoreError>>;
+    fn current<'a>(&'a self, resource: &'a str)
+        -> BoxFuture<'a, Result<Option<Token>, StoreError>>;
 
     /// Cheap readiness signal: false once the store is known to be unusable.
     fn healthy(&self) -> bool;

@@ -29,6 +29,7 @@
 
 mod admin;
 
+use crate::fence::Token;
 use redis::Script;
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -278,7 +279,7 @@ fn lagging(lag: Unconfirmed) -> StoreError {
     }
 }
 
-fn parse(raw: &str) -> Result<u64, StoreError> {
+fn parse(raw: &str) -> Result<Token, StoreError> {
     raw.parse()
         .map_err(|_| StoreError::corrupt(format!("redis holds a non-token maximum `{raw}`")))
 }
@@ -362,7 +363,7 @@ impl Remote for RedisRemote {
     fn raise<'a>(
         &'a self,
         resource: &'a str,
-        token: u64,
+        token: Token,
         rule: Rule,
     ) -> BoxFuture<'a, Result<Verdict, StoreError>> {
         let floor = rule.floor(token).map(|f| f.to_string()).unwrap_or_default();
@@ -410,7 +411,7 @@ impl Remote for RedisRemote {
         })
     }
 
-    fn get<'a>(&'a self, resource: &'a str) -> BoxFuture<'a, Result<Option<u64>, StoreError>> {
+    fn get<'a>(&'a self, resource: &'a str) -> BoxFuture<'a, Result<Option<Token>, StoreError>> {
         Box::pin(async move {
             let key = &self.key(resource);
             let value: Option<String> = self

@@ -17,6 +17,7 @@
 
 pub mod resets;
 pub mod retention;
+use crate::fence::Token;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -75,11 +76,11 @@ pub trait Remote: Send + Sync + 'static {
     fn raise<'a>(
         &'a self,
         resource: &'a str,
-        token: u64,
+        token: Token,
         rule: Rule,
     ) -> BoxFuture<'a, Result<Verdict, StoreError>>;
 
-    fn get<'a>(&'a self, resource: &'a str) -> BoxFuture<'a, Result<Option<u64>, StoreError>>;
+    fn get<'a>(&'a self, resource: &'a str) -> BoxFuture<'a, Result<Option<Token>, StoreError>>;
 
     /// A cheap round trip that proves the store answers (and reconnects if needed).
     fn ping(&self) -> BoxFuture<'_, Result<(), StoreError>>;
@@ -410,7 +411,7 @@ impl<R: Remote> FenceStore for SharedStore<R> {
     fn compare_and_raise<'a>(
         &'a self,
         resource: &'a str,
-        token: u64,
+        token: Token,
         rule: Rule,
     ) -> BoxFuture<'a, Result<Verdict, StoreError>> {
         // Only a stale verdict may come from the cache: a cached value is a lower bound, so a
@@ -437,7 +438,10 @@ impl<R: Remote> FenceStore for SharedStore<R> {
         })
     }
 
-    fn current<'a>(&'a self, resource: &'a str) -> BoxFuture<'a, Result<Option<u64>, StoreError>> {
+    fn current<'a>(
+        &'a self,
+        resource: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Token>, StoreError>> {
         Box::pin(async move {
             let result = self.remote.get(resource).await;
             self.record(&result);

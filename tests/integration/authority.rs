@@ -2,6 +2,8 @@
 //! not when its headers arrive: a lease that passes on while the body is still coming, while
 //! the store raises, or while the write waits for its barrier turn refuses the write.
 
+use crate::common::tk;
+use fencegate::fence::Token;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -122,7 +124,7 @@ async fn a_serialized_write_whose_lease_passes_on_while_it_waits_its_turn_is_sup
         async move { put(&fg, "42", &t2.to_string()).await }
     });
     // Admitted (the maximum is its token) and waiting for the first write to finish.
-    wait_for_maximum(fg.store.as_ref(), "account:42", t2).await;
+    wait_for_maximum(fg.store.as_ref(), "account:42", tk(t2)).await;
 
     let t3 = hand_over(&fg, "worker-3").await;
     up.release(2);
@@ -188,15 +190,15 @@ async fn a_plain_write_whose_lease_passes_on_during_its_raise_is_superseded() {
         .await
     });
     // The write passed the authority and is with the store.
-    assert_eq!(raised.recv().await, Some(first.token));
+    assert_eq!(raised.recv().await, Some(first.token.get()));
     assert!(backend.release(&first).await.unwrap());
     let second = granted(backend.try_acquire("account:42", "worker-2", ttl).await);
     gate.add_permits(1);
 
     let reply = write.await.unwrap();
     let body = reply.assert_problem(409, "urn:fencegate:stale-token");
-    assert_eq!(body["current_token"], second.token);
-    assert_eq!(body["token"], first.token);
+    assert_eq!(body["current_token"], second.token.get());
+    assert_eq!(body["token"], first.token.get());
     assert!(up.seen().is_empty(), "{:?}", up.seen());
 }
 
@@ -208,7 +210,7 @@ fn granted(acquired: Result<Acquired, fencegate::lease::LeaseError>) -> Grant {
 }
 
 /// Waits (bounded) until the store's maximum for `resource` is `token`.
-async fn wait_for_maximum(store: &dyn FenceStore, resource: &str, token: u64) {
+async fn wait_for_maximum(store: &dyn FenceStore, resource: &str, token: Token) {
     tokio::time::timeout(Duration::from_secs(10), async {
         while store.current(resource).await.unwrap() != Some(token) {
             tokio::task::yield_now().await;
@@ -229,17 +231,20 @@ impl FenceStore for GatedStore {
     fn compare_and_raise<'a>(
         &'a self,
         resource: &'a str,
-        token: u64,
+        token: Token,
         rule: Rule,
     ) -> BoxFuture<'a, Result<Verdict, StoreError>> {
         Box::pin(async move {
-            let _ = self.raising.send(token);
+            let _ = self.raising.send(token.get());
             self.gate.acquire().await.unwrap().forget();
             self.inner.compare_and_raise(resource, token, rule).await
         })
     }
 
-    fn current<'a>(&'a self, resource: &'a str) -> BoxFuture<'a, Result<Option<u64>, StoreError>> {
+    fn current<'a>(
+        &'a self,
+        resource: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Token>, StoreError>> {
         self.inner.current(resource)
     }
 

@@ -276,7 +276,7 @@ async fn lagging_replica(replicas: u32) -> (Reply, Reply, Vec<u64>, Vec<u64>, u6
     assert_eq!(put(&b, &ids[1], "2").await.status, 200);
     let mut granted = Vec::new();
     let first = grant(&*leases, &job).await;
-    granted.push(first.token);
+    granted.push(first.token.get());
     assert!(leases.release(&first).await.unwrap());
     wait_in_sync(primary.port, replica.port).await;
 
@@ -288,7 +288,7 @@ async fn lagging_replica(replicas: u32) -> (Reply, Reply, Vec<u64>, Vec<u64>, u6
         .try_acquire(&job, "holder", Duration::from_secs(30))
         .await
     {
-        granted.push(grant.token);
+        granted.push(grant.token.get());
         assert!(leases.release(&grant).await.unwrap());
     }
     topology.node(primary.port).kill().await;
@@ -308,7 +308,7 @@ async fn lagging_replica(replicas: u32) -> (Reply, Reply, Vec<u64>, Vec<u64>, u6
     );
     let next = grant(&*leases, &job).await.token;
     println!("lease tokens before the failover {granted:?}, after {next}");
-    (seven, six, received(&up, &ids[0]), granted, next)
+    (seven, six, received(&up, &ids[0]), granted, next.get())
 }
 
 /// `replicas: 0`: the documented window, measured. The raise of 7 was acknowledged (and its
@@ -572,9 +572,9 @@ async fn the_documented_cluster_acl_rule_is_enough() {
     for i in 1..=6 {
         let job = format!("job:{i}");
         let grant = grant(&*leases, &job).await;
-        assert_eq!(grant.token, 1);
+        assert_eq!(grant.token, 1.into());
         assert!(leases.renew(&grant, Duration::from_secs(30)).await.unwrap());
-        assert_eq!(leases.latest_token(&job).await.unwrap(), Some(1));
+        assert_eq!(leases.latest_token(&job).await.unwrap(), Some(1.into()));
         assert!(leases.release(&grant).await.unwrap());
     }
     // The grants' events reach the one subscribed connection from every shard.

@@ -325,3 +325,8 @@ pub fn complete_response(buf: &[u8]) -> Option<usize> {
     })?;
     (buf.len() >= head_end + length).then_some(head_end + length)
 }
+
+/// `value` as a token (tests use values well inside the range).
+pub fn tk(value: u64) -> fencegate::fence::Token {
+    fencegate::fence::Token::new(value).expect("a test token is at most 2^63-1")
+}

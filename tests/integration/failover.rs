@@ -75,7 +75,7 @@ async fn grant_and_release(backend: &dyn LeaseBackend, resource: &str, holder: &
     {
         Acquired::Granted(g) => {
             assert!(backend.release(&g).await.unwrap());
-            g.token
+            g.token.get()
         }
         held => panic!("{resource} is free, got {held:?}"),
     }
@@ -89,7 +89,7 @@ async fn grant_through(backend: &dyn LeaseBackend, resource: &str, holder: &str)
             .try_acquire(resource, holder, Duration::from_secs(30))
             .await
         {
-            Ok(Acquired::Granted(g)) => return g.token,
+            Ok(Acquired::Granted(g)) => return g.token.get(),
             Ok(held) => panic!("{resource} is free, got {held:?}"),
             Err(e) => assert!(Instant::now() < deadline, "no grant after failover: {e}"),
         }
@@ -441,7 +441,11 @@ async fn postgres_retention_check_leaves_a_read_only_primary() {
         let store = &store;
         async move {
             store
-                .compare_and_raise(resource, 5, fencegate::config::EqualTokens::Allow.into())
+                .compare_and_raise(
+                    resource,
+                    5.into(),
+                    fencegate::config::EqualTokens::Allow.into(),
+                )
                 .await
                 .unwrap()
         }
@@ -476,13 +480,15 @@ async fn postgres_retention_check_leaves_a_read_only_primary() {
     let deadline = Instant::now() + DEADLINE;
     loop {
         match store
-            .compare_and_raise("a", 6, fencegate::config::EqualTokens::Allow.into())
+            .compare_and_raise("a", 6.into(), fencegate::config::EqualTokens::Allow.into())
             .await
         {
             Ok(verdict) => {
                 assert_eq!(
                     verdict,
-                    fencegate::store::Verdict::Admitted { previous: Some(5) }
+                    fencegate::store::Verdict::Admitted {
+                        previous: Some(5.into())
+                    }
                 );
                 break;
             }

@@ -4,6 +4,8 @@
 //! cache is bypassed, so answers fail while the server is down, until it is back and
 //! subscribed again.
 
+use crate::common::tk;
+use fencegate::fence::Token;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -48,7 +50,7 @@ impl LeaseBackend for Counting {
     fn release<'a>(&'a self, grant: &'a Grant) -> BoxFuture<'a, Result<bool, LeaseError>> {
         self.inner.release(grant)
     }
-    fn latest_token<'a>(&'a self, r: &'a str) -> BoxFuture<'a, Result<Option<u64>, LeaseError>> {
+    fn latest_token<'a>(&'a self, r: &'a str) -> BoxFuture<'a, Result<Option<Token>, LeaseError>> {
         self.reads.fetch_add(1, Ordering::SeqCst);
         self.inner.latest_token(r)
     }
@@ -109,15 +111,15 @@ async fn release(backend: &dyn LeaseBackend, grant: &Grant) {
 /// and drop the first entry), then checks that a hundred more reads need no round trip.
 async fn cached(cache: &GrantCache, counting: &Counting, resource: &str, expected: u64) {
     eventually("the grant is cached", || async {
-        assert_eq!(cache.latest(resource).await.unwrap(), Some(expected));
+        assert_eq!(cache.latest(resource).await.unwrap(), Some(tk(expected)));
         let before = counting.reads();
-        assert_eq!(cache.latest(resource).await.unwrap(), Some(expected));
+        assert_eq!(cache.latest(resource).await.unwrap(), Some(tk(expected)));
         counting.reads() == before
     })
     .await;
     let before = counting.reads();
     for _ in 0..100 {
-        assert_eq!(cache.latest(resource).await.unwrap(), Some(expected));
+        assert_eq!(cache.latest(resource).await.unwrap(), Some(tk(expected)));
     }
     assert_eq!(counting.reads(), before, "cached answers made round trips");
 }
@@ -126,7 +128,7 @@ async fn cached(cache: &GrantCache, counting: &Counting, resource: &str, expecte
 async fn invalidated(cache: &GrantCache, counting: &Counting, resource: &str, newer: u64) {
     let before = counting.reads();
     eventually("the new grant invalidates the cache", || async {
-        cache.latest(resource).await.ok() == Some(Some(newer))
+        cache.latest(resource).await.ok() == Some(Some(tk(newer)))
     })
     .await;
     assert!(counting.reads() > before);
@@ -178,18 +180,18 @@ async fn cache_follows_grants(kind: &str) {
     assert_eq!(cache.latest("never").await.unwrap(), None);
     assert_eq!(counting.reads(), before);
     let g1 = grant(&*other, r, "a").await;
-    cached(&cache, &counting, r, g1.token).await;
+    cached(&cache, &counting, r, g1.token.get()).await;
 
     // (b) A new grant by the other client drops the entry through its event.
     release(&*other, &g1).await;
     let g2 = grant(&*other, r, "b").await;
     assert!(g2.token > g1.token);
-    invalidated(&cache, &counting, r, g2.token).await;
+    invalidated(&cache, &counting, r, g2.token.get()).await;
     assert!(cache.is_live());
-    cached(&cache, &counting, r, g2.token).await;
+    cached(&cache, &counting, r, g2.token.get()).await;
     // So does a first grant of a resource cached as never granted.
     let first = grant(&*other, "never", "c").await;
-    invalidated(&cache, &counting, "never", first.token).await;
+    invalidated(&cache, &counting, "never", first.token.get()).await;
 
     // The subscription stays up while the server is: its heartbeats are answered (an
     // observation window of a few heartbeats, not a synchronisation).
@@ -230,12 +232,12 @@ async fn cache_follows_grants(kind: &str) {
         cache.latest(r).await.ok() == Some(Some(g2.token))
     })
     .await;
-    cached(&cache, &counting, r, g2.token).await;
+    cached(&cache, &counting, r, g2.token.get()).await;
     release(&*other, &g2).await;
     let g3 = grant(&*other, r, "d").await;
     assert!(g3.token > g2.token);
-    invalidated(&cache, &counting, r, g3.token).await;
-    cached(&cache, &counting, r, g3.token).await;
+    invalidated(&cache, &counting, r, g3.token.get()).await;
+    cached(&cache, &counting, r, g3.token.get()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -295,7 +297,7 @@ async fn authoritative_fence_with_redis_fails_closed_while_the_backend_is_down()
     .await;
     let reply = put(&fg, "42", &g1.token.to_string()).await;
     let body = reply.assert_problem(409, "urn:fencegate:stale-token");
-    assert_eq!(body["current_token"], g2.token);
+    assert_eq!(body["current_token"], g2.token.get());
     assert_eq!(put(&fg, "42", &g2.token.to_string()).await.status, 200);
 
     redis.kill().await;

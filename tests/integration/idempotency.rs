@@ -2,6 +2,7 @@
 //! replayed byte for byte; conflicts, reuse, unknown outcomes, windows, and replicas sharing
 //! a store.
 
+use fencegate::fence::Token;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -800,13 +801,16 @@ impl FenceStore for Stalling {
     fn compare_and_raise<'a>(
         &'a self,
         resource: &'a str,
-        token: u64,
+        token: Token,
         rule: Rule,
     ) -> BoxFuture<'a, Result<Verdict, StoreError>> {
         self.inner.compare_and_raise(resource, token, rule)
     }
 
-    fn current<'a>(&'a self, resource: &'a str) -> BoxFuture<'a, Result<Option<u64>, StoreError>> {
+    fn current<'a>(
+        &'a self,
+        resource: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Token>, StoreError>> {
         self.inner.current(resource)
     }
 
@@ -932,9 +936,9 @@ async fn a_timed_out_retry_does_not_free_a_running_attempts_key(kind: &str) {
     assert_eq!(retry.headers["idempotent-replayed"], "true");
     assert_eq!(retry.body, a.body);
     assert_eq!(up.executions(), 1);
-    assert_eq!(store.current("account:1").await.unwrap(), Some(5));
+    assert_eq!(store.current("account:1").await.unwrap(), Some(5.into()));
     let look = Claim {
-        token: 5,
+        token: 5.into(),
         fingerprint: Fingerprint::of("POST", "/accounts/1", None, b"debit 10"),
         rule: EqualTokens::Allow.into(),
         window: Duration::from_secs(60),
@@ -945,7 +949,7 @@ async fn a_timed_out_retry_does_not_free_a_running_attempts_key(kind: &str) {
         Ok(Begin::Completed(record)) => {
             assert_eq!(
                 (record.token, record.status, record.attempt),
-                (5, Some(201), None)
+                (tk(5), Some(201), None)
             );
             assert_eq!(record.response.unwrap().body, a.body);
         }

@@ -1,6 +1,8 @@
 //! One conformance suite for the idempotency records every fence store keeps, against real
 //! servers: the decision, its coupling with the maximum, the outcome write and expiry.
 
+use crate::common::tk;
+use fencegate::fence::Token;
 use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -18,7 +20,7 @@ fn fp(n: u8) -> Fingerprint {
     Fingerprint([n; 32])
 }
 
-fn claim(token: u64, f: u8) -> Claim {
+fn claim(token: Token, f: u8) -> Claim {
     Claim {
         token,
         fingerprint: fp(f),
@@ -29,7 +31,7 @@ fn claim(token: u64, f: u8) -> Claim {
     }
 }
 
-fn completed(token: u64, f: u8, body: &'static [u8]) -> Record {
+fn completed(token: Token, f: u8, body: &'static [u8]) -> Record {
     Record {
         phase: Phase::Completed,
         token,
@@ -51,63 +53,78 @@ fn completed(token: u64, f: u8, body: &'static [u8]) -> Record {
 /// The life of one key: claim, conflicts, completion, replay.
 async fn claim_complete_replay(store: Arc<dyn FenceStore>) {
     let (r, k) = ("account:1", "key-1");
-    let c = claim(5, 1);
+    let c = claim(5.into(), 1);
     assert_eq!(
         store.begin_idempotent(r, k, &c).await.unwrap(),
         Begin::Execute { previous: None }
     );
     // The claim raised the maximum, in the same step.
-    assert_eq!(store.current(r).await.unwrap(), Some(5));
+    assert_eq!(store.current(r).await.unwrap(), Some(5.into()));
     assert_eq!(
-        store.begin_idempotent(r, k, &claim(5, 1)).await.unwrap(),
+        store
+            .begin_idempotent(r, k, &claim(5.into(), 1))
+            .await
+            .unwrap(),
         Begin::InFlight
     );
     assert_eq!(
-        store.begin_idempotent(r, k, &claim(6, 2)).await.unwrap(),
+        store
+            .begin_idempotent(r, k, &claim(6.into(), 2))
+            .await
+            .unwrap(),
         Begin::Reused
     );
     // Someone else's outcome does not land.
     assert!(!store
-        .finish_idempotent(r, k, &claim(4, 1), &completed(4, 1, b"x"))
+        .finish_idempotent(r, k, &claim(4.into(), 1), &completed(4.into(), 1, b"x"))
         .await
         .unwrap());
-    let done = completed(5, 1, b"{\"ok\":true}\n");
+    let done = completed(5.into(), 1, b"{\"ok\":true}\n");
     assert!(store.finish_idempotent(r, k, &c, &done).await.unwrap());
     // Finishing twice does not land either: the record is no longer in flight.
     assert!(!store.finish_idempotent(r, k, &c, &done).await.unwrap());
     assert_eq!(
-        store.begin_idempotent(r, k, &claim(5, 1)).await.unwrap(),
+        store
+            .begin_idempotent(r, k, &claim(5.into(), 1))
+            .await
+            .unwrap(),
         Begin::Completed(done.clone())
     );
     // A newer epoch was admitted since: the record still answers, nothing executes.
     assert!(matches!(
         store
-            .compare_and_raise(r, 9, EqualTokens::Allow.into())
+            .compare_and_raise(r, 9.into(), EqualTokens::Allow.into())
             .await
             .unwrap(),
         Verdict::Admitted { .. }
     ));
     assert_eq!(
-        store.begin_idempotent(r, k, &claim(5, 1)).await.unwrap(),
+        store
+            .begin_idempotent(r, k, &claim(5.into(), 1))
+            .await
+            .unwrap(),
         Begin::Completed(done.clone())
     );
     let refused = Claim {
         may_execute: false,
-        ..claim(5, 1)
+        ..claim(5.into(), 1)
     };
     assert_eq!(
         store.begin_idempotent(r, k, &refused).await.unwrap(),
         Begin::Completed(done)
     );
     assert_eq!(
-        store.begin_idempotent(r, k, &claim(9, 3)).await.unwrap(),
+        store
+            .begin_idempotent(r, k, &claim(9.into(), 3))
+            .await
+            .unwrap(),
         Begin::Reused
     );
-    assert_eq!(store.current(r).await.unwrap(), Some(9));
+    assert_eq!(store.current(r).await.unwrap(), Some(9.into()));
     // Keys are per resource.
     assert_eq!(
         store
-            .begin_idempotent("account:2", k, &claim(1, 2))
+            .begin_idempotent("account:2", k, &claim(1.into(), 2))
             .await
             .unwrap(),
         Begin::Execute { previous: None }
@@ -119,7 +136,7 @@ async fn claim_complete_replay(store: Arc<dyn FenceStore>) {
 /// key would stop being in flight while the first attempt still runs.
 async fn only_the_claiming_attempt_finishes(store: Arc<dyn FenceStore>) {
     let (r, k) = ("account:a", "k");
-    let a = claim(5, 1);
+    let a = claim(5.into(), 1);
     assert_eq!(
         store.begin_idempotent(r, k, &a).await.unwrap(),
         Begin::Execute { previous: None }
@@ -129,7 +146,7 @@ async fn only_the_claiming_attempt_finishes(store: Arc<dyn FenceStore>) {
         ..a
     };
     assert!(!store
-        .finish_idempotent(r, k, &b, &Record::unknown(5, fp(1)))
+        .finish_idempotent(r, k, &b, &Record::unknown(5.into(), fp(1)))
         .await
         .unwrap());
     // Still the first attempt's: in flight to everyone else, and its outcome lands.
@@ -141,7 +158,7 @@ async fn only_the_claiming_attempt_finishes(store: Arc<dyn FenceStore>) {
         store.begin_idempotent(r, k, &c).await.unwrap(),
         Begin::InFlight
     );
-    let done = completed(5, 1, b"paid once");
+    let done = completed(5.into(), 1, b"paid once");
     assert!(store.finish_idempotent(r, k, &a, &done).await.unwrap());
     assert_eq!(
         store.begin_idempotent(r, k, &c).await.unwrap(),
@@ -154,69 +171,88 @@ async fn stale_claims_nothing(store: Arc<dyn FenceStore>) {
     let r = "account:s";
     assert!(matches!(
         store
-            .compare_and_raise(r, 10, EqualTokens::Allow.into())
+            .compare_and_raise(r, 10.into(), EqualTokens::Allow.into())
             .await
             .unwrap(),
         Verdict::Admitted { .. }
     ));
     assert_eq!(
-        store.begin_idempotent(r, "k", &claim(5, 1)).await.unwrap(),
-        Begin::Stale { current: 10 }
+        store
+            .begin_idempotent(r, "k", &claim(5.into(), 1))
+            .await
+            .unwrap(),
+        Begin::Stale { current: 10.into() }
     );
     let reject = Claim {
         rule: EqualTokens::Reject.into(),
-        ..claim(10, 1)
+        ..claim(10.into(), 1)
     };
     assert_eq!(
         store.begin_idempotent(r, "k", &reject).await.unwrap(),
-        Begin::Stale { current: 10 }
+        Begin::Stale { current: 10.into() }
     );
     let refused = Claim {
         may_execute: false,
-        ..claim(11, 1)
+        ..claim(11.into(), 1)
     };
     assert_eq!(
         store.begin_idempotent(r, "k", &refused).await.unwrap(),
         Begin::Refused
     );
-    assert_eq!(store.current(r).await.unwrap(), Some(10));
+    assert_eq!(store.current(r).await.unwrap(), Some(10.into()));
     assert_eq!(
-        store.begin_idempotent(r, "k", &claim(11, 1)).await.unwrap(),
-        Begin::Execute { previous: Some(10) }
+        store
+            .begin_idempotent(r, "k", &claim(11.into(), 1))
+            .await
+            .unwrap(),
+        Begin::Execute {
+            previous: Some(10.into())
+        }
     );
-    assert_eq!(store.current(r).await.unwrap(), Some(11));
+    assert_eq!(store.current(r).await.unwrap(), Some(11.into()));
 }
 
 /// An unknown outcome is redone only with a token at least the recorded one.
 async fn unknown_outcome(store: Arc<dyn FenceStore>) {
     let (r, k) = ("account:u", "k");
-    let c = claim(7, 1);
+    let c = claim(7.into(), 1);
     assert_eq!(
         store.begin_idempotent(r, k, &c).await.unwrap(),
         Begin::Execute { previous: None }
     );
     assert!(store
-        .finish_idempotent(r, k, &c, &Record::unknown(7, fp(1)))
+        .finish_idempotent(r, k, &c, &Record::unknown(7.into(), fp(1)))
         .await
         .unwrap());
     assert_eq!(
-        store.begin_idempotent(r, k, &claim(6, 1)).await.unwrap(),
-        Begin::Stale { current: 7 }
+        store
+            .begin_idempotent(r, k, &claim(6.into(), 1))
+            .await
+            .unwrap(),
+        Begin::Stale { current: 7.into() }
     );
     assert_eq!(
-        store.begin_idempotent(r, k, &claim(7, 2)).await.unwrap(),
+        store
+            .begin_idempotent(r, k, &claim(7.into(), 2))
+            .await
+            .unwrap(),
         Begin::Reused
     );
     let same = Claim {
         rule: EqualTokens::Reject.into(),
-        ..claim(7, 1)
+        ..claim(7.into(), 1)
     };
     assert_eq!(
         store.begin_idempotent(r, k, &same).await.unwrap(),
-        Begin::Execute { previous: Some(7) }
+        Begin::Execute {
+            previous: Some(7.into())
+        }
     );
     assert_eq!(
-        store.begin_idempotent(r, k, &claim(8, 1)).await.unwrap(),
+        store
+            .begin_idempotent(r, k, &claim(8.into(), 1))
+            .await
+            .unwrap(),
         Begin::InFlight
     );
 }
@@ -228,7 +264,7 @@ async fn concurrent_duplicates(store: Arc<dyn FenceStore>) {
         let store = Arc::clone(&store);
         tasks.push(tokio::spawn(async move {
             store
-                .begin_idempotent("account:c", "dup", &claim(100 + i % 3, 1))
+                .begin_idempotent("account:c", "dup", &claim(tk(100 + i % 3), 1))
                 .await
                 .unwrap()
         }));
@@ -249,14 +285,14 @@ async fn window_expiry(store: Arc<dyn FenceStore>) {
     let (r, k) = ("account:w", "k");
     let short = Claim {
         window: Duration::from_secs(1),
-        ..claim(3, 1)
+        ..claim(3.into(), 1)
     };
     assert_eq!(
         store.begin_idempotent(r, k, &short).await.unwrap(),
         Begin::Execute { previous: None }
     );
     assert!(store
-        .finish_idempotent(r, k, &short, &completed(3, 1, b"done"))
+        .finish_idempotent(r, k, &short, &completed(3.into(), 1, b"done"))
         .await
         .unwrap());
     assert!(matches!(
@@ -272,7 +308,7 @@ async fn window_expiry(store: Arc<dyn FenceStore>) {
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
             Begin::Execute { previous } => {
-                assert_eq!(previous, Some(3));
+                assert_eq!(previous, Some(3.into()));
                 break;
             }
             other => panic!("unexpected {other:?}"),
@@ -387,7 +423,7 @@ async fn step_postgres_clock(prefix: &str) {
 async fn clock_step_keeps_a_running_attempt(kind: &str) {
     let (store, prefix) = open_shared(kind).await;
     let (r, k) = ("account:step", "pay");
-    let a = claim(5, 1);
+    let a = claim(5.into(), 1);
     assert_eq!(
         store.begin_idempotent(r, k, &a).await.unwrap(),
         Begin::Execute { previous: None }
@@ -396,13 +432,13 @@ async fn clock_step_keeps_a_running_attempt(kind: &str) {
         "redis" => step_redis_clock(&prefix, STEP).await,
         _ => step_postgres_clock(&prefix).await,
     }
-    let retry = claim(5, 1);
+    let retry = claim(5.into(), 1);
     assert_eq!(
         store.begin_idempotent(r, k, &retry).await.unwrap(),
         Begin::InFlight,
         "a clock step on the {kind} server ended a running attempt's claim"
     );
-    let done = completed(5, 1, b"paid once");
+    let done = completed(5.into(), 1, b"paid once");
     assert!(store.finish_idempotent(r, k, &a, &done).await.unwrap());
     assert_eq!(
         store.begin_idempotent(r, k, &retry).await.unwrap(),
@@ -453,7 +489,7 @@ impl Advance {
     }
 }
 
-fn lasting(window: Duration, token: u64) -> Claim {
+fn lasting(window: Duration, token: Token) -> Claim {
     Claim {
         window,
         ..claim(token, 1)
@@ -468,14 +504,14 @@ async fn dead_owner_is_taken_over_after_its_lifetime(kind: &str) {
     let (owner, observer, advance) = owner_and_observer(kind).await;
     let (r, k) = ("account:dead", "pay");
     let minute = Duration::from_secs(60);
-    let a = lasting(minute, 5);
+    let a = lasting(minute, 5.into());
     assert_eq!(
         owner.begin_idempotent(r, k, &a).await.unwrap(),
         Begin::Execute { previous: None }
     );
     assert_eq!(
         observer
-            .begin_idempotent(r, k, &lasting(minute, 5))
+            .begin_idempotent(r, k, &lasting(minute, 5.into()))
             .await
             .unwrap(),
         Begin::InFlight
@@ -483,38 +519,43 @@ async fn dead_owner_is_taken_over_after_its_lifetime(kind: &str) {
     advance.by(minute - Duration::from_millis(1));
     assert_eq!(
         observer
-            .begin_idempotent(r, k, &lasting(minute, 5))
+            .begin_idempotent(r, k, &lasting(minute, 5.into()))
             .await
             .unwrap(),
         Begin::InFlight,
         "taken over before the in-flight lifetime passed"
     );
     advance.by(Duration::from_millis(1));
-    let retry = lasting(minute, 5);
+    let retry = lasting(minute, 5.into());
     assert_eq!(
         observer.begin_idempotent(r, k, &retry).await.unwrap(),
-        Begin::Execute { previous: Some(5) },
+        Begin::Execute {
+            previous: Some(5.into())
+        },
         "never taken over"
     );
     // The key is the retry's now.
     assert!(!owner
-        .finish_idempotent(r, k, &a, &completed(5, 1, b"late"))
+        .finish_idempotent(r, k, &a, &completed(5.into(), 1, b"late"))
         .await
         .unwrap());
     assert_eq!(
         owner
-            .begin_idempotent(r, k, &lasting(minute, 5))
+            .begin_idempotent(r, k, &lasting(minute, 5.into()))
             .await
             .unwrap(),
         Begin::InFlight
     );
-    let done = completed(5, 1, b"paid once");
+    let done = completed(5.into(), 1, b"paid once");
     assert!(observer
         .finish_idempotent(r, k, &retry, &done)
         .await
         .unwrap());
     assert_eq!(
-        owner.begin_idempotent(r, k, &claim(5, 1)).await.unwrap(),
+        owner
+            .begin_idempotent(r, k, &claim(5.into(), 1))
+            .await
+            .unwrap(),
         Begin::Completed(done)
     );
 }
@@ -527,7 +568,7 @@ async fn takeover_waits_for_the_owners_lifetime(kind: &str) {
     let (minute, two) = (Duration::from_secs(60), Duration::from_secs(120));
     assert_eq!(
         owner
-            .begin_idempotent(r, k, &lasting(two, 5))
+            .begin_idempotent(r, k, &lasting(two, 5.into()))
             .await
             .unwrap(),
         Begin::Execute { previous: None }
@@ -536,7 +577,7 @@ async fn takeover_waits_for_the_owners_lifetime(kind: &str) {
         advance.by(step);
         assert_eq!(
             observer
-                .begin_idempotent(r, k, &lasting(minute, 5))
+                .begin_idempotent(r, k, &lasting(minute, 5.into()))
                 .await
                 .unwrap(),
             Begin::InFlight
@@ -545,10 +586,12 @@ async fn takeover_waits_for_the_owners_lifetime(kind: &str) {
     advance.by(Duration::from_millis(1));
     assert_eq!(
         observer
-            .begin_idempotent(r, k, &lasting(minute, 5))
+            .begin_idempotent(r, k, &lasting(minute, 5.into()))
             .await
             .unwrap(),
-        Begin::Execute { previous: Some(5) }
+        Begin::Execute {
+            previous: Some(5.into())
+        }
     );
 }
 
@@ -559,33 +602,35 @@ async fn takeover_of_a_finished_attempt_does_nothing(kind: &str) {
     let (owner, observer, advance) = owner_and_observer(kind).await;
     let (r, k) = ("account:moved", "pay");
     let minute = Duration::from_secs(60);
-    let a = lasting(minute, 5);
+    let a = lasting(minute, 5.into());
     assert_eq!(
         owner.begin_idempotent(r, k, &a).await.unwrap(),
         Begin::Execute { previous: None }
     );
     assert_eq!(
         observer
-            .begin_idempotent(r, k, &lasting(minute, 5))
+            .begin_idempotent(r, k, &lasting(minute, 5.into()))
             .await
             .unwrap(),
         Begin::InFlight
     );
     // The first attempt ends unknown, a second one claims the key (the observer sees neither).
     assert!(owner
-        .finish_idempotent(r, k, &a, &Record::unknown(5, fp(1)))
+        .finish_idempotent(r, k, &a, &Record::unknown(5.into(), fp(1)))
         .await
         .unwrap());
-    let b = lasting(minute, 5);
+    let b = lasting(minute, 5.into());
     assert_eq!(
         owner.begin_idempotent(r, k, &b).await.unwrap(),
-        Begin::Execute { previous: Some(5) }
+        Begin::Execute {
+            previous: Some(5.into())
+        }
     );
     // The observer's takeover names the first attempt: the second one's record stays.
     advance.by(minute);
     assert_eq!(
         observer
-            .begin_idempotent(r, k, &lasting(minute, 5))
+            .begin_idempotent(r, k, &lasting(minute, 5.into()))
             .await
             .unwrap(),
         Begin::InFlight
@@ -593,15 +638,18 @@ async fn takeover_of_a_finished_attempt_does_nothing(kind: &str) {
     advance.by(minute - Duration::from_millis(1));
     assert_eq!(
         observer
-            .begin_idempotent(r, k, &lasting(minute, 5))
+            .begin_idempotent(r, k, &lasting(minute, 5.into()))
             .await
             .unwrap(),
         Begin::InFlight
     );
-    let done = completed(5, 1, b"second");
+    let done = completed(5.into(), 1, b"second");
     assert!(owner.finish_idempotent(r, k, &b, &done).await.unwrap());
     assert_eq!(
-        observer.begin_idempotent(r, k, &claim(5, 1)).await.unwrap(),
+        observer
+            .begin_idempotent(r, k, &claim(5.into(), 1))
+            .await
+            .unwrap(),
         Begin::Completed(done)
     );
 }

@@ -347,8 +347,8 @@ async fn an_authoritative_config_is_never_fenced_without_its_lease_backend() {
     let body = call(&mut service, stale)
         .await
         .assert_problem(409, "urn:fencegate:stale-token");
-    assert_eq!(body["token"], first.token);
-    assert_eq!(body["current_token"], second.token);
+    assert_eq!(body["token"], first.token.get());
+    assert_eq!(body["current_token"], second.token.get());
     assert!(seen.lock().unwrap().is_empty());
     let token = second.token.to_string();
     let fresh = request("PUT", "/accounts/42", &[("fencing-token", &token)]);

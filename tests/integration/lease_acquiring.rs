@@ -94,7 +94,7 @@ async fn a_waiting_acquisition_is_reported_as_acquiring() {
     assert_eq!(got.status, 200, "{}", got.text());
     let lease = got.json();
     assert_eq!(lease["state"], "held");
-    assert!(lease["fencing_token"].as_u64().unwrap() > theirs.token);
+    assert!(lease["fencing_token"].as_u64().unwrap() > theirs.token.get());
     let view = send("GET", &format!("{base}/job:1"), &[], "").await.json();
     assert_eq!(view["state"], "held");
     assert_eq!(view["lease_id"], lease["lease_id"]);

@@ -3,6 +3,7 @@
 //! The backend is the real embedded one, wrapped to record renewals and to fail them on demand
 //! (the way a partition from the backend would).
 
+use fencegate::fence::Token;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -45,7 +46,7 @@ impl LeaseBackend for Partitionable {
     fn release<'a>(&'a self, grant: &'a Grant) -> BoxFuture<'a, Result<bool, LeaseError>> {
         self.inner.release(grant)
     }
-    fn latest_token<'a>(&'a self, r: &'a str) -> BoxFuture<'a, Result<Option<u64>, LeaseError>> {
+    fn latest_token<'a>(&'a self, r: &'a str) -> BoxFuture<'a, Result<Option<Token>, LeaseError>> {
         self.inner.latest_token(r)
     }
     fn changed<'a>(&'a self, r: &'a str) -> BoxFuture<'a, ()> {
@@ -198,7 +199,7 @@ impl LeaseBackend for Slow {
     fn release<'a>(&'a self, grant: &'a Grant) -> BoxFuture<'a, Result<bool, LeaseError>> {
         self.inner.release(grant)
     }
-    fn latest_token<'a>(&'a self, r: &'a str) -> BoxFuture<'a, Result<Option<u64>, LeaseError>> {
+    fn latest_token<'a>(&'a self, r: &'a str) -> BoxFuture<'a, Result<Option<Token>, LeaseError>> {
         self.inner.latest_token(r)
     }
     fn changed<'a>(&'a self, r: &'a str) -> BoxFuture<'a, ()> {

@@ -2,6 +2,7 @@
 //! temporary file), Redis and PostgreSQL (the shared servers, fresh prefixes) and etcd (a
 //! throwaway server per test).
 
+use fencegate::fence::Token;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -364,7 +365,7 @@ async fn racing_acquirers(f: Fixture) {
 /// Holders take turns: every grant's token is above all earlier ones, and no two overlap.
 async fn handoffs(f: Fixture) {
     let b = f.open().await;
-    let mut last = 0;
+    let mut last = Token::ZERO;
     for i in 0..20 {
         let g = grant(&*b, "relay", &format!("h{i}"), LONG).await;
         assert!(g.token > last, "token {} after {last}", g.token);

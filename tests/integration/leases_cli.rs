@@ -84,7 +84,7 @@ async fn get_and_list_show_the_granted_leases(kind: &str) {
     assert_eq!(doc["resource"], "job:1");
     assert_eq!(doc["held"], true, "{out}");
     assert_eq!(doc["holder"], "worker-a");
-    assert_eq!(doc["token"], held.token);
+    assert_eq!(doc["token"], held.token.get());
     assert_eq!(doc["lease_id"], held.lease_id.as_str());
     assert_eq!(doc["backend"], kind);
     let expires = doc["expires_in_ms"].as_u64().unwrap();
@@ -126,7 +126,7 @@ async fn get_and_list_show_the_granted_leases(kind: &str) {
             )
         })
         .collect();
-    assert_eq!(listed, vec![("job:2", released.token)], "{out}");
+    assert_eq!(listed, vec![("job:2", released.token.get())], "{out}");
     assert_eq!(doc["next"], Value::Null);
     drop(etcd);
 }

@@ -8,6 +8,8 @@
 //! Negative controls: a hand-made history that is not linearizable, and a store whose
 //! compare-and-raise is not atomic (read, pause, write), must both be refused.
 
+use crate::common::tk;
+use fencegate::fence::Token;
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -324,14 +326,18 @@ async fn raise(store: Arc<dyn FenceStore>, prefix: String, n: usize, run: Run) -
         let sent = run.now();
         let answer = tokio::time::timeout(
             Duration::from_secs(3),
-            store.compare_and_raise(&name, token, rule),
+            store.compare_and_raise(&name, tk(token), rule),
         )
         .await;
         let (outcome, answered) = match answer {
             Ok(Ok(Verdict::Admitted { previous })) => {
+                let previous = previous.map(Token::get);
                 (Outcome::Admitted { previous }, Some(run.now()))
             }
-            Ok(Ok(Verdict::Stale { current })) => (Outcome::Stale { current }, Some(run.now())),
+            Ok(Ok(Verdict::Stale { current })) => {
+                let current = current.get();
+                (Outcome::Stale { current }, Some(run.now()))
+            }
             Ok(Ok(Verdict::TooFar { .. })) => panic!("no max_step here"),
             Ok(Err(_)) | Err(_) => (Outcome::Unknown, None),
         };
@@ -548,14 +554,14 @@ fn a_history_that_fits_no_order_is_refused() {
 /// read the same maximum, and the later write may lower it.
 #[derive(Default)]
 struct Racy {
-    maxima: Mutex<std::collections::HashMap<String, u64>>,
+    maxima: Mutex<std::collections::HashMap<String, Token>>,
 }
 
 impl FenceStore for Racy {
     fn compare_and_raise<'a>(
         &'a self,
         resource: &'a str,
-        token: u64,
+        token: Token,
         rule: Rule,
     ) -> BoxFuture<'a, Result<Verdict, StoreError>> {
         Box::pin(async move {
@@ -572,7 +578,10 @@ impl FenceStore for Racy {
         })
     }
 
-    fn current<'a>(&'a self, resource: &'a str) -> BoxFuture<'a, Result<Option<u64>, StoreError>> {
+    fn current<'a>(
+        &'a self,
+        resource: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Token>, StoreError>> {
         Box::pin(async move { Ok(self.maxima.lock().unwrap().get(resource).copied()) })
     }
 
@@ -776,7 +785,7 @@ async fn lease(
                     (ids.len() - 1) as u32
                 };
                 let answer = LeaseAnswer::Granted {
-                    token: grant.token,
+                    token: grant.token.get(),
                     lease,
                 };
                 calls.push(call(

@@ -4,6 +4,8 @@
 //! shared store neither admits nor refuses a step on its own; authoritative fencing does not
 //! apply it; and the "Poisoned tokens" runbook in docs/operations.md runs as written.
 
+use crate::common::tk;
+use fencegate::fence::Token;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -33,7 +35,7 @@ fn ceiling(equal: EqualTokens) -> Rule {
     }
 }
 
-async fn raise(store: &dyn FenceStore, resource: &str, token: u64, rule: Rule) -> Verdict {
+async fn raise(store: &dyn FenceStore, resource: &str, token: Token, rule: Rule) -> Verdict {
     store
         .compare_and_raise(resource, token, rule)
         .await
@@ -45,56 +47,60 @@ async fn raise(store: &dyn FenceStore, resource: &str, token: u64, rule: Rule) -
 async fn too_far_changes_nothing(store: Arc<dyn FenceStore>) {
     let (r, rule) = ("account:7", ceiling(Allow));
     assert_eq!(
-        raise(&*store, r, STEP + 1, rule).await,
+        raise(&*store, r, tk(STEP + 1), rule).await,
         Verdict::TooFar { current: None }
     );
     assert_eq!(store.current(r).await.unwrap(), None);
     assert_eq!(
-        raise(&*store, r, STEP, rule).await,
+        raise(&*store, r, tk(STEP), rule).await,
         Verdict::Admitted { previous: None }
     );
-    assert_eq!(store.current(r).await.unwrap(), Some(STEP));
+    assert_eq!(store.current(r).await.unwrap(), Some(tk(STEP)));
     for token in [2 * STEP + 1, 10_000_000_000, TOP] {
         assert_eq!(
-            raise(&*store, r, token, rule).await,
+            raise(&*store, r, tk(token), rule).await,
             Verdict::TooFar {
-                current: Some(STEP)
+                current: Some(tk(STEP))
             },
             "{token}"
         );
-        assert_eq!(store.current(r).await.unwrap(), Some(STEP), "{token}");
+        assert_eq!(store.current(r).await.unwrap(), Some(tk(STEP)), "{token}");
     }
     assert_eq!(
-        raise(&*store, r, 2 * STEP, rule).await,
+        raise(&*store, r, tk(2 * STEP), rule).await,
         Verdict::Admitted {
-            previous: Some(STEP)
+            previous: Some(tk(STEP))
         }
     );
-    assert_eq!(store.current(r).await.unwrap(), Some(2 * STEP));
+    assert_eq!(store.current(r).await.unwrap(), Some(tk(2 * STEP)));
     assert_eq!(
-        raise(&*store, r, STEP, rule).await,
-        Verdict::Stale { current: 2 * STEP }
-    );
-    assert_eq!(
-        raise(&*store, r, 2 * STEP, ceiling(Reject)).await,
-        Verdict::Stale { current: 2 * STEP }
-    );
-    assert_eq!(
-        raise(&*store, r, 2 * STEP, rule).await,
-        Verdict::Admitted {
-            previous: Some(2 * STEP)
+        raise(&*store, r, tk(STEP), rule).await,
+        Verdict::Stale {
+            current: tk(2 * STEP)
         }
     );
-    assert_eq!(store.current(r).await.unwrap(), Some(2 * STEP));
+    assert_eq!(
+        raise(&*store, r, tk(2 * STEP), ceiling(Reject)).await,
+        Verdict::Stale {
+            current: tk(2 * STEP)
+        }
+    );
+    assert_eq!(
+        raise(&*store, r, tk(2 * STEP), rule).await,
+        Verdict::Admitted {
+            previous: Some(tk(2 * STEP))
+        }
+    );
+    assert_eq!(store.current(r).await.unwrap(), Some(tk(2 * STEP)));
     // Without a ceiling the same store takes the poison: the rule decides, not the store.
     assert_eq!(
-        raise(&*store, "unguarded", TOP, Allow.into()).await,
+        raise(&*store, "unguarded", tk(TOP), Allow.into()).await,
         Verdict::Admitted { previous: None }
     );
-    assert_eq!(store.current("unguarded").await.unwrap(), Some(TOP));
+    assert_eq!(store.current("unguarded").await.unwrap(), Some(tk(TOP)));
 }
 
-fn claim(token: u64) -> Claim {
+fn claim(token: Token) -> Claim {
     Claim {
         token,
         fingerprint: Fingerprint([1; 32]),
@@ -109,25 +115,40 @@ fn claim(token: u64) -> Claim {
 /// raise), and the same key claims later within the step.
 async fn a_claim_too_far_claims_nothing(store: Arc<dyn FenceStore>) {
     let r = "account:8";
-    let begin = |key: &'static str, token: u64| {
+    let begin = |key: &'static str, token: Token| {
         let store = Arc::clone(&store);
         async move { store.begin_idempotent(r, key, &claim(token)).await.unwrap() }
     };
-    assert_eq!(begin("k1", STEP + 1).await, Begin::TooFar { current: None });
+    assert_eq!(
+        begin("k1", tk(STEP + 1)).await,
+        Begin::TooFar { current: None }
+    );
     assert_eq!(store.current(r).await.unwrap(), None);
-    assert_eq!(begin("k1", 5).await, Begin::Execute { previous: None });
-    assert_eq!(store.current(r).await.unwrap(), Some(5));
     assert_eq!(
-        begin("k2", 5 + STEP + 1).await,
-        Begin::TooFar { current: Some(5) }
+        begin("k1", 5.into()).await,
+        Begin::Execute { previous: None }
     );
-    assert_eq!(begin("k2", TOP).await, Begin::TooFar { current: Some(5) });
-    assert_eq!(store.current(r).await.unwrap(), Some(5));
+    assert_eq!(store.current(r).await.unwrap(), Some(5.into()));
     assert_eq!(
-        begin("k2", 5 + STEP).await,
-        Begin::Execute { previous: Some(5) }
+        begin("k2", tk(5 + STEP + 1)).await,
+        Begin::TooFar {
+            current: Some(5.into())
+        }
     );
-    assert_eq!(store.current(r).await.unwrap(), Some(5 + STEP));
+    assert_eq!(
+        begin("k2", tk(TOP)).await,
+        Begin::TooFar {
+            current: Some(5.into())
+        }
+    );
+    assert_eq!(store.current(r).await.unwrap(), Some(5.into()));
+    assert_eq!(
+        begin("k2", tk(5 + STEP)).await,
+        Begin::Execute {
+            previous: Some(5.into())
+        }
+    );
+    assert_eq!(store.current(r).await.unwrap(), Some(tk(5 + STEP)));
 }
 
 macro_rules! every_store {
@@ -162,38 +183,40 @@ async fn the_cache_leaves_the_step_to_the_store(kind: &str) {
     let b = store::open(&config.store).await.unwrap();
     let (r, rule) = ("account:9", ceiling(Allow));
     assert_eq!(
-        raise(&*a, r, 10, rule).await,
+        raise(&*a, r, 10.into(), rule).await,
         Verdict::Admitted { previous: None }
     );
     assert_eq!(
-        raise(&*b, r, 900, rule).await,
-        Verdict::Admitted { previous: Some(10) }
-    );
-    assert_eq!(
-        raise(&*b, r, 1800, rule).await,
+        raise(&*b, r, 900.into(), rule).await,
         Verdict::Admitted {
-            previous: Some(900)
+            previous: Some(10.into())
         }
     );
     assert_eq!(
-        raise(&*a, r, 2700, rule).await,
+        raise(&*b, r, 1800.into(), rule).await,
         Verdict::Admitted {
-            previous: Some(1800)
+            previous: Some(900.into())
         }
     );
     assert_eq!(
-        raise(&*b, r, 3500, rule).await,
+        raise(&*a, r, 2700.into(), rule).await,
         Verdict::Admitted {
-            previous: Some(2700)
+            previous: Some(1800.into())
         }
     );
     assert_eq!(
-        raise(&*a, r, 4501, rule).await,
+        raise(&*b, r, 3500.into(), rule).await,
+        Verdict::Admitted {
+            previous: Some(2700.into())
+        }
+    );
+    assert_eq!(
+        raise(&*a, r, 4501.into(), rule).await,
         Verdict::TooFar {
-            current: Some(3500)
+            current: Some(3500.into())
         }
     );
-    assert_eq!(a.current(r).await.unwrap(), Some(3500));
+    assert_eq!(a.current(r).await.unwrap(), Some(3500.into()));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -502,7 +525,7 @@ async fn the_poisoned_tokens_runbook_runs_as_written() {
     .unwrap();
     let pg = store::open(&pg.store).await.unwrap();
     // The table exists once a statement ran; a previous run's row is lowered to 0 first.
-    raise(&*pg, "account:42", 0, Allow.into()).await;
+    raise(&*pg, "account:42", 0.into(), Allow.into()).await;
     let psql = |sql: &str| {
         let out = std::process::Command::new("psql")
             .args([POSTGRES_URL, "-qAtc", sql])
@@ -521,7 +544,7 @@ async fn the_poisoned_tokens_runbook_runs_as_written() {
         shell(line, p.admin);
     }
     assert_eq!(redis(&["GET", key]), "1234");
-    assert_eq!(pg.current("account:42").await.unwrap(), Some(1234));
+    assert_eq!(pg.current("account:42").await.unwrap(), Some(1234.into()));
 
     // The running fencegate's cache still holds the poison as a lower bound: it keeps
     // refusing until restarted, as the runbook says.

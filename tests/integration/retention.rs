@@ -8,6 +8,8 @@
 //! run aged (Redis: no expiry left; PostgreSQL: no `raised_at` left), and `token.equal:
 //! reject` is refused with retention.
 
+use crate::common::tk;
+use fencegate::fence::Token;
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -131,20 +133,25 @@ async fn redis_maxima_expire_the_period_after_their_raise() {
     .unwrap();
     let store = store::open(&config.store).await.unwrap();
     let v = store
-        .compare_and_raise("plain", 3, EqualTokens::Allow.into())
+        .compare_and_raise("plain", 3.into(), EqualTokens::Allow.into())
         .await;
     assert_eq!(v.unwrap(), Verdict::Admitted { previous: None });
     assert_eq!(pttl(&format!("{prefix}:{{plain}}:max")).await, -1);
 
     store.forget_after(2 * HOUR).unwrap();
     let v = store
-        .compare_and_raise("plain", 4, EqualTokens::Allow.into())
+        .compare_and_raise("plain", 4.into(), EqualTokens::Allow.into())
         .await;
-    assert_eq!(v.unwrap(), Verdict::Admitted { previous: Some(3) });
+    assert_eq!(
+        v.unwrap(),
+        Verdict::Admitted {
+            previous: Some(3.into())
+        }
+    );
     let left = pttl(&format!("{prefix}:{{plain}}:max")).await;
     assert!(left > 7_100_000 && left <= 7_200_000, "PTTL {left}");
     let claim = fencegate::idempotency::Claim {
-        token: 9,
+        token: 9.into(),
         fingerprint: fencegate::idempotency::Fingerprint([1; 32]),
         rule: EqualTokens::Allow.into(),
         window: Duration::from_secs(60),
@@ -176,13 +183,13 @@ async fn postgres_maxima_raised_before_the_period_are_deleted() {
     .unwrap();
     let store = store::open(&config.store).await.unwrap();
     let v = store
-        .compare_and_raise("kept", 3, EqualTokens::Allow.into())
+        .compare_and_raise("kept", 3.into(), EqualTokens::Allow.into())
         .await;
     assert_eq!(v.unwrap(), Verdict::Admitted { previous: None });
     store.forget_after(HOUR).unwrap();
     for r in ["old", "young"] {
         let v = store
-            .compare_and_raise(r, 5, EqualTokens::Allow.into())
+            .compare_and_raise(r, 5.into(), EqualTokens::Allow.into())
             .await;
         assert_eq!(v.unwrap(), Verdict::Admitted { previous: None });
     }
@@ -300,7 +307,7 @@ async fn grant_on(fg: &fencegate::app::Server, resource: &str, holder: &str) -> 
 /// A PUT of `account:<id>` with the token just granted: answered `409 unissued-token` while
 /// the grant's event has not reached `fg`'s grant cache yet (a few milliseconds, more on a
 /// loaded machine), so sent again until it is not; returns the status.
-async fn put_granted(fg: &fencegate::app::Server, id: &str, token: u64) -> u16 {
+async fn put_granted(fg: &fencegate::app::Server, id: &str, token: Token) -> u16 {
     let wait = async {
         loop {
             let reply = put(fg, id, &token.to_string()).await;
@@ -336,7 +343,7 @@ async fn retention_then_none_on_redis(b_fence: &str) {
     let t1 = grant(&a, "worker-1").await;
     assert_eq!(put(&a, "42", &t1.to_string()).await.status, 200);
     let t2 = hand_over(&a, "worker-2").await;
-    assert_eq!(put_granted(&a, "42", t2).await, 200);
+    assert_eq!(put_granted(&a, "42", tk(t2)).await, 200);
     let key = format!("{prefix}:{{account:42}}:max");
     assert!(pttl(&key).await > 3_500_000, "A ages its maxima");
     stop(a).await;
@@ -437,7 +444,7 @@ fn store_config(kind: &str, prefix: &str) -> Config {
     .unwrap()
 }
 
-async fn raise(store: &dyn FenceStore, resource: &str, token: u64) -> Verdict {
+async fn raise(store: &dyn FenceStore, resource: &str, token: Token) -> Verdict {
     store
         .compare_and_raise(resource, token, EqualTokens::Allow.into())
         .await
@@ -456,13 +463,13 @@ async fn redis_a_replica_without_retention_keeps_what_one_with_retention_raises_
     let (clock, offset) = test_clock();
     let b = store::open_with_clock(&config.store, clock).await.unwrap();
     assert_eq!(
-        raise(&*b, "b", 1).await,
+        raise(&*b, "b", 1.into()).await,
         Verdict::Admitted { previous: None }
     );
     let a = store::open(&config.store).await.unwrap();
     a.forget_after(HOUR).unwrap();
     assert_eq!(
-        raise(&*a, "r", 2).await,
+        raise(&*a, "r", 2.into()).await,
         Verdict::Admitted { previous: None }
     );
     let (r, s, mark) = (
@@ -475,7 +482,7 @@ async fn redis_a_replica_without_retention_keeps_what_one_with_retention_raises_
     // A completed idempotency record whose key makes its name look like a maximum's: the
     // sweep leaves its expiry (the window).
     let claim = fencegate::idempotency::Claim {
-        token: 1,
+        token: 1.into(),
         fingerprint: fencegate::idempotency::Fingerprint([3; 32]),
         rule: EqualTokens::Allow.into(),
         window: Duration::from_secs(60),
@@ -485,7 +492,7 @@ async fn redis_a_replica_without_retention_keeps_what_one_with_retention_raises_
     let done = fencegate::idempotency::Record {
         phase: fencegate::idempotency::Phase::Completed,
         status: Some(204),
-        ..fencegate::idempotency::Record::in_flight(1, claim.fingerprint)
+        ..fencegate::idempotency::Record::in_flight(1.into(), claim.fingerprint)
     };
     a.begin_idempotent("x", "k}:max", &claim).await.unwrap();
     assert!(a
@@ -497,8 +504,10 @@ async fn redis_a_replica_without_retention_keeps_what_one_with_retention_raises_
 
     advance(&offset, CHECK_EVERY);
     assert_eq!(
-        raise(&*b, "b", 1).await,
-        Verdict::Admitted { previous: Some(1) }
+        raise(&*b, "b", 1.into()).await,
+        Verdict::Admitted {
+            previous: Some(1.into())
+        }
     );
     until("B takes the expiry off r", || async {
         pttl(&r).await == -1
@@ -506,7 +515,7 @@ async fn redis_a_replica_without_retention_keeps_what_one_with_retention_raises_
     .await;
     assert!(pttl(&record).await > 0, "the sweep persisted a record");
     assert_eq!(
-        raise(&*a, "s", 3).await,
+        raise(&*a, "s", 3.into()).await,
         Verdict::Admitted { previous: None }
     );
     assert!(pttl(&s).await > 3_500_000, "A still ages its raises");
@@ -514,8 +523,10 @@ async fn redis_a_replica_without_retention_keeps_what_one_with_retention_raises_
 
     advance(&offset, QUIET);
     assert_eq!(
-        raise(&*b, "b", 1).await,
-        Verdict::Admitted { previous: Some(1) }
+        raise(&*b, "b", 1.into()).await,
+        Verdict::Admitted {
+            previous: Some(1.into())
+        }
     );
     until("B deletes the quiet mark", || async {
         redis_get(&mark).await.is_none()
@@ -537,7 +548,10 @@ async fn redis_a_maximum_read_without_retention_loses_its_expiry() {
     let a = store::open(&config.store).await.unwrap();
     a.forget_after(HOUR).unwrap();
     for r in ["plain", "keyed"] {
-        assert_eq!(raise(&*a, r, 5).await, Verdict::Admitted { previous: None });
+        assert_eq!(
+            raise(&*a, r, 5.into()).await,
+            Verdict::Admitted { previous: None }
+        );
         assert!(pttl(&format!("{prefix}:{{{r}}}:max")).await > 3_500_000);
     }
     drop(a);
@@ -547,9 +561,12 @@ async fn redis_a_maximum_read_without_retention_loses_its_expiry() {
         .await
         .unwrap();
     let b = store::open(&config.store).await.unwrap();
-    assert_eq!(raise(&*b, "plain", 4).await, Verdict::Stale { current: 5 });
+    assert_eq!(
+        raise(&*b, "plain", 4.into()).await,
+        Verdict::Stale { current: 5.into() }
+    );
     let claim = fencegate::idempotency::Claim {
-        token: 5,
+        token: 5.into(),
         fingerprint: fencegate::idempotency::Fingerprint([2; 32]),
         rule: EqualTokens::Allow.into(),
         window: Duration::from_secs(60),
@@ -559,7 +576,9 @@ async fn redis_a_maximum_read_without_retention_loses_its_expiry() {
     let begin = b.begin_idempotent("keyed", "k", &claim).await.unwrap();
     assert_eq!(
         begin,
-        fencegate::idempotency::Begin::Execute { previous: Some(5) }
+        fencegate::idempotency::Begin::Execute {
+            previous: Some(5.into())
+        }
     );
     for r in ["plain", "keyed"] {
         let key = format!("{prefix}:{{{r}}}:max");
@@ -645,7 +664,7 @@ async fn postgres_retention_on_off_on_across_restarts_keeps_what_the_run_without
     let a = store::open(&config.store).await.unwrap();
     a.forget_after(HOUR).unwrap();
     assert_eq!(
-        raise(&*a, "r", 5).await,
+        raise(&*a, "r", 5.into()).await,
         Verdict::Admitted { previous: None }
     );
     assert_eq!(pg_rows(&pg, &prefix).await, [("r".into(), 5, true)]);
@@ -653,7 +672,7 @@ async fn postgres_retention_on_off_on_across_restarts_keeps_what_the_run_without
 
     let b = store::open(&config.store).await.unwrap();
     assert_eq!(
-        raise(&*b, "b", 1).await,
+        raise(&*b, "b", 1.into()).await,
         Verdict::Admitted { previous: None }
     );
     assert_eq!(
@@ -666,7 +685,7 @@ async fn postgres_retention_on_off_on_across_restarts_keeps_what_the_run_without
     let c = store::open(&config.store).await.unwrap();
     c.forget_after(HOUR).unwrap();
     assert_eq!(
-        raise(&*c, "gone", 1).await,
+        raise(&*c, "gone", 1.into()).await,
         Verdict::Admitted { previous: None }
     );
     pg_two_hours_pass(&pg, &prefix).await;
@@ -690,21 +709,23 @@ async fn postgres_a_replica_without_retention_keeps_what_one_with_retention_rais
     let (clock, offset) = test_clock();
     let b = store::open_with_clock(&config.store, clock).await.unwrap();
     assert_eq!(
-        raise(&*b, "b", 1).await,
+        raise(&*b, "b", 1.into()).await,
         Verdict::Admitted { previous: None }
     );
     let a = store::open(&config.store).await.unwrap();
     pg_forget_after(&*a, &pg, &prefix).await;
     assert_eq!(
-        raise(&*a, "r", 2).await,
+        raise(&*a, "r", 2.into()).await,
         Verdict::Admitted { previous: None }
     );
     pg_two_hours_pass(&pg, &prefix).await;
 
     advance(&offset, CHECK_EVERY);
     assert_eq!(
-        raise(&*b, "b", 1).await,
-        Verdict::Admitted { previous: Some(1) }
+        raise(&*b, "b", 1.into()).await,
+        Verdict::Admitted {
+            previous: Some(1.into())
+        }
     );
     until("B takes the raise time off r", || async {
         pg_rows(&pg, &prefix)
@@ -713,7 +734,7 @@ async fn postgres_a_replica_without_retention_keeps_what_one_with_retention_rais
     })
     .await;
     assert_eq!(
-        raise(&*a, "gone", 3).await,
+        raise(&*a, "gone", 3.into()).await,
         Verdict::Admitted { previous: None }
     );
     pg_two_hours_pass(&pg, &prefix).await;
@@ -725,14 +746,16 @@ async fn postgres_a_replica_without_retention_keeps_what_one_with_retention_rais
     // The pass was forced by telling A its period again, which wrote a new mark: B sweeps at
     // its next check again, and takes the raise time off what A raised since.
     assert_eq!(
-        raise(&*a, "late", 4).await,
+        raise(&*a, "late", 4.into()).await,
         Verdict::Admitted { previous: None }
     );
     drop(a);
     advance(&offset, CHECK_EVERY);
     assert_eq!(
-        raise(&*b, "b", 1).await,
-        Verdict::Admitted { previous: Some(1) }
+        raise(&*b, "b", 1.into()).await,
+        Verdict::Admitted {
+            previous: Some(1.into())
+        }
     );
     until("B takes the raise time off late", || async {
         pg_rows(&pg, &prefix)
@@ -743,8 +766,10 @@ async fn postgres_a_replica_without_retention_keeps_what_one_with_retention_rais
 
     advance(&offset, QUIET);
     assert_eq!(
-        raise(&*b, "b", 1).await,
-        Verdict::Admitted { previous: Some(1) }
+        raise(&*b, "b", 1.into()).await,
+        Verdict::Admitted {
+            previous: Some(1.into())
+        }
     );
     until("B deletes the quiet mark", || async {
         pg_mark(&pg, &prefix).await.is_none()
@@ -766,21 +791,23 @@ async fn postgres_a_run_without_retention_sweeps_at_every_check_that_finds_a_mar
     let (clock, offset) = test_clock();
     let b = store::open_with_clock(&config.store, clock).await.unwrap();
     assert_eq!(
-        raise(&*b, "b", 1).await,
+        raise(&*b, "b", 1.into()).await,
         Verdict::Admitted { previous: None }
     );
     let a = store::open(&config.store).await.unwrap();
     a.forget_after(HOUR).unwrap();
     assert_eq!(
-        raise(&*a, "first", 2).await,
+        raise(&*a, "first", 2.into()).await,
         Verdict::Admitted { previous: None }
     );
     let mark = pg_mark(&pg, &prefix).await.expect("A marked the store");
 
     advance(&offset, CHECK_EVERY);
     assert_eq!(
-        raise(&*b, "b", 1).await,
-        Verdict::Admitted { previous: Some(1) }
+        raise(&*b, "b", 1.into()).await,
+        Verdict::Admitted {
+            previous: Some(1.into())
+        }
     );
     until("B takes the raise time off first", || async {
         pg_rows(&pg, &prefix)
@@ -790,7 +817,7 @@ async fn postgres_a_run_without_retention_sweeps_at_every_check_that_finds_a_mar
     .await;
 
     assert_eq!(
-        raise(&*a, "r", 3).await,
+        raise(&*a, "r", 3.into()).await,
         Verdict::Admitted { previous: None }
     );
     assert!(pg_rows(&pg, &prefix).await.contains(&("r".into(), 3, true)));
@@ -800,8 +827,10 @@ async fn postgres_a_run_without_retention_sweeps_at_every_check_that_finds_a_mar
         "B's checks come before the quiet period ends"
     );
     assert_eq!(
-        raise(&*b, "b", 1).await,
-        Verdict::Admitted { previous: Some(1) }
+        raise(&*b, "b", 1.into()).await,
+        Verdict::Admitted {
+            previous: Some(1.into())
+        }
     );
     until(
         "B takes the raise time off r under the same mark",
@@ -828,7 +857,7 @@ async fn postgres_a_run_without_retention_sweeps_at_every_check_that_finds_a_mar
 }
 
 /// Until `store` admits `resource` at `token` (its retention check retried with backoff).
-async fn until_admitted(store: &dyn FenceStore, resource: &str, token: u64) -> Verdict {
+async fn until_admitted(store: &dyn FenceStore, resource: &str, token: Token) -> Verdict {
     let wait = async {
         loop {
             if let Ok(verdict) = store
@@ -862,7 +891,7 @@ async fn redis_a_run_that_cannot_check_for_the_mark_admits_nothing() {
         .await
         .unwrap();
     let refused = b
-        .compare_and_raise("b", 1, EqualTokens::Allow.into())
+        .compare_and_raise("b", 1.into(), EqualTokens::Allow.into())
         .await
         .unwrap_err();
     assert!(
@@ -879,7 +908,7 @@ async fn redis_a_run_that_cannot_check_for_the_mark_admits_nothing() {
         .await
         .unwrap();
     assert_eq!(
-        until_admitted(&*b, "b", 1).await,
+        until_admitted(&*b, "b", 1.into()).await,
         Verdict::Admitted { previous: None }
     );
 }
@@ -895,7 +924,7 @@ async fn postgres_a_run_whose_sweep_fails_admits_nothing() {
     let a = store::open(&config.store).await.unwrap();
     a.forget_after(HOUR).unwrap();
     assert_eq!(
-        raise(&*a, "r", 5).await,
+        raise(&*a, "r", 5.into()).await,
         Verdict::Admitted { previous: None }
     );
     drop(a);
@@ -910,7 +939,7 @@ async fn postgres_a_run_whose_sweep_fails_admits_nothing() {
     .unwrap();
     let b = store::open(&config.store).await.unwrap();
     let refused = b
-        .compare_and_raise("b", 1, EqualTokens::Allow.into())
+        .compare_and_raise("b", 1.into(), EqualTokens::Allow.into())
         .await
         .unwrap_err();
     assert!(
@@ -926,7 +955,7 @@ async fn postgres_a_run_whose_sweep_fails_admits_nothing() {
         .await
         .unwrap();
     assert_eq!(
-        until_admitted(&*b, "b", 1).await,
+        until_admitted(&*b, "b", 1.into()).await,
         Verdict::Admitted { previous: None }
     );
     assert_eq!(

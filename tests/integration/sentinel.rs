@@ -2,6 +2,7 @@
 //! primary is killed with `kill -9`; fencegate follows the promotion without a restart, and
 //! what a failover keeps or loses is measured per `replicas` setting (docs/guarantees.md).
 
+use crate::common::tk;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -269,24 +270,24 @@ async fn an_equal_token_waits_for_the_replicas_like_the_raise() {
     wait_synced(&replica).await;
     use fencegate::config::EqualTokens::Allow;
     assert!(raiser
-        .compare_and_raise("warm", 1, Allow.into())
+        .compare_and_raise("warm", 1.into(), Allow.into())
         .await
         .is_ok());
     assert!(retrier
-        .compare_and_raise("warm", 2, Allow.into())
+        .compare_and_raise("warm", 2.into(), Allow.into())
         .await
         .is_ok());
 
     replica.pause();
     let raised = raiser
-        .compare_and_raise("r", 7, Allow.into())
+        .compare_and_raise("r", 7.into(), Allow.into())
         .await
         .unwrap_err();
     assert!(
         raised.to_string().contains("0 of the 1 replicas"),
         "{raised}"
     );
-    let retried = retrier.compare_and_raise("r", 7, Allow.into()).await;
+    let retried = retrier.compare_and_raise("r", 7.into(), Allow.into()).await;
     replica.resume();
     let retried = retried.expect_err("an equal token admitted on a maximum no replica holds");
     assert!(
@@ -295,7 +296,7 @@ async fn an_equal_token_waits_for_the_replicas_like_the_raise() {
     );
     // Once the replica acknowledges again, the same retry is admitted.
     assert!(retrier
-        .compare_and_raise("r", 7, Allow.into())
+        .compare_and_raise("r", 7.into(), Allow.into())
         .await
         .is_ok());
 }
@@ -328,7 +329,7 @@ async fn a_server_the_sentinels_name_is_used_only_if_it_is_a_primary() {
     .unwrap();
     let store = fencegate::store::open(&config.store).await.unwrap();
     let refused = store
-        .compare_and_raise("r", 7, fencegate::config::EqualTokens::Allow.into())
+        .compare_and_raise("r", 7.into(), fencegate::config::EqualTokens::Allow.into())
         .await
         .expect_err("a raise acknowledged by a replica");
     assert!(
@@ -597,7 +598,7 @@ async fn a_grant_after_a_failover_that_lost_grants_never_repeats_a_token() {
         granted.push(grant.token);
         assert!(leases.release(&grant).await.unwrap());
     }
-    assert_eq!(granted, [1, 2, 3, 4]);
+    assert_eq!(granted, [1, 2, 3, 4].map(tk));
     topology.primary.kill().await;
     for replica in &topology.replicas {
         replica.resume();
@@ -616,10 +617,13 @@ async fn a_grant_after_a_failover_that_lost_grants_never_repeats_a_token() {
         next.token
     );
     // 2, moved on by the gap (2^32), then the grant's own increment.
-    assert_eq!(next.token, (1 << 32) + 3);
+    assert_eq!(next.token, tk((1 << 32) + 3));
     // The next grant on the same server does not move on again.
     assert!(leases.release(&next).await.unwrap());
-    assert_eq!(grant(&*leases, "job").await.token, next.token + 1);
+    assert_eq!(
+        grant(&*leases, "job").await.token,
+        next.token.next().unwrap()
+    );
 }
 
 /// The Sentinel user docs/stores.md documents (`resetchannels &* -@all +sentinel|get-master-addr-by-name +subscribe +ping`), as the only rights fencegate has on the

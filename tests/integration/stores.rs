@@ -1,6 +1,7 @@
 //! One conformance suite that every fence store passes, against real servers, plus the
 //! replica and failure behaviour of the shared stores.
 
+use crate::common::tk;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -59,48 +60,75 @@ async fn raise_equal_stale(store: Arc<dyn FenceStore>) {
     let r = "account:1";
     assert_eq!(store.current(r).await.unwrap(), None);
     assert_eq!(
-        store.compare_and_raise(r, 5, Allow.into()).await.unwrap(),
+        store
+            .compare_and_raise(r, 5.into(), Allow.into())
+            .await
+            .unwrap(),
         Verdict::Admitted { previous: None }
     );
     assert_eq!(
-        store.compare_and_raise(r, 9, Allow.into()).await.unwrap(),
-        Verdict::Admitted { previous: Some(5) }
+        store
+            .compare_and_raise(r, 9.into(), Allow.into())
+            .await
+            .unwrap(),
+        Verdict::Admitted {
+            previous: Some(5.into())
+        }
     );
     assert_eq!(
-        store.compare_and_raise(r, 9, Allow.into()).await.unwrap(),
-        Verdict::Admitted { previous: Some(9) }
+        store
+            .compare_and_raise(r, 9.into(), Allow.into())
+            .await
+            .unwrap(),
+        Verdict::Admitted {
+            previous: Some(9.into())
+        }
     );
     assert_eq!(
-        store.compare_and_raise(r, 9, Reject.into()).await.unwrap(),
-        Verdict::Stale { current: 9 }
+        store
+            .compare_and_raise(r, 9.into(), Reject.into())
+            .await
+            .unwrap(),
+        Verdict::Stale { current: 9.into() }
     );
     assert_eq!(
-        store.compare_and_raise(r, 8, Allow.into()).await.unwrap(),
-        Verdict::Stale { current: 9 }
+        store
+            .compare_and_raise(r, 8.into(), Allow.into())
+            .await
+            .unwrap(),
+        Verdict::Stale { current: 9.into() }
     );
     assert_eq!(
-        store.compare_and_raise(r, 0, Allow.into()).await.unwrap(),
-        Verdict::Stale { current: 9 }
+        store
+            .compare_and_raise(r, 0.into(), Allow.into())
+            .await
+            .unwrap(),
+        Verdict::Stale { current: 9.into() }
     );
     assert_eq!(
-        store.compare_and_raise(r, 10, Reject.into()).await.unwrap(),
-        Verdict::Admitted { previous: Some(9) }
+        store
+            .compare_and_raise(r, 10.into(), Reject.into())
+            .await
+            .unwrap(),
+        Verdict::Admitted {
+            previous: Some(9.into())
+        }
     );
-    assert_eq!(store.current(r).await.unwrap(), Some(10));
+    assert_eq!(store.current(r).await.unwrap(), Some(10.into()));
     // Zero is a token like any other.
     assert_eq!(
         store
-            .compare_and_raise("zero", 0, Allow.into())
+            .compare_and_raise("zero", 0.into(), Allow.into())
             .await
             .unwrap(),
         Verdict::Admitted { previous: None }
     );
     assert_eq!(
         store
-            .compare_and_raise("zero", 0, Reject.into())
+            .compare_and_raise("zero", 0.into(), Reject.into())
             .await
             .unwrap(),
-        Verdict::Stale { current: 0 }
+        Verdict::Stale { current: 0.into() }
     );
 }
 
@@ -109,58 +137,66 @@ async fn very_large_tokens(store: Arc<dyn FenceStore>) {
     let two53 = 1u64 << 53;
     assert!(matches!(
         store
-            .compare_and_raise("f", two53 + 1, Allow.into())
+            .compare_and_raise("f", tk(two53 + 1), Allow.into())
             .await
             .unwrap(),
         Verdict::Admitted { .. }
     ));
     assert_eq!(
         store
-            .compare_and_raise("f", two53, Allow.into())
+            .compare_and_raise("f", tk(two53), Allow.into())
             .await
             .unwrap(),
-        Verdict::Stale { current: two53 + 1 }
+        Verdict::Stale {
+            current: tk(two53 + 1)
+        }
     );
     assert!(matches!(
-        store.compare_and_raise("s", 9, Allow.into()).await.unwrap(),
+        store
+            .compare_and_raise("s", 9.into(), Allow.into())
+            .await
+            .unwrap(),
         Verdict::Admitted { .. }
     ));
     assert!(matches!(
         store
-            .compare_and_raise("s", 10, Allow.into())
+            .compare_and_raise("s", 10.into(), Allow.into())
             .await
             .unwrap(),
         Verdict::Admitted { .. }
     ));
     assert_eq!(
-        store.compare_and_raise("s", 9, Allow.into()).await.unwrap(),
-        Verdict::Stale { current: 10 }
+        store
+            .compare_and_raise("s", 9.into(), Allow.into())
+            .await
+            .unwrap(),
+        Verdict::Stale { current: 10.into() }
     );
     let max = i64::MAX as u64;
     assert!(matches!(
         store
-            .compare_and_raise("m", max - 1, Allow.into())
+            .compare_and_raise("m", tk(max - 1), Allow.into())
             .await
             .unwrap(),
         Verdict::Admitted { .. }
     ));
     assert_eq!(
         store
-            .compare_and_raise("m", max, Allow.into())
+            .compare_and_raise("m", tk(max), Allow.into())
             .await
             .unwrap(),
         Verdict::Admitted {
-            previous: Some(max - 1)
+            previous: Some(tk(max - 1))
         }
     );
     assert_eq!(
         store
-            .compare_and_raise("m", max - 1, Allow.into())
+            .compare_and_raise("m", tk(max - 1), Allow.into())
             .await
             .unwrap(),
-        Verdict::Stale { current: max }
+        Verdict::Stale { current: tk(max) }
     );
-    assert_eq!(store.current("m").await.unwrap(), Some(max));
+    assert_eq!(store.current("m").await.unwrap(), Some(tk(max)));
 }
 
 async fn concurrent_racing(store: Arc<dyn FenceStore>) {
@@ -178,7 +214,7 @@ async fn concurrent_racing(store: Arc<dyn FenceStore>) {
                 out.push((
                     token,
                     store
-                        .compare_and_raise("race", token, Allow.into())
+                        .compare_and_raise("race", tk(token), Allow.into())
                         .await
                         .unwrap(),
                 ));
@@ -192,19 +228,19 @@ async fn concurrent_racing(store: Arc<dyn FenceStore>) {
             match verdict {
                 Verdict::Admitted { previous } => {
                     assert!(
-                        previous.is_none_or(|p| p <= token),
+                        previous.is_none_or(|p| p <= tk(token)),
                         "{token} admitted over {previous:?}"
                     );
                     admitted_max = admitted_max.max(Some(token));
                 }
                 Verdict::Stale { current } => {
-                    assert!(current > token, "{token} refused against {current}")
+                    assert!(current > tk(token), "{token} refused against {current}")
                 }
                 Verdict::TooFar { current } => panic!("{token} too far over {current:?}"),
             }
         }
     }
-    assert_eq!(store.current("race").await.unwrap(), admitted_max);
+    assert_eq!(store.current("race").await.unwrap(), admitted_max.map(tk));
 }
 
 async fn many_resources(store: Arc<dyn FenceStore>) {
@@ -212,22 +248,22 @@ async fn many_resources(store: Arc<dyn FenceStore>) {
     for (i, r) in resources.iter().enumerate() {
         assert!(matches!(
             store
-                .compare_and_raise(r, i as u64, Allow.into())
+                .compare_and_raise(r, tk(i as u64), Allow.into())
                 .await
                 .unwrap(),
             Verdict::Admitted { previous: None }
         ));
     }
     for (i, r) in resources.iter().enumerate() {
-        assert_eq!(store.current(r).await.unwrap(), Some(i as u64), "{r}");
+        assert_eq!(store.current(r).await.unwrap(), Some(tk(i as u64)), "{r}");
     }
     if let Some(i) = (1..300u64).step_by(37).next() {
         assert_eq!(
             store
-                .compare_and_raise(&resources[i as usize], i - 1, Allow.into())
+                .compare_and_raise(&resources[i as usize], tk(i - 1), Allow.into())
                 .await
                 .unwrap(),
-            Verdict::Stale { current: i }
+            Verdict::Stale { current: tk(i) }
         );
     }
     assert!(store.healthy());
@@ -492,13 +528,16 @@ async fn redis_readonly_reply_makes_a_new_connection() {
     ))
     .unwrap();
     let store = store::open(&config.store).await.unwrap();
-    assert!(store.compare_and_raise("r", 1, Allow.into()).await.is_ok());
+    assert!(store
+        .compare_and_raise("r", 1.into(), Allow.into())
+        .await
+        .is_ok());
     let before = redis_connections(service.port).await;
 
     // A replica of nothing that answers: read-only at once.
     redis_cli(service.port, &["REPLICAOF", "127.0.0.1", "1"]).await;
     let refused = store
-        .compare_and_raise("r", 2, Allow.into())
+        .compare_and_raise("r", 2.into(), Allow.into())
         .await
         .unwrap_err();
     assert!(
@@ -507,8 +546,13 @@ async fn redis_readonly_reply_makes_a_new_connection() {
     );
     redis_cli(service.port, &["REPLICAOF", "NO", "ONE"]).await;
     assert_eq!(
-        store.compare_and_raise("r", 2, Allow.into()).await.unwrap(),
-        Verdict::Admitted { previous: Some(1) }
+        store
+            .compare_and_raise("r", 2.into(), Allow.into())
+            .await
+            .unwrap(),
+        Verdict::Admitted {
+            previous: Some(1.into())
+        }
     );
     // Three looks by redis-cli, and fencegate's new connection.
     assert_eq!(redis_connections(service.port).await - before, 4);
@@ -546,7 +590,8 @@ async fn postgres_stores_starting_together_all_create_their_tables() {
             let (s, barrier) = (Arc::clone(s), Arc::clone(&barrier));
             tokio::spawn(async move {
                 barrier.wait().await;
-                s.compare_and_raise(&format!("r{i}"), 1, Allow.into()).await
+                s.compare_and_raise(&format!("r{i}"), 1.into(), Allow.into())
+                    .await
             })
         })
         .collect();
@@ -585,7 +630,10 @@ async fn postgres_store_starts_without_locking_existing_tables() {
     let config = postgres_config(&prefix);
     let first = store::open(&config.store).await.unwrap();
     assert_eq!(
-        first.compare_and_raise("a", 1, Allow.into()).await.unwrap(),
+        first
+            .compare_and_raise("a", 1.into(), Allow.into())
+            .await
+            .unwrap(),
         Verdict::Admitted { previous: None }
     );
     let admin = postgres_admin().await;
@@ -599,7 +647,7 @@ async fn postgres_store_starts_without_locking_existing_tables() {
     let second = store::open(&config.store).await.unwrap();
     let raised = tokio::time::timeout(
         Duration::from_secs(10),
-        second.compare_and_raise("b", 1, Allow.into()),
+        second.compare_and_raise("b", 1.into(), Allow.into()),
     )
     .await
     .expect("the second store's start-up waited for the held locks");
@@ -624,7 +672,7 @@ async fn postgres_table_setup_recovers_after_a_failure() {
     let store = store::open(&postgres_config(&prefix).store).await.unwrap();
     for _ in 0..3 {
         let failed = store
-            .compare_and_raise("a", 1, Allow.into())
+            .compare_and_raise("a", 1.into(), Allow.into())
             .await
             .unwrap_err();
         assert_eq!(
@@ -639,7 +687,10 @@ async fn postgres_table_setup_recovers_after_a_failure() {
         .unwrap();
     for r in ["a", "b", "c", "d"] {
         assert_eq!(
-            store.compare_and_raise(r, 1, Allow.into()).await.unwrap(),
+            store
+                .compare_and_raise(r, 1.into(), Allow.into())
+                .await
+                .unwrap(),
             Verdict::Admitted { previous: None },
             "{r}"
         );

@@ -1,6 +1,7 @@
 //! A lease as the agent keeps it: its grant, its state and local validity deadline (one
 //! snapshot, changed only by compare-and-set), and the events sent when it changes.
 
+use crate::fence::Token;
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -40,7 +41,7 @@ pub struct Event {
     pub resource: String,
     pub holder: String,
     pub lease_id: String,
-    pub fencing_token: u64,
+    pub fencing_token: Token,
     pub ttl_ms: u128,
     pub state: State,
 }

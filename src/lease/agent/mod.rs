@@ -13,6 +13,7 @@
 //! are no longer attached. Every change of a lease's state is one compare-and-set on its
 //! snapshot, so no step (a renewal, say) writes back a state that another one replaced.
 
+use crate::fence::Token;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -204,7 +205,7 @@ impl Agent {
     }
 
     /// The token to attach to a write for `resource`, if a lease is held and locally valid now.
-    pub fn token_for(&self, resource: &str) -> Option<u64> {
+    pub fn token_for(&self, resource: &str) -> Option<Token> {
         let lease = self.get(resource)?;
         (lease.state() == State::Held).then_some(lease.grant.token)
     }
@@ -314,7 +315,7 @@ impl Agent {
             resource = grant.resource,
             holder_id = grant.holder,
             lease_id = grant.lease_id,
-            fencing_token = grant.token,
+            fencing_token = grant.token.get(),
             error,
             "lease granted while draining; given back"
         );
@@ -402,7 +403,7 @@ impl Agent {
                         resource = lease.grant.resource,
                         holder_id = lease.grant.holder,
                         lease_id = lease.grant.lease_id,
-                        fencing_token = lease.grant.token,
+                        fencing_token = lease.grant.token.get(),
                         ttl_ms = lease.ttl.as_millis() as u64,
                         valid_for_ms = lease.valid_for().as_millis() as u64,
                         error = %e,
@@ -446,7 +447,7 @@ impl Agent {
             resource = lease.grant.resource,
             holder_id = lease.grant.holder,
             lease_id = lease.grant.lease_id,
-            fencing_token = lease.grant.token,
+            fencing_token = lease.grant.token.get(),
             ttl_ms = lease.ttl.as_millis() as u64,
             reason = why,
             state = State::Expired.as_str(),
@@ -487,7 +488,7 @@ impl Agent {
                 resource,
                 holder_id = lease.grant.holder,
                 lease_id = lease.grant.lease_id,
-                fencing_token = lease.grant.token,
+                fencing_token = lease.grant.token.get(),
                 was_held,
                 error = %e,
                 "lease release failed; it expires at its TTL"
@@ -543,7 +544,7 @@ impl Agent {
                 resource = e.resource,
                 holder_id = e.holder,
                 lease_id = e.lease_id,
-                fencing_token = e.fencing_token,
+                fencing_token = e.fencing_token.get(),
                 ttl_ms = e.ttl_ms as u64,
                 state = e.state.as_str(),
                 "lease {event}"
@@ -552,7 +553,7 @@ impl Agent {
                 resource = e.resource,
                 holder_id = e.holder,
                 lease_id = e.lease_id,
-                fencing_token = e.fencing_token,
+                fencing_token = e.fencing_token.get(),
                 ttl_ms = e.ttl_ms as u64,
                 valid_for_ms = lease.valid_for().as_millis() as u64,
                 state = e.state.as_str(),

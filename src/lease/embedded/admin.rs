@@ -3,6 +3,7 @@
 //! is held while its row's wall-clock deadline is ahead (the running fencegate judges by its
 //! monotonic clock; with it stopped, the row is what is left).
 
+use crate::fence::Token;
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -74,6 +75,7 @@ impl EmbeddedLeasesAdmin {
                 break;
             }
             let (token, expires_ms, lease_id, holder) = row.value();
+            let token = Token::try_from(token).map_err(|e| self.failed(e))?;
             out.push(if expires_ms > now_ms && !holder.is_empty() {
                 Lease {
                     resource: resource.to_owned(),

@@ -5,6 +5,7 @@
 
 use super::{unavailable, EtcdLeases};
 use crate::conn::BoxFuture;
+use crate::fence::Token;
 use crate::lease::admin::{page_of, InspectLeases, Lease, LeasePage};
 use crate::lease::LeaseError;
 
@@ -41,7 +42,7 @@ impl InspectLeases for EtcdLeases {
             let token = last
                 .kvs()
                 .first()
-                .and_then(|kv| u64::try_from(kv.mod_revision()).ok());
+                .and_then(|kv| Token::try_from(kv.mod_revision()).ok());
             let lock = kv
                 .get(self.lock_key(resource), None)
                 .await
@@ -62,7 +63,7 @@ impl InspectLeases for EtcdLeases {
                 holder: Some(String::from_utf8_lossy(lock.value()).into_owned()),
                 lease_id: Some(lock.lease().to_string()),
                 // The grant's revision: the lock's creation.
-                token: u64::try_from(lock.create_revision()).ok(),
+                token: Token::try_from(lock.create_revision()).ok(),
                 expires_in_ms: u64::try_from(ttl).ok().map(|s| s.saturating_mul(1000)),
             })
         })

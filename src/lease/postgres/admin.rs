@@ -2,6 +2,7 @@
 //! pool (no table set-up: a table that does not exist holds no lease), judged on the server's
 //! clock like every lease statement.
 
+use crate::fence::Token;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::Row;
 
@@ -39,7 +40,7 @@ impl PostgresLeases {
 fn lease(row: &Row) -> Result<Lease, LeaseError> {
     let resource: String = row.get(0);
     let token: i64 = row.get(3);
-    let token = u64::try_from(token)
+    let token = Token::try_from(token)
         .map_err(|_| LeaseError::corrupt(format!("postgres holds a negative token {token}")))?;
     let remaining: Option<i64> = row.get(4);
     match remaining {

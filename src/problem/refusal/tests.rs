@@ -18,7 +18,7 @@ fn a_store_that_failed_is_the_stores_fault_in_its_own_words() {
     let header = HeaderName::from_static("fencing-token");
     let subject = Subject {
         resource: Some("account:42"),
-        token: Some(7),
+        token: Some(7.into()),
         ..Subject::default()
     };
     let limit = Duration::from_millis(300);
@@ -62,17 +62,17 @@ fn a_stale_token_is_told_only_what_the_store_recorded() {
     let header = HeaderName::from_static("fencing-token");
     let subject = Subject {
         resource: Some("account:42"),
-        token: Some(1),
+        token: Some(1.into()),
         ..Subject::default()
     };
     assert_eq!(
-        Refusal::Stale { current: 34 }.detail(&subject, &header),
+        Refusal::Stale { current: 34.into() }.detail(&subject, &header),
         "token 1 is below 34, the highest token recorded for account:42; the write was not \
          forwarded"
     );
     // With `fence.authority: leases` the lease backend knows of the newer grant.
     assert_eq!(
-        Refusal::Superseded { latest: 34 }.detail(&subject, &header),
+        Refusal::Superseded { latest: 34.into() }.detail(&subject, &header),
         "token 1 is below 34, the latest lease granted for account:42: a newer holder has \
          the lease, even if it has not written yet"
     );
@@ -99,11 +99,11 @@ fn a_token_too_far_names_the_step_and_the_maximum() {
     let header = HeaderName::from_static("fencing-token");
     let subject = Subject {
         resource: Some("account:42"),
-        token: Some(9_223_372_036_854_775_807),
+        token: Some(Token::MAX),
         ..Subject::default()
     };
     let far = Refusal::TooFar {
-        current: Some(17),
+        current: Some(17.into()),
         max_step: 1 << 40,
     };
     let problem = far.problem(&subject, &header);
@@ -151,8 +151,8 @@ fn each_refusal_kind_is_one_row_of_the_table() {
         Refusal::InvalidToken(TokenError::Grammar),
         Refusal::InvalidPath(crate::fence::path::normalise("nope").unwrap_err()),
         Refusal::TokenRequired,
-        Refusal::Stale { current: 1 },
-        Refusal::Superseded { latest: 1 },
+        Refusal::Stale { current: 1.into() },
+        Refusal::Superseded { latest: 1.into() },
         Refusal::Unissued { latest: None },
         Refusal::TooFar {
             current: None,

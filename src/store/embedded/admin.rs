@@ -7,11 +7,12 @@
 //! stop fencegate once to repair it); a reset opens it for writing, as fencegate does, and
 //! commits one transaction. No cache to tell: the fencegate started afterwards reads the file.
 
+use crate::fence::Token;
 use std::path::{Path, PathBuf};
 
 use redb::{DatabaseError, ReadableDatabase, TableDefinition, TableError};
 
-use super::{open_file, Names, PAGE_CACHE};
+use super::{open_file, stored, Names, PAGE_CACHE};
 use crate::conn::BoxFuture;
 use crate::store::admin::{Fence, Inspect, Page};
 use crate::store::StoreError;
@@ -81,7 +82,10 @@ impl EmbeddedAdmin {
             if !resource.starts_with(prefix) || out.len() >= limit {
                 break;
             }
-            let mut fence = Fence::recorded(resource, Some(value.value()));
+            let mut fence = Fence::recorded(
+                resource,
+                Some(stored(value.value()).map_err(|e| self.failed(e))?),
+            );
             if let Some(raised) = &raised {
                 fence.raised_at_ms = raised
                     .get(resource)
@@ -128,17 +132,17 @@ impl Inspect for EmbeddedAdmin {
     fn reset<'a>(
         &'a self,
         resource: &'a str,
-        to: u64,
-    ) -> BoxFuture<'a, Result<Option<u64>, StoreError>> {
+        to: Token,
+    ) -> BoxFuture<'a, Result<Option<Token>, StoreError>> {
         Box::pin(async move {
             let db = open_file(&self.path).map_err(|e| self.opening(e))?;
-            let write = || -> Result<Option<u64>, redb::Error> {
+            let write = || -> Result<Option<Token>, redb::Error> {
                 let txn = db.begin_write()?;
                 let before = {
                     let mut table =
                         txn.open_table(TableDefinition::<&str, u64>::new(&self.names.fences))?;
-                    let before = table.insert(resource, to)?.map(|v| v.value());
-                    before
+                    let before = table.insert(resource, to.get())?.map(|v| stored(v.value()));
+                    before.transpose()?
                 };
                 txn.commit()?;
                 Ok(before)

@@ -48,6 +48,7 @@
 //! when each maximum was last raised, and forgets maxima not raised for the period (see
 //! [`retention`]).
 
+use crate::fence::Token;
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -98,7 +99,7 @@ type RaisedOrder<'a> = TableDefinition<'a, (u64, &'static str), ()>;
 enum Op {
     Raise {
         resource: Box<str>,
-        token: u64,
+        token: Token,
         rule: Rule,
         reply: oneshot::Sender<Result<Verdict, StoreError>>,
     },
@@ -180,6 +181,11 @@ fn live_here(written: &Running, key: &str, at: u64, record: &Record, now: Instan
 }
 
 /// Milliseconds since the Unix epoch, the clock record expiries are kept in.
+/// A maximum as the fences table holds it (a `u64`): one outside the token range is corrupt.
+fn stored(value: u64) -> Result<Token, redb::Error> {
+    Token::try_from(value).map_err(|e| redb::Error::Corrupted(e.to_string()))
+}
+
 fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -406,18 +412,18 @@ impl EmbeddedStore {
 
     /// The durable maximum of `resource`, read from the file in one read transaction (and
     /// cached as a lower bound).
-    fn read_maximum(&self, resource: &str) -> Result<Option<u64>, StoreError> {
+    fn read_maximum(&self, resource: &str) -> Result<Option<Token>, StoreError> {
         let Some(db) = self.shared.db.load_full() else {
             return Err(StoreError::unreachable(format!(
                 "{} is being reopened after a failed write",
                 self.shared.path.display()
             )));
         };
-        let read = || -> Result<Option<u64>, redb::Error> {
+        let read = || -> Result<Option<Token>, redb::Error> {
             let txn = db.begin_read()?;
             let table = txn.open_table(TableDefinition::<&str, u64>::new(&self.shared.fences))?;
-            let value = table.get(resource)?.map(|v| v.value());
-            Ok(value)
+            let value = table.get(resource)?.map(|v| stored(v.value()));
+            value.transpose()
         };
         let durable = read().map_err(|e| {
             StoreError::unreachable(format!("cannot read {}: {e}", self.shared.path.display()))
@@ -435,7 +441,7 @@ impl EmbeddedStore {
     fn decide_here(
         &self,
         resource: &str,
-        token: u64,
+        token: Token,
         rule: Rule,
     ) -> Result<Option<Verdict>, StoreError> {
         if let Some(cached) = self.shared.cache.entry(resource) {
@@ -461,7 +467,7 @@ impl FenceStore for EmbeddedStore {
     fn compare_and_raise<'a>(
         &'a self,
         resource: &'a str,
-        token: u64,
+        token: Token,
         rule: Rule,
     ) -> BoxFuture<'a, Result<Verdict, StoreError>> {
         match self.decide_here(resource, token, rule) {
@@ -480,7 +486,10 @@ impl FenceStore for EmbeddedStore {
         self.send(raise, answer)
     }
 
-    fn current<'a>(&'a self, resource: &'a str) -> BoxFuture<'a, Result<Option<u64>, StoreError>> {
+    fn current<'a>(
+        &'a self,
+        resource: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Token>, StoreError>> {
         let current = match self.shared.cache.entry(resource) {
             Some(cached) if cached.exact => Ok(Some(cached.value)),
             _ => self.read_maximum(resource),

@@ -6,6 +6,8 @@
 //! the seed that replays it: `FENCEGATE_PROPERTY_SEED=<seed> cargo test --lib
 //! store::embedded::properties`.
 
+use crate::fence::token::tk;
+use crate::fence::Token;
 use std::collections::HashMap;
 use std::sync::atomic::AtomicU64;
 use std::sync::Mutex;
@@ -58,7 +60,7 @@ fn rule(rng: &mut Rng) -> Rule {
     }
 }
 
-fn claim(rng: &mut Rng, token: u64) -> Claim {
+fn claim(rng: &mut Rng, token: Token) -> Claim {
     Claim {
         token,
         fingerprint: Fingerprint([rng.below(2) as u8; 32]),
@@ -78,14 +80,14 @@ async fn sequence(seed: u64) {
     let sizes = [0, 1, 2, 3, 5];
     let mut store = EmbeddedStore::open(&path, "p", rng.pick(&sizes)).unwrap();
     let resources: Vec<String> = (0..2 + rng.below(8)).map(|i| format!("r{i}")).collect();
-    let mut model: HashMap<String, u64> = HashMap::new();
+    let mut model: HashMap<String, Token> = HashMap::new();
     // Every maximum each resource had.
-    let mut history: HashMap<String, Vec<u64>> = HashMap::new();
+    let mut history: HashMap<String, Vec<Token>> = HashMap::new();
     let mut keys = 0;
     for step in 0..120 {
         let at = format!("seed {seed}, step {step}");
         let r = resources[rng.below(resources.len() as u64) as usize].as_str();
-        let token = rng.below(24);
+        let token = tk(rng.below(24));
         match rng.below(100) {
             0..=49 => {
                 let rule = rule(&mut rng);
@@ -171,7 +173,7 @@ async fn sequences_through_a_small_cache_answer_as_the_model() {
 #[derive(Debug, Clone, Copy)]
 struct Seen {
     resource: usize,
-    token: u64,
+    token: Token,
     began: u64,
     ended: u64,
     verdict: Verdict,
@@ -188,7 +190,7 @@ async fn race(seed: u64) {
     let seen = Arc::new(Mutex::new(Vec::new()));
     // Admissions answered so far, per resource: maxima of the past, what a late read may have
     // seen.
-    let answered: Arc<[Mutex<Vec<u64>>; 3]> = Arc::new(Default::default());
+    let answered: Arc<[Mutex<Vec<Token>>; 3]> = Arc::new(Default::default());
     let writers: Vec<_> = (0..4u64)
         .map(|w| {
             let (store, clock, seen) = (store.clone(), clock.clone(), seen.clone());
@@ -197,7 +199,7 @@ async fn race(seed: u64) {
                 let mut rng = Rng::new(seed * 31 + w);
                 for _ in 0..40 {
                     let resource = rng.below(3) as usize;
-                    let token = 1 + rng.below(60);
+                    let token = tk(1 + rng.below(60));
                     let began = clock.fetch_add(1, Ordering::SeqCst);
                     let verdict = store
                         .compare_and_raise(
@@ -234,7 +236,7 @@ async fn race(seed: u64) {
                     let value = past[rng.below(past.len() as u64) as usize];
                     store.shared.cache.observe(&format!("r{resource}"), value);
                 } else {
-                    store.shared.cache.observe(&format!("other{i}"), 1);
+                    store.shared.cache.observe(&format!("other{i}"), 1.into());
                 }
                 tokio::task::yield_now().await;
             }

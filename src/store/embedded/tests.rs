@@ -2,6 +2,7 @@
 
 use super::*;
 use crate::config::EqualTokens;
+use crate::fence::token::tk;
 use crate::sync::Locked;
 
 #[tokio::test]
@@ -11,26 +12,26 @@ async fn survives_reopen() {
     {
         let store = EmbeddedStore::open(&path, "t", 1000).unwrap();
         let v = store
-            .compare_and_raise("r", 9, EqualTokens::Allow.into())
+            .compare_and_raise("r", 9.into(), EqualTokens::Allow.into())
             .await
             .unwrap();
         assert_eq!(v, Verdict::Admitted { previous: None });
         let v = store
-            .compare_and_raise("r", 4, EqualTokens::Allow.into())
+            .compare_and_raise("r", 4.into(), EqualTokens::Allow.into())
             .await
             .unwrap();
-        assert_eq!(v, Verdict::Stale { current: 9 });
+        assert_eq!(v, Verdict::Stale { current: 9.into() });
     }
     let store = EmbeddedStore::open(&path, "t", 1000).unwrap();
-    assert_eq!(store.current("r").await.unwrap(), Some(9));
+    assert_eq!(store.current("r").await.unwrap(), Some(9.into()));
     let v = store
-        .compare_and_raise("r", 8, EqualTokens::Allow.into())
+        .compare_and_raise("r", 8.into(), EqualTokens::Allow.into())
         .await
         .unwrap();
-    assert_eq!(v, Verdict::Stale { current: 9 });
+    assert_eq!(v, Verdict::Stale { current: 9.into() });
 }
 
-fn claim(token: u64, window: Duration) -> Claim {
+fn claim(token: Token, window: Duration) -> Claim {
     Claim {
         token,
         fingerprint: crate::idempotency::Fingerprint([7; 32]),
@@ -45,11 +46,11 @@ fn claim(token: u64, window: Duration) -> Claim {
 async fn records_survive_reopen() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("f.db");
-    let c = claim(4, Duration::from_secs(60));
+    let c = claim(4.into(), Duration::from_secs(60));
     let done = Record {
         phase: Phase::Completed,
         status: Some(204),
-        ..Record::in_flight(4, c.fingerprint)
+        ..Record::in_flight(4.into(), c.fingerprint)
     };
     {
         let store = EmbeddedStore::open(&path, "t", 1000).unwrap();
@@ -60,7 +61,7 @@ async fn records_survive_reopen() {
         assert!(store.finish_idempotent("r", "k", &c, &done).await.unwrap());
     }
     let store = EmbeddedStore::open(&path, "t", 1000).unwrap();
-    assert_eq!(store.current("r").await.unwrap(), Some(4));
+    assert_eq!(store.current("r").await.unwrap(), Some(4.into()));
     assert_eq!(
         store.begin_idempotent("r", "k", &c).await.unwrap(),
         Begin::Completed(done)
@@ -73,7 +74,7 @@ async fn expired_records_are_absent_and_purged_by_later_writes() {
     let path = dir.path().join("f.db");
     {
         let store = EmbeddedStore::open(&path, "t", 1000).unwrap();
-        let short = claim(1, Duration::from_millis(1));
+        let short = claim(1.into(), Duration::from_millis(1));
         for key in ["a", "b", "c"] {
             assert!(matches!(
                 store.begin_idempotent("r", key, &short).await.unwrap(),
@@ -84,9 +85,11 @@ async fn expired_records_are_absent_and_purged_by_later_writes() {
         // Expired: the key executes again; this write purges the other two.
         assert_eq!(
             store.begin_idempotent("r", "a", &short).await.unwrap(),
-            Begin::Execute { previous: Some(1) }
+            Begin::Execute {
+                previous: Some(1.into())
+            }
         );
-        let long = claim(2, Duration::from_secs(60));
+        let long = claim(2.into(), Duration::from_secs(60));
         assert!(matches!(
             store.begin_idempotent("r", "d", &long).await.unwrap(),
             Begin::Execute { .. }
@@ -114,13 +117,13 @@ async fn expired_records_are_absent_and_purged_by_later_writes() {
 async fn a_wall_clock_step_expires_no_record_early() {
     let dir = tempfile::tempdir().unwrap();
     let store = EmbeddedStore::open(&dir.path().join("f.db"), "t", 1000).unwrap();
-    let a = claim(4, Duration::from_secs(60));
+    let a = claim(4.into(), Duration::from_secs(60));
     assert_eq!(
         store.begin_idempotent("r", "k", &a).await.unwrap(),
         Begin::Execute { previous: None }
     );
     step_clock(&store, 3_600_000);
-    let retry = claim(4, Duration::from_secs(60));
+    let retry = claim(4.into(), Duration::from_secs(60));
     assert_eq!(
         store.begin_idempotent("r", "k", &retry).await.unwrap(),
         Begin::InFlight
@@ -137,7 +140,7 @@ async fn a_wall_clock_step_expires_no_record_early() {
     let done = Record {
         phase: Phase::Completed,
         status: Some(204),
-        ..Record::in_flight(4, a.fingerprint)
+        ..Record::in_flight(4.into(), a.fingerprint)
     };
     assert!(store.finish_idempotent("r", "k", &a, &done).await.unwrap());
     assert_eq!(
@@ -164,7 +167,7 @@ async fn a_wall_clock_stepped_back_keeps_no_record_alive() {
     let dir = tempfile::tempdir().unwrap();
     let store = EmbeddedStore::open(&dir.path().join("f.db"), "t", 1000).unwrap();
     let window = Duration::from_millis(200);
-    let a = claim(4, window);
+    let a = claim(4.into(), window);
     assert!(matches!(
         store.begin_idempotent("r", "k", &a).await.unwrap(),
         Begin::Execute { .. }
@@ -172,7 +175,7 @@ async fn a_wall_clock_stepped_back_keeps_no_record_alive() {
     let done = Record {
         phase: Phase::Completed,
         status: Some(204),
-        ..Record::in_flight(4, a.fingerprint)
+        ..Record::in_flight(4.into(), a.fingerprint)
     };
     assert!(store.finish_idempotent("r", "k", &a, &done).await.unwrap());
     let written = Instant::now();
@@ -180,7 +183,7 @@ async fn a_wall_clock_stepped_back_keeps_no_record_alive() {
     step_clock(&store, -86_400_000);
     // Within its window (asked with time to spare) it is the answer to a retry...
     let answer = store
-        .begin_idempotent("r", "k", &claim(4, window))
+        .begin_idempotent("r", "k", &claim(4.into(), window))
         .await
         .unwrap();
     if written.elapsed() < window {
@@ -190,7 +193,7 @@ async fn a_wall_clock_stepped_back_keeps_no_record_alive() {
     tokio::time::sleep((window + Duration::from_millis(50)).saturating_sub(written.elapsed()))
         .await;
     let answer = store
-        .begin_idempotent("r", "k", &claim(4, window))
+        .begin_idempotent("r", "k", &claim(4.into(), window))
         .await
         .unwrap();
     assert!(matches!(answer, Begin::Execute { .. }), "{answer:?}");
@@ -205,7 +208,7 @@ async fn concurrent_raises_share_commits() {
             let store = Arc::clone(&store);
             tokio::spawn(async move {
                 store
-                    .compare_and_raise(&format!("r{}", i % 20), i, EqualTokens::Allow.into())
+                    .compare_and_raise(&format!("r{}", i % 20), tk(i), EqualTokens::Allow.into())
                     .await
                     .unwrap()
             })
@@ -216,7 +219,7 @@ async fn concurrent_raises_share_commits() {
     }
     for r in 0..20u64 {
         let max = (0..200u64).filter(|i| i % 20 == r).max();
-        assert_eq!(store.current(&format!("r{r}")).await.unwrap(), max);
+        assert_eq!(store.current(&format!("r{r}")).await.unwrap(), max.map(tk));
     }
     // 200 raises queued while earlier syncs ran: far fewer commits than raises.
     assert!(store.commits() < 100, "{} commits", store.commits());
@@ -258,7 +261,7 @@ fn raises_queued_before_the_runtime_parks_share_one_commit() {
     hooked_runtime().block_on(async {
         // The writer is idle, so this wakes it at once; the runtime parks while it waits.
         let v = store
-            .compare_and_raise("first", 1, EqualTokens::Allow.into())
+            .compare_and_raise("first", 1.into(), EqualTokens::Allow.into())
             .await;
         assert_eq!(v.unwrap(), Verdict::Admitted { previous: None });
         assert_eq!(store.commits(), 1);
@@ -273,7 +276,7 @@ fn raises_queued_before_the_runtime_parks_share_one_commit() {
             .map(|i| {
                 store.compare_and_raise(
                     ["a", "b", "c", "d"][i % 4],
-                    2 + i as u64,
+                    tk(2 + i as u64),
                     EqualTokens::Allow.into(),
                 )
             })
@@ -284,12 +287,22 @@ fn raises_queued_before_the_runtime_parks_share_one_commit() {
         }
         assert_eq!(store.commits(), 2);
         assert_eq!(verdicts[0], Verdict::Admitted { previous: None });
-        assert_eq!(verdicts[4], Verdict::Admitted { previous: Some(2) });
-        assert_eq!(verdicts[63], Verdict::Admitted { previous: Some(61) });
+        assert_eq!(
+            verdicts[4],
+            Verdict::Admitted {
+                previous: Some(2.into())
+            }
+        );
+        assert_eq!(
+            verdicts[63],
+            Verdict::Admitted {
+                previous: Some(61.into())
+            }
+        );
     });
     assert_eq!(
         store.shared.cache.entry("d").map(|c| (c.value, c.exact)),
-        Some((65, true))
+        Some((65.into(), true))
     );
 }
 
@@ -313,7 +326,7 @@ async fn a_thread_without_the_hook_wakes_the_writer_at_once() {
     let store = patient(&dir);
     for token in 1..=3 {
         // After the first commit the writer waits an hour unless woken.
-        let raise = store.compare_and_raise("r", token, EqualTokens::Allow.into());
+        let raise = store.compare_and_raise("r", token.into(), EqualTokens::Allow.into());
         let v = tokio::time::timeout(Duration::from_secs(10), raise)
             .await
             .expect("the writer was not woken");
@@ -329,24 +342,26 @@ fn an_idle_writer_is_woken_at_once_even_from_a_hooked_runtime() {
     let store = EmbeddedStore::open_polling(&dir.path().join("f.db"), "t", 1000, poll).unwrap();
     hooked_runtime().block_on(async {
         let v = store
-            .compare_and_raise("r", 1, EqualTokens::Allow.into())
+            .compare_and_raise("r", 1.into(), EqualTokens::Allow.into())
             .await;
         assert_eq!(v.unwrap(), Verdict::Admitted { previous: None });
         until("the writer to go idle", || {
             store.shared.idle.load(Ordering::Relaxed)
         });
         // Queued without letting the runtime park: only an immediate wake commits it.
-        let raise = store.compare_and_raise("r", 2, EqualTokens::Allow.into());
+        let raise = store.compare_and_raise("r", 2.into(), EqualTokens::Allow.into());
         until("the second commit", || store.commits() == 2);
         assert_eq!(
             raise.await.unwrap(),
-            Verdict::Admitted { previous: Some(1) }
+            Verdict::Admitted {
+                previous: Some(1.into())
+            }
         );
     });
 }
 
 /// Raises `resources` to `token` each (in one batch), so that a small cache evicts.
-async fn fill(store: &EmbeddedStore, resources: std::ops::Range<u64>, token: u64) {
+async fn fill(store: &EmbeddedStore, resources: std::ops::Range<u64>, token: Token) {
     let raises: Vec<_> = resources
         .map(|i| format!("r{i}"))
         .map(|r| async move {
@@ -366,19 +381,19 @@ async fn opening_reads_no_maximum() {
     let path = dir.path().join("f.db");
     {
         let store = EmbeddedStore::open(&path, "t", 100_000).unwrap();
-        fill(&store, 0..2_000, 3).await;
+        fill(&store, 0..2_000, 3.into()).await;
         assert_eq!(store.cached(), 2_000);
     }
     let store = EmbeddedStore::open(&path, "t", 100_000).unwrap();
     assert_eq!(store.cached(), 0);
     // Each is read from the file on first use.
-    assert_eq!(store.current("r1999").await.unwrap(), Some(3));
+    assert_eq!(store.current("r1999").await.unwrap(), Some(3.into()));
     assert_eq!(
         store
-            .compare_and_raise("r7", 2, EqualTokens::Allow.into())
+            .compare_and_raise("r7", 2.into(), EqualTokens::Allow.into())
             .await
             .unwrap(),
-        Verdict::Stale { current: 3 }
+        Verdict::Stale { current: 3.into() }
     );
     assert_eq!(store.cached(), 2);
 }
@@ -387,40 +402,44 @@ async fn opening_reads_no_maximum() {
 async fn the_cache_is_bounded_and_an_evicted_maximum_is_read_from_the_file() {
     let dir = tempfile::tempdir().unwrap();
     let store = EmbeddedStore::open(&dir.path().join("f.db"), "t", 8).unwrap();
-    fill(&store, 0..100, 5).await;
+    fill(&store, 0..100, 5.into()).await;
     assert!(store.cached() <= 8, "{} cached", store.cached());
     assert!(!store.shared.cache.contains("r0"));
     let commits = store.commits();
     // Refused from the file, without the writer.
     assert_eq!(
         store
-            .compare_and_raise("r0", 4, EqualTokens::Allow.into())
+            .compare_and_raise("r0", 4.into(), EqualTokens::Allow.into())
             .await
             .unwrap(),
-        Verdict::Stale { current: 5 }
+        Verdict::Stale { current: 5.into() }
     );
     assert_eq!(
         store
-            .compare_and_raise("r1", 5, EqualTokens::Reject.into())
+            .compare_and_raise("r1", 5.into(), EqualTokens::Reject.into())
             .await
             .unwrap(),
-        Verdict::Stale { current: 5 }
+        Verdict::Stale { current: 5.into() }
     );
     // A repeat of the maximum: admitted, nothing written.
     assert_eq!(
         store
-            .compare_and_raise("r2", 5, EqualTokens::Allow.into())
+            .compare_and_raise("r2", 5.into(), EqualTokens::Allow.into())
             .await
             .unwrap(),
-        Verdict::Admitted { previous: Some(5) }
+        Verdict::Admitted {
+            previous: Some(5.into())
+        }
     );
     assert_eq!(store.commits(), commits);
     assert_eq!(
         store
-            .compare_and_raise("r3", 6, EqualTokens::Allow.into())
+            .compare_and_raise("r3", 6.into(), EqualTokens::Allow.into())
             .await
             .unwrap(),
-        Verdict::Admitted { previous: Some(5) }
+        Verdict::Admitted {
+            previous: Some(5.into())
+        }
     );
     assert_eq!(store.commits(), commits + 1);
 }
@@ -435,20 +454,20 @@ async fn a_lower_bound_in_the_cache_admits_nothing_below_the_durable_maximum() {
     let store = EmbeddedStore::open(&dir.path().join("f.db"), "t", 1).unwrap();
     assert!(matches!(
         store
-            .compare_and_raise("r", 9, EqualTokens::Allow.into())
+            .compare_and_raise("r", 9.into(), EqualTokens::Allow.into())
             .await
             .unwrap(),
         Verdict::Admitted { previous: None }
     ));
     let plant = || {
         // Another resource takes the only place, then the late read lands.
-        store.shared.cache.observe("other", 1);
+        store.shared.cache.observe("other", 1.into());
         assert!(!store.shared.cache.contains("r"));
-        store.shared.cache.observe("r", 3);
+        store.shared.cache.observe("r", 3.into());
         assert_eq!(
             store.shared.cache.entry("r"),
             Some(crate::maxima::Cached {
-                value: 3,
+                value: 3.into(),
                 exact: false
             })
         );
@@ -458,21 +477,21 @@ async fn a_lower_bound_in_the_cache_admits_nothing_below_the_durable_maximum() {
         plant();
         assert_eq!(
             store
-                .compare_and_raise("r", token, EqualTokens::Allow.into())
+                .compare_and_raise("r", token.into(), EqualTokens::Allow.into())
                 .await
                 .unwrap(),
-            Verdict::Stale { current: 9 },
+            Verdict::Stale { current: 9.into() },
             "token {token}"
         );
     }
     plant();
-    assert_eq!(store.current("r").await.unwrap(), Some(9));
+    assert_eq!(store.current("r").await.unwrap(), Some(9.into()));
     // Through the idempotent path as well.
     plant();
-    let c = claim(5, Duration::from_secs(60));
+    let c = claim(5.into(), Duration::from_secs(60));
     assert!(matches!(
         store.begin_idempotent("r", "k", &c).await.unwrap(),
-        Begin::Stale { current: 9 }
+        Begin::Stale { current } if current == 9.into()
     ));
 }
 
@@ -483,37 +502,37 @@ async fn the_writer_keeps_exact_values_exact() {
     let dir = tempfile::tempdir().unwrap();
     let store = EmbeddedStore::open(&dir.path().join("f.db"), "t", 100).unwrap();
     store
-        .compare_and_raise("r", 4, EqualTokens::Allow.into())
+        .compare_and_raise("r", 4.into(), EqualTokens::Allow.into())
         .await
         .unwrap();
     let exact = |value| Some(crate::maxima::Cached { value, exact: true });
-    assert_eq!(store.shared.cache.entry("r"), exact(4));
+    assert_eq!(store.shared.cache.entry("r"), exact(4.into()));
     let seen = Arc::new(std::sync::Mutex::new(None));
     let saw = Arc::clone(&seen);
     *store.shared.before_commit.locked() = Some(Box::new(move |cache| {
         *saw.locked() = cache.entry("r");
     }));
     store
-        .compare_and_raise("r", 6, EqualTokens::Allow.into())
+        .compare_and_raise("r", 6.into(), EqualTokens::Allow.into())
         .await
         .unwrap();
     // While the raise to 6 committed, 4 was a lower bound only.
     assert_eq!(
         *seen.locked(),
         Some(crate::maxima::Cached {
-            value: 4,
+            value: 4.into(),
             exact: false
         })
     );
-    assert_eq!(store.shared.cache.entry("r"), exact(6));
+    assert_eq!(store.shared.cache.entry("r"), exact(6.into()));
     // Read by the writer (a stale claim): exact too.
     store.shared.cache.unconfirm("r");
-    let c = claim(2, Duration::from_secs(60));
+    let c = claim(2.into(), Duration::from_secs(60));
     assert!(matches!(
         store.begin_idempotent("r", "k", &c).await.unwrap(),
-        Begin::Stale { current: 6 }
+        Begin::Stale { current } if current == 6.into()
     ));
-    assert_eq!(store.shared.cache.entry("r"), exact(6));
+    assert_eq!(store.shared.cache.entry("r"), exact(6.into()));
 }
 
 /// Moves the store's wall clock to `ms` after (or, negative, before) the real one.
@@ -534,35 +553,45 @@ async fn maxima_not_raised_for_the_retention_are_forgotten() {
         let store = EmbeddedStore::open(&path, "t", 1000).unwrap();
         store.forget_after(Duration::from_secs(3600)).unwrap();
         for (r, token) in [("a", 5), ("b", 3), ("c", 7)] {
-            let v = store.compare_and_raise(r, token, EqualTokens::Allow.into());
+            let v = store.compare_and_raise(r, token.into(), EqualTokens::Allow.into());
             assert_eq!(v.await.unwrap(), Verdict::Admitted { previous: None });
         }
         step_clock(&store, 30 * MINUTE);
         let v = store
-            .compare_and_raise("b", 4, EqualTokens::Allow.into())
+            .compare_and_raise("b", 4.into(), EqualTokens::Allow.into())
             .await;
-        assert_eq!(v.unwrap(), Verdict::Admitted { previous: Some(3) });
+        assert_eq!(
+            v.unwrap(),
+            Verdict::Admitted {
+                previous: Some(3.into())
+            }
+        );
         let v = store
-            .compare_and_raise("a", 5, EqualTokens::Allow.into())
+            .compare_and_raise("a", 5.into(), EqualTokens::Allow.into())
             .await;
-        assert_eq!(v.unwrap(), Verdict::Admitted { previous: Some(5) });
+        assert_eq!(
+            v.unwrap(),
+            Verdict::Admitted {
+                previous: Some(5.into())
+            }
+        );
         assert!(store.shared.cache.contains("a"));
         // An hour and a minute after a's and c's raise: the next batch forgets them first.
         step_clock(&store, 61 * MINUTE);
         let v = store
-            .compare_and_raise("d", 1, EqualTokens::Allow.into())
+            .compare_and_raise("d", 1.into(), EqualTokens::Allow.into())
             .await;
         assert_eq!(v.unwrap(), Verdict::Admitted { previous: None });
         assert!(!store.shared.cache.contains("a"));
         assert!(!store.shared.cache.contains("c"));
         assert_eq!(store.read_maximum("a").unwrap(), None);
         assert_eq!(store.read_maximum("c").unwrap(), None);
-        assert_eq!(store.current("b").await.unwrap(), Some(4));
-        assert_eq!(store.current("d").await.unwrap(), Some(1));
+        assert_eq!(store.current("b").await.unwrap(), Some(4.into()));
+        assert_eq!(store.current("d").await.unwrap(), Some(1.into()));
         // Forgotten: any token is admitted again (which is why the config allows retention
         // only where the lease backend refuses old tokens).
         let v = store
-            .compare_and_raise("a", 2, EqualTokens::Allow.into())
+            .compare_and_raise("a", 2.into(), EqualTokens::Allow.into())
             .await;
         assert_eq!(v.unwrap(), Verdict::Admitted { previous: None });
     }
@@ -570,14 +599,14 @@ async fn maxima_not_raised_for_the_retention_are_forgotten() {
     let store = EmbeddedStore::open(&path, "t", 1000).unwrap();
     store.forget_after(Duration::from_secs(3600)).unwrap();
     assert_eq!(store.current("c").await.unwrap(), None);
-    assert_eq!(store.current("b").await.unwrap(), Some(4));
+    assert_eq!(store.current("b").await.unwrap(), Some(4.into()));
     step_clock(&store, 91 * MINUTE);
     let v = store
-        .compare_and_raise("e", 1, EqualTokens::Allow.into())
+        .compare_and_raise("e", 1.into(), EqualTokens::Allow.into())
         .await;
     assert_eq!(v.unwrap(), Verdict::Admitted { previous: None });
     assert_eq!(store.read_maximum("b").unwrap(), None);
-    assert_eq!(store.read_maximum("a").unwrap(), Some(2));
+    assert_eq!(store.read_maximum("a").unwrap(), Some(2.into()));
 }
 
 /// An idle writer wakes for its next forgetting pass on its own; without retention nothing is
@@ -592,23 +621,23 @@ fn an_idle_writer_forgets_without_a_write() {
     let store = EmbeddedStore::open(&dir.path().join("f.db"), "t", 1000).unwrap();
     runtime.block_on(async {
         let v = store
-            .compare_and_raise("kept", 5, EqualTokens::Allow.into())
+            .compare_and_raise("kept", 5.into(), EqualTokens::Allow.into())
             .await;
         assert_eq!(v.unwrap(), Verdict::Admitted { previous: None });
     });
     step_clock(&store, 10 * 24 * 60 * MINUTE);
     runtime.block_on(async {
         let v = store
-            .compare_and_raise("other", 1, EqualTokens::Allow.into())
+            .compare_and_raise("other", 1.into(), EqualTokens::Allow.into())
             .await;
         assert_eq!(v.unwrap(), Verdict::Admitted { previous: None });
     });
-    assert_eq!(store.read_maximum("kept").unwrap(), Some(5));
+    assert_eq!(store.read_maximum("kept").unwrap(), Some(5.into()));
 
     store.forget_after(Duration::from_secs(3600)).unwrap();
     runtime.block_on(async {
         let v = store
-            .compare_and_raise("gone", 5, EqualTokens::Allow.into())
+            .compare_and_raise("gone", 5.into(), EqualTokens::Allow.into())
             .await;
         assert_eq!(v.unwrap(), Verdict::Admitted { previous: None });
     });
@@ -622,7 +651,7 @@ fn an_idle_writer_forgets_without_a_write() {
     until("the idle writer commits", || store.commits() > commits);
     assert_eq!(store.commits(), commits + 1);
     assert_eq!(store.read_maximum("gone").unwrap(), None);
-    assert_eq!(store.read_maximum("kept").unwrap(), Some(5));
+    assert_eq!(store.read_maximum("kept").unwrap(), Some(5.into()));
 }
 
 /// A run without retention drops the raise times an earlier run with retention left, so that
@@ -630,7 +659,7 @@ fn an_idle_writer_forgets_without_a_write() {
 /// two hours after its recorded raise (while retention was off), is kept.
 #[tokio::test]
 async fn raise_times_do_not_outlive_a_run_without_retention() {
-    async fn raise(store: &EmbeddedStore, r: &str, token: u64) -> Verdict {
+    async fn raise(store: &EmbeddedStore, r: &str, token: Token) -> Verdict {
         store
             .compare_and_raise(r, token, EqualTokens::Allow.into())
             .await
@@ -642,7 +671,7 @@ async fn raise_times_do_not_outlive_a_run_without_retention() {
         let store = EmbeddedStore::open(&path, "t", 1000).unwrap();
         store.forget_after(Duration::from_secs(3600)).unwrap();
         assert_eq!(
-            raise(&store, "r", 1).await,
+            raise(&store, "r", 1.into()).await,
             Verdict::Admitted { previous: None }
         );
     }
@@ -650,18 +679,20 @@ async fn raise_times_do_not_outlive_a_run_without_retention() {
         let store = EmbeddedStore::open(&path, "t", 1000).unwrap();
         step_clock(&store, 120 * MINUTE);
         assert_eq!(
-            raise(&store, "r", 2).await,
-            Verdict::Admitted { previous: Some(1) }
+            raise(&store, "r", 2.into()).await,
+            Verdict::Admitted {
+                previous: Some(1.into())
+            }
         );
     }
     let store = EmbeddedStore::open(&path, "t", 1000).unwrap();
     store.forget_after(Duration::from_secs(3600)).unwrap();
     step_clock(&store, 130 * MINUTE);
     assert_eq!(
-        raise(&store, "other", 1).await,
+        raise(&store, "other", 1.into()).await,
         Verdict::Admitted { previous: None }
     );
-    assert_eq!(store.read_maximum("r").unwrap(), Some(2));
+    assert_eq!(store.read_maximum("r").unwrap(), Some(2.into()));
 }
 
 /// The resources that have a raise time in the file at `path` (the store closed).
@@ -689,7 +720,7 @@ fn aged(path: &std::path::Path) -> Vec<String> {
 /// written.
 #[tokio::test]
 async fn retention_on_then_off_then_on_across_restarts() {
-    async fn raise(store: &EmbeddedStore, r: &str, token: u64, equal: EqualTokens) -> Verdict {
+    async fn raise(store: &EmbeddedStore, r: &str, token: Token, equal: EqualTokens) -> Verdict {
         store
             .compare_and_raise(r, token, equal.into())
             .await
@@ -702,11 +733,11 @@ async fn retention_on_then_off_then_on_across_restarts() {
         let store = EmbeddedStore::open(&path, "t", 1000).unwrap();
         store.forget_after(Duration::from_secs(3600)).unwrap();
         assert_eq!(
-            raise(&store, "r", 3, Allow).await,
+            raise(&store, "r", 3.into(), Allow).await,
             Verdict::Admitted { previous: None }
         );
         assert_eq!(
-            raise(&store, "s", 4, Allow).await,
+            raise(&store, "s", 4.into(), Allow).await,
             Verdict::Admitted { previous: None }
         );
     }
@@ -715,30 +746,30 @@ async fn retention_on_then_off_then_on_across_restarts() {
         let store = EmbeddedStore::open(&path, "t", 1000).unwrap();
         step_clock(&store, 10 * 24 * 60 * MINUTE);
         assert_eq!(
-            raise(&store, "other", 1, Reject).await,
+            raise(&store, "other", 1.into(), Reject).await,
             Verdict::Admitted { previous: None }
         );
         assert_eq!(
-            raise(&store, "s", 4, Reject).await,
-            Verdict::Stale { current: 4 }
+            raise(&store, "s", 4.into(), Reject).await,
+            Verdict::Stale { current: 4.into() }
         );
-        assert_eq!(store.read_maximum("r").unwrap(), Some(3));
+        assert_eq!(store.read_maximum("r").unwrap(), Some(3.into()));
     }
     assert_eq!(aged(&path), Vec::<String>::new());
     let store = EmbeddedStore::open(&path, "t", 1000).unwrap();
     store.forget_after(Duration::from_secs(3600)).unwrap();
     step_clock(&store, 20 * 24 * 60 * MINUTE);
     assert_eq!(
-        raise(&store, "new", 1, Allow).await,
+        raise(&store, "new", 1.into(), Allow).await,
         Verdict::Admitted { previous: None }
     );
     step_clock(&store, 20 * 24 * 60 * MINUTE + 61 * MINUTE);
     assert_eq!(
-        raise(&store, "later", 1, Allow).await,
+        raise(&store, "later", 1.into(), Allow).await,
         Verdict::Admitted { previous: None }
     );
     assert_eq!(store.read_maximum("new").unwrap(), None, "forgotten");
     for (r, max) in [("r", 3), ("s", 4), ("other", 1)] {
-        assert_eq!(store.read_maximum(r).unwrap(), Some(max), "{r}");
+        assert_eq!(store.read_maximum(r).unwrap(), Some(max.into()), "{r}");
     }
 }

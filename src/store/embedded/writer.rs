@@ -2,6 +2,7 @@
 
 use super::retention::{self, Ages};
 use super::*;
+use crate::fence::Token;
 
 /// How often a failed database is reopened and probed with a real write, so readiness comes
 /// back once the disk does (a failed redb commit poisons the handle until it is reopened).
@@ -202,7 +203,7 @@ fn recover(
 
 /// The maxima a batch read from the table or raised: the value after the batch (`None`: no
 /// maximum recorded), and whether the batch raised it.
-type Maxima = HashMap<Box<str>, (Option<u64>, bool)>;
+type Maxima = HashMap<Box<str>, (Option<Token>, bool)>;
 
 /// The answers in batch order, the maxima the batch read or raised, whether anything was
 /// committed, and the resources whose maxima it forgot.
@@ -226,11 +227,14 @@ fn maximum(
     fences: &Table<&'static str, u64>,
     maxima: &mut Maxima,
     resource: &str,
-) -> Result<Option<u64>, redb::Error> {
+) -> Result<Option<Token>, redb::Error> {
     if let Some((value, _)) = maxima.get(resource) {
         return Ok(*value);
     }
-    let value = fences.get(resource)?.map(|v| v.value());
+    let value = fences
+        .get(resource)?
+        .map(|v| stored(v.value()))
+        .transpose()?;
     maxima.insert(resource.into(), (value, false));
     Ok(value)
 }
@@ -242,9 +246,9 @@ fn raise(
     ages: &mut Option<Ages<'_>>,
     maxima: &mut Maxima,
     resource: &str,
-    token: u64,
+    token: Token,
 ) -> Result<(), redb::Error> {
-    fences.insert(resource, token)?;
+    fences.insert(resource, token.get())?;
     if let Some(ages) = ages {
         ages.touch(resource)?;
     }

@@ -6,6 +6,7 @@
 use super::{padded, parse, unavailable, EtcdRemote};
 use crate::conn::BoxFuture;
 use crate::etcd::{KeyValue, Txn, TxnOp, TxnOpResponse};
+use crate::fence::Token;
 use crate::store::admin::{Fence, Inspect, Page};
 use crate::store::StoreError;
 
@@ -109,8 +110,8 @@ impl Inspect for EtcdRemote {
     fn reset<'a>(
         &'a self,
         resource: &'a str,
-        to: u64,
-    ) -> BoxFuture<'a, Result<Option<u64>, StoreError>> {
+        to: Token,
+    ) -> BoxFuture<'a, Result<Option<Token>, StoreError>> {
         Box::pin(async move {
             let key = self.key(resource);
             let txn = Txn::new().and_then([

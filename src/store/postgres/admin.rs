@@ -4,12 +4,13 @@
 //! kept until a raise), then the generation in `{prefix}_resets`, created by the first reset.
 //! Running fencegates read that row ([`crate::store::shared::resets`]).
 
+use crate::fence::Token;
 use std::sync::atomic::Ordering;
 
 use tokio_postgres::error::SqlState;
 use tokio_postgres::Row;
 
-use super::{failed, signed, token_of, PostgresRemote};
+use super::{failed, token_of, PostgresRemote};
 use crate::conn::postgres::like_escape;
 use crate::conn::BoxFuture;
 use crate::store::admin::{Fence, Inspect, Page};
@@ -63,7 +64,14 @@ impl PostgresRemote {
         let rows = self
             .rows(&format!("SELECT generation FROM {table}"), &[])
             .await?;
-        rows.first().map_or(Ok(0), |r| token_of(r.get(0)))
+        rows.first().map_or(Ok(0), |r| {
+            let generation: i64 = r.get(0);
+            u64::try_from(generation).map_err(|_| {
+                StoreError::corrupt(format!(
+                    "postgres holds a negative reset generation {generation}"
+                ))
+            })
+        })
     }
 }
 
@@ -117,10 +125,10 @@ impl Inspect for PostgresRemote {
     fn reset<'a>(
         &'a self,
         resource: &'a str,
-        to: u64,
-    ) -> BoxFuture<'a, Result<Option<u64>, StoreError>> {
+        to: Token,
+    ) -> BoxFuture<'a, Result<Option<Token>, StoreError>> {
         Box::pin(async move {
-            let to = signed(to)?;
+            let to = to.to_i64();
             let resets = self.resets_table();
             let table = &self.table;
             // Creates the maxima's tables if missing: a reset may set a first maximum.

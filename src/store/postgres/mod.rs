@@ -43,6 +43,7 @@ mod admin;
 mod records;
 mod retention;
 
+use crate::fence::Token;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -223,21 +224,14 @@ fn failed(e: &(dyn std::error::Error + 'static)) -> StoreError {
     StoreError::new(failure(e), format!("postgres: {}", describe(e)))
 }
 
-/// Tokens are `BIGINT`; the token grammar keeps them below 2^63, so this is a guard.
-fn too_large() -> StoreError {
-    StoreError::refused("postgres: token above 2^63-1")
-}
-
-fn signed(token: u64) -> Result<i64, StoreError> {
-    i64::try_from(token).map_err(|_| too_large())
-}
-
 fn encoded(record: &Record) -> String {
     String::from_utf8(record.encode()).expect("a record encodes as JSON, which is UTF-8")
 }
 
-fn token_of(v: i64) -> Result<u64, StoreError> {
-    u64::try_from(v)
+/// A `BIGINT` maximum as a token: a negative one is corrupt. (Every [`Token`] fits a
+/// `BIGINT`: [`Token::to_i64`].)
+fn token_of(v: i64) -> Result<Token, StoreError> {
+    Token::try_from(v)
         .map_err(|_| StoreError::corrupt(format!("postgres holds a negative maximum {v}")))
 }
 
@@ -245,13 +239,13 @@ impl Remote for PostgresRemote {
     fn raise<'a>(
         &'a self,
         resource: &'a str,
-        token: u64,
+        token: Token,
         rule: Rule,
     ) -> BoxFuture<'a, Result<Verdict, StoreError>> {
         Box::pin(async move {
             let client = self.client().await?;
-            let signed = i64::try_from(token).map_err(|_| too_large())?;
-            let floor = rule.floor(token).map(self::signed).transpose()?;
+            let signed = token.to_i64();
+            let floor = rule.floor(token).map(Token::to_i64);
             let raise = match floor {
                 None => &self.raise_sql,
                 Some(_) => &self.raise_from_sql,
@@ -300,7 +294,7 @@ impl Remote for PostgresRemote {
         })
     }
 
-    fn get<'a>(&'a self, resource: &'a str) -> BoxFuture<'a, Result<Option<u64>, StoreError>> {
+    fn get<'a>(&'a self, resource: &'a str) -> BoxFuture<'a, Result<Option<Token>, StoreError>> {
         Box::pin(async move {
             let client = self.client().await?;
             let row = client

@@ -11,7 +11,7 @@ use deadpool_postgres::Pool;
 use tokio_postgres::types::ToSql;
 use tokio_postgres::Row;
 
-use super::{encoded, failed, signed, token_of, PostgresRemote};
+use super::{encoded, failed, token_of, PostgresRemote};
 use crate::conn::postgres::Guard;
 use crate::idempotency::{self, AttemptId, Begin, Claim, Record};
 use crate::store::record_key;
@@ -149,11 +149,11 @@ impl PostgresRemote {
                     &resource,
                     &key,
                     &outcome.phase.code(),
-                    &signed(outcome.token)?,
+                    &outcome.token.to_i64(),
                     &outcome.fingerprint.hex(),
                     &encoded(outcome),
                     &claim.window.as_secs_f64(),
-                    &signed(claim.token)?,
+                    &claim.token.to_i64(),
                     &claim.fingerprint.hex(),
                     &claim.attempt.hex(),
                 ],
@@ -174,7 +174,7 @@ impl PostgresRemote {
         takeover: Option<AttemptId>,
     ) -> Result<Option<Claimed>, StoreError> {
         let sql = &self.idem;
-        let token = signed(claim.token)?;
+        let token = claim.token.to_i64();
         let tx = Tx(
             client.transaction().await.map_err(|e| self.failed(&e))?,
             &self.guard,

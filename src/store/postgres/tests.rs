@@ -55,7 +55,7 @@ async fn an_abandoned_table_set_up_returns_no_aborted_transaction_to_the_pool() 
         .unwrap();
     let remote = PostgresRemote::new(URL, &prefix, None, None).unwrap();
     {
-        let raise = remote.raise("a", 1, EqualTokens::Allow.into());
+        let raise = remote.raise("a", 1.into(), EqualTokens::Allow.into());
         tokio::pin!(raise);
         // Given up once the set-up waits for the lock, as a caller's timeout gives up.
         let waiting = async {
@@ -95,7 +95,7 @@ async fn an_abandoned_table_set_up_returns_no_aborted_transaction_to_the_pool() 
         .unwrap();
     assert_eq!(
         remote
-            .raise("a", 1, EqualTokens::Allow.into())
+            .raise("a", 1.into(), EqualTokens::Allow.into())
             .await
             .unwrap(),
         Verdict::Admitted { previous: None }

@@ -4,6 +4,7 @@
 //! no expiry: a reset maximum is kept until a raise), then `INCR {prefix}:resets`, the reset
 //! generation, a key of its own (outside every resource's hash tag, like the retention mark).
 
+use crate::fence::Token;
 use redis::Script;
 
 use super::{parse, unavailable, RedisRemote};
@@ -38,7 +39,11 @@ impl RedisRemote {
             .map_err(unavailable)?;
         value
             .as_deref()
-            .map(parse)
+            .map(|raw| {
+                raw.parse().map_err(|_| {
+                    StoreError::corrupt(format!("redis holds a non-count of resets `{raw}`"))
+                })
+            })
             .transpose()
             .map(Option::unwrap_or_default)
     }
@@ -133,8 +138,8 @@ impl Inspect for RedisRemote {
     fn reset<'a>(
         &'a self,
         resource: &'a str,
-        to: u64,
-    ) -> BoxFuture<'a, Result<Option<u64>, StoreError>> {
+        to: Token,
+    ) -> BoxFuture<'a, Result<Option<Token>, StoreError>> {
         Box::pin(async move {
             let (key, resets) = (&self.key(resource), &self.resets_key());
             let script = &Script::new(RESET);

@@ -450,7 +450,7 @@ async fn etcd_wrong_password_is_not_tried_again_by_every_call() {
                 store
                     .compare_and_raise(
                         &format!("r{i}"),
-                        1,
+                        1.into(),
                         fencegate::config::EqualTokens::Allow.into(),
                     )
                     .await
@@ -530,18 +530,23 @@ async fn etcd_tokens_refused_after_a_restart_are_replaced_without_an_error() {
     fencegate::tls::install_default_provider();
     let store = fencegate::store::open(&config.store).await.unwrap();
     use fencegate::config::EqualTokens::Allow;
-    assert!(store.compare_and_raise("r", 1, Allow.into()).await.is_ok());
+    assert!(store
+        .compare_and_raise("r", 1.into(), Allow.into())
+        .await
+        .is_ok());
     etcd.restart(&pki).await;
     // The channel may still hold the connection to the old process: transport errors until it
     // notices are expected; a refused token never is.
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut errors = Vec::new();
     loop {
-        match store.compare_and_raise("r", 2, Allow.into()).await {
+        match store.compare_and_raise("r", 2.into(), Allow.into()).await {
             Ok(verdict) => {
                 assert_eq!(
                     verdict,
-                    fencegate::fence::verdict::Verdict::Admitted { previous: Some(1) }
+                    fencegate::fence::verdict::Verdict::Admitted {
+                        previous: Some(1.into())
+                    }
                 );
                 break;
             }
