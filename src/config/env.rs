@@ -3,15 +3,31 @@
 /// A `${NAME}` that cannot be expanded, with its line.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum EnvError {
+    /// A `${` with no `}` after it.
     #[error("line {line}: `${{` without a closing `}}`")]
-    Unclosed { line: usize },
+    Unclosed {
+        /// The line of the `${`, from 1.
+        line: usize,
+    },
+    /// A name that is not `A-Z`, `0-9` and `_`, or is empty.
     #[error("line {line}: `${{{name}}}`: environment variable names are A-Z, 0-9 and _")]
-    BadName { line: usize, name: String },
+    BadName {
+        /// The line of the `${`, from 1.
+        line: usize,
+        /// The name as written.
+        name: String,
+    },
+    /// A variable that is not set, written without a default.
     #[error(
         "line {line}: environment variable {name} is not set (write ${{{name}:-default}} for a \
          default)"
     )]
-    Unset { line: usize, name: String },
+    Unset {
+        /// The line of the `${`, from 1.
+        line: usize,
+        /// The variable's name.
+        name: String,
+    },
 }
 
 /// Replaces `${NAME}` and `${NAME:-default}` in a config file with environment values, so a

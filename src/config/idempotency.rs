@@ -15,6 +15,8 @@ use super::{values, HeaderNameCfg};
     expecting = "a mapping with `header`, `window`, `max_request_bytes` and `max_response_bytes`"
 )]
 pub struct IdempotencyConfig {
+    /// The header carrying the key (`idempotency.header`); default `idempotency-key`. It must
+    /// differ from `token.header`.
     #[serde(default = "default_idempotency_header")]
     pub header: HeaderNameCfg,
     /// How long a key's record lives after its last write, as written. Default: `leases.ttl`

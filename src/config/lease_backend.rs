@@ -15,12 +15,16 @@ use super::{ClientTlsConfig, KindError, Remote, RemoteKind, SecretUrl};
 pub enum BackendConfig {
     /// Leases in a local redb file: for one process, or tests.
     Embedded {
+        /// The file (`leases.backend.path`); default `/var/lib/fencegate/leases.db`.
         path: PathBuf,
         /// The redb table's name, checked like the store's.
         prefix: String,
     },
+    /// A Redis server, the primary its Sentinels name, or a Redis Cluster (`kind: redis`).
     Redis(Remote),
+    /// A PostgreSQL database (`kind: postgres`).
     Postgres(Remote),
+    /// An etcd cluster (`kind: etcd`).
     Etcd(Remote),
 }
 

@@ -11,6 +11,7 @@ use crate::ttl::{derive, TtlInputs, MAX_LEASE_DURATION, MIN_TTL};
 /// A `leases.ttl` that cannot be used.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum TtlError {
+    /// A TTL written below the 30ms floor.
     #[error(
         "a lease ttl of {} is below the {} floor, under which a lease cannot be renewed \
          reliably: write {} or more",
@@ -18,19 +19,32 @@ pub enum TtlError {
         display(MIN_TTL),
         display(MIN_TTL)
     )]
-    BelowFloor { ttl: Duration },
+    BelowFloor {
+        /// The TTL as written.
+        ttl: Duration,
+    },
+    /// A TTL above 1h, the longest lease.
     #[error(
         "a lease ttl above {} is not supported (got {})",
         display(MAX_LEASE_DURATION),
         display(*ttl)
     )]
-    AboveMax { ttl: Duration },
+    AboveMax {
+        /// The TTL, as written or derived.
+        ttl: Duration,
+    },
+    /// A `ttl` written beside latency budgets, below the TTL they derive.
     #[error(
         "ttl {} is below the derived minimum {}",
         display(*ttl),
         display(*derived)
     )]
-    BelowDerived { ttl: Duration, derived: Duration },
+    BelowDerived {
+        /// The `ttl` as written.
+        ttl: Duration,
+        /// The TTL the latency budgets derive.
+        derived: Duration,
+    },
     /// The latency budgets do not add up to a TTL.
     #[error("{0}")]
     Derivation(String),
@@ -56,6 +70,8 @@ fn at_most_max(ttl: Duration) -> Result<Duration, TtlError> {
 /// safety margin + drift buffer, rounded up).
 #[derive(Debug, Clone)]
 pub struct LeaseTtl {
+    /// The TTL leases are granted for unless a request asks otherwise: as written, else the
+    /// derived one; 30ms to 1h.
     pub ttl: Duration,
     /// Subtracted from the local validity deadline to absorb clock-rate drift.
     pub drift_buffer: Duration,
@@ -224,6 +240,8 @@ impl<'de> Deserialize<'de> for LeaseTtl {
 }
 
 impl LeaseTtl {
+    /// How often a lease of this TTL is renewed: every third of it, before the agent's ±15%
+    /// jitter.
     pub fn renew_every(&self) -> Duration {
         self.ttl / 3
     }

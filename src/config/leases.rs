@@ -15,16 +15,23 @@ use crate::ttl::MAX_LEASE_DURATION;
 /// effective config `check` prints loads again.
 pub const MAX_DRAIN_TIMEOUT: Duration = MAX_LEASE_DURATION.saturating_mul(2);
 
+/// `leases.acquire`: how an acquisition asked to `wait` retries while the lease is held
+/// elsewhere or the backend fails: after `min(max_delay, base_delay × 2^attempt + a random
+/// 0 to jitter)`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(
     deny_unknown_fields,
     expecting = "a mapping with `base_delay`, `max_delay` and `jitter`"
 )]
 pub struct AcquireConfig {
+    /// The first retry's delay, doubled at each retry after it (`leases.acquire.base_delay`);
+    /// default 50ms.
     #[serde(default = "default_base", with = "crate::duration")]
     pub base_delay: Duration,
+    /// The longest delay between two attempts (`leases.acquire.max_delay`); default 2s.
     #[serde(default = "default_max", with = "crate::duration")]
     pub max_delay: Duration,
+    /// The most random delay added before the cap (`leases.acquire.jitter`); default 100ms.
     #[serde(default = "default_jitter", with = "crate::duration")]
     pub jitter: Duration,
 }
@@ -49,12 +56,17 @@ fn default_jitter() -> Duration {
     Duration::from_millis(100)
 }
 
+/// The `leases` section: the lease agent's local API, its backend, the lease TTL, how
+/// acquisitions retry, and how long in-flight work gets on shutdown.
 #[derive(Debug, Clone, Serialize)]
 pub struct LeasesConfig {
     /// The local lease API; loopback by default so only the pod's app can use it.
     pub listen: SocketAddr,
+    /// Where leases are granted (`leases.backend`); required.
     pub backend: BackendConfig,
+    /// The lease TTL, written or derived from latency budgets (`leases.ttl`); required.
     pub ttl: LeaseTtl,
+    /// How an acquisition retries (`leases.acquire`).
     pub acquire: AcquireConfig,
     /// SIGTERM: in-flight work gets this long before leases are released; as written, or
     /// 2 × ttl.

@@ -40,6 +40,7 @@ impl Default for Timeouts {
     }
 }
 
+/// Bounds on how much fencegate reads of a request, and on how many connections it serves.
 #[derive(Debug, Clone, Serialize)]
 pub struct Limits {
     /// Largest request head accepted (HTTP/1 buffer, HTTP/2 header list); larger gets 431.
@@ -105,14 +106,27 @@ impl<'de> Deserialize<'de> for Limits {
 /// A `timeouts` or `limits` value out of its range; `name` is the field's.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum BoundError {
+    /// `header_read`, `upstream` or `store` is zero.
     #[error("`{name}` must be greater than zero")]
-    ZeroTimeout { name: &'static str },
+    ZeroTimeout {
+        /// The timeout's field.
+        name: &'static str,
+    },
+    /// A timeout is above [`MAX_TIMEOUT`].
     #[error("`{name}` must be at most {}", MAX_TIMEOUT_TEXT)]
-    TimeoutTooLong { name: &'static str },
+    TimeoutTooLong {
+        /// The timeout's field.
+        name: &'static str,
+    },
+    /// `max_header_bytes` is below 8192, hyper's smallest HTTP/1 read buffer.
     #[error("`max_header_bytes` must be at least {}", MIN_HEADER_BYTES)]
     HeaderBytesTooFew,
+    /// `max_headers`, `max_connections` or `max_resource_bytes` is 0.
     #[error("`{name}` must be at least 1")]
-    ZeroLimit { name: &'static str },
+    ZeroLimit {
+        /// The limit's field.
+        name: &'static str,
+    },
 }
 
 /// hyper's HTTP/1 read buffer cannot be smaller.

@@ -23,6 +23,7 @@ pub const DEFAULT_MAX_STEP: u64 = 1 << 40;
 pub struct MaxStep(Option<u64>);
 
 impl MaxStep {
+    /// No ceiling (`off`).
     pub const OFF: MaxStep = MaxStep(None);
 
     /// A ceiling of `step` (at least 1).

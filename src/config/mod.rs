@@ -79,18 +79,27 @@ pub struct Config {
     /// Serve `listen` over TLS.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tls: Option<TlsConfig>,
+    /// The token header and what a token is held to (`token`).
     #[serde(default)]
     pub token: TokenConfig,
+    /// Where recorded maxima live (`store`); default the embedded store,
+    /// `/var/lib/fencegate/fences.db`.
     #[serde(default)]
     pub store: StoreConfig,
+    /// What a token is checked against, and how long maxima are kept (`fence`).
     #[serde(default)]
     pub fence: FenceConfig,
+    /// Which requests are fenced, and on which resource (`routes`); default none.
     #[serde(default, deserialize_with = "routes::routes")]
     pub routes: Vec<RouteConfig>,
+    /// What a request on no route gets (`unmatched`); default `forward`.
     #[serde(default)]
     pub unmatched: Unmatched,
+    /// How long the client, the upstream and the store may take, and the drain on shutdown
+    /// (`timeouts`).
     #[serde(default)]
     pub timeouts: Timeouts,
+    /// Bounds on request heads, resource ids and connections (`limits`).
     #[serde(default)]
     pub limits: Limits,
     /// The lease agent: local lease API and backend.
@@ -114,6 +123,7 @@ pub struct Config {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, expecting = "a mapping with `format` and `query`")]
 pub struct LogConfig {
+    /// How log lines are written (`log.format`); default `auto`. `--log-format` overrides it.
     #[serde(default)]
     pub format: LogFormat,
     /// How the access log writes a request's query (`log.query`).
@@ -126,9 +136,12 @@ pub struct LogConfig {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum LogQuery {
+    /// As received (`full`).
     Full,
+    /// Each name with its value masked (`names`, the default).
     #[default]
     Names,
+    /// Left out (`none`).
     None,
 }
 
@@ -145,8 +158,11 @@ impl LogConfig {
 #[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 #[serde(rename_all = "lowercase")]
 pub enum LogFormat {
+    /// One JSON object per line (`json`).
     Json,
+    /// A readable line (`text`).
     Text,
+    /// Readable when stderr is a terminal, JSON otherwise (`auto`, the default).
     #[default]
     Auto,
 }
@@ -162,24 +178,31 @@ impl LogFormat {
     }
 }
 
+/// The `tls` section: `listen` served over TLS.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, expecting = "a mapping with `cert` and `key`")]
 pub struct TlsConfig {
+    /// PEM certificate chain (`tls.cert`).
     pub cert: PathBuf,
+    /// PEM private key of `cert` (`tls.key`): PKCS#8, PKCS#1 or SEC1.
     pub key: PathBuf,
     /// When set, clients must present a certificate signed by this CA (mutual TLS).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub client_ca: Option<PathBuf>,
 }
 
+/// The `token` section: the header a token comes in, and what it is held to besides being at
+/// least its resource's recorded maximum.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(
     deny_unknown_fields,
     expecting = "a mapping with `header`, `equal` and `max_step`"
 )]
 pub struct TokenConfig {
+    /// The header carrying the token (`token.header`); default `fencing-token`.
     #[serde(default = "default_token_header")]
     pub header: HeaderNameCfg,
+    /// Whether a token equal to the recorded maximum passes (`token.equal`); default `allow`.
     #[serde(default)]
     pub equal: EqualTokens,
     /// The most a token may exceed its resource's recorded maximum by, in observed fencing
@@ -202,17 +225,23 @@ impl Default for TokenConfig {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum EqualTokens {
+    /// It passes (`allow`, the default).
     #[default]
     Allow,
+    /// It is refused as stale, as a lower token is (`reject`).
     Reject,
 }
 
+/// The `fence` section: what a fenced write's token is checked against, and how long recorded
+/// maxima are kept.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(
     deny_unknown_fields,
     expecting = "a mapping with `authority` and `retention`"
 )]
 pub struct FenceConfig {
+    /// Whether tokens are also checked against the lease backend's latest grant
+    /// (`fence.authority`); default `none`.
     #[serde(default)]
     pub authority: Authority,
     /// Forget a resource's maximum once it has not been raised for this long (see
@@ -259,11 +288,15 @@ fn check_retention(
     }
 }
 
+/// What a fenced write's token is checked against (`fence.authority`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Authority {
+    /// The store's recorded maximum only: observed fencing (`none`, the default).
     #[default]
     None,
+    /// Also the latest grant in the lease backend of the `leases` section, which must be
+    /// present: authoritative fencing (`leases`).
     Leases,
 }
 

@@ -12,6 +12,7 @@ const MAX_CAPTURES: usize = 26;
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(into = "String")]
 pub struct PathTemplate {
+    /// The template as written.
     pub source: String,
     /// Capture names in order, without the `*` of a catch-all.
     pub captures: Vec<String>,
@@ -83,51 +84,88 @@ fn pieces(raw: &str) -> impl Iterator<Item = Piece<'_>> {
 /// A path template that the router would not take, or would not read as written.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PathError {
+    /// The template does not start with `/`.
     #[error("`{path}` does not start with `/`: write `/{}`", path.trim_start_matches('/'))]
-    NotAbsolute { path: String },
+    NotAbsolute {
+        /// The template as written.
+        path: String,
+    },
+    /// A `}` that closes no `{`.
     #[error(
         "the `}}` in `{segment}` closes nothing: write `{{name}}` for a capture, or `}}}}` for a \
          literal `}}`"
     )]
-    StrayClose { segment: String },
-    /// `open` runs from the `{` to the end of its segment.
+    StrayClose {
+        /// The path segment holding it.
+        segment: String,
+    },
+    /// A `{` with no `}` in its segment.
     #[error(
         "`{open}` is not closed: write `{open}}}` for a capture, or `{{{{` for a literal `{{`"
     )]
-    Unclosed { open: String },
-    /// `star` is `*` for a catch-all.
+    Unclosed {
+        /// From the `{` to the end of its segment.
+        open: String,
+    },
+    /// A capture without a name: `{}` or `{*}`.
     #[error(
         "`{{{star}}}` has no name: write `{{{star}{}}}`",
         if star.is_empty() { "id" } else { "rest" }
     )]
-    NoName { star: &'static str },
-    /// `fixed` is the name with every other character made `_`.
+    NoName {
+        /// `*` for a catch-all, else empty.
+        star: &'static str,
+    },
+    /// A capture name with a character other than letters, digits, `_` and `-`.
     #[error(
         "`{{{star}{name}}}`: a capture name is letters, digits, `_` and `-`: write \
          `{{{star}{fixed}}}`"
     )]
     BadName {
+        /// `*` for a catch-all, else empty.
         star: &'static str,
+        /// The name as written.
         name: String,
+        /// The name with every other character made `_`.
         fixed: String,
     },
+    /// Two captures in one path segment.
     #[error(
         "`{segment}` has two captures: a path segment holds at most one (with literal text \
          around it); put them in separate segments"
     )]
-    TwoCaptures { segment: String },
+    TwoCaptures {
+        /// The segment as written.
+        segment: String,
+    },
+    /// One capture name used twice.
     #[error("`{{{name}}}` is captured twice: give each capture its own name")]
-    Duplicate { name: String },
+    Duplicate {
+        /// The name.
+        name: String,
+    },
+    /// A `{*name}` catch-all that does not end the path.
     #[error(
         "`{{*{name}}}` takes the rest of the path, so it must end it: remove `{after}` after \
          it, or write `{{{name}}}` for one segment"
     )]
-    CatchAllNotLast { name: String, after: String },
+    CatchAllNotLast {
+        /// The catch-all's name.
+        name: String,
+        /// What follows it.
+        after: String,
+    },
+    /// More captures than the router takes in one path (26).
     #[error(
         "`{path}` has {count} captures: a path template has at most {}",
         MAX_CAPTURES
     )]
-    TooManyCaptures { path: String, count: usize },
+    TooManyCaptures {
+        /// The template as written.
+        path: String,
+        /// How many captures it has.
+        count: usize,
+    },
     /// A capture written as another router writes it (`:id`, `<id>`, `*`): the router reads it
     /// as literal text, so the route would never match and its writes would pass unfenced.
     #[error(
@@ -135,20 +173,36 @@ pub enum PathError {
          writes would pass unfenced; captures are written in braces: write `{fixed}`"
     )]
     ForeignCapture {
+        /// The template as written.
         path: String,
+        /// The first segment written so.
         segment: String,
+        /// The template with each such segment written in braces.
         fixed: String,
     },
-    /// What the router refused that the checks above let through.
+    /// A catch-all the router refused that the checks above let through: it must end the
+    /// path.
     #[error("`{path}`: a `{{*name}}` capture must end the path")]
-    RouterCatchAll { path: String },
+    RouterCatchAll {
+        /// The template as written.
+        path: String,
+    },
+    /// A segment the router refused that the checks above let through: it holds more than
+    /// one capture.
     #[error("`{path}`: a path segment holds at most one capture")]
-    RouterParamSegment { path: String },
+    RouterParamSegment {
+        /// The template as written.
+        path: String,
+    },
+    /// Anything else the router refused that the checks above let through.
     #[error(
         "`{path}` is not a path template: write literal segments and captures such as \
          `/accounts/{{id}}` or `/files/{{*rest}}`"
     )]
-    RouterOther { path: String },
+    RouterOther {
+        /// The template as written.
+        path: String,
+    },
 }
 
 /// The `{…}` form of a segment written as a capture in another router's syntax: `:id` and

@@ -82,12 +82,15 @@ pub struct ClusterConfig {
 /// A `cluster` mapping that cannot be followed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ClusterError {
+    /// A seed that is not `host:port`: its index in `cluster.seeds`, and the seed as written.
     #[error("`cluster.seeds[{0}]` is `host:port`, like 10.0.0.2:6379 (it is `{1}`)")]
     Seed(usize, String),
+    /// The `url` names a database other than 0.
     #[error(
         "with `cluster`, the `url` names database 0 or none: a Redis Cluster has only database 0"
     )]
     Database,
+    /// Both `cluster` and `sentinel`.
     #[error(
         "`sentinel` and `cluster` exclude each other: a Redis Cluster fails over by itself, \
          without Sentinels"
@@ -137,8 +140,11 @@ pub(crate) fn url_host_port(url: &str) -> &str {
 /// The kinds of [`Remote`], for checking a URL against the kind it was written for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RemoteKind {
+    /// Redis (`kind: redis`).
     Redis,
+    /// PostgreSQL (`kind: postgres`).
     Postgres,
+    /// etcd (`kind: etcd`).
     Etcd,
 }
 
@@ -173,7 +179,9 @@ impl RemoteKind {
 /// Which mapping holds a store's or lease backend's fields, for messages.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Holder {
+    /// The `store` section.
     Store,
+    /// `leases.backend`.
     LeaseBackend,
 }
 
@@ -189,26 +197,57 @@ impl Holder {
 /// A `store` or `leases.backend` mapping whose fields do not fit its `kind`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum KindError {
+    /// A `url` with the `memory` or `embedded` kind.
     #[error("`url` is for the redis, postgres and etcd {}s", holder.noun())]
-    UrlWithoutServer { holder: Holder },
+    UrlWithoutServer {
+        /// The mapping it is in.
+        holder: Holder,
+    },
+    /// A `tls` mapping with the `memory` or `embedded` kind.
     #[error("`tls` is for the redis, postgres and etcd {}s", holder.noun())]
-    TlsWithoutServer { holder: Holder },
+    TlsWithoutServer {
+        /// The mapping it is in.
+        holder: Holder,
+    },
+    /// A `path` with a kind other than `embedded`.
     #[error("`path` is for the embedded {}", holder.noun())]
-    PathWithServer { holder: Holder },
+    PathWithServer {
+        /// The mapping it is in.
+        holder: Holder,
+    },
+    /// No `url` with the `redis`, `postgres` or `etcd` kind.
     #[error("this {} kind needs a `url`", holder.noun())]
-    NoUrl { holder: Holder },
+    NoUrl {
+        /// The mapping it is missing from.
+        holder: Holder,
+    },
+    /// `replicas` with a kind other than `redis` and `postgres`.
     #[error("`replicas` is for the redis and postgres {}s", holder.noun())]
-    ReplicasWithoutReplication { holder: Holder },
+    ReplicasWithoutReplication {
+        /// The mapping it is in.
+        holder: Holder,
+    },
+    /// A `url` that is malformed, or does not fit the kind or `tls`.
     #[error(transparent)]
     Url(#[from] UrlError),
+    /// A `prefix` that is not an identifier.
     #[error(transparent)]
     Prefix(#[from] PrefixError),
+    /// `sentinel` or `cluster` with a kind other than `redis`.
     #[error("`{field}` is for the redis {}", holder.noun())]
-    RedisOnly { holder: Holder, field: &'static str },
+    RedisOnly {
+        /// The mapping it is in.
+        holder: Holder,
+        /// `sentinel` or `cluster`.
+        field: &'static str,
+    },
+    /// A `sentinel` mapping that cannot find a primary.
     #[error(transparent)]
     Sentinel(#[from] SentinelError),
+    /// A `cluster` mapping that cannot be followed.
     #[error(transparent)]
     Cluster(#[from] ClusterError),
+    /// `replicas`, as written, is above [`MAX_REPLICAS`].
     #[error("`replicas` is at most {MAX_REPLICAS} (it is {0})")]
     TooManyReplicas(u32),
     /// A kind this build left out (Cargo features).
@@ -219,28 +258,40 @@ pub enum KindError {
 /// A `sentinel` mapping that cannot find a primary.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SentinelError {
+    /// `sentinel.master` is empty or holds whitespace.
     #[error("`sentinel.master` is the master name the Sentinels monitor: non-empty, no spaces")]
     BadMaster,
+    /// `sentinel.urls` is empty.
     #[error("`sentinel.urls` lists at least one Sentinel, like redis://127.0.0.1:26379")]
     NoSentinels,
+    /// A Sentinel's url that is not a Redis url fitting `tls`: its index in `sentinel.urls`,
+    /// and why.
     #[error("`sentinel.urls[{0}]`: {1}")]
     Url(usize, UrlError),
+    /// A Sentinel's url asks for TLS and the `url` does not, or the other way round: its index
+    /// in `sentinel.urls`.
     #[error(
         "`sentinel.urls[{0}]` and `url` differ in scheme: Sentinels and data nodes are reached \
          alike, all over TLS (`rediss://`) or none"
     )]
     SchemeDiffers(usize),
+    /// A Sentinel's url names a database: its index in `sentinel.urls`.
     #[error(
         "`sentinel.urls[{0}]` names a database: a Sentinel has none (the data nodes' is in `url`)"
     )]
     SentinelDatabase(usize),
-    /// `master` and `shown` (the url's host and port) as written.
+    /// With `sentinel`, a `url` whose host is not the master's name.
     #[error(
         "with `sentinel`, the `url` gives the data nodes' user, password and database, and \
          names the master instead of a server: write `redis://user:password@{master}/0` (its \
          host is `{shown}`, which would never be dialled)"
     )]
-    UrlNamesAServer { master: String, shown: String },
+    UrlNamesAServer {
+        /// `sentinel.master`, as written.
+        master: String,
+        /// The url's host and port, as written.
+        shown: String,
+    },
 }
 
 impl RedisHa {
@@ -358,30 +409,50 @@ pub(super) fn check_prefix(prefix: &str) -> Result<(), PrefixError> {
 /// A store's or lease backend's `url` that is malformed, or does not fit its kind or `tls`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum UrlError {
+    /// An empty url, or one holding whitespace.
     #[error("a store url is non-empty and has no spaces")]
     Malformed,
+    /// A url whose scheme is not one of the kind's.
     #[error(
         "the `url` does not fit kind {}: write one like {}",
         kind.name(),
         kind.example()
     )]
-    DoesNotFitKind { kind: RemoteKind },
-    /// `url` is masked.
+    DoesNotFitKind {
+        /// The kind the url was written for.
+        kind: RemoteKind,
+    },
+    /// A `tls` mapping with a Redis or etcd url whose scheme is plaintext.
     #[error(
         "`tls` needs {} url (`{url}` would connect in plaintext)",
         kind.tls_scheme()
     )]
-    TlsOverPlaintext { kind: RemoteKind, url: SecretUrl },
+    TlsOverPlaintext {
+        /// The kind the url was written for.
+        kind: RemoteKind,
+        /// The url; it displays masked.
+        url: SecretUrl,
+    },
+    /// A `tls` mapping with a PostgreSQL url whose `sslmode` allows plaintext (`disable`,
+    /// `allow`, `prefer`).
     #[error(
         "`tls` always requires TLS with a verified certificate; remove `sslmode={mode}` from \
          the url"
     )]
-    SslmodeWeakerThanTls { mode: String },
+    SslmodeWeakerThanTls {
+        /// The `sslmode` as written.
+        mode: String,
+    },
+    /// A PostgreSQL url whose `sslmode` asks for TLS (`require`, `verify-ca`, `verify-full`),
+    /// without the `tls` mapping.
     #[error(
         "`sslmode={mode}` needs the `tls` mapping (`tls: {{}}` for the public web roots, or \
          `tls: {{ ca: FILE }}`)"
     )]
-    SslmodeWithoutTls { mode: String },
+    SslmodeWithoutTls {
+        /// The `sslmode` as written.
+        mode: String,
+    },
     /// What the connector would refuse when it reads the url ([`crate::conn::url`]); the
     /// reason never shows the password.
     #[error("{0}")]

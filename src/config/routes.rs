@@ -11,10 +11,13 @@ use serde::{Deserialize, Deserializer, Serialize};
 use super::{checked, values};
 use super::{IdempotencyConfig, MethodCfg, PathTemplate, ResourceTemplate};
 
+/// One of `routes`: which requests on a path are fenced, and on which resource.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RouteConfig {
+    /// Label for metrics and logs (`name`); required, unique, not empty.
     pub name: String,
+    /// Path template, matched against the normalised request path (`path`); required.
     pub path: PathTemplate,
     /// Fenced methods; `None` means every method except GET, HEAD and OPTIONS.
     #[serde(
@@ -26,8 +29,11 @@ pub struct RouteConfig {
     /// Resource id template; `None` means the normalised request path.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resource: Option<ResourceTemplate>,
+    /// What a fenced write without a token gets (`missing_token`); default `reject`.
     #[serde(default)]
     pub missing_token: MissingToken,
+    /// Whether writes of one resource wait for lower tokens in flight (`ordering`); default
+    /// `none`.
     #[serde(default)]
     pub ordering: Ordering,
     /// How long a request waits for its turn under `ordering: serialize`; refused with
@@ -39,6 +45,7 @@ pub struct RouteConfig {
         skip_serializing_if = "Option::is_none"
     )]
     pub barrier_timeout: Option<Duration>,
+    /// `false`: every request on the route is forwarded unfenced (`fence`); default `true`.
     #[serde(default = "default_true", deserialize_with = "values::flag")]
     pub fence: bool,
     /// `false`: no idempotency keys on this route even though the `idempotency` section is
@@ -63,27 +70,38 @@ impl RouteConfig {
     }
 }
 
+/// What a fenced write without a token gets (`routes[].missing_token`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum MissingToken {
+    /// Refused with `428` `urn:fencegate:token-required` (`reject`, the default).
     #[default]
     Reject,
+    /// Forwarded unfenced (`allow`).
     Allow,
 }
 
+/// Whether a route's admitted writes of one resource reach the upstream in token order
+/// (`routes[].ordering`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Ordering {
+    /// Forwarded as soon as admitted (`none`, the default).
     #[default]
     None,
+    /// The per-resource in-flight barrier: a write is forwarded once no write with a lower
+    /// token is in flight, or refused with `503` after `barrier_timeout` (`serialize`).
     Serialize,
 }
 
+/// What a request on no route gets (`unmatched`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Unmatched {
+    /// Forwarded unfenced (`forward`, the default).
     #[default]
     Forward,
+    /// Refused with `404` `urn:fencegate:no-route`, whatever its method (`reject`).
     Reject,
 }
 
@@ -147,21 +165,30 @@ pub(super) fn routes<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<RouteConfig>
 /// A route that the routes before it in its list, or its own path, leave no room for.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RouteError {
+    /// A route whose `name` is empty.
     #[error("`name` is empty: give the route a name, which labels its metrics and logs")]
     NoName,
+    /// `barrier_timeout` on a route without `ordering: serialize`.
     #[error(
         "route `{name}`: `barrier_timeout` is how long a write waits for its turn under \
          `ordering: serialize`, and this route does not serialize: add `ordering: serialize` or \
          remove `barrier_timeout`"
     )]
-    BarrierWithoutSerialize { name: String },
+    BarrierWithoutSerialize {
+        /// The route's name.
+        name: String,
+    },
+    /// A route named as an earlier one is.
     #[error(
         "name `{name}` is already used by routes[{other}] `{other_path}`: give each route its \
          own name"
     )]
     NameTaken {
+        /// The name both have.
         name: String,
+        /// The earlier route's index in the list.
         other: usize,
+        /// The earlier route's path.
         other_path: String,
     },
     /// `field` (`resource`, `lease`) uses a capture its path does not have.
@@ -170,51 +197,81 @@ pub enum RouteError {
         captures_note(captures)
     )]
     UnknownCapture {
+        /// `resource` or `lease`.
         field: &'static str,
+        /// The template as written.
         template: String,
+        /// The capture it uses, without braces.
         capture: String,
+        /// The route's path template.
         path: String,
+        /// The captures `path` has.
         captures: Vec<String>,
     },
+    /// A route on the same path as an earlier one that fences a method the earlier one
+    /// fences: it would never see that method.
     #[error(
         "{list}[{other}] and {list}[{index}] both fence {method} on `{path}`, so \
          {list}[{index}] would never see it: give them disjoint `methods`"
     )]
     SameMethod {
+        /// `routes` or `egress.routes`.
         list: &'static str,
+        /// The earlier route's index in the list.
         other: usize,
+        /// This route's index in the list.
         index: usize,
+        /// A method both fence.
         method: String,
+        /// The path both are on.
         path: String,
     },
+    /// A path that overlaps those of earlier routes, so that the router cannot tell which
+    /// route a request is on.
     #[error(
         "path `{path}` overlaps the paths of earlier routes, and the router cannot tell which \
          one a request is on: give it a distinct literal segment"
     )]
-    Overlaps { path: String },
+    Overlaps {
+        /// This route's path.
+        path: String,
+    },
+    /// A path that matches the same paths as an earlier route's, its captures named
+    /// otherwise.
     #[error(
         "two routes match the same paths: {list}[{other}] `{other_path}` and {list}[{index}] \
          `{path}`; merge them, or write both as `{other_path}` and give them different `methods`"
     )]
     SamePaths {
+        /// `routes` or `egress.routes`.
         list: &'static str,
+        /// The earlier route's index in the list.
         other: usize,
+        /// The earlier route's path.
         other_path: String,
+        /// This route's index in the list.
         index: usize,
+        /// This route's path.
         path: String,
     },
-    /// `example`: a request path both match, when the router can say.
+    /// A path that matches some of the same paths as an earlier route's.
     #[error(
         "two routes match some of the same paths: {list}[{other}] `{other_path}` and \
          {list}[{index}] `{path}`{}; give them distinct literal segments or merge them",
         example_note(example)
     )]
     SharedPaths {
+        /// `routes` or `egress.routes`.
         list: &'static str,
+        /// The earlier route's index in the list.
         other: usize,
+        /// The earlier route's path.
         other_path: String,
+        /// This route's index in the list.
         index: usize,
+        /// This route's path.
         path: String,
+        /// A request path both match, when the router can say.
         example: Option<String>,
     },
 }

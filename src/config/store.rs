@@ -17,6 +17,7 @@ pub enum StoreConfig {
     Memory,
     /// Maxima in a local redb file.
     Embedded {
+        /// The file (`store.path`); default `/var/lib/fencegate/fences.db`.
         path: PathBuf,
         /// The redb table's name.
         prefix: String,
@@ -24,18 +25,24 @@ pub enum StoreConfig {
         /// are read from the file.
         cache_size: usize,
     },
+    /// Maxima on a Redis server, the primary its Sentinels name, or a Redis Cluster.
     Redis {
+        /// The server: `url`, `tls`, `prefix`, `sentinel`, `cluster`, `replicas`.
         remote: Remote,
         /// How many resources' maxima are kept in memory (the recently used ones), so that a
         /// refusal is answered from them without a round trip.
         cache_size: usize,
     },
+    /// Maxima in a PostgreSQL table.
     Postgres {
+        /// The database: `url`, `tls`, `prefix`, `replicas`.
         remote: Remote,
         /// As for [`StoreConfig::Redis`].
         cache_size: usize,
     },
+    /// Maxima in etcd keys.
     Etcd {
+        /// The cluster: `url`, `tls`, `prefix`.
         remote: Remote,
         /// As for [`StoreConfig::Redis`].
         cache_size: usize,

@@ -40,13 +40,19 @@ struct RawClientTls {
 /// A `tls` mapping of `store` or `leases.backend` that cannot describe a connection.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ClientTlsError {
+    /// `cert` without `key`.
     #[error("`cert` needs its `key` (mutual TLS)")]
     CertWithoutKey,
+    /// `key` without `cert`.
     #[error("`key` needs its `cert` (mutual TLS)")]
     KeyWithoutCert,
-    /// `file` is `ca`, `cert` or `key`.
+    /// A file given as an empty path.
     #[error("`{file}` is an empty path")]
-    EmptyPath { file: &'static str },
+    EmptyPath {
+        /// `ca`, `cert` or `key`.
+        file: &'static str,
+    },
+    /// `server_name`, as written, is neither a DNS name nor an IP address.
     #[error("`server_name` `{0}` is neither a DNS name nor an IP address")]
     ServerName(String),
 }

@@ -17,11 +17,13 @@ use serde::Serialize;
 pub struct UpstreamUrl {
     /// Scheme + authority, kept parsed so the hot path only appends a path.
     pub scheme: http::uri::Scheme,
+    /// The host, and the port when one is written.
     pub authority: http::uri::Authority,
 }
 
 impl UpstreamUrl {
-    pub fn is_https(&self) -> bool {
+    /// Whether the scheme is `https`.
+    pub(crate) fn is_https(&self) -> bool {
         self.scheme == http::uri::Scheme::HTTPS
     }
 }
@@ -29,17 +31,24 @@ impl UpstreamUrl {
 /// An `upstream` that is not `http(s)://host:port`.
 #[derive(Debug, thiserror::Error)]
 pub enum UpstreamUrlError {
+    /// Not a URL at all.
     #[error("`{url}` is not a URL: {source}")]
     NotAUrl {
+        /// As written.
         url: String,
+        /// Why it does not parse.
         source: http::uri::InvalidUri,
     },
+    /// The url, as written, has no scheme.
     #[error("`{0}` needs a scheme: http:// or https://")]
     NoScheme(String),
+    /// The url, as written, has a scheme other than `http` and `https`.
     #[error("`{0}`: scheme must be http or https")]
     WrongScheme(String),
+    /// The url, as written, has no host.
     #[error("`{0}` needs a host")]
     NoHost(String),
+    /// The url, as written, has a path (other than `/`) or a query.
     #[error("`{0}`: the upstream is a host and port only; requests keep their own path")]
     HasPath(String),
 }
@@ -91,6 +100,7 @@ pub enum HeaderNameError {
     /// Underscored names are refused on the wire as aliases, so one cannot be the token.
     #[error("`{0}`: header names with `_` are not allowed")]
     Underscore(String),
+    /// The name, as written, is not a header name.
     #[error("`{0}` is not a valid header name")]
     Invalid(String),
 }
@@ -123,11 +133,16 @@ pub struct MethodCfg(pub Method);
 /// A method that is not one as written.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum MethodError {
+    /// A method with a lowercase letter (`post` for `POST`).
     #[error(
         "`{method}`: methods are case-sensitive, did you mean `{}`?",
         method.to_ascii_uppercase()
     )]
-    Lowercase { method: String },
+    Lowercase {
+        /// As written.
+        method: String,
+    },
+    /// The method, as written, is not an HTTP method.
     #[error("`{0}` is not a valid HTTP method")]
     Invalid(String),
 }
@@ -155,6 +170,7 @@ impl From<MethodCfg> for String {
 /// One piece of a resource template such as `account:{id}:{header:X-Tenant}`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ResourcePart {
+    /// Text taken as written.
     Literal(String),
     /// A capture of the route's path template.
     Capture(String),
@@ -168,6 +184,7 @@ pub enum ResourcePart {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(into = "String")]
 pub struct ResourceTemplate {
+    /// The template's pieces, in order; together their values make the resource id.
     pub parts: Vec<ResourcePart>,
     source: String,
 }
@@ -185,27 +202,57 @@ impl ResourceTemplate {
 /// A `resource` (or `lease`) template that cannot be read; `template` is as written.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ResourceTemplateError {
+    /// A `}` that closes no `{`.
     #[error("`{template}`: unmatched `}}`")]
-    UnmatchedClose { template: String },
+    UnmatchedClose {
+        /// The template as written.
+        template: String,
+    },
+    /// A `{` with no `}` after it.
     #[error("`{template}`: unclosed `{{`")]
-    Unclosed { template: String },
+    Unclosed {
+        /// The template as written.
+        template: String,
+    },
+    /// An empty template.
     #[error("the resource template is empty")]
     Empty,
+    /// A `{header:Name}` whose name is not a header name.
     #[error("`{template}`: `{name}` is not a valid header name")]
-    BadHeader { template: String, name: String },
+    BadHeader {
+        /// The template as written.
+        template: String,
+        /// The name as written.
+        name: String,
+    },
+    /// A `{query:name}` whose name is empty or not letters, digits, `_` and `-`.
     #[error("`{template}`: `{name}` is not a valid query parameter name")]
-    BadQuery { template: String, name: String },
+    BadQuery {
+        /// The template as written.
+        template: String,
+        /// The name as written.
+        name: String,
+    },
     /// A header the proxy strips or rewrites on its way upstream: the upstream would see
     /// another value than the one the fence checked.
     #[error("`{template}`: `{name}` cannot name a resource: {why}")]
     RewrittenHeader {
+        /// The template as written.
         template: String,
+        /// The header's name as written.
         name: String,
+        /// What the proxy does to the header.
         why: &'static str,
     },
-    /// `inner` is what the braces hold.
+    /// Braces holding neither a capture name (letters, digits, `_` and `-`), `header:Name`
+    /// nor `query:name`.
     #[error("`{template}`: `{{{inner}}}` must be {{capture}}, {{header:Name}} or {{query:name}}")]
-    BadPlaceholder { template: String, inner: String },
+    BadPlaceholder {
+        /// The template as written.
+        template: String,
+        /// What the braces hold.
+        inner: String,
+    },
 }
 
 impl TryFrom<String> for ResourceTemplate {
