@@ -21,20 +21,26 @@ use crate::fence::barrier::Ticket;
 /// A replay's trailers, known from the start.
 type Trailers = Ready<Option<Result<HeaderMap, Infallible>>>;
 
+/// The body of every response fencegate sends: the upstream's, streamed, or one it made.
 pub enum ProxyBody {
     /// Streamed from the upstream. The barrier ticket (under `ordering: serialize`) lives as
     /// long as the body, so a higher token waits until this write has fully finished.
     /// With the access log on, `tally` counts what is sent and writes the line at the end.
     #[cfg(feature = "proxy")]
     Upstream {
+        /// The upstream's body.
         inner: Incoming,
+        /// The barrier ticket, under `ordering: serialize`.
         _ticket: Option<Ticket>,
+        /// What is sent, counted for the access line, with the access log on.
         tally: Option<crate::proxy::access::Tally>,
     },
     /// Streamed from the upstream and recorded for idempotent replays.
     #[cfg(feature = "proxy")]
     Recording {
+        /// The upstream's body, copied for the key's record as it is sent.
         body: Box<crate::proxy::recording::Recording>,
+        /// What is sent, counted for the access line, with the access log on.
         tally: Option<crate::proxy::access::Tally>,
     },
     /// A response fencegate made (refusals, admin pages, replays).
@@ -46,10 +52,12 @@ pub enum ProxyBody {
 }
 
 impl ProxyBody {
+    /// A body fencegate made: `bytes`, whole.
     pub fn local(bytes: impl Into<Bytes>) -> Self {
         ProxyBody::Local(Full::new(bytes.into()))
     }
 
+    /// A body with nothing in it.
     pub fn empty() -> Self {
         ProxyBody::Local(Full::new(Bytes::new()))
     }

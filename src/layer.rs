@@ -420,13 +420,19 @@ fn refusal<RB>(response: Response<ProxyBody>, grpc: bool) -> Response<FenceBody<
 
 pin_project_lite::pin_project! {
     /// [`FenceService`]'s future.
+    // pin-project-lite takes no attribute on a field but `#[pin]`, so a field cannot have a
+    // doc comment: each variant's doc says what its fields hold.
+    #[allow(missing_docs)]
     #[project = ResponseFutureProj]
     pub enum ResponseFuture<F, RB, E> {
-        /// Refused: answered without the inner service.
+        /// Refused: answered without the inner service; `response` is the refusal, until
+        /// polled.
         Refused { response: Option<Response<FenceBody<RB>>> },
-        /// Let through at once: the inner service's answer.
+        /// Let through at once: the inner service's answer (`future`), counted when it comes
+        /// (`answered`).
         Inner { #[pin] future: F, answered: Option<Counted> },
-        /// Waiting for the store, the authority or the barrier, then the inner service.
+        /// Waiting for the store, the authority or the barrier, then the inner service: all of
+        /// it in `future`.
         Waiting {
             future: Pin<Box<dyn Future<Output = Result<Response<FenceBody<RB>>, E>> + Send>>,
         },
@@ -456,12 +462,15 @@ where
 
 pin_project_lite::pin_project! {
     /// [`FenceService`]'s response body: the inner service's, or a refusal's.
+    // pin-project-lite takes no attribute on a field but `#[pin]`, so a field cannot have a
+    // doc comment: each variant's doc says what its fields hold.
+    #[allow(missing_docs)]
     #[project = FenceBodyProj]
     pub enum FenceBody<B> {
-        /// The inner service's body. Under `ordering: serialize` it keeps the barrier's ticket:
-        /// a higher token waits until this write has fully finished.
+        /// The inner service's body, `body`. Under `ordering: serialize` it keeps the barrier's
+        /// ticket (`_ticket`): a higher token waits until this write has fully finished.
         Inner { #[pin] body: B, _ticket: Option<Ticket> },
-        /// A refusal fencegate wrote (problem+json, or empty for a gRPC call).
+        /// A refusal fencegate wrote, `body` (problem+json, or empty for a gRPC call).
         Refusal { #[pin] body: Full<Bytes> },
     }
 }

@@ -20,15 +20,27 @@ pub enum Outcome {
     Admitted,
     /// Not fenced (read, unfenced route, unmatched with `forward`, tokenless `allow`).
     Forwarded,
+    /// Token below the recorded maximum (or equal to it under `token.equal: reject`), or
+    /// below the latest grant in authoritative mode (`409` stale-token).
     Stale,
+    /// Fenced write without a token under `missing_token: reject` (`428`).
     TokenRequired,
+    /// Token header malformed, above 2^63−1, sent twice or aliased (`400` invalid-token).
     InvalidToken,
+    /// Path that cannot be normalised (`400` invalid-path).
     InvalidPath,
+    /// Resource id that cannot be made from the request, or too long (`400` invalid-resource).
     InvalidResource,
+    /// The store (or, in authoritative mode, the lease backend) failed or did not answer
+    /// within `timeouts.store` (`503`).
     StoreUnavailable,
+    /// `ordering: serialize` waited longer than `barrier_timeout` (`503`).
     BarrierTimeout,
+    /// The upstream could not be reached or failed (`502`).
     UpstreamError,
+    /// No upstream response headers within `timeouts.upstream` (`504`).
     UpstreamTimeout,
+    /// No route matches and `unmatched: reject` (`404`).
     NoRoute,
     /// Egress write without a valid lease.
     LeaseNotHeld,
@@ -49,6 +61,7 @@ pub enum Outcome {
 }
 
 impl Outcome {
+    /// Every outcome, each at the index of its discriminant.
     pub const ALL: [Outcome; 20] = [
         Outcome::Admitted,
         Outcome::Forwarded,
@@ -72,6 +85,7 @@ impl Outcome {
         Outcome::TooFar,
     ];
 
+    /// Its value in the `outcome` label: `admitted`, `stale`, `token_required`, ….
     pub fn label(self) -> &'static str {
         match self {
             Outcome::Admitted => "admitted",
@@ -130,9 +144,17 @@ pub struct RouteMetrics {
     answered: arc_swap::ArcSwap<Vec<Answered>>,
     requests: IntCounterVec,
     duration_vec: HistogramVec,
+    /// `fencegate_stale_write_rejected_total{route}`: writes refused because their token was
+    /// below the recorded maximum.
     pub stale: IntCounter,
+    /// `fencegate_token_too_far_rejected_total{route}`: writes refused because their token was
+    /// more than `token.max_step` above the recorded maximum.
     pub too_far: IntCounter,
+    /// `fencegate_fencing_token_increments_total{route}`: admitted writes that raised a
+    /// resource's recorded maximum.
     pub increments: IntCounter,
+    /// `fencegate_upstream_duration_seconds{route}`: time from forwarding a request to the
+    /// upstream's response headers.
     pub upstream: Histogram,
 }
 
@@ -179,7 +201,9 @@ impl RouteMetrics {
     }
 }
 
+/// Every fencegate metric (docs/operations.md), registered in one registry.
 pub struct Metrics {
+    /// The registry they are registered in, which [`Metrics::render`] renders.
     pub registry: Registry,
     requests: IntCounterVec,
     stale: IntCounterVec,
@@ -187,33 +211,61 @@ pub struct Metrics {
     increments: IntCounterVec,
     upstream: HistogramVec,
     request_duration: HistogramVec,
+    /// `fencegate_store_duration_seconds{op="raise"}`: the compare-and-raise of a fenced write
+    /// without an idempotency key.
     pub store_raise: Histogram,
+    /// `fencegate_store_duration_seconds{op="get"}`: a read of one recorded maximum (the admin
+    /// API's `GET /v1/fences/{resource}`).
     pub store_get: Histogram,
     store_errors: IntCounterVec,
+    /// `fencegate_config_reloads_total{result="applied"}`: configuration reloads applied.
     pub reloads_ok: IntCounter,
+    /// `fencegate_config_reloads_total{result="refused"}`: configuration reloads refused as
+    /// invalid.
     pub reloads_refused: IntCounter,
+    /// The lease agent's metrics.
     pub lease: LeaseMetrics,
+    /// The metrics of idempotency keys.
     pub idempotency: IdempotencyMetrics,
 }
 
 /// Idempotency keys (docs/operations.md `fencegate_idempotent_replays_total`, and the conflicts).
 pub struct IdempotencyMetrics {
+    /// `fencegate_idempotent_replays_total`: requests answered from the recorded response of
+    /// their key's first attempt.
     pub replays: IntCounter,
+    /// `fencegate_idempotency_conflicts_total{reason="in_flight"}`: requests refused (`409`)
+    /// because their key's first attempt is still with the upstream.
     pub in_flight: IntCounter,
+    /// `fencegate_idempotency_conflicts_total{reason="key_reused"}`: requests refused (`422`)
+    /// because their key was first used for a different request.
     pub reused: IntCounter,
     /// Attempts whose outcome is unknown (upstream failed, timed out, retryable status, or
     /// the client went away before the answer was recorded).
     pub unknown: IntCounter,
+    /// `fencegate_store_duration_seconds{op="begin_idempotent"}`: the claim of a key, which
+    /// also raises the maximum.
     pub store_begin: Histogram,
+    /// `fencegate_store_duration_seconds{op="finish_idempotent"}`: recording a keyed write's
+    /// outcome.
     pub store_finish: Histogram,
 }
 
 /// The lease agent's metrics (docs/operations.md).
 pub struct LeaseMetrics {
+    /// `fencegate_lease_acquisition_duration_seconds`: time from a lease request to its grant,
+    /// waiting included (grants only).
     pub acquisition: Histogram,
+    /// `fencegate_lease_renewals_total{result="ok"}`: renewals the backend accepted.
     pub renewals_ok: IntCounter,
+    /// `fencegate_lease_renewals_total{result="failed"}`: renewals that failed with a backend
+    /// error (retried at the next interval).
     pub renewals_failed: IntCounter,
+    /// `fencegate_lease_renewals_total{result="lost"}`: renewals that found the lease no longer
+    /// this grant's on the backend.
     pub renewals_lost: IntCounter,
+    /// `fencegate_lease_expiry_forced_total`: leases declared lost, at the local validity
+    /// deadline or on a `lost` renewal.
     pub expiry_forced: IntCounter,
     /// `fencegate_lease_held{resource}`: a series only while the lease is held (see
     /// [`LeaseMetrics::held`]), so per-job leases do not leave one series each behind.
@@ -250,6 +302,9 @@ impl Metrics {
     pub fn store_error(&self, source: &'static str, cause: &'static str) {
         self.store_errors.with_label_values(&[source, cause]).inc();
     }
+
+    /// Creates every metric and registers it in `registry`; fails if one of them is registered
+    /// there already.
     pub fn new(registry: Registry) -> prometheus::Result<Self> {
         let requests = IntCounterVec::new(
             Opts::new(

@@ -17,56 +17,100 @@ use crate::sync::Locked;
 /// Why a certificate, key or CA bundle cannot be used: the file and what is wrong with it.
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {
+    /// A certificate file (or CA bundle) that cannot be opened.
     #[error("cannot read certificates from {}: {source}", path.display())]
-    ReadCertificates { path: PathBuf, source: pem::Error },
+    ReadCertificates {
+        /// The file.
+        path: PathBuf,
+        /// What went wrong.
+        source: pem::Error,
+    },
+    /// A certificate file (or CA bundle) whose PEM does not parse.
     #[error("bad certificate in {}: {source}", path.display())]
-    BadCertificate { path: PathBuf, source: pem::Error },
+    BadCertificate {
+        /// The file.
+        path: PathBuf,
+        /// What went wrong.
+        source: pem::Error,
+    },
+    /// A certificate file (or CA bundle) with no certificate in it.
     #[error("no certificate found in {}", path.display())]
-    NoCertificate { path: PathBuf },
+    NoCertificate {
+        /// The file.
+        path: PathBuf,
+    },
+    /// A CA certificate rustls cannot use as a trust anchor.
     #[error("unusable CA certificate in {}: {source}", path.display())]
     UnusableCa {
+        /// The CA bundle.
         path: PathBuf,
+        /// Why rustls refused it.
         source: rustls::Error,
     },
+    /// A key file that cannot be read, or holds no PEM private key (PKCS#8, PKCS#1 or SEC1).
     #[error("cannot read a private key from {}: {source}", path.display())]
-    ReadKey { path: PathBuf, source: pem::Error },
+    ReadKey {
+        /// The file.
+        path: PathBuf,
+        /// What went wrong.
+        source: pem::Error,
+    },
     /// The provider offers none of the protocol versions asked for.
     #[error("{0}")]
     Protocols(rustls::Error),
+    /// The listener's `client_ca` bundle, from which no client certificate verifier can be
+    /// built.
     #[error("client_ca {}: {source}", path.display())]
     ClientCa {
+        /// The CA bundle.
         path: PathBuf,
+        /// Why the verifier cannot be built.
         source: rustls::server::VerifierBuilderError,
     },
+    /// The listener's certificate and key, which rustls refuses as a pair.
     #[error("certificate and key do not form a usable pair: {}", described(.0, "server"))]
     Pair(rustls::Error),
     /// A file of a store's or lease backend's `tls` mapping (`field` is `store.tls` or
     /// `leases.backend.tls`, `file` is `ca`, `cert` or `key`).
     #[error("{field}.{file}: {source}")]
     ClientFile {
+        /// `store.tls` or `leases.backend.tls`.
         field: &'static str,
+        /// `ca`, `cert` or `key`.
         file: &'static str,
+        /// What is wrong with the file.
         source: Box<TlsError>,
     },
+    /// The `cert` and `key` of a store's or lease backend's `tls` mapping, which rustls
+    /// refuses as a pair.
     #[error(
         "{field}.cert and {field}.key do not form a usable pair: {}",
         described(source, "client")
     )]
     ClientPair {
+        /// `store.tls` or `leases.backend.tls`.
         field: &'static str,
+        /// Why rustls refused them.
         source: rustls::Error,
     },
     /// A file of the listener's TLS, named as the config (`tls.key`) or the command line
     /// (`--tls-key`) gives it.
     #[error("{field}: {source}")]
     Field {
+        /// The file's name, as [`ServerFields`] gives it.
         field: &'static str,
+        /// What is wrong with the file.
         source: Box<TlsError>,
     },
+    /// A `server_name` of a store's or lease backend's `tls` mapping that is neither a DNS
+    /// name nor an IP address.
     #[error("{field}.server_name `{name}`: {source}")]
     ServerName {
+        /// `store.tls` or `leases.backend.tls`.
         field: &'static str,
+        /// The `server_name` as written.
         name: String,
+        /// Why it is not a name.
         source: rustls_pki_types::InvalidDnsNameError,
     },
 }
@@ -177,8 +221,11 @@ fn private_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
 
 /// How the listener's TLS files are named in messages.
 pub struct ServerFields {
+    /// The certificate chain's file: `tls.cert`, say.
     pub cert: &'static str,
+    /// Its private key's file: `tls.key`.
     pub key: &'static str,
+    /// The CA bundle of client certificates: `tls.client_ca`.
     pub client_ca: &'static str,
     /// The certificate and key together.
     pub pair: &'static str,

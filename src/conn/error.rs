@@ -117,30 +117,37 @@ impl<S: System> BackendError<S> {
         Self::of(failure.into(), detail)
     }
 
+    /// A [`Kind::Unreachable`] error, in the backend's words.
     pub fn unreachable(detail: impl Into<String>) -> Self {
         Self::of(Kind::Unreachable, detail)
     }
 
+    /// A [`Kind::Timeout`] error, in the backend's words.
     pub fn timeout(detail: impl Into<String>) -> Self {
         Self::of(Kind::Timeout, detail)
     }
 
+    /// A [`Kind::Refused`] error, in the backend's words.
     pub fn refused(detail: impl Into<String>) -> Self {
         Self::of(Kind::Refused, detail)
     }
 
+    /// A [`Kind::Corrupt`] error, in the backend's words.
     pub fn corrupt(detail: impl Into<String>) -> Self {
         Self::of(Kind::Corrupt, detail)
     }
 
+    /// A [`Kind::Contended`] error, in the backend's words.
     pub fn contended(detail: impl Into<String>) -> Self {
         Self::of(Kind::Contended, detail)
     }
 
+    /// A [`Kind::Config`] error, in the backend's words.
     pub fn config(detail: impl Into<String>) -> Self {
         Self::of(Kind::Config, detail)
     }
 
+    /// A [`Kind::Internal`] error, in the backend's words.
     pub fn internal(detail: impl Into<String>) -> Self {
         Self::of(Kind::Internal, detail)
     }
@@ -168,6 +175,7 @@ impl<S: System> BackendError<S> {
         self
     }
 
+    /// What happened.
     pub fn kind(&self) -> Kind {
         self.kind
     }
@@ -182,6 +190,7 @@ impl<S: System> BackendError<S> {
         self.kind.label()
     }
 
+    /// Whose fault it is: the backend's, or ours (a setup to fix, a bug).
     pub fn fault(&self) -> Fault {
         self.kind.fault()
     }

@@ -11,11 +11,13 @@ use crate::conn::BoxFuture;
 /// What a backend knows of one resource's lease.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Lease {
+    /// The resource id.
     pub resource: String,
     /// Whether a lease is held now (not released, not expired, as the backend judges it).
     pub held: bool,
     /// The holder of the lease held now.
     pub holder: Option<String>,
+    /// The id of the lease held now (unique per grant).
     pub lease_id: Option<String>,
     /// The fencing token of the lease held now, or of the last one granted; `None`: never
     /// granted.
@@ -42,6 +44,7 @@ impl Lease {
 /// One page of [`InspectLeases::list`], in resource order.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct LeasePage {
+    /// The leases of this page, at most the `limit` asked for.
     pub leases: Vec<Lease>,
     /// The `--after` of the next page; `None` at the end.
     pub next: Option<String>,
@@ -61,8 +64,10 @@ impl LeasePage {
 
 /// Reads of one backend's leases.
 pub trait InspectLeases: Send + Sync {
+    /// The backend's kind, as the config names it: `embedded`, `redis`, `postgres` or `etcd`.
     fn kind(&self) -> &'static str;
 
+    /// What the backend knows of `resource`'s lease ([`Lease::free`] if it was never leased).
     fn lease<'a>(&'a self, resource: &'a str) -> BoxFuture<'a, Result<Lease, LeaseError>>;
 
     /// Up to `limit` resources ever leased whose id starts with `prefix` and sorts after

@@ -49,11 +49,14 @@ struct AcquireRequest {
     wait: Option<Duration>,
 }
 
+/// The lease API in front of one agent.
 pub struct LeaseApi {
+    /// The agent whose leases it acquires, shows and releases.
     pub agent: Arc<Agent>,
 }
 
 impl LeaseApi {
+    /// Answers one request (docs/leases.md); it never fails: a refusal is a problem+json answer.
     pub async fn handle(
         self: Arc<Self>,
         req: Request<Incoming>,
@@ -294,6 +297,8 @@ fn sse(event: &str, data: &Value) -> Bytes {
     Bytes::from(format!("event: {event}\ndata: {data}\n\n"))
 }
 
+/// A lease as the API shows it: `resource`, `holder`, `lease_id`, `fencing_token`, `ttl_ms`,
+/// `renew_every_ms`, `state` and `valid_for_ms`.
 pub fn view(lease: &Lease) -> Value {
     json!({
         "resource": lease.grant.resource,

@@ -12,17 +12,26 @@ use tokio::time::Instant;
 
 use crate::lease::backend::Grant;
 
+/// A lease's `state`, as the lease API and the events stream show it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum State {
+    /// An acquisition under way: tried once, or waiting for the holder to let go; no grant
+    /// yet.
     Acquiring,
+    /// Granted and locally valid: its token is attached to egress writes.
     Held,
+    /// Held after SIGTERM: ours until its deadline, but its token is no longer attached.
     Draining,
+    /// Lost: its local validity deadline passed, or a renewal found it gone. It stays so until
+    /// the app asks again.
     Expired,
+    /// Released by the app (`DELETE`) or at shutdown.
     Released,
 }
 
 impl State {
+    /// Its name: `acquiring`, `held`, `draining`, `expired` or `released`.
     pub fn as_str(self) -> &'static str {
         match self {
             State::Acquiring => "acquiring",
@@ -37,12 +46,19 @@ impl State {
 /// A lease transition or renewal, as sent on the events stream.
 #[derive(Debug, Clone, Serialize)]
 pub struct Event {
+    /// What happened: `held`, `renewed`, `renew_failed`, `lost` or `released`.
     pub event: &'static str,
+    /// The resource id.
     pub resource: String,
+    /// The holder the lease was granted to.
     pub holder: String,
+    /// The grant's id (unique per grant).
     pub lease_id: String,
+    /// The grant's fencing token.
     pub fencing_token: Token,
+    /// The lease TTL, in milliseconds.
     pub ttl_ms: u128,
+    /// The lease's state after the event.
     pub state: State,
 }
 
@@ -54,13 +70,17 @@ pub(super) struct Snapshot {
 
 /// One lease held (or recently held) through this agent.
 pub struct Lease {
+    /// The backend's grant: resource, holder, lease id and fencing token.
     pub grant: Grant,
+    /// The TTL it was granted, and is renewed, with.
     pub ttl: Duration,
     pub(super) snapshot: watch::Sender<Snapshot>,
     pub(super) renewer: Mutex<Option<JoinHandle<()>>>,
 }
 
 impl Lease {
+    /// Its state now: a held or draining lease whose local deadline has passed is
+    /// [`State::Expired`], even before the renewer declares it lost.
     pub fn state(&self) -> State {
         let snap = *self.snapshot.borrow();
         if live(snap.state) && Instant::now() >= snap.valid_until {

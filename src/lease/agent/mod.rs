@@ -36,7 +36,9 @@ use crate::ttl::MAX_LEASE_DURATION;
 /// An acquisition under way: tried at once, then retried until its `wait` has passed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Attempt {
+    /// The resource id asked for.
     pub resource: String,
+    /// The holder asking.
     pub holder: String,
     /// The TTL the lease will be granted with.
     pub ttl: Duration,
@@ -67,24 +69,32 @@ impl Drop for Acquiring<'_> {
 pub enum AcquireError {
     /// Held by another holder after waiting; retry after the hint.
     Held {
+        /// The holder, when the backend says.
         holder: Option<String>,
     },
+    /// The backend failed on the last attempt.
     Unavailable(LeaseError),
+    /// A TTL below the minimum of `leases.ttl` (the TTL given, or the derived minimum).
     TtlTooShort {
+        /// That minimum.
         minimum: Duration,
     },
     /// A TTL above [`MAX_LEASE_DURATION`].
     TtlTooLong {
+        /// The maximum, 1 h.
         maximum: Duration,
     },
     /// A `wait` above [`MAX_LEASE_DURATION`].
     WaitTooLong {
+        /// The maximum, 1 h.
         maximum: Duration,
     },
     /// Shutdown has begun: nothing is granted any more.
     Draining,
 }
 
+/// The lease agent: the leases this fencegate holds for its app, acquired, renewed and
+/// released through one backend (see the [module docs](self)).
 pub struct Agent {
     backend: Arc<dyn LeaseBackend>,
     ttl: LeaseTtl,
@@ -109,6 +119,8 @@ pub struct Agent {
 }
 
 impl Agent {
+    /// An agent on `backend`, with the `leases.ttl` and `leases.acquire` settings, counting in
+    /// `metrics`' lease metrics.
     pub fn new(
         backend: Arc<dyn LeaseBackend>,
         ttl: LeaseTtl,
@@ -131,14 +143,18 @@ impl Agent {
         })
     }
 
+    /// The lease TTL of the config (`leases.ttl`), for requests that name none.
     pub fn default_ttl(&self) -> Duration {
         self.ttl.ttl
     }
 
+    /// The lease backend.
     pub fn backend(&self) -> &Arc<dyn LeaseBackend> {
         &self.backend
     }
 
+    /// Every lease's events from now on: a transition or a renewal each (the channel keeps
+    /// 1024; a reader further behind skips the missed ones).
     pub fn subscribe(&self) -> broadcast::Receiver<Event> {
         self.events.subscribe()
     }
@@ -151,10 +167,13 @@ impl Agent {
         }
     }
 
+    /// The lease listed here for `resource`: held, draining, or lost (until it is released or
+    /// asked for again).
     pub fn get(&self, resource: &str) -> Option<Arc<Lease>> {
         self.leases.locked().get(resource).cloned()
     }
 
+    /// Every lease listed here, lost ones included, by resource.
     pub fn all(&self) -> Vec<Arc<Lease>> {
         let mut all: Vec<_> = self.leases.locked().values().cloned().collect();
         all.sort_by(|a, b| a.grant.resource.cmp(&b.grant.resource));
