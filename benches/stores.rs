@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fencegate::config::{Config, EqualTokens};
-use fencegate::fence::Token;
+use fencegate::fence::{ResourceId, Token};
 use fencegate::store::{self, FenceStore, Verdict};
 
 const SEQUENTIAL: usize = 2000;
@@ -39,7 +39,7 @@ async fn measure(kind: &'static str, store: Arc<dyn FenceStore>) -> Row {
     for i in 0..50u32 {
         store
             .compare_and_raise(
-                &format!("warm{i}"),
+                &rid(&format!("warm{i}")),
                 Token::from(i),
                 EqualTokens::Allow.into(),
             )
@@ -51,21 +51,21 @@ async fn measure(kind: &'static str, store: Arc<dyn FenceStore>) -> Row {
         let resource = format!("account:{i}");
         let started = Instant::now();
         let verdict = store
-            .compare_and_raise(&resource, 7.into(), EqualTokens::Allow.into())
+            .compare_and_raise(&rid(&resource), 7.into(), EqualTokens::Allow.into())
             .await
             .unwrap();
         admit.push(started.elapsed());
         assert_eq!(verdict, Verdict::Admitted { previous: None });
     }
     store
-        .compare_and_raise("hot", 1000.into(), EqualTokens::Allow.into())
+        .compare_and_raise(&rid("hot"), 1000.into(), EqualTokens::Allow.into())
         .await
         .unwrap();
     let mut refuse = Vec::with_capacity(SEQUENTIAL);
     for _ in 0..SEQUENTIAL {
         let started = Instant::now();
         let verdict = store
-            .compare_and_raise("hot", 1.into(), EqualTokens::Allow.into())
+            .compare_and_raise(&rid("hot"), 1.into(), EqualTokens::Allow.into())
             .await
             .unwrap();
         refuse.push(started.elapsed());
@@ -85,7 +85,7 @@ async fn measure(kind: &'static str, store: Arc<dyn FenceStore>) -> Row {
                 for i in 0..CONCURRENT_OPS {
                     let resource = format!("c{t}:{i}");
                     store
-                        .compare_and_raise(&resource, 1.into(), EqualTokens::Allow.into())
+                        .compare_and_raise(&rid(&resource), 1.into(), EqualTokens::Allow.into())
                         .await
                         .unwrap();
                 }
@@ -197,7 +197,7 @@ async fn main() {
     .await;
     // The etcd client connects lazily; wait for the server to answer.
     let deadline = Instant::now() + Duration::from_secs(30);
-    while etcd_store.current("ready").await.is_err() {
+    while etcd_store.current(&rid("ready")).await.is_err() {
         assert!(Instant::now() < deadline, "etcd did not start");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -237,4 +237,9 @@ async fn main() {
             .batch_execute(&format!("DROP TABLE IF EXISTS {p}_fences"))
             .await;
     }
+}
+
+/// `id` as a resource id (the benchmark's ids are valid).
+fn rid(id: &str) -> ResourceId {
+    ResourceId::new(id).expect("a benchmark resource id is valid")
 }

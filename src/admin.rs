@@ -4,6 +4,7 @@
 //! It runs on its own port so probes and scrapes answer even when the proxy port is saturated.
 //! Every path takes `GET` and `HEAD`; errors are problem+json, like the proxy's refusals.
 
+use crate::fence::ResourceId;
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -103,6 +104,9 @@ impl Admin {
             }
             Err(_) => return invalid_resource("the resource id is not UTF-8 once percent-decoded"),
         };
+        let Ok(resource) = ResourceId::new(resource) else {
+            return invalid_resource("the resource id holds a control character");
+        };
         let started = tokio::time::Instant::now();
         let current = self.store.current(&resource).await;
         self.metrics
@@ -124,7 +128,7 @@ impl Admin {
                     "Fence store unavailable",
                     format!("the recorded maximum could not be read: {e}"),
                 )
-                .with("resource", resource)
+                .with("resource", resource.as_str())
                 .response();
                 r.headers_mut()
                     .insert(RETRY_AFTER, HeaderValue::from_static("1"));

@@ -5,7 +5,7 @@
 //! compare-and-raise (bounded by the store timeout), its verdict, and under
 //! `ordering: serialize` the barrier's turn.
 
-use crate::fence::Token;
+use crate::fence::{ResourceId, Token};
 use std::sync::Arc;
 
 use http::header::HeaderName;
@@ -42,7 +42,7 @@ pub(crate) struct Refused {
     pub(crate) refusal: Refusal,
     /// Index of the route in the table, when the request is on one.
     pub(crate) route: Option<usize>,
-    pub(crate) resource: Option<String>,
+    pub(crate) resource: Option<ResourceId>,
     pub(crate) token: Option<Token>,
 }
 
@@ -74,7 +74,7 @@ pub(crate) struct Pass {
 
 /// A fenced write sent on now.
 pub(crate) struct Fenced {
-    pub(crate) resource: String,
+    pub(crate) resource: ResourceId,
     /// `None` for a write without a token on a `missing_token: allow` route.
     pub(crate) token: Option<Token>,
     /// Egress: the token is the held lease's, to be set on the request before it is sent.
@@ -84,7 +84,7 @@ pub(crate) struct Fenced {
 /// A fenced write past its token check that has to wait before its send.
 pub(crate) struct Later {
     pub(crate) route: usize,
-    pub(crate) resource: String,
+    pub(crate) resource: ResourceId,
     pub(crate) token: Token,
     pub(crate) normalised: String,
     /// The write's `Idempotency-Key`, on a route where keys apply.
@@ -159,7 +159,7 @@ impl Fence {
             Ok(Matched::Fence { route, resource }) => (route, resource),
         };
         let index = route.index;
-        let refuse = |refusal: Refusal, resource: String, token: Option<Token>| {
+        let refuse = |refusal: Refusal, resource: ResourceId, token: Option<Token>| {
             Decision::Refuse(Refused {
                 refusal,
                 route: Some(index),
@@ -276,7 +276,7 @@ impl Fence {
     pub(crate) async fn admit(
         &self,
         route: &Route,
-        resource: &str,
+        resource: &ResourceId,
         token: Token,
     ) -> Result<Option<Ticket>, Refusal> {
         if let Some(refusal) = self.check_authority(resource, token).await {
@@ -359,7 +359,11 @@ impl Fence {
     }
 
     /// Compare-and-raise, bounded by the store timeout; a late answer counts as no answer.
-    pub(crate) async fn check(&self, resource: &str, token: Token) -> Result<Verdict, StoreError> {
+    pub(crate) async fn check(
+        &self,
+        resource: &ResourceId,
+        token: Token,
+    ) -> Result<Verdict, StoreError> {
         if let Some(answer) = self.raise_at_once(resource, token) {
             return answer;
         }
@@ -377,7 +381,7 @@ impl Fence {
     /// [`FenceStore::raise_at_once`]), timed and counted as [`Fence::check`] does.
     pub(crate) fn raise_at_once(
         &self,
-        resource: &str,
+        resource: &ResourceId,
         token: Token,
     ) -> Option<Result<Verdict, StoreError>> {
         let started = Instant::now();

@@ -13,11 +13,13 @@ pub mod method;
 #[cfg(test)]
 pub(crate) mod model;
 pub mod path;
+pub(crate) mod resource;
 pub mod routes;
 #[cfg(test)]
 mod tests;
 pub mod token;
 pub mod verdict;
+pub use resource::{ResourceId, ResourceIdError};
 pub use token::Token;
 
 pub(crate) use decide::{Decision, Fenced, Pass, Refused};

@@ -6,6 +6,7 @@ use std::borrow::Cow;
 
 use http::{HeaderMap, Method};
 
+use super::resource::{ResourceId, ResourceIdError};
 use crate::config::{
     EgressRoute, MethodCfg, MissingToken, Ordering, PathTemplate, ResourcePart, ResourceTemplate,
     RouteConfig, Unmatched,
@@ -51,7 +52,10 @@ pub enum Matched<'a> {
     /// On a route, but this method is not fenced there.
     Pass(&'a Route),
     /// A fenced write to `resource`.
-    Fence { route: &'a Route, resource: String },
+    Fence {
+        route: &'a Route,
+        resource: ResourceId,
+    },
 }
 
 /// Why the resource id could not be built; the request is refused with 400.
@@ -72,6 +76,8 @@ pub enum ResourceError {
     NotBase64(String),
     #[error("the path does not decode to UTF-8 text, so it names no resource")]
     NotText,
+    #[error("the request names no resource: {0}")]
+    NotAnId(ResourceIdError),
 }
 
 pub struct RouteTable {
@@ -242,6 +248,8 @@ impl RouteTable {
         if resource.len() > self.max_resource_bytes {
             return Err((Some(route), ResourceError::TooLong(self.max_resource_bytes)));
         }
+        let resource =
+            ResourceId::new(resource).map_err(|e| (Some(route), ResourceError::NotAnId(e)))?;
         Ok(Matched::Fence { route, resource })
     }
 }
@@ -377,7 +385,7 @@ mod tests {
 
     fn fenced(m: Matched<'_>) -> (String, String) {
         match m {
-            Matched::Fence { route, resource } => (route.name.clone(), resource),
+            Matched::Fence { route, resource } => (route.name.clone(), resource.into()),
             other => panic!("expected a fenced match, got {other:?}"),
         }
     }
@@ -515,6 +523,16 @@ mod tests {
                 .unwrap_err()
                 .1,
             ResourceError::TooLong(64)
+        );
+        // A tab is legal in a header value, but no part of a resource id: the stores key
+        // records by the id and a control byte, so no id may hold one.
+        let mut tab = HeaderMap::new();
+        tab.insert("x-tenant", "ac\tme".parse().unwrap());
+        assert_eq!(
+            t.lookup(&Method::POST, "/jobs/a", Some("shard=1"), None, &tab)
+                .unwrap_err()
+                .1,
+            ResourceError::NotAnId(ResourceIdError::Control)
         );
     }
 

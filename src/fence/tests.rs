@@ -1,6 +1,7 @@
 //! The decision, without sockets: a [`Fence`] over the memory store, asked about request
 //! heads.
 
+use crate::fence::resource::rid;
 use std::sync::Arc;
 
 use http::{Request, StatusCode};
@@ -136,10 +137,13 @@ fn a_serialized_route_leaves_the_write_to_wait_for_its_barrier() {
 async fn admit_raises_and_then_refuses_the_same_token_below() {
     let fence = fence(", ordering: serialize");
     let route = fence.route(0);
-    let ticket = fence.admit(route, "account:42", 5.into()).await.unwrap();
+    let ticket = fence
+        .admit(route, &rid("account:42"), 5.into())
+        .await
+        .unwrap();
     assert!(ticket.is_some(), "a serialized write holds its turn");
     drop(ticket);
-    match fence.admit(route, "account:42", 4.into()).await {
+    match fence.admit(route, &rid("account:42"), 4.into()).await {
         Err(Refusal::Stale { current }) if current == 5.into() => {}
         Err(other) => panic!("{other:?}"),
         Ok(_) => panic!("4 was admitted after 5"),

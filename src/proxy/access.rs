@@ -7,7 +7,7 @@
 //! the client's connection. Both count into the request's [`Head`], made only when the access
 //! log is on: with it off they hold `None` and count nothing.
 
-use crate::fence::Token;
+use crate::fence::{ResourceId, Token};
 use std::net::IpAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -94,7 +94,7 @@ pub(super) struct Head {
 pub(super) struct Answered {
     /// Shared with the proxy that answered (made once per configuration): no copy per request.
     pub(super) route: Option<Arc<str>>,
-    pub(super) resource: Option<String>,
+    pub(super) resource: Option<ResourceId>,
     pub(super) token: Option<Token>,
     pub(super) method: Method,
     pub(super) status: u16,

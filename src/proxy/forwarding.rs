@@ -4,7 +4,7 @@
 //! there is none. A write holding a barrier ticket or an idempotency claim is settled apart
 //! from its client ([`Proxy::forward_held`]).
 
-use crate::fence::Token;
+use crate::fence::{ResourceId, Token};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -33,7 +33,7 @@ use crate::problem::refusal::{Refusal, Subject};
 pub(super) struct Answer<'a> {
     route: Option<&'a Route>,
     /// Owned: an access line written after the response has gone keeps it.
-    resource: Option<String>,
+    resource: Option<ResourceId>,
     token: Option<Token>,
     outcome: Outcome,
     method: &'a Method,
@@ -57,7 +57,7 @@ impl Answer<'_> {
 pub(super) struct Answering {
     /// Index of the route in the table; `None` for a request on no route.
     route: Option<usize>,
-    resource: Option<String>,
+    resource: Option<ResourceId>,
     token: Option<Token>,
     outcome: Outcome,
     /// When the request's head was handed to fencegate.
@@ -80,7 +80,7 @@ impl Answering {
 
     pub(super) fn fenced(
         route: usize,
-        resource: String,
+        resource: ResourceId,
         token: Option<Token>,
         outcome: Outcome,
         started: Instant,

@@ -65,7 +65,7 @@ impl Proxy {
         let subject = write.subject(route);
         let (normalised, resource, token, started) = (
             write.normalised.as_str(),
-            write.resource.as_str(),
+            &write.resource,
             write.token,
             write.started,
         );
@@ -166,7 +166,7 @@ impl Proxy {
                 // this attempt's id is replaced: another attempt's live record, with the same
                 // token and body, stays in flight.
                 let store = Arc::clone(self.fence.store());
-                let (resource, key) = (resource.to_owned(), key);
+                let (resource, key) = (resource.clone(), key);
                 let outcome = Record::unknown(claim.token, claim.fingerprint);
                 let limit = self.timeouts.store;
                 tokio::spawn(async move {
@@ -221,7 +221,7 @@ impl Proxy {
                         route = %route.name,
                         %method,
                         path = normalised,
-                        resource,
+                        resource = resource.as_str(),
                         fencing_token = token.get(),
                         recorded_token = record.token.get(),
                         status = response.status,
@@ -246,7 +246,7 @@ impl Proxy {
                 let attempt = Attempt {
                     writer: Some(Writer {
                         store: Arc::clone(self.fence.store()),
-                        resource: resource.to_owned(),
+                        resource: resource.clone(),
                         key,
                         store_timeout: self.timeouts.store,
                         metrics: Arc::clone(&self.fence.metrics),

@@ -19,7 +19,7 @@ pub mod idempotent;
 pub mod recording;
 pub mod upstream;
 
-use crate::fence::Token;
+use crate::fence::{ResourceId, Token};
 pub use build::BuildError;
 
 use std::convert::Infallible;
@@ -80,7 +80,7 @@ pub struct Proxy {
 struct Write {
     /// Index of the route in the table.
     route: usize,
-    resource: String,
+    resource: ResourceId,
     token: Token,
     /// The request's path, normalised: what the upstream is sent and the log lines name.
     normalised: String,

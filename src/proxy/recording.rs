@@ -14,6 +14,7 @@
 //! response body type ([`crate::body::ProxyBody`]) can hold a recording without importing the
 //! request path that makes one.
 
+use crate::fence::ResourceId;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -54,7 +55,7 @@ pub struct Attempt {
 /// What writing an attempt's outcome needs.
 pub(super) struct Writer {
     pub(super) store: Arc<dyn FenceStore>,
-    pub(super) resource: String,
+    pub(super) resource: ResourceId,
     pub(super) key: String,
     pub(super) store_timeout: Duration,
     pub(super) metrics: Arc<crate::metrics::Metrics>,

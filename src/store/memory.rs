@@ -1,6 +1,6 @@
 //! In-process maxima: fast and forgetful. For tests and demos; a restart forgets everything.
 
-use crate::fence::Token;
+use crate::fence::{ResourceId, Token};
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::sync::Mutex;
@@ -163,7 +163,7 @@ impl MemoryStore {
 impl FenceStore for MemoryStore {
     fn compare_and_raise<'a>(
         &'a self,
-        resource: &'a str,
+        resource: &'a ResourceId,
         token: Token,
         rule: Rule,
     ) -> BoxFuture<'a, Result<Verdict, StoreError>> {
@@ -173,7 +173,7 @@ impl FenceStore for MemoryStore {
 
     fn raise_at_once(
         &self,
-        resource: &str,
+        resource: &ResourceId,
         token: Token,
         rule: Rule,
     ) -> Option<Result<Verdict, StoreError>> {
@@ -182,9 +182,9 @@ impl FenceStore for MemoryStore {
 
     fn current<'a>(
         &'a self,
-        resource: &'a str,
+        resource: &'a ResourceId,
     ) -> BoxFuture<'a, Result<Option<Token>, StoreError>> {
-        let current = self.maxima.get(resource).map(|v| *v);
+        let current = self.maxima.get(resource.as_str()).map(|v| *v);
         Box::pin(std::future::ready(Ok(current)))
     }
 
@@ -194,7 +194,7 @@ impl FenceStore for MemoryStore {
 
     fn begin_idempotent<'a>(
         &'a self,
-        resource: &'a str,
+        resource: &'a ResourceId,
         key: &'a str,
         claim: &'a Claim,
     ) -> BoxFuture<'a, Result<Begin, StoreError>> {
@@ -203,7 +203,7 @@ impl FenceStore for MemoryStore {
 
     fn finish_idempotent<'a>(
         &'a self,
-        resource: &'a str,
+        resource: &'a ResourceId,
         key: &'a str,
         claim: &'a Claim,
         outcome: &'a Record,

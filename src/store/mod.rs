@@ -32,7 +32,7 @@ pub use memory::MemoryStore;
 use crate::config::StoreConfig;
 // The backends apply the decision; they import it from here.
 pub use crate::fence::verdict::{decide, Rule, Verdict};
-pub use crate::fence::Token;
+pub use crate::fence::{ResourceId, Token};
 use crate::idempotency::{Begin, Claim, Record};
 
 pub use crate::conn::BoxFuture;
@@ -44,7 +44,7 @@ pub trait FenceStore: Send + Sync + 'static {
     /// maximum to it. Returns only after the raise is as durable as the store promises.
     fn compare_and_raise<'a>(
         &'a self,
-        resource: &'a str,
+        resource: &'a ResourceId,
         token: Token,
         rule: Rule,
     ) -> BoxFuture<'a, Result<Verdict, StoreError>>;
@@ -53,7 +53,7 @@ pub trait FenceStore: Send + Sync + 'static {
     /// for it (the memory store): no future to box and poll. `None`: ask `compare_and_raise`.
     fn raise_at_once(
         &self,
-        _resource: &str,
+        _resource: &ResourceId,
         _token: Token,
         _rule: Rule,
     ) -> Option<Result<Verdict, StoreError>> {
@@ -61,8 +61,10 @@ pub trait FenceStore: Send + Sync + 'static {
     }
 
     /// The recorded maximum, if any.
-    fn current<'a>(&'a self, resource: &'a str)
-        -> BoxFuture<'a, Result<Option<Token>, StoreError>>;
+    fn current<'a>(
+        &'a self,
+        resource: &'a ResourceId,
+    ) -> BoxFuture<'a, Result<Option<Token>, StoreError>>;
 
     /// Cheap readiness signal: false once the store is known to be unusable.
     fn healthy(&self) -> bool;
@@ -91,7 +93,7 @@ pub trait FenceStore: Send + Sync + 'static {
     /// that deadline on the monotonic clock, so a wall-clock step cannot shorten it).
     fn begin_idempotent<'a>(
         &'a self,
-        resource: &'a str,
+        resource: &'a ResourceId,
         key: &'a str,
         claim: &'a Claim,
     ) -> BoxFuture<'a, Result<Begin, StoreError>>;
@@ -102,7 +104,7 @@ pub trait FenceStore: Send + Sync + 'static {
     /// with the same token and body owns nothing here. Returns whether it wrote.
     fn finish_idempotent<'a>(
         &'a self,
-        resource: &'a str,
+        resource: &'a ResourceId,
         key: &'a str,
         claim: &'a Claim,
         outcome: &'a Record,

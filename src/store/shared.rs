@@ -17,7 +17,7 @@
 
 pub mod resets;
 pub mod retention;
-use crate::fence::Token;
+use crate::fence::{ResourceId, Token};
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -410,7 +410,7 @@ async fn probe<R: Remote>(remote: Arc<R>, health: Arc<Health>) {
 impl<R: Remote> FenceStore for SharedStore<R> {
     fn compare_and_raise<'a>(
         &'a self,
-        resource: &'a str,
+        resource: &'a ResourceId,
         token: Token,
         rule: Rule,
     ) -> BoxFuture<'a, Result<Verdict, StoreError>> {
@@ -440,7 +440,7 @@ impl<R: Remote> FenceStore for SharedStore<R> {
 
     fn current<'a>(
         &'a self,
-        resource: &'a str,
+        resource: &'a ResourceId,
     ) -> BoxFuture<'a, Result<Option<Token>, StoreError>> {
         Box::pin(async move {
             let result = self.remote.get(resource).await;
@@ -455,7 +455,7 @@ impl<R: Remote> FenceStore for SharedStore<R> {
 
     fn begin_idempotent<'a>(
         &'a self,
-        resource: &'a str,
+        resource: &'a ResourceId,
         key: &'a str,
         claim: &'a Claim,
     ) -> BoxFuture<'a, Result<Begin, StoreError>> {
@@ -486,7 +486,7 @@ impl<R: Remote> FenceStore for SharedStore<R> {
             }
             if let Some(attempt) = takeover.filter(|_| took_over) {
                 tracing::warn!(
-                    resource,
+                    resource = resource.as_str(),
                     attempt = %attempt.hex(),
                     "idempotency record taken over: its attempt was still in flight a whole \
                      in-flight lifetime after it was first seen (did its fencegate die?)"
@@ -506,7 +506,7 @@ impl<R: Remote> FenceStore for SharedStore<R> {
 
     fn finish_idempotent<'a>(
         &'a self,
-        resource: &'a str,
+        resource: &'a ResourceId,
         key: &'a str,
         claim: &'a Claim,
         outcome: &'a Record,

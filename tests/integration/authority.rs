@@ -2,8 +2,9 @@
 //! not when its headers arrive: a lease that passes on while the body is still coming, while
 //! the store raises, or while the write waits for its barrier turn refuses the write.
 
+use crate::common::rid;
 use crate::common::tk;
-use fencegate::fence::Token;
+use fencegate::fence::{ResourceId, Token};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -212,7 +213,7 @@ fn granted(acquired: Result<Acquired, fencegate::lease::LeaseError>) -> Grant {
 /// Waits (bounded) until the store's maximum for `resource` is `token`.
 async fn wait_for_maximum(store: &dyn FenceStore, resource: &str, token: Token) {
     tokio::time::timeout(Duration::from_secs(10), async {
-        while store.current(resource).await.unwrap() != Some(token) {
+        while store.current(&rid(resource)).await.unwrap() != Some(token) {
             tokio::task::yield_now().await;
         }
     })
@@ -230,7 +231,7 @@ struct GatedStore {
 impl FenceStore for GatedStore {
     fn compare_and_raise<'a>(
         &'a self,
-        resource: &'a str,
+        resource: &'a ResourceId,
         token: Token,
         rule: Rule,
     ) -> BoxFuture<'a, Result<Verdict, StoreError>> {
@@ -243,7 +244,7 @@ impl FenceStore for GatedStore {
 
     fn current<'a>(
         &'a self,
-        resource: &'a str,
+        resource: &'a ResourceId,
     ) -> BoxFuture<'a, Result<Option<Token>, StoreError>> {
         self.inner.current(resource)
     }
@@ -258,7 +259,7 @@ impl FenceStore for GatedStore {
 
     fn begin_idempotent<'a>(
         &'a self,
-        resource: &'a str,
+        resource: &'a ResourceId,
         key: &'a str,
         claim: &'a Claim,
     ) -> BoxFuture<'a, Result<Begin, StoreError>> {
@@ -267,7 +268,7 @@ impl FenceStore for GatedStore {
 
     fn finish_idempotent<'a>(
         &'a self,
-        resource: &'a str,
+        resource: &'a ResourceId,
         key: &'a str,
         claim: &'a Claim,
         outcome: &'a Record,

@@ -330,3 +330,8 @@ pub fn complete_response(buf: &[u8]) -> Option<usize> {
 pub fn tk(value: u64) -> fencegate::fence::Token {
     fencegate::fence::Token::new(value).expect("a test token is at most 2^63-1")
 }
+
+/// `id` as a resource id (tests use valid ones).
+pub fn rid(id: &str) -> fencegate::fence::ResourceId {
+    fencegate::fence::ResourceId::new(id).expect("a test resource id is valid")
+}

@@ -5,6 +5,7 @@
 //! resource before the failover, so its verdicts after it come from the store, not from a
 //! cache. Recovery times (failover to the first admitted write) are printed.
 
+use crate::common::rid;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -442,7 +443,7 @@ async fn postgres_retention_check_leaves_a_read_only_primary() {
         async move {
             store
                 .compare_and_raise(
-                    resource,
+                    &rid(resource),
                     5.into(),
                     fencegate::config::EqualTokens::Allow.into(),
                 )
@@ -480,7 +481,11 @@ async fn postgres_retention_check_leaves_a_read_only_primary() {
     let deadline = Instant::now() + DEADLINE;
     loop {
         match store
-            .compare_and_raise("a", 6.into(), fencegate::config::EqualTokens::Allow.into())
+            .compare_and_raise(
+                &rid("a"),
+                6.into(),
+                fencegate::config::EqualTokens::Allow.into(),
+            )
             .await
         {
             Ok(verdict) => {

@@ -2,7 +2,8 @@
 //! replayed byte for byte; conflicts, reuse, unknown outcomes, windows, and replicas sharing
 //! a store.
 
-use fencegate::fence::Token;
+use crate::common::rid;
+use fencegate::fence::{ResourceId, Token};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -800,7 +801,7 @@ struct Stalling {
 impl FenceStore for Stalling {
     fn compare_and_raise<'a>(
         &'a self,
-        resource: &'a str,
+        resource: &'a ResourceId,
         token: Token,
         rule: Rule,
     ) -> BoxFuture<'a, Result<Verdict, StoreError>> {
@@ -809,7 +810,7 @@ impl FenceStore for Stalling {
 
     fn current<'a>(
         &'a self,
-        resource: &'a str,
+        resource: &'a ResourceId,
     ) -> BoxFuture<'a, Result<Option<Token>, StoreError>> {
         self.inner.current(resource)
     }
@@ -824,7 +825,7 @@ impl FenceStore for Stalling {
 
     fn begin_idempotent<'a>(
         &'a self,
-        resource: &'a str,
+        resource: &'a ResourceId,
         key: &'a str,
         claim: &'a Claim,
     ) -> BoxFuture<'a, Result<Begin, StoreError>> {
@@ -840,7 +841,7 @@ impl FenceStore for Stalling {
 
     fn finish_idempotent<'a>(
         &'a self,
-        resource: &'a str,
+        resource: &'a ResourceId,
         key: &'a str,
         claim: &'a Claim,
         outcome: &'a Record,
@@ -936,7 +937,10 @@ async fn a_timed_out_retry_does_not_free_a_running_attempts_key(kind: &str) {
     assert_eq!(retry.headers["idempotent-replayed"], "true");
     assert_eq!(retry.body, a.body);
     assert_eq!(up.executions(), 1);
-    assert_eq!(store.current("account:1").await.unwrap(), Some(5.into()));
+    assert_eq!(
+        store.current(&rid("account:1")).await.unwrap(),
+        Some(5.into())
+    );
     let look = Claim {
         token: 5.into(),
         fingerprint: Fingerprint::of("POST", "/accounts/1", None, b"debit 10"),
@@ -945,7 +949,10 @@ async fn a_timed_out_retry_does_not_free_a_running_attempts_key(kind: &str) {
         may_execute: false,
         attempt: AttemptId::next(),
     };
-    match store.begin_idempotent("account:1", "pay-1", &look).await {
+    match store
+        .begin_idempotent(&rid("account:1"), "pay-1", &look)
+        .await
+    {
         Ok(Begin::Completed(record)) => {
             assert_eq!(
                 (record.token, record.status, record.attempt),

@@ -1,6 +1,7 @@
 //! One conformance suite for the idempotency records every fence store keeps, against real
 //! servers: the decision, its coupling with the maximum, the outcome write and expiry.
 
+use crate::common::rid;
 use crate::common::tk;
 use fencegate::fence::Token;
 use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
@@ -55,37 +56,48 @@ async fn claim_complete_replay(store: Arc<dyn FenceStore>) {
     let (r, k) = ("account:1", "key-1");
     let c = claim(5.into(), 1);
     assert_eq!(
-        store.begin_idempotent(r, k, &c).await.unwrap(),
+        store.begin_idempotent(&rid(r), k, &c).await.unwrap(),
         Begin::Execute { previous: None }
     );
     // The claim raised the maximum, in the same step.
-    assert_eq!(store.current(r).await.unwrap(), Some(5.into()));
+    assert_eq!(store.current(&rid(r)).await.unwrap(), Some(5.into()));
     assert_eq!(
         store
-            .begin_idempotent(r, k, &claim(5.into(), 1))
+            .begin_idempotent(&rid(r), k, &claim(5.into(), 1))
             .await
             .unwrap(),
         Begin::InFlight
     );
     assert_eq!(
         store
-            .begin_idempotent(r, k, &claim(6.into(), 2))
+            .begin_idempotent(&rid(r), k, &claim(6.into(), 2))
             .await
             .unwrap(),
         Begin::Reused
     );
     // Someone else's outcome does not land.
     assert!(!store
-        .finish_idempotent(r, k, &claim(4.into(), 1), &completed(4.into(), 1, b"x"))
+        .finish_idempotent(
+            &rid(r),
+            k,
+            &claim(4.into(), 1),
+            &completed(4.into(), 1, b"x")
+        )
         .await
         .unwrap());
     let done = completed(5.into(), 1, b"{\"ok\":true}\n");
-    assert!(store.finish_idempotent(r, k, &c, &done).await.unwrap());
+    assert!(store
+        .finish_idempotent(&rid(r), k, &c, &done)
+        .await
+        .unwrap());
     // Finishing twice does not land either: the record is no longer in flight.
-    assert!(!store.finish_idempotent(r, k, &c, &done).await.unwrap());
+    assert!(!store
+        .finish_idempotent(&rid(r), k, &c, &done)
+        .await
+        .unwrap());
     assert_eq!(
         store
-            .begin_idempotent(r, k, &claim(5.into(), 1))
+            .begin_idempotent(&rid(r), k, &claim(5.into(), 1))
             .await
             .unwrap(),
         Begin::Completed(done.clone())
@@ -93,14 +105,14 @@ async fn claim_complete_replay(store: Arc<dyn FenceStore>) {
     // A newer epoch was admitted since: the record still answers, nothing executes.
     assert!(matches!(
         store
-            .compare_and_raise(r, 9.into(), EqualTokens::Allow.into())
+            .compare_and_raise(&rid(r), 9.into(), EqualTokens::Allow.into())
             .await
             .unwrap(),
         Verdict::Admitted { .. }
     ));
     assert_eq!(
         store
-            .begin_idempotent(r, k, &claim(5.into(), 1))
+            .begin_idempotent(&rid(r), k, &claim(5.into(), 1))
             .await
             .unwrap(),
         Begin::Completed(done.clone())
@@ -110,21 +122,21 @@ async fn claim_complete_replay(store: Arc<dyn FenceStore>) {
         ..claim(5.into(), 1)
     };
     assert_eq!(
-        store.begin_idempotent(r, k, &refused).await.unwrap(),
+        store.begin_idempotent(&rid(r), k, &refused).await.unwrap(),
         Begin::Completed(done)
     );
     assert_eq!(
         store
-            .begin_idempotent(r, k, &claim(9.into(), 3))
+            .begin_idempotent(&rid(r), k, &claim(9.into(), 3))
             .await
             .unwrap(),
         Begin::Reused
     );
-    assert_eq!(store.current(r).await.unwrap(), Some(9.into()));
+    assert_eq!(store.current(&rid(r)).await.unwrap(), Some(9.into()));
     // Keys are per resource.
     assert_eq!(
         store
-            .begin_idempotent("account:2", k, &claim(1.into(), 2))
+            .begin_idempotent(&rid("account:2"), k, &claim(1.into(), 2))
             .await
             .unwrap(),
         Begin::Execute { previous: None }
@@ -138,7 +150,7 @@ async fn only_the_claiming_attempt_finishes(store: Arc<dyn FenceStore>) {
     let (r, k) = ("account:a", "k");
     let a = claim(5.into(), 1);
     assert_eq!(
-        store.begin_idempotent(r, k, &a).await.unwrap(),
+        store.begin_idempotent(&rid(r), k, &a).await.unwrap(),
         Begin::Execute { previous: None }
     );
     let b = Claim {
@@ -146,7 +158,7 @@ async fn only_the_claiming_attempt_finishes(store: Arc<dyn FenceStore>) {
         ..a
     };
     assert!(!store
-        .finish_idempotent(r, k, &b, &Record::unknown(5.into(), fp(1)))
+        .finish_idempotent(&rid(r), k, &b, &Record::unknown(5.into(), fp(1)))
         .await
         .unwrap());
     // Still the first attempt's: in flight to everyone else, and its outcome lands.
@@ -155,13 +167,16 @@ async fn only_the_claiming_attempt_finishes(store: Arc<dyn FenceStore>) {
         ..a
     };
     assert_eq!(
-        store.begin_idempotent(r, k, &c).await.unwrap(),
+        store.begin_idempotent(&rid(r), k, &c).await.unwrap(),
         Begin::InFlight
     );
     let done = completed(5.into(), 1, b"paid once");
-    assert!(store.finish_idempotent(r, k, &a, &done).await.unwrap());
+    assert!(store
+        .finish_idempotent(&rid(r), k, &a, &done)
+        .await
+        .unwrap());
     assert_eq!(
-        store.begin_idempotent(r, k, &c).await.unwrap(),
+        store.begin_idempotent(&rid(r), k, &c).await.unwrap(),
         Begin::Completed(done)
     );
 }
@@ -171,14 +186,14 @@ async fn stale_claims_nothing(store: Arc<dyn FenceStore>) {
     let r = "account:s";
     assert!(matches!(
         store
-            .compare_and_raise(r, 10.into(), EqualTokens::Allow.into())
+            .compare_and_raise(&rid(r), 10.into(), EqualTokens::Allow.into())
             .await
             .unwrap(),
         Verdict::Admitted { .. }
     ));
     assert_eq!(
         store
-            .begin_idempotent(r, "k", &claim(5.into(), 1))
+            .begin_idempotent(&rid(r), "k", &claim(5.into(), 1))
             .await
             .unwrap(),
         Begin::Stale { current: 10.into() }
@@ -188,7 +203,7 @@ async fn stale_claims_nothing(store: Arc<dyn FenceStore>) {
         ..claim(10.into(), 1)
     };
     assert_eq!(
-        store.begin_idempotent(r, "k", &reject).await.unwrap(),
+        store.begin_idempotent(&rid(r), "k", &reject).await.unwrap(),
         Begin::Stale { current: 10.into() }
     );
     let refused = Claim {
@@ -196,20 +211,23 @@ async fn stale_claims_nothing(store: Arc<dyn FenceStore>) {
         ..claim(11.into(), 1)
     };
     assert_eq!(
-        store.begin_idempotent(r, "k", &refused).await.unwrap(),
+        store
+            .begin_idempotent(&rid(r), "k", &refused)
+            .await
+            .unwrap(),
         Begin::Refused
     );
-    assert_eq!(store.current(r).await.unwrap(), Some(10.into()));
+    assert_eq!(store.current(&rid(r)).await.unwrap(), Some(10.into()));
     assert_eq!(
         store
-            .begin_idempotent(r, "k", &claim(11.into(), 1))
+            .begin_idempotent(&rid(r), "k", &claim(11.into(), 1))
             .await
             .unwrap(),
         Begin::Execute {
             previous: Some(10.into())
         }
     );
-    assert_eq!(store.current(r).await.unwrap(), Some(11.into()));
+    assert_eq!(store.current(&rid(r)).await.unwrap(), Some(11.into()));
 }
 
 /// An unknown outcome is redone only with a token at least the recorded one.
@@ -217,23 +235,23 @@ async fn unknown_outcome(store: Arc<dyn FenceStore>) {
     let (r, k) = ("account:u", "k");
     let c = claim(7.into(), 1);
     assert_eq!(
-        store.begin_idempotent(r, k, &c).await.unwrap(),
+        store.begin_idempotent(&rid(r), k, &c).await.unwrap(),
         Begin::Execute { previous: None }
     );
     assert!(store
-        .finish_idempotent(r, k, &c, &Record::unknown(7.into(), fp(1)))
+        .finish_idempotent(&rid(r), k, &c, &Record::unknown(7.into(), fp(1)))
         .await
         .unwrap());
     assert_eq!(
         store
-            .begin_idempotent(r, k, &claim(6.into(), 1))
+            .begin_idempotent(&rid(r), k, &claim(6.into(), 1))
             .await
             .unwrap(),
         Begin::Stale { current: 7.into() }
     );
     assert_eq!(
         store
-            .begin_idempotent(r, k, &claim(7.into(), 2))
+            .begin_idempotent(&rid(r), k, &claim(7.into(), 2))
             .await
             .unwrap(),
         Begin::Reused
@@ -243,14 +261,14 @@ async fn unknown_outcome(store: Arc<dyn FenceStore>) {
         ..claim(7.into(), 1)
     };
     assert_eq!(
-        store.begin_idempotent(r, k, &same).await.unwrap(),
+        store.begin_idempotent(&rid(r), k, &same).await.unwrap(),
         Begin::Execute {
             previous: Some(7.into())
         }
     );
     assert_eq!(
         store
-            .begin_idempotent(r, k, &claim(8.into(), 1))
+            .begin_idempotent(&rid(r), k, &claim(8.into(), 1))
             .await
             .unwrap(),
         Begin::InFlight
@@ -264,7 +282,7 @@ async fn concurrent_duplicates(store: Arc<dyn FenceStore>) {
         let store = Arc::clone(&store);
         tasks.push(tokio::spawn(async move {
             store
-                .begin_idempotent("account:c", "dup", &claim(tk(100 + i % 3), 1))
+                .begin_idempotent(&rid("account:c"), "dup", &claim(tk(100 + i % 3), 1))
                 .await
                 .unwrap()
         }));
@@ -288,21 +306,21 @@ async fn window_expiry(store: Arc<dyn FenceStore>) {
         ..claim(3.into(), 1)
     };
     assert_eq!(
-        store.begin_idempotent(r, k, &short).await.unwrap(),
+        store.begin_idempotent(&rid(r), k, &short).await.unwrap(),
         Begin::Execute { previous: None }
     );
     assert!(store
-        .finish_idempotent(r, k, &short, &completed(3.into(), 1, b"done"))
+        .finish_idempotent(&rid(r), k, &short, &completed(3.into(), 1, b"done"))
         .await
         .unwrap());
     assert!(matches!(
-        store.begin_idempotent(r, k, &short).await.unwrap(),
+        store.begin_idempotent(&rid(r), k, &short).await.unwrap(),
         Begin::Completed(_)
     ));
     // Poll until the store has expired it (bounded): the window is the store's clock.
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        match store.begin_idempotent(r, k, &short).await.unwrap() {
+        match store.begin_idempotent(&rid(r), k, &short).await.unwrap() {
             Begin::Completed(_) => {
                 assert!(Instant::now() < deadline, "the record never expired");
                 tokio::time::sleep(Duration::from_millis(100)).await;
@@ -425,7 +443,7 @@ async fn clock_step_keeps_a_running_attempt(kind: &str) {
     let (r, k) = ("account:step", "pay");
     let a = claim(5.into(), 1);
     assert_eq!(
-        store.begin_idempotent(r, k, &a).await.unwrap(),
+        store.begin_idempotent(&rid(r), k, &a).await.unwrap(),
         Begin::Execute { previous: None }
     );
     match kind {
@@ -434,14 +452,17 @@ async fn clock_step_keeps_a_running_attempt(kind: &str) {
     }
     let retry = claim(5.into(), 1);
     assert_eq!(
-        store.begin_idempotent(r, k, &retry).await.unwrap(),
+        store.begin_idempotent(&rid(r), k, &retry).await.unwrap(),
         Begin::InFlight,
         "a clock step on the {kind} server ended a running attempt's claim"
     );
     let done = completed(5.into(), 1, b"paid once");
-    assert!(store.finish_idempotent(r, k, &a, &done).await.unwrap());
+    assert!(store
+        .finish_idempotent(&rid(r), k, &a, &done)
+        .await
+        .unwrap());
     assert_eq!(
-        store.begin_idempotent(r, k, &retry).await.unwrap(),
+        store.begin_idempotent(&rid(r), k, &retry).await.unwrap(),
         Begin::Completed(done)
     );
 }
@@ -506,12 +527,12 @@ async fn dead_owner_is_taken_over_after_its_lifetime(kind: &str) {
     let minute = Duration::from_secs(60);
     let a = lasting(minute, 5.into());
     assert_eq!(
-        owner.begin_idempotent(r, k, &a).await.unwrap(),
+        owner.begin_idempotent(&rid(r), k, &a).await.unwrap(),
         Begin::Execute { previous: None }
     );
     assert_eq!(
         observer
-            .begin_idempotent(r, k, &lasting(minute, 5.into()))
+            .begin_idempotent(&rid(r), k, &lasting(minute, 5.into()))
             .await
             .unwrap(),
         Begin::InFlight
@@ -519,7 +540,7 @@ async fn dead_owner_is_taken_over_after_its_lifetime(kind: &str) {
     advance.by(minute - Duration::from_millis(1));
     assert_eq!(
         observer
-            .begin_idempotent(r, k, &lasting(minute, 5.into()))
+            .begin_idempotent(&rid(r), k, &lasting(minute, 5.into()))
             .await
             .unwrap(),
         Begin::InFlight,
@@ -528,7 +549,7 @@ async fn dead_owner_is_taken_over_after_its_lifetime(kind: &str) {
     advance.by(Duration::from_millis(1));
     let retry = lasting(minute, 5.into());
     assert_eq!(
-        observer.begin_idempotent(r, k, &retry).await.unwrap(),
+        observer.begin_idempotent(&rid(r), k, &retry).await.unwrap(),
         Begin::Execute {
             previous: Some(5.into())
         },
@@ -536,24 +557,24 @@ async fn dead_owner_is_taken_over_after_its_lifetime(kind: &str) {
     );
     // The key is the retry's now.
     assert!(!owner
-        .finish_idempotent(r, k, &a, &completed(5.into(), 1, b"late"))
+        .finish_idempotent(&rid(r), k, &a, &completed(5.into(), 1, b"late"))
         .await
         .unwrap());
     assert_eq!(
         owner
-            .begin_idempotent(r, k, &lasting(minute, 5.into()))
+            .begin_idempotent(&rid(r), k, &lasting(minute, 5.into()))
             .await
             .unwrap(),
         Begin::InFlight
     );
     let done = completed(5.into(), 1, b"paid once");
     assert!(observer
-        .finish_idempotent(r, k, &retry, &done)
+        .finish_idempotent(&rid(r), k, &retry, &done)
         .await
         .unwrap());
     assert_eq!(
         owner
-            .begin_idempotent(r, k, &claim(5.into(), 1))
+            .begin_idempotent(&rid(r), k, &claim(5.into(), 1))
             .await
             .unwrap(),
         Begin::Completed(done)
@@ -568,7 +589,7 @@ async fn takeover_waits_for_the_owners_lifetime(kind: &str) {
     let (minute, two) = (Duration::from_secs(60), Duration::from_secs(120));
     assert_eq!(
         owner
-            .begin_idempotent(r, k, &lasting(two, 5.into()))
+            .begin_idempotent(&rid(r), k, &lasting(two, 5.into()))
             .await
             .unwrap(),
         Begin::Execute { previous: None }
@@ -577,7 +598,7 @@ async fn takeover_waits_for_the_owners_lifetime(kind: &str) {
         advance.by(step);
         assert_eq!(
             observer
-                .begin_idempotent(r, k, &lasting(minute, 5.into()))
+                .begin_idempotent(&rid(r), k, &lasting(minute, 5.into()))
                 .await
                 .unwrap(),
             Begin::InFlight
@@ -586,7 +607,7 @@ async fn takeover_waits_for_the_owners_lifetime(kind: &str) {
     advance.by(Duration::from_millis(1));
     assert_eq!(
         observer
-            .begin_idempotent(r, k, &lasting(minute, 5.into()))
+            .begin_idempotent(&rid(r), k, &lasting(minute, 5.into()))
             .await
             .unwrap(),
         Begin::Execute {
@@ -604,24 +625,24 @@ async fn takeover_of_a_finished_attempt_does_nothing(kind: &str) {
     let minute = Duration::from_secs(60);
     let a = lasting(minute, 5.into());
     assert_eq!(
-        owner.begin_idempotent(r, k, &a).await.unwrap(),
+        owner.begin_idempotent(&rid(r), k, &a).await.unwrap(),
         Begin::Execute { previous: None }
     );
     assert_eq!(
         observer
-            .begin_idempotent(r, k, &lasting(minute, 5.into()))
+            .begin_idempotent(&rid(r), k, &lasting(minute, 5.into()))
             .await
             .unwrap(),
         Begin::InFlight
     );
     // The first attempt ends unknown, a second one claims the key (the observer sees neither).
     assert!(owner
-        .finish_idempotent(r, k, &a, &Record::unknown(5.into(), fp(1)))
+        .finish_idempotent(&rid(r), k, &a, &Record::unknown(5.into(), fp(1)))
         .await
         .unwrap());
     let b = lasting(minute, 5.into());
     assert_eq!(
-        owner.begin_idempotent(r, k, &b).await.unwrap(),
+        owner.begin_idempotent(&rid(r), k, &b).await.unwrap(),
         Begin::Execute {
             previous: Some(5.into())
         }
@@ -630,7 +651,7 @@ async fn takeover_of_a_finished_attempt_does_nothing(kind: &str) {
     advance.by(minute);
     assert_eq!(
         observer
-            .begin_idempotent(r, k, &lasting(minute, 5.into()))
+            .begin_idempotent(&rid(r), k, &lasting(minute, 5.into()))
             .await
             .unwrap(),
         Begin::InFlight
@@ -638,16 +659,19 @@ async fn takeover_of_a_finished_attempt_does_nothing(kind: &str) {
     advance.by(minute - Duration::from_millis(1));
     assert_eq!(
         observer
-            .begin_idempotent(r, k, &lasting(minute, 5.into()))
+            .begin_idempotent(&rid(r), k, &lasting(minute, 5.into()))
             .await
             .unwrap(),
         Begin::InFlight
     );
     let done = completed(5.into(), 1, b"second");
-    assert!(owner.finish_idempotent(r, k, &b, &done).await.unwrap());
+    assert!(owner
+        .finish_idempotent(&rid(r), k, &b, &done)
+        .await
+        .unwrap());
     assert_eq!(
         observer
-            .begin_idempotent(r, k, &claim(5.into(), 1))
+            .begin_idempotent(&rid(r), k, &claim(5.into(), 1))
             .await
             .unwrap(),
         Begin::Completed(done)

@@ -8,8 +8,9 @@
 //! Negative controls: a hand-made history that is not linearizable, and a store whose
 //! compare-and-raise is not atomic (read, pause, write), must both be refused.
 
+use crate::common::rid;
 use crate::common::tk;
-use fencegate::fence::Token;
+use fencegate::fence::{ResourceId, Token};
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -326,7 +327,7 @@ async fn raise(store: Arc<dyn FenceStore>, prefix: String, n: usize, run: Run) -
         let sent = run.now();
         let answer = tokio::time::timeout(
             Duration::from_secs(3),
-            store.compare_and_raise(&name, tk(token), rule),
+            store.compare_and_raise(&rid(&name), tk(token), rule),
         )
         .await;
         let (outcome, answered) = match answer {
@@ -560,19 +561,19 @@ struct Racy {
 impl FenceStore for Racy {
     fn compare_and_raise<'a>(
         &'a self,
-        resource: &'a str,
+        resource: &'a ResourceId,
         token: Token,
         rule: Rule,
     ) -> BoxFuture<'a, Result<Verdict, StoreError>> {
         Box::pin(async move {
-            let read = self.maxima.lock().unwrap().get(resource).copied();
+            let read = self.maxima.lock().unwrap().get(resource.as_str()).copied();
             tokio::time::sleep(Duration::from_millis(1)).await;
             let verdict = store::decide(read, token, rule);
             if let Verdict::Admitted { .. } = verdict {
                 self.maxima
                     .lock()
                     .unwrap()
-                    .insert(resource.to_owned(), token);
+                    .insert(resource.to_string(), token);
             }
             Ok(verdict)
         })
@@ -580,9 +581,9 @@ impl FenceStore for Racy {
 
     fn current<'a>(
         &'a self,
-        resource: &'a str,
+        resource: &'a ResourceId,
     ) -> BoxFuture<'a, Result<Option<Token>, StoreError>> {
-        Box::pin(async move { Ok(self.maxima.lock().unwrap().get(resource).copied()) })
+        Box::pin(async move { Ok(self.maxima.lock().unwrap().get(resource.as_str()).copied()) })
     }
 
     fn healthy(&self) -> bool {
@@ -595,7 +596,7 @@ impl FenceStore for Racy {
 
     fn begin_idempotent<'a>(
         &'a self,
-        _: &'a str,
+        _: &'a ResourceId,
         _: &'a str,
         _: &'a Claim,
     ) -> BoxFuture<'a, Result<Begin, StoreError>> {
@@ -604,7 +605,7 @@ impl FenceStore for Racy {
 
     fn finish_idempotent<'a>(
         &'a self,
-        _: &'a str,
+        _: &'a ResourceId,
         _: &'a str,
         _: &'a Claim,
         _: &'a Record,

@@ -4,6 +4,7 @@
 //! shared store neither admits nor refuses a step on its own; authoritative fencing does not
 //! apply it; and the "Poisoned tokens" runbook in docs/operations.md runs as written.
 
+use crate::common::rid;
 use crate::common::tk;
 use fencegate::fence::Token;
 use std::path::Path;
@@ -37,7 +38,7 @@ fn ceiling(equal: EqualTokens) -> Rule {
 
 async fn raise(store: &dyn FenceStore, resource: &str, token: Token, rule: Rule) -> Verdict {
     store
-        .compare_and_raise(resource, token, rule)
+        .compare_and_raise(&rid(resource), token, rule)
         .await
         .unwrap_or_else(|e| panic!("raise {resource} to {token}: {e}"))
 }
@@ -50,12 +51,12 @@ async fn too_far_changes_nothing(store: Arc<dyn FenceStore>) {
         raise(&*store, r, tk(STEP + 1), rule).await,
         Verdict::TooFar { current: None }
     );
-    assert_eq!(store.current(r).await.unwrap(), None);
+    assert_eq!(store.current(&rid(r)).await.unwrap(), None);
     assert_eq!(
         raise(&*store, r, tk(STEP), rule).await,
         Verdict::Admitted { previous: None }
     );
-    assert_eq!(store.current(r).await.unwrap(), Some(tk(STEP)));
+    assert_eq!(store.current(&rid(r)).await.unwrap(), Some(tk(STEP)));
     for token in [2 * STEP + 1, 10_000_000_000, TOP] {
         assert_eq!(
             raise(&*store, r, tk(token), rule).await,
@@ -64,7 +65,11 @@ async fn too_far_changes_nothing(store: Arc<dyn FenceStore>) {
             },
             "{token}"
         );
-        assert_eq!(store.current(r).await.unwrap(), Some(tk(STEP)), "{token}");
+        assert_eq!(
+            store.current(&rid(r)).await.unwrap(),
+            Some(tk(STEP)),
+            "{token}"
+        );
     }
     assert_eq!(
         raise(&*store, r, tk(2 * STEP), rule).await,
@@ -72,7 +77,7 @@ async fn too_far_changes_nothing(store: Arc<dyn FenceStore>) {
             previous: Some(tk(STEP))
         }
     );
-    assert_eq!(store.current(r).await.unwrap(), Some(tk(2 * STEP)));
+    assert_eq!(store.current(&rid(r)).await.unwrap(), Some(tk(2 * STEP)));
     assert_eq!(
         raise(&*store, r, tk(STEP), rule).await,
         Verdict::Stale {
@@ -91,13 +96,16 @@ async fn too_far_changes_nothing(store: Arc<dyn FenceStore>) {
             previous: Some(tk(2 * STEP))
         }
     );
-    assert_eq!(store.current(r).await.unwrap(), Some(tk(2 * STEP)));
+    assert_eq!(store.current(&rid(r)).await.unwrap(), Some(tk(2 * STEP)));
     // Without a ceiling the same store takes the poison: the rule decides, not the store.
     assert_eq!(
         raise(&*store, "unguarded", tk(TOP), Allow.into()).await,
         Verdict::Admitted { previous: None }
     );
-    assert_eq!(store.current("unguarded").await.unwrap(), Some(tk(TOP)));
+    assert_eq!(
+        store.current(&rid("unguarded")).await.unwrap(),
+        Some(tk(TOP))
+    );
 }
 
 fn claim(token: Token) -> Claim {
@@ -117,18 +125,23 @@ async fn a_claim_too_far_claims_nothing(store: Arc<dyn FenceStore>) {
     let r = "account:8";
     let begin = |key: &'static str, token: Token| {
         let store = Arc::clone(&store);
-        async move { store.begin_idempotent(r, key, &claim(token)).await.unwrap() }
+        async move {
+            store
+                .begin_idempotent(&rid(r), key, &claim(token))
+                .await
+                .unwrap()
+        }
     };
     assert_eq!(
         begin("k1", tk(STEP + 1)).await,
         Begin::TooFar { current: None }
     );
-    assert_eq!(store.current(r).await.unwrap(), None);
+    assert_eq!(store.current(&rid(r)).await.unwrap(), None);
     assert_eq!(
         begin("k1", 5.into()).await,
         Begin::Execute { previous: None }
     );
-    assert_eq!(store.current(r).await.unwrap(), Some(5.into()));
+    assert_eq!(store.current(&rid(r)).await.unwrap(), Some(5.into()));
     assert_eq!(
         begin("k2", tk(5 + STEP + 1)).await,
         Begin::TooFar {
@@ -141,14 +154,14 @@ async fn a_claim_too_far_claims_nothing(store: Arc<dyn FenceStore>) {
             current: Some(5.into())
         }
     );
-    assert_eq!(store.current(r).await.unwrap(), Some(5.into()));
+    assert_eq!(store.current(&rid(r)).await.unwrap(), Some(5.into()));
     assert_eq!(
         begin("k2", tk(5 + STEP)).await,
         Begin::Execute {
             previous: Some(5.into())
         }
     );
-    assert_eq!(store.current(r).await.unwrap(), Some(tk(5 + STEP)));
+    assert_eq!(store.current(&rid(r)).await.unwrap(), Some(tk(5 + STEP)));
 }
 
 macro_rules! every_store {
@@ -216,7 +229,7 @@ async fn the_cache_leaves_the_step_to_the_store(kind: &str) {
             current: Some(3500.into())
         }
     );
-    assert_eq!(a.current(r).await.unwrap(), Some(3500.into()));
+    assert_eq!(a.current(&rid(r)).await.unwrap(), Some(3500.into()));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -544,7 +557,10 @@ async fn the_poisoned_tokens_runbook_runs_as_written() {
         shell(line, p.admin);
     }
     assert_eq!(redis(&["GET", key]), "1234");
-    assert_eq!(pg.current("account:42").await.unwrap(), Some(1234.into()));
+    assert_eq!(
+        pg.current(&rid("account:42")).await.unwrap(),
+        Some(1234.into())
+    );
 
     // The running fencegate's cache still holds the poison as a lower bound: it keeps
     // refusing until restarted, as the runbook says.

@@ -8,6 +8,7 @@
 //! run aged (Redis: no expiry left; PostgreSQL: no `raised_at` left), and `token.equal:
 //! reject` is refused with retention.
 
+use crate::common::rid;
 use crate::common::tk;
 use fencegate::fence::Token;
 use std::future::Future;
@@ -133,14 +134,14 @@ async fn redis_maxima_expire_the_period_after_their_raise() {
     .unwrap();
     let store = store::open(&config.store).await.unwrap();
     let v = store
-        .compare_and_raise("plain", 3.into(), EqualTokens::Allow.into())
+        .compare_and_raise(&rid("plain"), 3.into(), EqualTokens::Allow.into())
         .await;
     assert_eq!(v.unwrap(), Verdict::Admitted { previous: None });
     assert_eq!(pttl(&format!("{prefix}:{{plain}}:max")).await, -1);
 
     store.forget_after(2 * HOUR).unwrap();
     let v = store
-        .compare_and_raise("plain", 4.into(), EqualTokens::Allow.into())
+        .compare_and_raise(&rid("plain"), 4.into(), EqualTokens::Allow.into())
         .await;
     assert_eq!(
         v.unwrap(),
@@ -158,7 +159,10 @@ async fn redis_maxima_expire_the_period_after_their_raise() {
         may_execute: true,
         attempt: fencegate::idempotency::AttemptId::next(),
     };
-    let begin = store.begin_idempotent("keyed", "k1", &claim).await.unwrap();
+    let begin = store
+        .begin_idempotent(&rid("keyed"), "k1", &claim)
+        .await
+        .unwrap();
     assert!(
         matches!(begin, fencegate::idempotency::Begin::Execute { .. }),
         "{begin:?}"
@@ -183,13 +187,13 @@ async fn postgres_maxima_raised_before_the_period_are_deleted() {
     .unwrap();
     let store = store::open(&config.store).await.unwrap();
     let v = store
-        .compare_and_raise("kept", 3.into(), EqualTokens::Allow.into())
+        .compare_and_raise(&rid("kept"), 3.into(), EqualTokens::Allow.into())
         .await;
     assert_eq!(v.unwrap(), Verdict::Admitted { previous: None });
     store.forget_after(HOUR).unwrap();
     for r in ["old", "young"] {
         let v = store
-            .compare_and_raise(r, 5.into(), EqualTokens::Allow.into())
+            .compare_and_raise(&rid(r), 5.into(), EqualTokens::Allow.into())
             .await;
         assert_eq!(v.unwrap(), Verdict::Admitted { previous: None });
     }
@@ -446,7 +450,7 @@ fn store_config(kind: &str, prefix: &str) -> Config {
 
 async fn raise(store: &dyn FenceStore, resource: &str, token: Token) -> Verdict {
     store
-        .compare_and_raise(resource, token, EqualTokens::Allow.into())
+        .compare_and_raise(&rid(resource), token, EqualTokens::Allow.into())
         .await
         .unwrap()
 }
@@ -494,9 +498,11 @@ async fn redis_a_replica_without_retention_keeps_what_one_with_retention_raises_
         status: Some(204),
         ..fencegate::idempotency::Record::in_flight(1.into(), claim.fingerprint)
     };
-    a.begin_idempotent("x", "k}:max", &claim).await.unwrap();
+    a.begin_idempotent(&rid("x"), "k}:max", &claim)
+        .await
+        .unwrap();
     assert!(a
-        .finish_idempotent("x", "k}:max", &claim, &done)
+        .finish_idempotent(&rid("x"), "k}:max", &claim, &done)
         .await
         .unwrap());
     let record = format!("{prefix}:{{x}}:idem\u{1f}k}}:max");
@@ -573,7 +579,10 @@ async fn redis_a_maximum_read_without_retention_loses_its_expiry() {
         may_execute: true,
         attempt: fencegate::idempotency::AttemptId::next(),
     };
-    let begin = b.begin_idempotent("keyed", "k", &claim).await.unwrap();
+    let begin = b
+        .begin_idempotent(&rid("keyed"), "k", &claim)
+        .await
+        .unwrap();
     assert_eq!(
         begin,
         fencegate::idempotency::Begin::Execute {
@@ -861,7 +870,7 @@ async fn until_admitted(store: &dyn FenceStore, resource: &str, token: Token) ->
     let wait = async {
         loop {
             if let Ok(verdict) = store
-                .compare_and_raise(resource, token, EqualTokens::Allow.into())
+                .compare_and_raise(&rid(resource), token, EqualTokens::Allow.into())
                 .await
             {
                 return verdict;
@@ -891,7 +900,7 @@ async fn redis_a_run_that_cannot_check_for_the_mark_admits_nothing() {
         .await
         .unwrap();
     let refused = b
-        .compare_and_raise("b", 1.into(), EqualTokens::Allow.into())
+        .compare_and_raise(&rid("b"), 1.into(), EqualTokens::Allow.into())
         .await
         .unwrap_err();
     assert!(
@@ -939,7 +948,7 @@ async fn postgres_a_run_whose_sweep_fails_admits_nothing() {
     .unwrap();
     let b = store::open(&config.store).await.unwrap();
     let refused = b
-        .compare_and_raise("b", 1.into(), EqualTokens::Allow.into())
+        .compare_and_raise(&rid("b"), 1.into(), EqualTokens::Allow.into())
         .await
         .unwrap_err();
     assert!(

@@ -2,6 +2,7 @@
 //! primary is killed with `kill -9`; fencegate follows the promotion without a restart, and
 //! what a failover keeps or loses is measured per `replicas` setting (docs/guarantees.md).
 
+use crate::common::rid;
 use crate::common::tk;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -270,24 +271,26 @@ async fn an_equal_token_waits_for_the_replicas_like_the_raise() {
     wait_synced(&replica).await;
     use fencegate::config::EqualTokens::Allow;
     assert!(raiser
-        .compare_and_raise("warm", 1.into(), Allow.into())
+        .compare_and_raise(&rid("warm"), 1.into(), Allow.into())
         .await
         .is_ok());
     assert!(retrier
-        .compare_and_raise("warm", 2.into(), Allow.into())
+        .compare_and_raise(&rid("warm"), 2.into(), Allow.into())
         .await
         .is_ok());
 
     replica.pause();
     let raised = raiser
-        .compare_and_raise("r", 7.into(), Allow.into())
+        .compare_and_raise(&rid("r"), 7.into(), Allow.into())
         .await
         .unwrap_err();
     assert!(
         raised.to_string().contains("0 of the 1 replicas"),
         "{raised}"
     );
-    let retried = retrier.compare_and_raise("r", 7.into(), Allow.into()).await;
+    let retried = retrier
+        .compare_and_raise(&rid("r"), 7.into(), Allow.into())
+        .await;
     replica.resume();
     let retried = retried.expect_err("an equal token admitted on a maximum no replica holds");
     assert!(
@@ -296,7 +299,7 @@ async fn an_equal_token_waits_for_the_replicas_like_the_raise() {
     );
     // Once the replica acknowledges again, the same retry is admitted.
     assert!(retrier
-        .compare_and_raise("r", 7.into(), Allow.into())
+        .compare_and_raise(&rid("r"), 7.into(), Allow.into())
         .await
         .is_ok());
 }
@@ -329,7 +332,11 @@ async fn a_server_the_sentinels_name_is_used_only_if_it_is_a_primary() {
     .unwrap();
     let store = fencegate::store::open(&config.store).await.unwrap();
     let refused = store
-        .compare_and_raise("r", 7.into(), fencegate::config::EqualTokens::Allow.into())
+        .compare_and_raise(
+            &rid("r"),
+            7.into(),
+            fencegate::config::EqualTokens::Allow.into(),
+        )
         .await
         .expect_err("a raise acknowledged by a replica");
     assert!(

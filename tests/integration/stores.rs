@@ -1,6 +1,7 @@
 //! One conformance suite that every fence store passes, against real servers, plus the
 //! replica and failure behaviour of the shared stores.
 
+use crate::common::rid;
 use crate::common::tk;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -58,17 +59,17 @@ pub(crate) async fn store_yaml(kind: &str, dir: &tempfile::TempDir) -> (String, 
 
 async fn raise_equal_stale(store: Arc<dyn FenceStore>) {
     let r = "account:1";
-    assert_eq!(store.current(r).await.unwrap(), None);
+    assert_eq!(store.current(&rid(r)).await.unwrap(), None);
     assert_eq!(
         store
-            .compare_and_raise(r, 5.into(), Allow.into())
+            .compare_and_raise(&rid(r), 5.into(), Allow.into())
             .await
             .unwrap(),
         Verdict::Admitted { previous: None }
     );
     assert_eq!(
         store
-            .compare_and_raise(r, 9.into(), Allow.into())
+            .compare_and_raise(&rid(r), 9.into(), Allow.into())
             .await
             .unwrap(),
         Verdict::Admitted {
@@ -77,7 +78,7 @@ async fn raise_equal_stale(store: Arc<dyn FenceStore>) {
     );
     assert_eq!(
         store
-            .compare_and_raise(r, 9.into(), Allow.into())
+            .compare_and_raise(&rid(r), 9.into(), Allow.into())
             .await
             .unwrap(),
         Verdict::Admitted {
@@ -86,46 +87,46 @@ async fn raise_equal_stale(store: Arc<dyn FenceStore>) {
     );
     assert_eq!(
         store
-            .compare_and_raise(r, 9.into(), Reject.into())
+            .compare_and_raise(&rid(r), 9.into(), Reject.into())
             .await
             .unwrap(),
         Verdict::Stale { current: 9.into() }
     );
     assert_eq!(
         store
-            .compare_and_raise(r, 8.into(), Allow.into())
+            .compare_and_raise(&rid(r), 8.into(), Allow.into())
             .await
             .unwrap(),
         Verdict::Stale { current: 9.into() }
     );
     assert_eq!(
         store
-            .compare_and_raise(r, 0.into(), Allow.into())
+            .compare_and_raise(&rid(r), 0.into(), Allow.into())
             .await
             .unwrap(),
         Verdict::Stale { current: 9.into() }
     );
     assert_eq!(
         store
-            .compare_and_raise(r, 10.into(), Reject.into())
+            .compare_and_raise(&rid(r), 10.into(), Reject.into())
             .await
             .unwrap(),
         Verdict::Admitted {
             previous: Some(9.into())
         }
     );
-    assert_eq!(store.current(r).await.unwrap(), Some(10.into()));
+    assert_eq!(store.current(&rid(r)).await.unwrap(), Some(10.into()));
     // Zero is a token like any other.
     assert_eq!(
         store
-            .compare_and_raise("zero", 0.into(), Allow.into())
+            .compare_and_raise(&rid("zero"), 0.into(), Allow.into())
             .await
             .unwrap(),
         Verdict::Admitted { previous: None }
     );
     assert_eq!(
         store
-            .compare_and_raise("zero", 0.into(), Reject.into())
+            .compare_and_raise(&rid("zero"), 0.into(), Reject.into())
             .await
             .unwrap(),
         Verdict::Stale { current: 0.into() }
@@ -137,14 +138,14 @@ async fn very_large_tokens(store: Arc<dyn FenceStore>) {
     let two53 = 1u64 << 53;
     assert!(matches!(
         store
-            .compare_and_raise("f", tk(two53 + 1), Allow.into())
+            .compare_and_raise(&rid("f"), tk(two53 + 1), Allow.into())
             .await
             .unwrap(),
         Verdict::Admitted { .. }
     ));
     assert_eq!(
         store
-            .compare_and_raise("f", tk(two53), Allow.into())
+            .compare_and_raise(&rid("f"), tk(two53), Allow.into())
             .await
             .unwrap(),
         Verdict::Stale {
@@ -153,21 +154,21 @@ async fn very_large_tokens(store: Arc<dyn FenceStore>) {
     );
     assert!(matches!(
         store
-            .compare_and_raise("s", 9.into(), Allow.into())
+            .compare_and_raise(&rid("s"), 9.into(), Allow.into())
             .await
             .unwrap(),
         Verdict::Admitted { .. }
     ));
     assert!(matches!(
         store
-            .compare_and_raise("s", 10.into(), Allow.into())
+            .compare_and_raise(&rid("s"), 10.into(), Allow.into())
             .await
             .unwrap(),
         Verdict::Admitted { .. }
     ));
     assert_eq!(
         store
-            .compare_and_raise("s", 9.into(), Allow.into())
+            .compare_and_raise(&rid("s"), 9.into(), Allow.into())
             .await
             .unwrap(),
         Verdict::Stale { current: 10.into() }
@@ -175,14 +176,14 @@ async fn very_large_tokens(store: Arc<dyn FenceStore>) {
     let max = i64::MAX as u64;
     assert!(matches!(
         store
-            .compare_and_raise("m", tk(max - 1), Allow.into())
+            .compare_and_raise(&rid("m"), tk(max - 1), Allow.into())
             .await
             .unwrap(),
         Verdict::Admitted { .. }
     ));
     assert_eq!(
         store
-            .compare_and_raise("m", tk(max), Allow.into())
+            .compare_and_raise(&rid("m"), tk(max), Allow.into())
             .await
             .unwrap(),
         Verdict::Admitted {
@@ -191,12 +192,12 @@ async fn very_large_tokens(store: Arc<dyn FenceStore>) {
     );
     assert_eq!(
         store
-            .compare_and_raise("m", tk(max - 1), Allow.into())
+            .compare_and_raise(&rid("m"), tk(max - 1), Allow.into())
             .await
             .unwrap(),
         Verdict::Stale { current: tk(max) }
     );
-    assert_eq!(store.current("m").await.unwrap(), Some(tk(max)));
+    assert_eq!(store.current(&rid("m")).await.unwrap(), Some(tk(max)));
 }
 
 async fn concurrent_racing(store: Arc<dyn FenceStore>) {
@@ -214,7 +215,7 @@ async fn concurrent_racing(store: Arc<dyn FenceStore>) {
                 out.push((
                     token,
                     store
-                        .compare_and_raise("race", tk(token), Allow.into())
+                        .compare_and_raise(&rid("race"), tk(token), Allow.into())
                         .await
                         .unwrap(),
                 ));
@@ -240,7 +241,10 @@ async fn concurrent_racing(store: Arc<dyn FenceStore>) {
             }
         }
     }
-    assert_eq!(store.current("race").await.unwrap(), admitted_max.map(tk));
+    assert_eq!(
+        store.current(&rid("race")).await.unwrap(),
+        admitted_max.map(tk)
+    );
 }
 
 async fn many_resources(store: Arc<dyn FenceStore>) {
@@ -248,19 +252,23 @@ async fn many_resources(store: Arc<dyn FenceStore>) {
     for (i, r) in resources.iter().enumerate() {
         assert!(matches!(
             store
-                .compare_and_raise(r, tk(i as u64), Allow.into())
+                .compare_and_raise(&rid(r), tk(i as u64), Allow.into())
                 .await
                 .unwrap(),
             Verdict::Admitted { previous: None }
         ));
     }
     for (i, r) in resources.iter().enumerate() {
-        assert_eq!(store.current(r).await.unwrap(), Some(tk(i as u64)), "{r}");
+        assert_eq!(
+            store.current(&rid(r)).await.unwrap(),
+            Some(tk(i as u64)),
+            "{r}"
+        );
     }
     if let Some(i) = (1..300u64).step_by(37).next() {
         assert_eq!(
             store
-                .compare_and_raise(&resources[i as usize], tk(i - 1), Allow.into())
+                .compare_and_raise(&rid(&resources[i as usize]), tk(i - 1), Allow.into())
                 .await
                 .unwrap(),
             Verdict::Stale { current: tk(i) }
@@ -529,7 +537,7 @@ async fn redis_readonly_reply_makes_a_new_connection() {
     .unwrap();
     let store = store::open(&config.store).await.unwrap();
     assert!(store
-        .compare_and_raise("r", 1.into(), Allow.into())
+        .compare_and_raise(&rid("r"), 1.into(), Allow.into())
         .await
         .is_ok());
     let before = redis_connections(service.port).await;
@@ -537,7 +545,7 @@ async fn redis_readonly_reply_makes_a_new_connection() {
     // A replica of nothing that answers: read-only at once.
     redis_cli(service.port, &["REPLICAOF", "127.0.0.1", "1"]).await;
     let refused = store
-        .compare_and_raise("r", 2.into(), Allow.into())
+        .compare_and_raise(&rid("r"), 2.into(), Allow.into())
         .await
         .unwrap_err();
     assert!(
@@ -547,7 +555,7 @@ async fn redis_readonly_reply_makes_a_new_connection() {
     redis_cli(service.port, &["REPLICAOF", "NO", "ONE"]).await;
     assert_eq!(
         store
-            .compare_and_raise("r", 2.into(), Allow.into())
+            .compare_and_raise(&rid("r"), 2.into(), Allow.into())
             .await
             .unwrap(),
         Verdict::Admitted {
@@ -590,7 +598,7 @@ async fn postgres_stores_starting_together_all_create_their_tables() {
             let (s, barrier) = (Arc::clone(s), Arc::clone(&barrier));
             tokio::spawn(async move {
                 barrier.wait().await;
-                s.compare_and_raise(&format!("r{i}"), 1.into(), Allow.into())
+                s.compare_and_raise(&rid(&format!("r{i}")), 1.into(), Allow.into())
                     .await
             })
         })
@@ -631,7 +639,7 @@ async fn postgres_store_starts_without_locking_existing_tables() {
     let first = store::open(&config.store).await.unwrap();
     assert_eq!(
         first
-            .compare_and_raise("a", 1.into(), Allow.into())
+            .compare_and_raise(&rid("a"), 1.into(), Allow.into())
             .await
             .unwrap(),
         Verdict::Admitted { previous: None }
@@ -647,7 +655,7 @@ async fn postgres_store_starts_without_locking_existing_tables() {
     let second = store::open(&config.store).await.unwrap();
     let raised = tokio::time::timeout(
         Duration::from_secs(10),
-        second.compare_and_raise("b", 1.into(), Allow.into()),
+        second.compare_and_raise(&rid("b"), 1.into(), Allow.into()),
     )
     .await
     .expect("the second store's start-up waited for the held locks");
@@ -672,7 +680,7 @@ async fn postgres_table_setup_recovers_after_a_failure() {
     let store = store::open(&postgres_config(&prefix).store).await.unwrap();
     for _ in 0..3 {
         let failed = store
-            .compare_and_raise("a", 1.into(), Allow.into())
+            .compare_and_raise(&rid("a"), 1.into(), Allow.into())
             .await
             .unwrap_err();
         assert_eq!(
@@ -688,7 +696,7 @@ async fn postgres_table_setup_recovers_after_a_failure() {
     for r in ["a", "b", "c", "d"] {
         assert_eq!(
             store
-                .compare_and_raise(r, 1.into(), Allow.into())
+                .compare_and_raise(&rid(r), 1.into(), Allow.into())
                 .await
                 .unwrap(),
             Verdict::Admitted { previous: None },

@@ -48,7 +48,7 @@
 //! when each maximum was last raised, and forgets maxima not raised for the period (see
 //! [`retention`]).
 
-use crate::fence::Token;
+use crate::fence::{ResourceId, Token};
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -466,7 +466,7 @@ impl EmbeddedStore {
 impl FenceStore for EmbeddedStore {
     fn compare_and_raise<'a>(
         &'a self,
-        resource: &'a str,
+        resource: &'a ResourceId,
         token: Token,
         rule: Rule,
     ) -> BoxFuture<'a, Result<Verdict, StoreError>> {
@@ -478,7 +478,7 @@ impl FenceStore for EmbeddedStore {
         }
         let (reply, answer) = oneshot::channel();
         let raise = Op::Raise {
-            resource: resource.into(),
+            resource: resource.as_str().into(),
             token,
             rule,
             reply,
@@ -488,7 +488,7 @@ impl FenceStore for EmbeddedStore {
 
     fn current<'a>(
         &'a self,
-        resource: &'a str,
+        resource: &'a ResourceId,
     ) -> BoxFuture<'a, Result<Option<Token>, StoreError>> {
         let current = match self.shared.cache.entry(resource) {
             Some(cached) if cached.exact => Ok(Some(cached.value)),
@@ -506,7 +506,7 @@ impl FenceStore for EmbeddedStore {
 
     fn begin_idempotent<'a>(
         &'a self,
-        resource: &'a str,
+        resource: &'a ResourceId,
         key: &'a str,
         claim: &'a Claim,
     ) -> BoxFuture<'a, Result<Begin, StoreError>> {
@@ -514,7 +514,7 @@ impl FenceStore for EmbeddedStore {
         // record to replay.
         let (reply, answer) = oneshot::channel();
         let begin = Op::Begin {
-            resource: resource.into(),
+            resource: resource.as_str().into(),
             key: key.into(),
             claim: *claim,
             reply,
@@ -524,14 +524,14 @@ impl FenceStore for EmbeddedStore {
 
     fn finish_idempotent<'a>(
         &'a self,
-        resource: &'a str,
+        resource: &'a ResourceId,
         key: &'a str,
         claim: &'a Claim,
         outcome: &'a Record,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
         let (reply, answer) = oneshot::channel();
         let finish = Op::Finish {
-            resource: resource.into(),
+            resource: resource.as_str().into(),
             key: key.into(),
             claim: *claim,
             outcome: outcome.clone(),

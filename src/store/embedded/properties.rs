@@ -6,6 +6,7 @@
 //! the seed that replays it: `FENCEGATE_PROPERTY_SEED=<seed> cargo test --lib
 //! store::embedded::properties`.
 
+use crate::fence::resource::rid;
 use crate::fence::token::tk;
 use crate::fence::Token;
 use std::collections::HashMap;
@@ -91,7 +92,7 @@ async fn sequence(seed: u64) {
         match rng.below(100) {
             0..=49 => {
                 let rule = rule(&mut rng);
-                let verdict = store.compare_and_raise(r, token, rule).await.unwrap();
+                let verdict = store.compare_and_raise(&rid(r), token, rule).await.unwrap();
                 let want = decide(model.get(r).copied(), token, rule);
                 let at = format!("{at}: raise {r} to {token} ({rule:?})");
                 match (verdict, want) {
@@ -107,7 +108,7 @@ async fn sequence(seed: u64) {
                 }
             }
             50..=59 => {
-                let current = store.current(r).await.unwrap();
+                let current = store.current(&rid(r)).await.unwrap();
                 assert_eq!(current, model.get(r).copied(), "{at}: current of {r}");
             }
             60..=71 => {
@@ -127,7 +128,7 @@ async fn sequence(seed: u64) {
                 keys += 1;
                 let key = format!("k{keys}");
                 let c = claim(&mut rng, token);
-                let begin = store.begin_idempotent(r, &key, &c).await.unwrap();
+                let begin = store.begin_idempotent(&rid(r), &key, &c).await.unwrap();
                 let want = idempotency::decide(None, model.get(r).copied(), &c);
                 assert_eq!(begin, want, "{at}: claim {r} with {token}");
                 if let Begin::Execute { .. } = begin {
@@ -141,7 +142,10 @@ async fn sequence(seed: u64) {
                             status: Some(200),
                             ..c.in_flight()
                         };
-                        assert!(store.finish_idempotent(r, &key, &c, &done).await.unwrap());
+                        assert!(store
+                            .finish_idempotent(&rid(r), &key, &c, &done)
+                            .await
+                            .unwrap());
                     }
                 }
             }
@@ -152,7 +156,7 @@ async fn sequence(seed: u64) {
     drop(store);
     let store = EmbeddedStore::open(&path, "p", 1).unwrap();
     for r in &resources {
-        let current = store.current(r).await.unwrap();
+        let current = store.current(&rid(r)).await.unwrap();
         assert_eq!(
             current,
             model.get(r).copied(),
@@ -203,7 +207,7 @@ async fn race(seed: u64) {
                     let began = clock.fetch_add(1, Ordering::SeqCst);
                     let verdict = store
                         .compare_and_raise(
-                            &format!("r{resource}"),
+                            &rid(&format!("r{resource}")),
                             token,
                             EqualTokens::Allow.into(),
                         )
@@ -285,7 +289,7 @@ async fn race(seed: u64) {
             .filter(|s| s.resource == resource && matches!(s.verdict, Verdict::Admitted { .. }))
             .map(|s| s.token)
             .max();
-        let current = store.current(&format!("r{resource}")).await.unwrap();
+        let current = store.current(&rid(&format!("r{resource}"))).await.unwrap();
         assert_eq!(current, max, "seed {seed}: r{resource} at the end");
     }
 }

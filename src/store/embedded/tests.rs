@@ -2,6 +2,7 @@
 
 use super::*;
 use crate::config::EqualTokens;
+use crate::fence::resource::rid;
 use crate::fence::token::tk;
 use crate::sync::Locked;
 
@@ -12,20 +13,20 @@ async fn survives_reopen() {
     {
         let store = EmbeddedStore::open(&path, "t", 1000).unwrap();
         let v = store
-            .compare_and_raise("r", 9.into(), EqualTokens::Allow.into())
+            .compare_and_raise(&rid("r"), 9.into(), EqualTokens::Allow.into())
             .await
             .unwrap();
         assert_eq!(v, Verdict::Admitted { previous: None });
         let v = store
-            .compare_and_raise("r", 4.into(), EqualTokens::Allow.into())
+            .compare_and_raise(&rid("r"), 4.into(), EqualTokens::Allow.into())
             .await
             .unwrap();
         assert_eq!(v, Verdict::Stale { current: 9.into() });
     }
     let store = EmbeddedStore::open(&path, "t", 1000).unwrap();
-    assert_eq!(store.current("r").await.unwrap(), Some(9.into()));
+    assert_eq!(store.current(&rid("r")).await.unwrap(), Some(9.into()));
     let v = store
-        .compare_and_raise("r", 8.into(), EqualTokens::Allow.into())
+        .compare_and_raise(&rid("r"), 8.into(), EqualTokens::Allow.into())
         .await
         .unwrap();
     assert_eq!(v, Verdict::Stale { current: 9.into() });
@@ -55,15 +56,18 @@ async fn records_survive_reopen() {
     {
         let store = EmbeddedStore::open(&path, "t", 1000).unwrap();
         assert_eq!(
-            store.begin_idempotent("r", "k", &c).await.unwrap(),
+            store.begin_idempotent(&rid("r"), "k", &c).await.unwrap(),
             Begin::Execute { previous: None }
         );
-        assert!(store.finish_idempotent("r", "k", &c, &done).await.unwrap());
+        assert!(store
+            .finish_idempotent(&rid("r"), "k", &c, &done)
+            .await
+            .unwrap());
     }
     let store = EmbeddedStore::open(&path, "t", 1000).unwrap();
-    assert_eq!(store.current("r").await.unwrap(), Some(4.into()));
+    assert_eq!(store.current(&rid("r")).await.unwrap(), Some(4.into()));
     assert_eq!(
-        store.begin_idempotent("r", "k", &c).await.unwrap(),
+        store.begin_idempotent(&rid("r"), "k", &c).await.unwrap(),
         Begin::Completed(done)
     );
 }
@@ -77,21 +81,27 @@ async fn expired_records_are_absent_and_purged_by_later_writes() {
         let short = claim(1.into(), Duration::from_millis(1));
         for key in ["a", "b", "c"] {
             assert!(matches!(
-                store.begin_idempotent("r", key, &short).await.unwrap(),
+                store
+                    .begin_idempotent(&rid("r"), key, &short)
+                    .await
+                    .unwrap(),
                 Begin::Execute { .. }
             ));
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
         // Expired: the key executes again; this write purges the other two.
         assert_eq!(
-            store.begin_idempotent("r", "a", &short).await.unwrap(),
+            store
+                .begin_idempotent(&rid("r"), "a", &short)
+                .await
+                .unwrap(),
             Begin::Execute {
                 previous: Some(1.into())
             }
         );
         let long = claim(2.into(), Duration::from_secs(60));
         assert!(matches!(
-            store.begin_idempotent("r", "d", &long).await.unwrap(),
+            store.begin_idempotent(&rid("r"), "d", &long).await.unwrap(),
             Begin::Execute { .. }
         ));
     }
@@ -119,22 +129,31 @@ async fn a_wall_clock_step_expires_no_record_early() {
     let store = EmbeddedStore::open(&dir.path().join("f.db"), "t", 1000).unwrap();
     let a = claim(4.into(), Duration::from_secs(60));
     assert_eq!(
-        store.begin_idempotent("r", "k", &a).await.unwrap(),
+        store.begin_idempotent(&rid("r"), "k", &a).await.unwrap(),
         Begin::Execute { previous: None }
     );
     step_clock(&store, 3_600_000);
     let retry = claim(4.into(), Duration::from_secs(60));
     assert_eq!(
-        store.begin_idempotent("r", "k", &retry).await.unwrap(),
+        store
+            .begin_idempotent(&rid("r"), "k", &retry)
+            .await
+            .unwrap(),
         Begin::InFlight
     );
     // Another key's write purges what expired by the stepped clock.
     assert!(matches!(
-        store.begin_idempotent("r", "other", &retry).await.unwrap(),
+        store
+            .begin_idempotent(&rid("r"), "other", &retry)
+            .await
+            .unwrap(),
         Begin::Execute { .. }
     ));
     assert_eq!(
-        store.begin_idempotent("r", "k", &retry).await.unwrap(),
+        store
+            .begin_idempotent(&rid("r"), "k", &retry)
+            .await
+            .unwrap(),
         Begin::InFlight
     );
     let done = Record {
@@ -142,20 +161,29 @@ async fn a_wall_clock_step_expires_no_record_early() {
         status: Some(204),
         ..Record::in_flight(4.into(), a.fingerprint)
     };
-    assert!(store.finish_idempotent("r", "k", &a, &done).await.unwrap());
+    assert!(store
+        .finish_idempotent(&rid("r"), "k", &a, &done)
+        .await
+        .unwrap());
     assert_eq!(
-        store.begin_idempotent("r", "k", &retry).await.unwrap(),
+        store
+            .begin_idempotent(&rid("r"), "k", &retry)
+            .await
+            .unwrap(),
         Begin::Completed(done.clone())
     );
     // A further day on the wall clock, a few milliseconds in fact: "other" is still
     // `retry`'s running attempt, and "k"'s outcome is still the answer to a retry.
     step_clock(&store, 3_600_000 + 86_400_000);
     assert_eq!(
-        store.begin_idempotent("r", "other", &a).await.unwrap(),
+        store
+            .begin_idempotent(&rid("r"), "other", &a)
+            .await
+            .unwrap(),
         Begin::InFlight
     );
     assert_eq!(
-        store.begin_idempotent("r", "k", &a).await.unwrap(),
+        store.begin_idempotent(&rid("r"), "k", &a).await.unwrap(),
         Begin::Completed(done)
     );
 }
@@ -169,7 +197,7 @@ async fn a_wall_clock_stepped_back_keeps_no_record_alive() {
     let window = Duration::from_millis(200);
     let a = claim(4.into(), window);
     assert!(matches!(
-        store.begin_idempotent("r", "k", &a).await.unwrap(),
+        store.begin_idempotent(&rid("r"), "k", &a).await.unwrap(),
         Begin::Execute { .. }
     ));
     let done = Record {
@@ -177,13 +205,16 @@ async fn a_wall_clock_stepped_back_keeps_no_record_alive() {
         status: Some(204),
         ..Record::in_flight(4.into(), a.fingerprint)
     };
-    assert!(store.finish_idempotent("r", "k", &a, &done).await.unwrap());
+    assert!(store
+        .finish_idempotent(&rid("r"), "k", &a, &done)
+        .await
+        .unwrap());
     let written = Instant::now();
     // Back a day: by the wall clock the record now expires a day after its window.
     step_clock(&store, -86_400_000);
     // Within its window (asked with time to spare) it is the answer to a retry...
     let answer = store
-        .begin_idempotent("r", "k", &claim(4.into(), window))
+        .begin_idempotent(&rid("r"), "k", &claim(4.into(), window))
         .await
         .unwrap();
     if written.elapsed() < window {
@@ -193,7 +224,7 @@ async fn a_wall_clock_stepped_back_keeps_no_record_alive() {
     tokio::time::sleep((window + Duration::from_millis(50)).saturating_sub(written.elapsed()))
         .await;
     let answer = store
-        .begin_idempotent("r", "k", &claim(4.into(), window))
+        .begin_idempotent(&rid("r"), "k", &claim(4.into(), window))
         .await
         .unwrap();
     assert!(matches!(answer, Begin::Execute { .. }), "{answer:?}");
@@ -208,7 +239,11 @@ async fn concurrent_raises_share_commits() {
             let store = Arc::clone(&store);
             tokio::spawn(async move {
                 store
-                    .compare_and_raise(&format!("r{}", i % 20), tk(i), EqualTokens::Allow.into())
+                    .compare_and_raise(
+                        &rid(&format!("r{}", i % 20)),
+                        tk(i),
+                        EqualTokens::Allow.into(),
+                    )
                     .await
                     .unwrap()
             })
@@ -219,7 +254,10 @@ async fn concurrent_raises_share_commits() {
     }
     for r in 0..20u64 {
         let max = (0..200u64).filter(|i| i % 20 == r).max();
-        assert_eq!(store.current(&format!("r{r}")).await.unwrap(), max.map(tk));
+        assert_eq!(
+            store.current(&rid(&format!("r{r}"))).await.unwrap(),
+            max.map(tk)
+        );
     }
     // 200 raises queued while earlier syncs ran: far fewer commits than raises.
     assert!(store.commits() < 100, "{} commits", store.commits());
@@ -261,7 +299,7 @@ fn raises_queued_before_the_runtime_parks_share_one_commit() {
     hooked_runtime().block_on(async {
         // The writer is idle, so this wakes it at once; the runtime parks while it waits.
         let v = store
-            .compare_and_raise("first", 1.into(), EqualTokens::Allow.into())
+            .compare_and_raise(&rid("first"), 1.into(), EqualTokens::Allow.into())
             .await;
         assert_eq!(v.unwrap(), Verdict::Admitted { previous: None });
         assert_eq!(store.commits(), 1);
@@ -272,13 +310,10 @@ fn raises_queued_before_the_runtime_parks_share_one_commit() {
         });
         // The writer has just committed: these wait for the runtime to park, then go
         // together.
+        let ids = ["a", "b", "c", "d"].map(rid);
         let raises: Vec<_> = (0..64)
             .map(|i| {
-                store.compare_and_raise(
-                    ["a", "b", "c", "d"][i % 4],
-                    tk(2 + i as u64),
-                    EqualTokens::Allow.into(),
-                )
+                store.compare_and_raise(&ids[i % 4], tk(2 + i as u64), EqualTokens::Allow.into())
             })
             .collect();
         let mut verdicts = Vec::new();
@@ -324,9 +359,10 @@ fn a_store_whose_writer_has_stopped_is_not_healthy() {
 async fn a_thread_without_the_hook_wakes_the_writer_at_once() {
     let dir = tempfile::tempdir().unwrap();
     let store = patient(&dir);
+    let r = rid("r");
     for token in 1..=3 {
         // After the first commit the writer waits an hour unless woken.
-        let raise = store.compare_and_raise("r", token.into(), EqualTokens::Allow.into());
+        let raise = store.compare_and_raise(&r, token.into(), EqualTokens::Allow.into());
         let v = tokio::time::timeout(Duration::from_secs(10), raise)
             .await
             .expect("the writer was not woken");
@@ -342,14 +378,15 @@ fn an_idle_writer_is_woken_at_once_even_from_a_hooked_runtime() {
     let store = EmbeddedStore::open_polling(&dir.path().join("f.db"), "t", 1000, poll).unwrap();
     hooked_runtime().block_on(async {
         let v = store
-            .compare_and_raise("r", 1.into(), EqualTokens::Allow.into())
+            .compare_and_raise(&rid("r"), 1.into(), EqualTokens::Allow.into())
             .await;
         assert_eq!(v.unwrap(), Verdict::Admitted { previous: None });
         until("the writer to go idle", || {
             store.shared.idle.load(Ordering::Relaxed)
         });
         // Queued without letting the runtime park: only an immediate wake commits it.
-        let raise = store.compare_and_raise("r", 2.into(), EqualTokens::Allow.into());
+        let r = rid("r");
+        let raise = store.compare_and_raise(&r, 2.into(), EqualTokens::Allow.into());
         until("the second commit", || store.commits() == 2);
         assert_eq!(
             raise.await.unwrap(),
@@ -366,7 +403,7 @@ async fn fill(store: &EmbeddedStore, resources: std::ops::Range<u64>, token: Tok
         .map(|i| format!("r{i}"))
         .map(|r| async move {
             store
-                .compare_and_raise(&r, token, EqualTokens::Allow.into())
+                .compare_and_raise(&rid(&r), token, EqualTokens::Allow.into())
                 .await
         })
         .collect();
@@ -387,10 +424,10 @@ async fn opening_reads_no_maximum() {
     let store = EmbeddedStore::open(&path, "t", 100_000).unwrap();
     assert_eq!(store.cached(), 0);
     // Each is read from the file on first use.
-    assert_eq!(store.current("r1999").await.unwrap(), Some(3.into()));
+    assert_eq!(store.current(&rid("r1999")).await.unwrap(), Some(3.into()));
     assert_eq!(
         store
-            .compare_and_raise("r7", 2.into(), EqualTokens::Allow.into())
+            .compare_and_raise(&rid("r7"), 2.into(), EqualTokens::Allow.into())
             .await
             .unwrap(),
         Verdict::Stale { current: 3.into() }
@@ -409,14 +446,14 @@ async fn the_cache_is_bounded_and_an_evicted_maximum_is_read_from_the_file() {
     // Refused from the file, without the writer.
     assert_eq!(
         store
-            .compare_and_raise("r0", 4.into(), EqualTokens::Allow.into())
+            .compare_and_raise(&rid("r0"), 4.into(), EqualTokens::Allow.into())
             .await
             .unwrap(),
         Verdict::Stale { current: 5.into() }
     );
     assert_eq!(
         store
-            .compare_and_raise("r1", 5.into(), EqualTokens::Reject.into())
+            .compare_and_raise(&rid("r1"), 5.into(), EqualTokens::Reject.into())
             .await
             .unwrap(),
         Verdict::Stale { current: 5.into() }
@@ -424,7 +461,7 @@ async fn the_cache_is_bounded_and_an_evicted_maximum_is_read_from_the_file() {
     // A repeat of the maximum: admitted, nothing written.
     assert_eq!(
         store
-            .compare_and_raise("r2", 5.into(), EqualTokens::Allow.into())
+            .compare_and_raise(&rid("r2"), 5.into(), EqualTokens::Allow.into())
             .await
             .unwrap(),
         Verdict::Admitted {
@@ -434,7 +471,7 @@ async fn the_cache_is_bounded_and_an_evicted_maximum_is_read_from_the_file() {
     assert_eq!(store.commits(), commits);
     assert_eq!(
         store
-            .compare_and_raise("r3", 6.into(), EqualTokens::Allow.into())
+            .compare_and_raise(&rid("r3"), 6.into(), EqualTokens::Allow.into())
             .await
             .unwrap(),
         Verdict::Admitted {
@@ -454,7 +491,7 @@ async fn a_lower_bound_in_the_cache_admits_nothing_below_the_durable_maximum() {
     let store = EmbeddedStore::open(&dir.path().join("f.db"), "t", 1).unwrap();
     assert!(matches!(
         store
-            .compare_and_raise("r", 9.into(), EqualTokens::Allow.into())
+            .compare_and_raise(&rid("r"), 9.into(), EqualTokens::Allow.into())
             .await
             .unwrap(),
         Verdict::Admitted { previous: None }
@@ -477,7 +514,7 @@ async fn a_lower_bound_in_the_cache_admits_nothing_below_the_durable_maximum() {
         plant();
         assert_eq!(
             store
-                .compare_and_raise("r", token.into(), EqualTokens::Allow.into())
+                .compare_and_raise(&rid("r"), token.into(), EqualTokens::Allow.into())
                 .await
                 .unwrap(),
             Verdict::Stale { current: 9.into() },
@@ -485,12 +522,12 @@ async fn a_lower_bound_in_the_cache_admits_nothing_below_the_durable_maximum() {
         );
     }
     plant();
-    assert_eq!(store.current("r").await.unwrap(), Some(9.into()));
+    assert_eq!(store.current(&rid("r")).await.unwrap(), Some(9.into()));
     // Through the idempotent path as well.
     plant();
     let c = claim(5.into(), Duration::from_secs(60));
     assert!(matches!(
-        store.begin_idempotent("r", "k", &c).await.unwrap(),
+        store.begin_idempotent(&rid("r"), "k", &c).await.unwrap(),
         Begin::Stale { current } if current == 9.into()
     ));
 }
@@ -502,7 +539,7 @@ async fn the_writer_keeps_exact_values_exact() {
     let dir = tempfile::tempdir().unwrap();
     let store = EmbeddedStore::open(&dir.path().join("f.db"), "t", 100).unwrap();
     store
-        .compare_and_raise("r", 4.into(), EqualTokens::Allow.into())
+        .compare_and_raise(&rid("r"), 4.into(), EqualTokens::Allow.into())
         .await
         .unwrap();
     let exact = |value| Some(crate::maxima::Cached { value, exact: true });
@@ -513,7 +550,7 @@ async fn the_writer_keeps_exact_values_exact() {
         *saw.locked() = cache.entry("r");
     }));
     store
-        .compare_and_raise("r", 6.into(), EqualTokens::Allow.into())
+        .compare_and_raise(&rid("r"), 6.into(), EqualTokens::Allow.into())
         .await
         .unwrap();
     // While the raise to 6 committed, 4 was a lower bound only.
@@ -529,7 +566,7 @@ async fn the_writer_keeps_exact_values_exact() {
     store.shared.cache.unconfirm("r");
     let c = claim(2.into(), Duration::from_secs(60));
     assert!(matches!(
-        store.begin_idempotent("r", "k", &c).await.unwrap(),
+        store.begin_idempotent(&rid("r"), "k", &c).await.unwrap(),
         Begin::Stale { current } if current == 6.into()
     ));
     assert_eq!(store.shared.cache.entry("r"), exact(6.into()));
@@ -553,12 +590,13 @@ async fn maxima_not_raised_for_the_retention_are_forgotten() {
         let store = EmbeddedStore::open(&path, "t", 1000).unwrap();
         store.forget_after(Duration::from_secs(3600)).unwrap();
         for (r, token) in [("a", 5), ("b", 3), ("c", 7)] {
-            let v = store.compare_and_raise(r, token.into(), EqualTokens::Allow.into());
+            let r = rid(r);
+            let v = store.compare_and_raise(&r, token.into(), EqualTokens::Allow.into());
             assert_eq!(v.await.unwrap(), Verdict::Admitted { previous: None });
         }
         step_clock(&store, 30 * MINUTE);
         let v = store
-            .compare_and_raise("b", 4.into(), EqualTokens::Allow.into())
+            .compare_and_raise(&rid("b"), 4.into(), EqualTokens::Allow.into())
             .await;
         assert_eq!(
             v.unwrap(),
@@ -567,7 +605,7 @@ async fn maxima_not_raised_for_the_retention_are_forgotten() {
             }
         );
         let v = store
-            .compare_and_raise("a", 5.into(), EqualTokens::Allow.into())
+            .compare_and_raise(&rid("a"), 5.into(), EqualTokens::Allow.into())
             .await;
         assert_eq!(
             v.unwrap(),
@@ -579,30 +617,30 @@ async fn maxima_not_raised_for_the_retention_are_forgotten() {
         // An hour and a minute after a's and c's raise: the next batch forgets them first.
         step_clock(&store, 61 * MINUTE);
         let v = store
-            .compare_and_raise("d", 1.into(), EqualTokens::Allow.into())
+            .compare_and_raise(&rid("d"), 1.into(), EqualTokens::Allow.into())
             .await;
         assert_eq!(v.unwrap(), Verdict::Admitted { previous: None });
         assert!(!store.shared.cache.contains("a"));
         assert!(!store.shared.cache.contains("c"));
         assert_eq!(store.read_maximum("a").unwrap(), None);
         assert_eq!(store.read_maximum("c").unwrap(), None);
-        assert_eq!(store.current("b").await.unwrap(), Some(4.into()));
-        assert_eq!(store.current("d").await.unwrap(), Some(1.into()));
+        assert_eq!(store.current(&rid("b")).await.unwrap(), Some(4.into()));
+        assert_eq!(store.current(&rid("d")).await.unwrap(), Some(1.into()));
         // Forgotten: any token is admitted again (which is why the config allows retention
         // only where the lease backend refuses old tokens).
         let v = store
-            .compare_and_raise("a", 2.into(), EqualTokens::Allow.into())
+            .compare_and_raise(&rid("a"), 2.into(), EqualTokens::Allow.into())
             .await;
         assert_eq!(v.unwrap(), Verdict::Admitted { previous: None });
     }
     // Reopened: forgotten stays forgotten, and ages survive (b goes an hour after its raise).
     let store = EmbeddedStore::open(&path, "t", 1000).unwrap();
     store.forget_after(Duration::from_secs(3600)).unwrap();
-    assert_eq!(store.current("c").await.unwrap(), None);
-    assert_eq!(store.current("b").await.unwrap(), Some(4.into()));
+    assert_eq!(store.current(&rid("c")).await.unwrap(), None);
+    assert_eq!(store.current(&rid("b")).await.unwrap(), Some(4.into()));
     step_clock(&store, 91 * MINUTE);
     let v = store
-        .compare_and_raise("e", 1.into(), EqualTokens::Allow.into())
+        .compare_and_raise(&rid("e"), 1.into(), EqualTokens::Allow.into())
         .await;
     assert_eq!(v.unwrap(), Verdict::Admitted { previous: None });
     assert_eq!(store.read_maximum("b").unwrap(), None);
@@ -621,14 +659,14 @@ fn an_idle_writer_forgets_without_a_write() {
     let store = EmbeddedStore::open(&dir.path().join("f.db"), "t", 1000).unwrap();
     runtime.block_on(async {
         let v = store
-            .compare_and_raise("kept", 5.into(), EqualTokens::Allow.into())
+            .compare_and_raise(&rid("kept"), 5.into(), EqualTokens::Allow.into())
             .await;
         assert_eq!(v.unwrap(), Verdict::Admitted { previous: None });
     });
     step_clock(&store, 10 * 24 * 60 * MINUTE);
     runtime.block_on(async {
         let v = store
-            .compare_and_raise("other", 1.into(), EqualTokens::Allow.into())
+            .compare_and_raise(&rid("other"), 1.into(), EqualTokens::Allow.into())
             .await;
         assert_eq!(v.unwrap(), Verdict::Admitted { previous: None });
     });
@@ -637,7 +675,7 @@ fn an_idle_writer_forgets_without_a_write() {
     store.forget_after(Duration::from_secs(3600)).unwrap();
     runtime.block_on(async {
         let v = store
-            .compare_and_raise("gone", 5.into(), EqualTokens::Allow.into())
+            .compare_and_raise(&rid("gone"), 5.into(), EqualTokens::Allow.into())
             .await;
         assert_eq!(v.unwrap(), Verdict::Admitted { previous: None });
     });
@@ -661,7 +699,7 @@ fn an_idle_writer_forgets_without_a_write() {
 async fn raise_times_do_not_outlive_a_run_without_retention() {
     async fn raise(store: &EmbeddedStore, r: &str, token: Token) -> Verdict {
         store
-            .compare_and_raise(r, token, EqualTokens::Allow.into())
+            .compare_and_raise(&rid(r), token, EqualTokens::Allow.into())
             .await
             .unwrap()
     }
@@ -722,7 +760,7 @@ fn aged(path: &std::path::Path) -> Vec<String> {
 async fn retention_on_then_off_then_on_across_restarts() {
     async fn raise(store: &EmbeddedStore, r: &str, token: Token, equal: EqualTokens) -> Verdict {
         store
-            .compare_and_raise(r, token, equal.into())
+            .compare_and_raise(&rid(r), token, equal.into())
             .await
             .unwrap()
     }

@@ -19,6 +19,7 @@
 //! negative controls show the checker fires on a known-bad history and on a pipeline that
 //! strips a fenced header after the fence decided.
 
+use crate::common::rid;
 use fencegate::fence::Token;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
@@ -250,7 +251,7 @@ impl Front<'_> {
                     percent_encoding::utf8_percent_encode(name, percent_encoding::NON_ALPHANUMERIC);
                 recorded(fg, &path.to_string()).await
             }
-            Front::Layer { store, .. } => store.current(name).await.unwrap().map(Token::get),
+            Front::Layer { store, .. } => store.current(&rid(name)).await.unwrap().map(Token::get),
         }
     }
 

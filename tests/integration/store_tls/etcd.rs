@@ -1,6 +1,7 @@
 //! etcd over TLS with client certificates and user/password auth: the store and the lease backend.
 
 use super::*;
+use crate::common::rid;
 
 /// A throwaway etcd serving clients on https only: with `client_certs`, it requires a
 /// certificate signed by the test CA (`--client-cert-auth`); with `auth`, a user `fencegate`
@@ -449,7 +450,7 @@ async fn etcd_wrong_password_is_not_tried_again_by_every_call() {
             tokio::spawn(async move {
                 store
                     .compare_and_raise(
-                        &format!("r{i}"),
+                        &rid(&format!("r{i}")),
                         1.into(),
                         fencegate::config::EqualTokens::Allow.into(),
                     )
@@ -531,7 +532,7 @@ async fn etcd_tokens_refused_after_a_restart_are_replaced_without_an_error() {
     let store = fencegate::store::open(&config.store).await.unwrap();
     use fencegate::config::EqualTokens::Allow;
     assert!(store
-        .compare_and_raise("r", 1.into(), Allow.into())
+        .compare_and_raise(&rid("r"), 1.into(), Allow.into())
         .await
         .is_ok());
     etcd.restart(&pki).await;
@@ -540,7 +541,10 @@ async fn etcd_tokens_refused_after_a_restart_are_replaced_without_an_error() {
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut errors = Vec::new();
     loop {
-        match store.compare_and_raise("r", 2.into(), Allow.into()).await {
+        match store
+            .compare_and_raise(&rid("r"), 2.into(), Allow.into())
+            .await
+        {
             Ok(verdict) => {
                 assert_eq!(
                     verdict,
