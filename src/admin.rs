@@ -4,7 +4,7 @@
 //! It runs on its own port so probes and scrapes answer even when the proxy port is saturated.
 //! Every path takes `GET` and `HEAD`; errors are problem+json, like the proxy's refusals.
 
-use crate::fence::ResourceId;
+use crate::fence::resource::ResourceId;
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

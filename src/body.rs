@@ -21,6 +21,15 @@ use crate::fence::barrier::Ticket;
 /// A replay's trailers, known from the start.
 type Trailers = Ready<Option<Result<HeaderMap, Infallible>>>;
 
+/// A replayed response's body: its bytes, then its trailers (if it had any).
+pub type Replay = WithTrailers<Full<Bytes>, Trailers>;
+
+/// `bytes`, then `trailers` (none sent when empty).
+pub(crate) fn replay(bytes: Bytes, trailers: HeaderMap) -> Replay {
+    let trailers = (!trailers.is_empty()).then_some(Ok(trailers));
+    Full::new(bytes).with_trailers(std::future::ready(trailers))
+}
+
 /// The body of every response fencegate sends: the upstream's, streamed, or one it made.
 pub enum ProxyBody {
     /// Streamed from the upstream. The barrier ticket (under `ordering: serialize`) lives as
@@ -39,14 +48,14 @@ pub enum ProxyBody {
     #[cfg(feature = "proxy")]
     Recording {
         /// The upstream's body, copied for the key's record as it is sent.
-        body: Box<crate::proxy::recording::Recording>,
+        body: Box<crate::idempotency::recording::Recording<Incoming>>,
         /// What is sent, counted for the access line, with the access log on.
         tally: Option<crate::proxy::access::Tally>,
     },
     /// A response fencegate made (refusals, admin pages, replays).
     Local(Full<Bytes>),
     /// A replayed response that had trailers: its body, then its trailers.
-    Replay(Box<WithTrailers<Full<Bytes>, Trailers>>),
+    Replay(Box<Replay>),
     /// A stream fencegate writes as it goes (Server-Sent Events); ends when the sender drops.
     Channel(tokio::sync::mpsc::Receiver<Bytes>),
 }
@@ -82,8 +91,7 @@ impl ProxyBody {
         if trailers.is_empty() {
             return ProxyBody::local(bytes);
         }
-        let body = Full::new(bytes.into()).with_trailers(std::future::ready(Some(Ok(trailers))));
-        ProxyBody::Replay(Box::new(body))
+        ProxyBody::Replay(Box::new(replay(bytes.into(), trailers)))
     }
 }
 

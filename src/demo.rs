@@ -9,7 +9,7 @@
 //! `fencegate demo upstream` runs the toy ledger alone, on a fixed address, as the service
 //! the README's quickstart and docs/leases.md put fencegate in front of.
 
-use crate::fence::Token;
+use crate::fence::token::Token;
 use std::process::ExitCode;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};

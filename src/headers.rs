@@ -150,7 +150,7 @@ pub fn request_headers(
 /// `+format` or parameters (`application/grpc+proto`), in any case (media types are
 /// case-insensitive, RFC 9110 §8.3.1, and gRPC servers compare them so). gRPC-Web
 /// (`application/grpc-web`), which carries its status in the body, is not. Asked of a
-/// response's headers too, to tell a gRPC answer (see [`crate::proxy::recording`]).
+/// response's headers too, to tell a gRPC answer (see [`crate::idempotency::recording`]).
 pub fn is_grpc(headers: &HeaderMap) -> bool {
     const GRPC: &[u8] = b"application/grpc";
     let Some(value) = headers.get(header::CONTENT_TYPE) else {

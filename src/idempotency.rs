@@ -23,7 +23,7 @@
 //! [`decide`] is the whole decision, pure; every store runs it (or, for Redis, its Lua
 //! transcription) in the same atomic step as the raise of the resource's maximum.
 
-use crate::fence::Token;
+use crate::fence::token::Token;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 use std::time::Duration;
@@ -421,5 +421,6 @@ pub fn grpc_outcome_unknown(grpc_status: &[u8]) -> bool {
 
 #[cfg(test)]
 mod model;
+pub mod recording;
 #[cfg(test)]
 mod tests;

@@ -4,7 +4,8 @@
 //! [`FenceLayer`] wraps any `Service<http::Request<B>>` in a [`FenceService`] that applies the
 //! fence of a fencegate configuration: its routes and resources, the token header,
 //! `missing_token`, `token.equal`, `token.max_step`, the store's compare-and-raise,
-//! `fence.authority: leases`, and the `ordering: serialize` barrier. It is the proxy's own
+//! `fence.authority: leases`, the `ordering: serialize` barrier, and `Idempotency-Key`s. It is
+//! the proxy's own
 //! [`Fence`] (its decision shared, not copied), without an upstream, and so are the refusals:
 //! the same problem+json bodies, statuses and headers (`Fencing-Token-Current`,
 //! `Retry-After`), in gRPC form for gRPC calls ([`crate::problem::grpc`]), counted in the
@@ -16,9 +17,17 @@
 //!
 //! Of the configuration, what is about the sidecar (`listen`, `admin`, `upstream`, `tls`,
 //! `timeouts` other than `store`, `limits` other than `max_resource_bytes`, `access_log`) is
-//! not used; [`Config::parse_fence`] reads a configuration without `upstream`. Idempotency
-//! keys are not handled in-process: a
-//! configuration with an `idempotency` section is refused ([`LayerError::Idempotency`]).
+//! not used; [`Config::parse_fence`] reads a configuration without `upstream`.
+//!
+//! With an `idempotency` section, a write carrying a key is handled as the sidecar handles it
+//! (docs/idempotency.md): its body is read first (up to `max_request_bytes`, within
+//! `timeouts.upstream`) and fingerprinted, the key is claimed in the store with the fence, a
+//! retry of a completed write is answered from its record (`Idempotent-Replayed: true`) without
+//! reaching the service, and the service's answer to the write that executes is recorded as it
+//! is sent. The service must answer within `timeouts.upstream`, or its call is dropped and the
+//! outcome is unknown, as with an upstream the sidecar gives up on. So that a body the fence
+//! has read can still reach the service, the service receives a [`RequestBody`]: the
+//! request's own body, streamed, or the bytes the fence read.
 //!
 //! The layer sees the path its server hands it: behind axum's `Router::nest` that is the path
 //! without the nest's prefix. Put the layer on the outermost router, where paths are whole.
@@ -28,7 +37,7 @@
 //!
 //! use bytes::Bytes;
 //! use fencegate::config::Config;
-//! use fencegate::layer::FenceLayer;
+//! use fencegate::layer::{FenceLayer, RequestBody};
 //! use http::{Request, Response, StatusCode};
 //! use http_body_util::{BodyExt, Full};
 //! use tower_layer::Layer;
@@ -42,7 +51,7 @@
 //! )
 //! .unwrap();
 //! let fence = FenceLayer::open(&config).await.unwrap();
-//! let ledger = tower::service_fn(|_req: Request<Full<Bytes>>| async {
+//! let ledger = tower::service_fn(|_req: Request<RequestBody<Full<Bytes>>>| async {
 //!     Ok::<_, Infallible>(Response::new(Full::new(Bytes::from("stored"))))
 //! });
 //! let mut service = fence.layer(ledger);
@@ -72,7 +81,7 @@ use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use http::{Request, Response};
-use http_body::{Body, Frame, SizeHint};
+use http_body::Body;
 use http_body_util::Full;
 use tokio::time::Instant;
 use tower_layer::Layer;
@@ -82,10 +91,14 @@ use crate::body::ProxyBody;
 use crate::config::{Authority, Config};
 use crate::fence::barrier::Ticket;
 use crate::fence::{Decision, Fence, Pass};
+
+mod body;
+mod keyed;
 use crate::lease::{LeaseBackend, LeaseError};
 use crate::metrics::{Metrics, Outcome};
 use crate::problem::grpc;
 use crate::store::{FenceStore, StoreError};
+pub use body::{FenceBody, RequestBody};
 
 /// Why the in-process fence could not be made.
 #[derive(Debug, thiserror::Error)]
@@ -110,13 +123,6 @@ pub enum LayerError {
     /// Opening the lease backend (`fence.authority: leases`).
     #[error(transparent)]
     LeaseBackend(#[from] LeaseError),
-    /// An `idempotency` section: keys are recorded and replayed by the sidecar only, and a
-    /// fence that took the section and ignored it would let a retried write run twice.
-    #[error(
-        "the idempotency section is not applied in-process (keys are recorded and replayed by \
-         the sidecar only): remove it from the layer's configuration, or run the sidecar"
-    )]
-    Idempotency,
 }
 
 /// Applies a fencegate configuration's fence to the services it wraps (see the [module
@@ -125,6 +131,9 @@ pub enum LayerError {
 #[derive(Clone)]
 pub struct FenceLayer {
     fence: Arc<Fence>,
+    /// How long the service may take to answer a write with an `Idempotency-Key`
+    /// (`timeouts.upstream`): its in-flight record outlives that.
+    send_within: std::time::Duration,
 }
 
 impl FenceLayer {
@@ -160,17 +169,14 @@ impl FenceLayer {
         backend: Option<Arc<dyn LeaseBackend>>,
         registry: prometheus::Registry,
     ) -> Result<Self, LayerError> {
-        if config.idempotency.is_some() {
-            return Err(LayerError::Idempotency);
-        }
         let metrics = Arc::new(Metrics::new(registry)?);
-        // The `idempotency` section was refused above: no route of this fence takes keys.
         let mut fence = Fence::new(config, store, metrics);
         if config.fence.authority == Authority::Leases {
             fence = fence.with_authority(backend.ok_or(LayerError::NoLeaseBackend)?);
         }
         Ok(FenceLayer {
             fence: Arc::new(fence),
+            send_within: config.timeouts.upstream,
         })
     }
 
@@ -216,6 +222,7 @@ impl<S> Layer<S> for FenceLayer {
         FenceService {
             inner,
             fence: Arc::clone(&self.fence),
+            send_within: self.send_within,
         }
     }
 }
@@ -225,14 +232,16 @@ impl<S> Layer<S> for FenceLayer {
 pub struct FenceService<S> {
     inner: S,
     fence: Arc<Fence>,
+    send_within: std::time::Duration,
 }
 
 impl<S, B, RB> Service<Request<B>> for FenceService<S>
 where
-    S: Service<Request<B>, Response = Response<RB>> + Clone + Send + 'static,
+    S: Service<Request<RequestBody<B>>, Response = Response<RB>> + Clone + Send + 'static,
     S::Future: Send + 'static,
     S::Error: Send + 'static,
-    B: Send + 'static,
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
     RB: Body<Data = Bytes> + Send + 'static,
 {
     type Response = Response<FenceBody<RB>>;
@@ -251,6 +260,7 @@ where
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
         let fence = Arc::clone(&self.fence);
+        let self_send_within = self.send_within;
         match fence.decide(&req) {
             Decision::Refuse(refused) => {
                 let response = fence.answer_refused(refused, &req, started);
@@ -263,7 +273,7 @@ where
                 fenced,
                 normalised,
             }) => {
-                let req = with_path(req, &normalised);
+                let req = with_path(req, &normalised).map(RequestBody::streamed);
                 let outcome = match fenced.and_then(|f| f.token) {
                     Some(_) => Outcome::Admitted,
                     None => Outcome::Forwarded,
@@ -280,9 +290,22 @@ where
                     }),
                 }
             }
-            Decision::Later(later) => ResponseFuture::Waiting {
+            Decision::Later(mut later) => ResponseFuture::Waiting {
                 future: Box::pin(async move {
                     let req = with_path(req, &later.normalised);
+                    if let Some(key) = later.key.take() {
+                        let call = keyed::Call {
+                            fence,
+                            inner,
+                            later,
+                            key,
+                            send_within: self_send_within,
+                            grpc,
+                            started,
+                        };
+                        return keyed::keyed_write(call, req).await;
+                    }
+                    let req = req.map(RequestBody::streamed);
                     let route = Some(later.route);
                     match fence.admit_later(later).await {
                         Err(refused) => {
@@ -456,50 +479,6 @@ where
                 Poll::Ready(Ok(answered.finish(response)))
             }
             ResponseFutureProj::Waiting { future } => future.as_mut().poll(cx),
-        }
-    }
-}
-
-pin_project_lite::pin_project! {
-    /// [`FenceService`]'s response body: the inner service's, or a refusal's.
-    // pin-project-lite takes no attribute on a field but `#[pin]`, so a field cannot have a
-    // doc comment: each variant's doc says what its fields hold.
-    #[allow(missing_docs)]
-    #[project = FenceBodyProj]
-    pub enum FenceBody<B> {
-        /// The inner service's body, `body`. Under `ordering: serialize` it keeps the barrier's
-        /// ticket (`_ticket`): a higher token waits until this write has fully finished.
-        Inner { #[pin] body: B, _ticket: Option<Ticket> },
-        /// A refusal fencegate wrote, `body` (problem+json, or empty for a gRPC call).
-        Refusal { #[pin] body: Full<Bytes> },
-    }
-}
-
-impl<B: Body<Data = Bytes>> Body for FenceBody<B> {
-    type Data = Bytes;
-    type Error = B::Error;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
-        match self.project() {
-            FenceBodyProj::Inner { body, .. } => body.poll_frame(cx),
-            FenceBodyProj::Refusal { body } => body.poll_frame(cx).map_err(|never| match never {}),
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        match self {
-            FenceBody::Inner { body, .. } => body.is_end_stream(),
-            FenceBody::Refusal { body } => body.is_end_stream(),
-        }
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        match self {
-            FenceBody::Inner { body, .. } => body.size_hint(),
-            FenceBody::Refusal { body } => body.size_hint(),
         }
     }
 }

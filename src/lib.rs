@@ -5,10 +5,9 @@
 //! token is at least the highest token recorded for that resource (compare-and-raise).
 //!
 //! # Layout
-//! Top to bottom: a module imports only modules listed below it, with one exception (the
-//! response body holds a [`proxy::recording::Recording`]); `scripts/check-cycles` checks that
-//! no modules (at the level of top-level modules and their direct submodules) import each
-//! other in a cycle.
+//! Top to bottom, roughly: a module imports modules listed below it; `scripts/check-cycles`
+//! checks that no modules (at the level of top-level modules and their direct submodules)
+//! import each other in a cycle.
 //!
 //! - [`cli`]: the command line; [`demo`]: the slow-writer walk-through.
 //! - [`app`]: wiring and the shutdown order.
@@ -18,10 +17,10 @@
 //!   drain) and `server::head_timer` (the header-read timer); [`admin`]: metrics, probes and
 //!   the fence inspection API; [`reload`]: live configuration (file change or SIGHUP).
 //! - [`layer`]: the fence in-process: a [`fence::Fence`] in front of any tower service, as
-//!   a tower `Layer`, with the proxy's own decision and refusals.
+//!   a tower `Layer`, with the proxy's own decision, refusals and idempotency keys.
 //! - [`proxy`]: a [`fence::Fence`] in front of an upstream, along the request's way:
-//!   `handle_on` in [`proxy`] itself, `build`, [`proxy::idempotent`] and
-//!   [`proxy::recording`] (writes with an `Idempotency-Key`), `forwarding` over
+//!   `handle_on` in [`proxy`] itself, `build`, [`proxy::idempotent`] (writes with an
+//!   `Idempotency-Key`), `forwarding` over
 //!   [`proxy::upstream`] with [`headers`] (header surgery), `access` (the access log).
 //! - [`fence::Fence`]: what decides a write (routes, token rules, the store or the lease
 //!   agent, barriers, authority, metrics) and the decision itself (`fence::decide`: route,
@@ -42,8 +41,10 @@
 //!   error both report (`conn::error`).
 //! - `etcd`: the small etcd v3 client the etcd store and lease backend share, over committed
 //!   generated gRPC code.
-//! - [`idempotency`]: records of writes carrying an `Idempotency-Key`, and the pure decision
-//!   of what a retry gets.
+//! - [`idempotency`]: records of writes carrying an `Idempotency-Key`, the pure decision of
+//!   what a retry gets, and [`idempotency::recording`], which records an executed write's
+//!   answer as it is sent (the proxy's and the Layer's); `fence::keyed` claims a keyed write
+//!   for both.
 //! - [`problem`]: problem+json bodies, the same on every listener; [`problem::refusal`]:
 //!   every refusal kind in one table (status, type, title, gRPC code, outcome, fault,
 //!   `Retry-After`); [`problem::grpc`]: refusals of gRPC calls as gRPC statuses; [`body`]:

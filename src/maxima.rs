@@ -22,7 +22,7 @@
 //! clear but cached after it would bring the old maximum back, so [`BoundedMaxima::observe_in`]
 //! caches only values read since the last clear ([`BoundedMaxima::era`]).
 
-use crate::fence::Token;
+use crate::fence::token::Token;
 use crate::sync::Locked;
 use std::collections::hash_map::RandomState;
 use std::collections::HashMap;

@@ -6,7 +6,7 @@
 //! changed), 2 usage errors (clap). The store is opened with [`store::open_for_admin`]: no
 //! background task, and nothing written but a reset.
 
-use crate::fence::Token;
+use crate::fence::token::Token;
 use std::io::{BufRead, IsTerminal, Write};
 use std::path::Path;
 use std::process::ExitCode;

@@ -167,7 +167,7 @@ enum FencesCommand {
         all_under: Option<String>,
         /// The new maximum (a token: at most 2^63-1).
         #[arg(long)]
-        to: crate::fence::Token,
+        to: crate::fence::token::Token,
         /// Why, for the audit line (logged with who ran it, before and after).
         #[arg(long)]
         reason: String,

@@ -9,6 +9,7 @@
 
 pub mod barrier;
 mod decide;
+pub(crate) mod keyed;
 pub mod method;
 #[cfg(test)]
 pub(crate) mod model;
@@ -22,7 +23,7 @@ pub mod verdict;
 pub use resource::{ResourceId, ResourceIdError};
 pub use token::Token;
 
-pub(crate) use decide::{Decision, Fenced, Pass, Refused};
+pub(crate) use decide::{Decision, Fenced, Later, Pass, Refused};
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -11,7 +11,7 @@
 //! do not expire in the model (the config keeps the window longer than an attempt may run).
 //! Negative control: a decision that runs a completed key again is caught with a trace.
 
-use crate::fence::Token;
+use crate::fence::token::Token;
 use stateright::{Model, Property};
 
 use super::{decide, AttemptId, Begin, Claim, Fingerprint, Phase, Record};

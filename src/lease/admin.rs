@@ -2,7 +2,7 @@
 //! docs/operations.md "Inspect"). A backend opened for this
 //! ([`crate::lease::open_for_admin`]) reads only: no event subscription, no table set-up.
 
-use crate::fence::Token;
+use crate::fence::token::Token;
 use serde::Serialize;
 
 use super::LeaseError;

@@ -15,7 +15,7 @@
 //! its capacity behind gets `Lagged` and must treat it as `Lost` immediately followed by `Live`.
 //! One subscription (one connection) per backend serves every receiver.
 
-use crate::fence::Token;
+use crate::fence::token::Token;
 use std::time::Duration;
 
 use tokio::sync::broadcast;

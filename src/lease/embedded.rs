@@ -21,7 +21,7 @@
 mod admin;
 pub use admin::EmbeddedLeasesAdmin;
 
-use crate::fence::Token;
+use crate::fence::token::Token;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};

@@ -32,7 +32,7 @@
 //! names the previous grant, so a write carrying the previous grant's token can pass this
 //! check. The observed fence (the store's compare-and-raise) still applies to it.
 
-use crate::fence::Token;
+use crate::fence::token::Token;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 

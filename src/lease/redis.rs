@@ -31,7 +31,7 @@
 
 mod admin;
 
-use crate::fence::Token;
+use crate::fence::token::Token;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 

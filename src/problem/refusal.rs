@@ -7,7 +7,7 @@
 //! it is rendered once, as problem+json, and in gRPC form for gRPC calls
 //! ([`super::grpc::Answered`]).
 
-use crate::fence::Token;
+use crate::fence::token::Token;
 use std::time::Duration;
 
 use http::header::{HeaderName, HeaderValue, RETRY_AFTER};

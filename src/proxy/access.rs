@@ -7,7 +7,8 @@
 //! the client's connection. Both count into the request's [`Head`], made only when the access
 //! log is on: with it off they hold `None` and count nothing.
 
-use crate::fence::{ResourceId, Token};
+use crate::fence::resource::ResourceId;
+use crate::fence::token::Token;
 use std::net::IpAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -4,7 +4,8 @@
 //! there is none. A write holding a barrier ticket or an idempotency claim is settled apart
 //! from its client ([`Proxy::forward_held`]).
 
-use crate::fence::{ResourceId, Token};
+use crate::fence::resource::ResourceId;
+use crate::fence::token::Token;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -17,7 +18,6 @@ use hyper::body::Incoming;
 use tokio::time::Instant;
 
 use super::access::{Answered, Head, Received, Tally, Timing};
-use super::recording::{Attempt, Recording};
 use super::upstream::{self, Failed, UpstreamBody};
 use super::{Handling, Proxy, Write};
 use crate::body::ProxyBody;
@@ -25,6 +25,7 @@ use crate::fence::barrier::Ticket;
 use crate::fence::path;
 use crate::fence::routes::Route;
 use crate::headers;
+use crate::idempotency::recording::{Attempt, Recording};
 use crate::metrics::Outcome;
 use crate::problem::grpc;
 use crate::problem::refusal::{Refusal, Subject};

@@ -7,7 +7,8 @@
 //! A `Proxy` is a [`Fence`] (the decision, shared with the in-process [`crate::layer`]) in
 //! front of an upstream. Along the request's way: [`Proxy::handle_on`] (here) asks the fence
 //! for its `Decision` and acts on it; `build` makes a `Proxy`; [`idempotent`] handles
-//! writes with an `Idempotency-Key` and [`recording`] records their outcome; `forwarding`
+//! writes with an `Idempotency-Key` (claimed by the fence, `crate::fence::keyed`, their
+//! outcome recorded by [`crate::idempotency::recording`]); `forwarding`
 //! sends and answers, over [`upstream`] with [`crate::headers`]' header surgery; refusals are
 //! answered by the fence, in gRPC form for gRPC calls ([`grpc`]); `access` writes the
 //! access log.
@@ -16,10 +17,11 @@ pub(crate) mod access;
 mod build;
 mod forwarding;
 pub mod idempotent;
-pub mod recording;
+
 pub mod upstream;
 
-use crate::fence::{ResourceId, Token};
+use crate::fence::resource::ResourceId;
+use crate::fence::token::Token;
 pub use build::BuildError;
 
 use std::convert::Infallible;

@@ -7,7 +7,7 @@
 //! store's reset generation ([`crate::store::shared::resets`]), which tells the running
 //! fencegates to drop their cached maxima.
 
-use crate::fence::Token;
+use crate::fence::token::Token;
 use serde::Serialize;
 
 use super::{BoxFuture, StoreError};

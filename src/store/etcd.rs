@@ -21,7 +21,7 @@
 
 mod admin;
 
-use crate::fence::Token;
+use crate::fence::token::Token;
 use std::sync::Arc;
 use std::time::Duration;
 

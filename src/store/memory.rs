@@ -1,6 +1,7 @@
 //! In-process maxima: fast and forgetful. For tests and demos; a restart forgets everything.
 
-use crate::fence::{ResourceId, Token};
+use crate::fence::resource::ResourceId;
+use crate::fence::token::Token;
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::sync::Mutex;

@@ -31,8 +31,9 @@ pub use memory::MemoryStore;
 
 use crate::config::StoreConfig;
 // The backends apply the decision; they import it from here.
+pub use crate::fence::resource::ResourceId;
+pub use crate::fence::token::Token;
 pub use crate::fence::verdict::{decide, Rule, Verdict};
-pub use crate::fence::{ResourceId, Token};
 use crate::idempotency::{Begin, Claim, Record};
 
 pub use crate::conn::BoxFuture;

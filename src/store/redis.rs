@@ -29,7 +29,7 @@
 
 mod admin;
 
-use crate::fence::Token;
+use crate::fence::token::Token;
 use redis::Script;
 
 use std::sync::atomic::{AtomicU64, Ordering};

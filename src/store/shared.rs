@@ -17,7 +17,8 @@
 
 pub mod resets;
 pub mod retention;
-use crate::fence::{ResourceId, Token};
+use crate::fence::resource::ResourceId;
+use crate::fence::token::Token;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

@@ -4,6 +4,7 @@
 //! calls replayed with their status (a final one; a retryable one, the server's or a downstream
 //! fencegate's, leaves the key free), and a content type in another case told a gRPC call.
 
+use fencegate::layer::RequestBody;
 use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -164,10 +165,11 @@ impl Ledger {
         response
     }
 
-    async fn handle(
-        self,
-        req: Request<Incoming>,
-    ) -> Result<Response<tonic::body::Body>, Infallible> {
+    async fn handle<B>(self, req: Request<B>) -> Result<Response<tonic::body::Body>, Infallible>
+    where
+        B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+        B::Error: Into<Box<dyn std::error::Error + Send + Sync>> + Send + Sync + 'static,
+    {
         let header =
             |h: &HeaderMap, name: &str| h.get(name).map(|v| v.to_str().unwrap().to_owned());
         self.calls.lock().unwrap().push(Call {
@@ -539,9 +541,9 @@ async fn fenced_ledger() -> (Ledger, SocketAddr) {
     let fence = fencegate::layer::FenceLayer::open(&config).await.unwrap();
     let ledger = Ledger::default();
     let handler = ledger.clone();
-    let service = fence.layer(tower::service_fn(move |req: Request<Incoming>| {
-        handler.clone().handle(req)
-    }));
+    let service = fence.layer(tower::service_fn(
+        move |req: Request<RequestBody<Incoming>>| handler.clone().handle(req),
+    ));
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move {

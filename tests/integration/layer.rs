@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use fencegate::config::Config;
-use fencegate::layer::{FenceBody, FenceLayer};
+use fencegate::layer::{FenceBody, FenceLayer, RequestBody};
 use http::{HeaderMap, Request, Response, StatusCode, Version};
 use http_body_util::{BodyExt, Full};
 use tower::{Service, ServiceExt};
@@ -28,8 +28,11 @@ type Headers<'a> = &'a [(&'a str, &'a str)];
 /// What the inner service saw: method, path and token of each request.
 type Log = Arc<Mutex<Vec<(String, String, Option<String>)>>>;
 
-type Inner =
-    tower::util::BoxCloneSyncService<Request<Full<Bytes>>, Response<Full<Bytes>>, Infallible>;
+type Inner = tower::util::BoxCloneSyncService<
+    Request<RequestBody<Full<Bytes>>>,
+    Response<Full<Bytes>>,
+    Infallible,
+>;
 
 /// The layer over a service that records each request and answers 200 `stored`.
 async fn fenced(extra: &str) -> (fencegate::layer::FenceService<Inner>, Log) {
@@ -42,7 +45,7 @@ async fn fenced(extra: &str) -> (fencegate::layer::FenceService<Inner>, Log) {
     let config = Config::parse_fence(&yaml).unwrap_or_else(|e| panic!("{e}\n{yaml}"));
     let log: Log = Arc::default();
     let seen = Arc::clone(&log);
-    let inner = tower::service_fn(move |req: Request<Full<Bytes>>| {
+    let inner = tower::service_fn(move |req: Request<RequestBody<Full<Bytes>>>| {
         let token = req
             .headers()
             .get("fencing-token")
@@ -335,7 +338,7 @@ async fn an_authoritative_config_is_never_fenced_without_its_lease_backend() {
     .unwrap();
     let seen: Log = Arc::default();
     let log = Arc::clone(&seen);
-    let inner = tower::service_fn(move |req: Request<Full<Bytes>>| {
+    let inner = tower::service_fn(move |req: Request<RequestBody<Full<Bytes>>>| {
         log.lock()
             .unwrap()
             .push((req.method().to_string(), req.uri().path().to_owned(), None));
@@ -398,7 +401,7 @@ async fn a_dropped_serialized_call_keeps_the_barrier_until_the_service_finishes(
     let started = Arc::new(tokio::sync::Notify::new());
     let inner = {
         let (events, finish, started) = (events.clone(), finish.clone(), started.clone());
-        tower::service_fn(move |req: Request<Full<Bytes>>| {
+        tower::service_fn(move |req: Request<RequestBody<Full<Bytes>>>| {
             let token = req.headers()["fencing-token"].to_str().unwrap().to_owned();
             let (events, finish, started) = (events.clone(), finish.clone(), started.clone());
             async move {
@@ -441,31 +444,6 @@ async fn a_dropped_serialized_call_keeps_the_barrier_until_the_service_finishes(
     );
 }
 
-/// The layer does not apply idempotency keys: a configuration with the section is refused,
-/// not taken and ignored.
-#[tokio::test]
-async fn an_idempotency_section_is_refused_in_process() {
-    let yaml = format!("store: {{ kind: memory }}\nidempotency: {{ window: 1m }}\n{ACCOUNTS}");
-    let config = Config::parse_fence(&yaml).unwrap();
-    let refused = FenceLayer::open(&config).await.err().map(|e| e.to_string());
-    assert_eq!(
-        refused.as_deref(),
-        Some(
-            "the idempotency section is not applied in-process (keys are recorded and replayed \
-             by the sidecar only): remove it from the layer's configuration, or run the sidecar"
-        )
-    );
-    let store = Arc::new(fencegate::store::MemoryStore::new());
-    let refused = FenceLayer::new(&config, store, prometheus::Registry::new()).err();
-    assert_eq!(
-        refused.map(|e| e.to_string()).as_deref(),
-        Some(
-            "the idempotency section is not applied in-process (keys are recorded and replayed \
-             by the sidecar only): remove it from the layer's configuration, or run the sidecar"
-        )
-    );
-}
-
 /// On the outermost router, after `nest`, the layer sees whole paths: a configuration written
 /// for `/v1/accounts/{id}` fences the nested route.
 #[tokio::test]
@@ -504,7 +482,7 @@ async fn the_layers_metrics_are_in_the_apps_registry() {
     let layer = FenceLayer::open_in(&config, registry.clone())
         .await
         .unwrap();
-    let inner = tower::service_fn(|_req: Request<Full<Bytes>>| async {
+    let inner = tower::service_fn(|_req: Request<RequestBody<Full<Bytes>>>| async {
         Ok::<_, Infallible>(Response::new(Full::new(Bytes::from("stored"))))
     });
     let mut service = layer.layer(Inner::new(inner));

@@ -20,6 +20,7 @@ mod idempotency;
 mod idempotency_stores;
 mod inject;
 mod layer;
+mod layer_keyed;
 mod lease_acquiring;
 mod lease_agent;
 mod lease_e2e;

@@ -994,9 +994,11 @@ async fn the_layer_applies_retention_like_the_sidecar() {
         fencegate::lease::Acquired::Granted(grant) => grant,
         other => panic!("not granted: {other:?}"),
     };
-    let inner = tower::service_fn(|_req: http::Request<String>| async {
-        Ok::<_, std::convert::Infallible>(http::Response::new(String::from("stored")))
-    });
+    let inner = tower::service_fn(
+        |_req: http::Request<fencegate::layer::RequestBody<String>>| async {
+            Ok::<_, std::convert::Infallible>(http::Response::new(String::from("stored")))
+        },
+    );
     let mut service = layer.layer(inner);
     let req = http::Request::put("/accounts/42")
         .header("host", "ledger")

@@ -1,7 +1,7 @@
 //! A lease as the agent keeps it: its grant, its state and local validity deadline (one
 //! snapshot, changed only by compare-and-set), and the events sent when it changes.
 
-use crate::fence::Token;
+use crate::fence::token::Token;
 use std::sync::Mutex;
 use std::time::Duration;
 

@@ -13,7 +13,7 @@
 //! are no longer attached. Every change of a lease's state is one compare-and-set on its
 //! snapshot, so no step (a renewal, say) writes back a state that another one replaced.
 
-use crate::fence::Token;
+use crate::fence::token::Token;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

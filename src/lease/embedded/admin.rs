@@ -3,7 +3,7 @@
 //! is held while its row's wall-clock deadline is ahead (the running fencegate judges by its
 //! monotonic clock; with it stopped, the row is what is left).
 
-use crate::fence::Token;
+use crate::fence::token::Token;
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 

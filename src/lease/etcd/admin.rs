@@ -5,7 +5,7 @@
 
 use super::{unavailable, EtcdLeases};
 use crate::conn::BoxFuture;
-use crate::fence::Token;
+use crate::fence::token::Token;
 use crate::lease::admin::{page_of, InspectLeases, Lease, LeasePage};
 use crate::lease::LeaseError;
 

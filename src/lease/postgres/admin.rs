@@ -2,7 +2,7 @@
 //! pool (no table set-up: a table that does not exist holds no lease), judged on the server's
 //! clock like every lease statement.
 
-use crate::fence::Token;
+use crate::fence::token::Token;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::Row;
 

@@ -7,7 +7,7 @@
 //! stop fencegate once to repair it); a reset opens it for writing, as fencegate does, and
 //! commits one transaction. No cache to tell: the fencegate started afterwards reads the file.
 
-use crate::fence::Token;
+use crate::fence::token::Token;
 use std::path::{Path, PathBuf};
 
 use redb::{DatabaseError, ReadableDatabase, TableDefinition, TableError};

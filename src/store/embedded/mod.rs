@@ -48,7 +48,8 @@
 //! when each maximum was last raised, and forgets maxima not raised for the period (see
 //! [`retention`]).
 
-use crate::fence::{ResourceId, Token};
+use crate::fence::resource::ResourceId;
+use crate::fence::token::Token;
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

@@ -8,7 +8,7 @@
 
 use crate::fence::resource::rid;
 use crate::fence::token::tk;
-use crate::fence::Token;
+use crate::fence::token::Token;
 use std::collections::HashMap;
 use std::sync::atomic::AtomicU64;
 use std::sync::Mutex;

@@ -2,7 +2,7 @@
 
 use super::retention::{self, Ages};
 use super::*;
-use crate::fence::Token;
+use crate::fence::token::Token;
 
 /// How often a failed database is reopened and probed with a real write, so readiness comes
 /// back once the disk does (a failed redb commit poisons the handle until it is reopened).

@@ -6,7 +6,7 @@
 use super::{padded, parse, unavailable, EtcdRemote};
 use crate::conn::BoxFuture;
 use crate::etcd::{KeyValue, Txn, TxnOp, TxnOpResponse};
-use crate::fence::Token;
+use crate::fence::token::Token;
 use crate::store::admin::{Fence, Inspect, Page};
 use crate::store::StoreError;
 

@@ -4,7 +4,7 @@
 //! kept until a raise), then the generation in `{prefix}_resets`, created by the first reset.
 //! Running fencegates read that row ([`crate::store::shared::resets`]).
 
-use crate::fence::Token;
+use crate::fence::token::Token;
 use std::sync::atomic::Ordering;
 
 use tokio_postgres::error::SqlState;

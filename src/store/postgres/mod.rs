@@ -43,7 +43,7 @@ mod admin;
 mod records;
 mod retention;
 
-use crate::fence::Token;
+use crate::fence::token::Token;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 

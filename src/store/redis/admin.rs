@@ -4,7 +4,7 @@
 //! no expiry: a reset maximum is kept until a raise), then `INCR {prefix}:resets`, the reset
 //! generation, a key of its own (outside every resource's hash tag, like the retention mark).
 
-use crate::fence::Token;
+use crate::fence::token::Token;
 use redis::Script;
 
 use super::{parse, unavailable, RedisRemote};

@@ -277,23 +277,25 @@ async fn layer_front(routes: &str) -> Front<'static> {
             .unwrap();
     let seen: Arc<Mutex<Vec<Seen>>> = Arc::default();
     let log = Arc::clone(&seen);
-    let app = tower::service_fn(move |req: http::Request<axum::body::Body>| {
-        let log = Arc::clone(&log);
-        async move {
-            let (parts, _) = req.into_parts();
-            log.lock().unwrap().push(Seen {
-                method: parts.method,
-                target: parts
-                    .uri
-                    .path_and_query()
-                    .map(|p| p.to_string())
-                    .unwrap_or_default(),
-                headers: parts.headers,
-                body: bytes::Bytes::new(),
-            });
-            Ok::<_, std::convert::Infallible>(http::Response::new(axum::body::Body::from("ok")))
-        }
-    });
+    let app = tower::service_fn(
+        move |req: http::Request<fencegate::layer::RequestBody<axum::body::Body>>| {
+            let log = Arc::clone(&log);
+            async move {
+                let (parts, _) = req.into_parts();
+                log.lock().unwrap().push(Seen {
+                    method: parts.method,
+                    target: parts
+                        .uri
+                        .path_and_query()
+                        .map(|p| p.to_string())
+                        .unwrap_or_default(),
+                    headers: parts.headers,
+                    body: bytes::Bytes::new(),
+                });
+                Ok::<_, std::convert::Infallible>(http::Response::new(axum::body::Body::from("ok")))
+            }
+        },
+    );
     let router = axum::Router::new().fallback_service(fence.layer(app));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();

@@ -10,11 +10,12 @@
 //! HTTP status ([`outcome_unknown`]) or a gRPC one ([`grpc_outcome_unknown`]), in the response
 //! headers (trailers-only) or its trailers.
 //!
-//! Apart from [`super::idempotent`] (which decides whether a write executes) so that the
-//! response body type ([`crate::body::ProxyBody`]) can hold a recording without importing the
-//! request path that makes one.
+//! Shared by the proxy (the upstream's body) and the Layer (the inner service's body), apart
+//! from the decision whether a write executes (`Fence::begin_keyed`), so that
+//! the response body types ([`crate::body::ProxyBody`], `FenceBody`) can hold a recording
+//! without importing the request path that makes one.
 
-use crate::fence::ResourceId;
+use crate::fence::resource::ResourceId;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -28,7 +29,6 @@ use http::header::{HeaderName, HeaderValue};
 use http::{HeaderMap, StatusCode};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
-use hyper::body::Incoming;
 
 use crate::fence::barrier::Ticket;
 use crate::idempotency::{
@@ -45,20 +45,20 @@ use crate::store::{BoxFuture, FenceStore, StoreError};
 /// `unknown` on its way out, so that its key does not stay in flight for a whole window.
 pub struct Attempt {
     /// Taken when the outcome is written.
-    pub(super) writer: Option<Writer>,
-    pub(super) claim: Claim,
-    pub(super) max_response: usize,
+    pub(crate) writer: Option<Writer>,
+    pub(crate) claim: Claim,
+    pub(crate) max_response: usize,
     /// How long the rest of a body is read after its client left.
-    pub(super) drain_limit: Duration,
+    pub(crate) drain_limit: Duration,
 }
 
 /// What writing an attempt's outcome needs.
-pub(super) struct Writer {
-    pub(super) store: Arc<dyn FenceStore>,
-    pub(super) resource: ResourceId,
-    pub(super) key: String,
-    pub(super) store_timeout: Duration,
-    pub(super) metrics: Arc<crate::metrics::Metrics>,
+pub(crate) struct Writer {
+    pub(crate) store: Arc<dyn FenceStore>,
+    pub(crate) resource: ResourceId,
+    pub(crate) key: String,
+    pub(crate) store_timeout: Duration,
+    pub(crate) metrics: Arc<crate::metrics::Metrics>,
 }
 
 impl Writer {
@@ -282,9 +282,13 @@ impl Kept {
     }
 }
 
-/// The upstream's body, streamed to the client and copied for the record.
-pub struct Recording {
-    inner: Option<Incoming>,
+/// The upstream's (or the inner service's) body, streamed to the client and copied for the
+/// record.
+pub struct Recording<B> {
+    inner: Option<Pin<Box<B>>>,
+    /// Reads the rest of `inner` after its client left, and records the outcome: made where
+    /// `B` is known to be a body that can be read in the background.
+    drain: fn(Pin<Box<B>>, Left),
     /// Held until the body has ended (or been drained after the client left).
     ticket: Option<Ticket>,
     status: StatusCode,
@@ -302,16 +306,29 @@ pub struct Recording {
     held: Option<Frame<Bytes>>,
 }
 
-impl Recording {
+/// What recording the rest of a body after its client left needs.
+struct Left {
+    attempt: Attempt,
+    ticket: Option<Ticket>,
+    status: StatusCode,
+    head: HeaderMap,
+    copy: Option<Kept>,
+    trailed: Option<HeaderValue>,
+}
+
+impl<B: Body<Data = Bytes> + Send + 'static> Recording<B> {
+    /// Streams `inner` (the answer to an executed attempt, `status` and `head` its head),
+    /// keeping a copy for `attempt`'s record; `ticket` is held until the body has ended.
     pub fn new(
-        inner: Incoming,
+        inner: B,
         ticket: Option<Ticket>,
         status: StatusCode,
         head: HeaderMap,
         attempt: Attempt,
     ) -> Self {
         Recording {
-            inner: Some(inner),
+            inner: Some(Box::pin(inner)),
+            drain: drain::<B>,
             ticket,
             status,
             head,
@@ -324,14 +341,14 @@ impl Recording {
     }
 }
 
-impl Body for Recording {
+impl<B: Body<Data = Bytes> + Send + 'static> Body for Recording<B> {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = B::Error;
 
     fn poll_frame(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
         let this = &mut *self;
         loop {
             if let Some(finishing) = &mut this.finishing {
@@ -346,7 +363,7 @@ impl Body for Recording {
             let Some(inner) = &mut this.inner else {
                 return Poll::Ready(None);
             };
-            match Pin::new(inner).poll_frame(cx) {
+            match inner.as_mut().poll_frame(cx) {
                 Poll::Pending => return Poll::Pending,
                 Poll::Ready(Some(Ok(frame))) => {
                     if let Some(attempt) = &this.attempt {
@@ -415,42 +432,56 @@ impl Body for Recording {
     }
 }
 
-impl Drop for Recording {
+impl<B> Drop for Recording<B> {
     /// The client went away before the end (or never started reading): finish recording
     /// without it. An outcome already being written (`finishing`) completes on its own.
     fn drop(&mut self) {
-        let (Some(mut inner), Some(attempt)) = (self.inner.take(), self.attempt.take()) else {
+        let (Some(inner), Some(attempt)) = (self.inner.take(), self.attempt.take()) else {
             // No body left to read: the attempt, if still here, records `unknown` as it drops.
             return;
         };
-        let (status, head, mut copy, mut trailed) = (
-            self.status,
-            std::mem::take(&mut self.head),
-            self.copy.take(),
-            self.trailed.take(),
-        );
-        let ticket = self.ticket.take();
-        background(Box::pin(async move {
-            let _ticket = ticket;
-            // Bounded: an upstream that stalls mid-body must not hold the barrier ticket (or
-            // this task) forever; past the limit it counts as a broken body.
-            let drained = tokio::time::timeout(attempt.drain_limit, async {
-                while let Some(frame) = inner.frame().await {
-                    let frame = frame.ok()?;
-                    Kept::keep(&mut copy, &frame, attempt.max_response);
-                    note_status(&mut trailed, &frame);
-                }
-                Some(())
-            })
-            .await;
-            let copy = match drained {
-                Ok(Some(())) => copy,
-                Ok(None) | Err(_) => None,
-            };
-            let record = attempt.outcome(status, &head, trailed.as_ref(), copy);
-            attempt.finish(record).await
-        }));
+        let left = Left {
+            attempt,
+            ticket: self.ticket.take(),
+            status: self.status,
+            head: std::mem::take(&mut self.head),
+            copy: self.copy.take(),
+            trailed: self.trailed.take(),
+        };
+        (self.drain)(inner, left);
     }
+}
+
+/// Reads the rest of a body whose client left, in the background, and records the outcome.
+fn drain<B: Body<Data = Bytes> + Send + 'static>(mut inner: Pin<Box<B>>, left: Left) {
+    let Left {
+        attempt,
+        ticket,
+        status,
+        head,
+        mut copy,
+        mut trailed,
+    } = left;
+    background(Box::pin(async move {
+        let _ticket = ticket;
+        // Bounded: an upstream that stalls mid-body must not hold the barrier ticket (or
+        // this task) forever; past the limit it counts as a broken body.
+        let drained = tokio::time::timeout(attempt.drain_limit, async {
+            while let Some(frame) = inner.frame().await {
+                let frame = frame.ok()?;
+                Kept::keep(&mut copy, &frame, attempt.max_response);
+                note_status(&mut trailed, &frame);
+            }
+            Some(())
+        })
+        .await;
+        let copy = match drained {
+            Ok(Some(())) => copy,
+            Ok(None) | Err(_) => None,
+        };
+        let record = attempt.outcome(status, &head, trailed.as_ref(), copy);
+        attempt.finish(record).await
+    }));
 }
 
 #[cfg(test)]

@@ -1,0 +1,195 @@
+//! A write with an `Idempotency-Key`, in-process: as the sidecar does it (docs/idempotency.md),
+//! with the inner service in the upstream's place.
+//!
+//! `read the body (bounded) → fingerprint →` the fence's claim ([`crate::fence::keyed`])
+//! `→ refuse | replay | call the service and record its answer`. The service's answer is
+//! recorded as the sidecar records the upstream's: a response without a body at once, any
+//! other as its body is sent ([`Recording`]); a service that fails, or does not answer within
+//! `timeouts.upstream` (whose call is then dropped), leaves the outcome unknown.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body::Body;
+use http_body_util::{BodyExt, Full, Limited};
+use tokio::time::Instant;
+use tower_service::Service;
+
+use super::{refusal, FenceBody, RequestBody};
+use crate::fence::keyed::{replay, Keyed, KeyedWrite};
+use crate::fence::method::method_override;
+use crate::fence::{Fence, Later, Refused};
+use crate::idempotency::recording::Recording;
+use crate::idempotency::Fingerprint;
+use crate::metrics::Outcome;
+use crate::problem::refusal::Refusal;
+
+/// What the keyed write needs besides the request.
+pub(super) struct Call<S> {
+    pub(super) fence: Arc<Fence>,
+    pub(super) inner: S,
+    pub(super) later: Later,
+    pub(super) key: String,
+    /// How long the service may take (`timeouts.upstream`).
+    pub(super) send_within: Duration,
+    pub(super) grpc: bool,
+    pub(super) started: Instant,
+}
+
+/// Reads the body, claims the write, and answers it: refused, replayed, or the service's
+/// answer, recorded.
+pub(super) async fn keyed_write<S, B, RB>(
+    call: Call<S>,
+    req: Request<B>,
+) -> Result<Response<FenceBody<RB>>, S::Error>
+where
+    S: Service<Request<RequestBody<B>>, Response = Response<RB>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    RB: Body<Data = Bytes> + Send + 'static,
+{
+    let Call {
+        fence,
+        mut inner,
+        later,
+        key,
+        send_within,
+        grpc,
+        started,
+    } = call;
+    let (parts, body) = req.into_parts();
+    // The request's head, for the refusal's body and log line.
+    let head = Request::from_parts(parts.clone(), ());
+    let refuse = |refusal_kind: Refusal| {
+        let refused = Refused {
+            refusal: refusal_kind,
+            route: Some(later.route),
+            resource: Some(later.resource.clone()),
+            token: Some(later.token),
+        };
+        let response = fence.answer_refused(refused, &head, started);
+        Ok(refusal(response, grpc))
+    };
+    let limit = fence
+        .idempotency
+        .as_ref()
+        .map_or(0, |settings| settings.max_request_bytes);
+    let read = tokio::time::timeout(send_within, Limited::new(body, limit).collect()).await;
+    let body = match read {
+        Ok(Ok(collected)) => collected.to_bytes(),
+        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
+            return refuse(Refusal::RequestTooLarge { limit })
+        }
+        Ok(Err(e)) => {
+            return refuse(Refusal::InvalidRequest(format!(
+                "the request body could not be read: {e}; nothing was recorded"
+            )))
+        }
+        Err(_) => {
+            return refuse(Refusal::InvalidRequest(format!(
+                "the request body did not arrive within {}; nothing was recorded",
+                crate::duration::display(send_within)
+            )))
+        }
+    };
+    // The method the service acts on: an override header's when there is one (a malformed or
+    // repeated override was refused before this), or the request's own.
+    let effective = method_override(&parts.headers).ok().flatten();
+    let effective = effective.as_ref().unwrap_or(&parts.method);
+    let fingerprint = Fingerprint::of(
+        effective.as_str(),
+        &later.normalised,
+        parts.uri.query(),
+        &body,
+    );
+    let route = fence.route(later.route);
+    let keyed = fence
+        .begin_keyed(KeyedWrite {
+            route,
+            resource: &later.resource,
+            token: later.token,
+            key,
+            fingerprint,
+            send_within,
+        })
+        .await;
+    let method = parts.method.clone();
+    match keyed {
+        Keyed::Refuse(refusal_kind) => refuse(refusal_kind),
+        Keyed::Replay { response, recorded } => {
+            let status = response.status;
+            Fence::log_replayed(
+                route,
+                &method,
+                &later.normalised,
+                &later.resource,
+                later.token,
+                recorded,
+                status,
+            );
+            fence.answered(
+                Some(later.route),
+                Outcome::Replayed,
+                &method,
+                status,
+                started,
+            );
+            Ok(replay(response, |bytes, trailers| FenceBody::Replayed {
+                body: crate::body::replay(bytes, trailers),
+            }))
+        }
+        Keyed::Execute { attempt, ticket } => {
+            let req = Request::from_parts(
+                parts,
+                RequestBody::Read {
+                    body: Full::new(body),
+                },
+            );
+            // In a task of its own: a server that drops this future (its client went away)
+            // must not cancel the write half-way. Past `send_within` it is aborted, as the
+            // sidecar gives up on an upstream, and its outcome is unknown.
+            let mut task = tokio::spawn(inner.call(req));
+            let answer = match tokio::time::timeout(send_within, &mut task).await {
+                Ok(Ok(answer)) => answer,
+                Ok(Err(e)) => std::panic::resume_unwind(e.into_panic()),
+                Err(_) => {
+                    task.abort();
+                    attempt.unknown().await;
+                    return refuse(Refusal::UpstreamTimeout(send_within));
+                }
+            };
+            let response = match answer {
+                Ok(response) => response,
+                Err(e) => {
+                    attempt.unknown().await;
+                    return Err(e);
+                }
+            };
+            fence.answered(
+                Some(later.route),
+                Outcome::Admitted,
+                &method,
+                response.status().as_u16(),
+                started,
+            );
+            let (parts, body) = response.into_parts();
+            let body = if body.is_end_stream() {
+                // A response without a body may never be polled: record it before it goes.
+                attempt.record_empty(parts.status, &parts.headers).await;
+                FenceBody::Inner {
+                    body,
+                    _ticket: ticket,
+                }
+            } else {
+                let recording =
+                    Recording::new(body, ticket, parts.status, parts.headers.clone(), attempt);
+                FenceBody::Recorded { body: recording }
+            };
+            Ok(Response::from_parts(parts, body))
+        }
+    }
+}
