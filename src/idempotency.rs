@@ -45,6 +45,8 @@ pub const MAX_KEY_BYTES: usize = 255;
 pub struct Fingerprint(pub [u8; 32]);
 
 impl Fingerprint {
+    /// The fingerprint of a request: `method` (the override's, when the request has one), the
+    /// normalised `path`, the `query` (`None`: no `?`) and the whole `body`.
     pub fn of(method: &str, path: &str, query: Option<&str>, body: &[u8]) -> Self {
         let mut ctx = ring::digest::Context::new(&ring::digest::SHA256);
         ctx.update(method.as_bytes());
@@ -62,10 +64,13 @@ impl Fingerprint {
         Fingerprint(out)
     }
 
+    /// The digest as 64 lower-case hex digits, as records keep it.
     pub fn hex(&self) -> String {
         self.0.iter().map(|b| format!("{b:02x}")).collect()
     }
 
+    /// Reads the hex that [`Fingerprint::hex`] writes; `None` when `s` does not read as 64 hex
+    /// digits.
     pub fn from_hex(s: &str) -> Option<Self> {
         if s.len() != 64 || !s.is_ascii() {
             return None;
@@ -108,10 +113,12 @@ impl AttemptId {
         AttemptId((u128::from(prefix) << 64) | u128::from(n))
     }
 
+    /// The id as 32 lower-case hex digits, as records keep it.
     pub fn hex(&self) -> String {
         format!("{:032x}", self.0)
     }
 
+    /// Reads the hex that [`AttemptId::hex`] writes; `None` unless `s` is 32 hex digits.
     pub fn from_hex(s: &str) -> Option<Self> {
         if s.len() != 32 || !s.bytes().all(|b| b.is_ascii_hexdigit()) {
             return None;
@@ -126,11 +133,18 @@ impl std::fmt::Debug for AttemptId {
     }
 }
 
+/// Where a record's write is (`in_flight`, `unknown`, `completed` in the stored record).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Phase {
+    /// The first attempt was admitted and is with the upstream: a retry gets 409
+    /// `idempotency-in-flight`.
     InFlight,
+    /// The upstream failed, timed out or answered with a retryable status: the write may or
+    /// may not have happened, and a retry may execute it again, with a token at least the
+    /// recorded one.
     Unknown,
+    /// The upstream answered: a retry gets the recorded response.
     Completed,
 }
 
@@ -144,6 +158,7 @@ impl Phase {
         }
     }
 
+    /// The phase a [`Phase::code`] names; `None` for any other string.
     pub fn from_code(code: &str) -> Option<Self> {
         match code {
             "i" => Some(Phase::InFlight),
@@ -158,8 +173,11 @@ impl Phase {
 /// trailers that followed it (gRPC's `grpc-status` travels there), in order.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoredResponse {
+    /// The HTTP status code.
     pub status: u16,
+    /// The end-to-end header fields, name and value bytes, in order.
     pub headers: Vec<(String, Vec<u8>)>,
+    /// The whole body.
     pub body: Bytes,
     /// Empty when the upstream sent none.
     pub trailers: Vec<(String, Vec<u8>)>,
@@ -168,9 +186,11 @@ pub struct StoredResponse {
 /// One `(resource, key)` record.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Record {
+    /// Where the write is: with the upstream, its outcome unknown, or completed.
     pub phase: Phase,
     /// The token of the attempt that wrote this record.
     pub token: Token,
+    /// The request that wrote the record; a request with another gets [`Begin::Reused`].
     pub fingerprint: Fingerprint,
     /// `completed` only: the upstream's status, also when the response was too large to keep.
     pub status: Option<u16>,
@@ -183,6 +203,8 @@ pub struct Record {
 }
 
 impl Record {
+    /// An `in_flight` record of `token` and `fingerprint` that names no attempt
+    /// ([`Claim::in_flight`] is the one an attempt writes).
     pub fn in_flight(token: Token, fingerprint: Fingerprint) -> Self {
         Record {
             phase: Phase::InFlight,
@@ -194,6 +216,7 @@ impl Record {
         }
     }
 
+    /// An `unknown` record of `token`: its write may or may not have happened.
     pub fn unknown(token: Token, fingerprint: Fingerprint) -> Self {
         Record {
             phase: Phase::Unknown,
@@ -228,6 +251,7 @@ impl Record {
         serde_json::to_vec(&wire).expect("a record always serialises")
     }
 
+    /// Reads what [`Record::encode`] writes; the error says what is malformed.
     pub fn decode(bytes: &[u8]) -> Result<Self, String> {
         let wire: Wire = serde_json::from_slice(bytes).map_err(|e| format!("bad record: {e}"))?;
         let fingerprint = Fingerprint::from_hex(&wire.fingerprint)
@@ -316,7 +340,9 @@ struct WireResponse {
 /// What an attempt brings to [`decide`].
 #[derive(Debug, Clone, Copy)]
 pub struct Claim {
+    /// The attempt's fencing token.
     pub token: Token,
+    /// The attempt's request.
     pub fingerprint: Fingerprint,
     /// `token.equal` and `token.max_step`, as the fence applies them.
     pub rule: Rule,
@@ -344,12 +370,22 @@ impl Claim {
 pub enum Begin {
     /// Claimed: the maximum was raised (as by the fence) and the record is now `in_flight`
     /// with this attempt's token. `previous` is the maximum before.
-    Execute { previous: Option<Token> },
+    Execute {
+        /// The maximum before the raise; `None`: there was none.
+        previous: Option<Token>,
+    },
     /// The fence refused the token; nothing changed.
-    Stale { current: Token },
+    Stale {
+        /// What the token was refused against: the maximum, or the token of an `unknown`
+        /// record when that is higher.
+        current: Token,
+    },
     /// The token exceeds the maximum (`None`: there is none) by more than `token.max_step`;
     /// nothing changed.
-    TooFar { current: Option<Token> },
+    TooFar {
+        /// The maximum; `None`: there is none.
+        current: Option<Token>,
+    },
     /// An attempt with this key is with the upstream.
     InFlight,
     /// The key was used for a different request.

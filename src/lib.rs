@@ -62,6 +62,7 @@
 //!   [`duration`]: the duration syntax of the config, the lease API and the CLI; [`timer`]:
 //!   the timers a connection keeps from request to request.
 #![forbid(unsafe_code)]
+#![warn(missing_docs)]
 // A build without every store leaves parts shared by the networked stores unused; the full
 // build (the default, which CI lints) still reports dead code.
 #![cfg_attr(

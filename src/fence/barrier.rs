@@ -15,6 +15,8 @@ use crate::sync::Locked;
 use dashmap::DashMap;
 use tokio::sync::Notify;
 
+/// The in-flight barriers of every resource (`ordering: serialize`), shared by a fence's
+/// writes and kept across reloads.
 #[derive(Default)]
 pub struct Barriers {
     slots: DashMap<Box<str>, Arc<Slot>>,
@@ -44,6 +46,7 @@ pub struct Ticket {
 }
 
 impl Barriers {
+    /// Barriers with no write registered, in the `Arc` that [`Barriers::enter`] takes.
     pub fn new() -> Arc<Self> {
         Arc::new(Self::default())
     }
@@ -70,11 +73,14 @@ impl Barriers {
         self.slots.len()
     }
 
+    /// Whether no resource has a registered write.
     pub fn is_empty(&self) -> bool {
         self.slots.is_empty()
     }
 }
 
+/// A write's turn did not come within its limit (`barrier_timeout`): refused with `503`
+/// `barrier-timeout`.
 #[derive(Debug, PartialEq, Eq)]
 pub struct BarrierTimeout;
 
@@ -96,6 +102,7 @@ impl Ticket {
         }
     }
 
+    /// The token this write registered.
     pub fn token(&self) -> Token {
         self.token
     }

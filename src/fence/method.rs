@@ -17,11 +17,13 @@ pub const OVERRIDE_HEADERS: [&str; 3] = [
 /// Why a method override was refused (400 `invalid-request`).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum OverrideError {
+    /// More than one override header line, of one name or of several.
     #[error(
         "more than one method override header (X-HTTP-Method-Override, X-HTTP-Method, \
          X-Method-Override); send at most one"
     )]
     Repeated,
+    /// The override header (named, in lower case) does not hold one method token.
     #[error("the method override header `{0}` does not name an HTTP method")]
     Malformed(&'static str),
     /// `X_HTTP_Method_Override`: servers that fold `_` into `-` (WSGI, CGI, Rack) read it as

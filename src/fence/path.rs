@@ -8,18 +8,25 @@
 
 use std::borrow::Cow;
 
+/// Why [`normalise`] refused a path (400 `invalid-path`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum PathError {
+    /// The path does not start with `/` (`OPTIONS *`, say).
     #[error("the path must start with `/`")]
     NotOrigin,
+    /// An encoded `/` or `\` (`%2F`, `%5C`).
     #[error("the path contains an encoded `/` or `\\`, which servers disagree on")]
     EncodedSeparator,
+    /// A raw `\`.
     #[error("the path contains a `\\`, which some servers read as `/`")]
     Backslash,
+    /// A raw `;` (`%3B` is allowed).
     #[error("the path contains a `;` path parameter, which some servers strip before routing")]
     PathParameter,
+    /// A control byte (NUL included), raw or percent-encoded.
     #[error("the path contains a control character")]
     Control,
+    /// A `%` not followed by two hex digits (`%zz`, `%4`).
     #[error("the path contains a malformed percent escape")]
     BadEscape,
 }

@@ -15,21 +15,30 @@ use crate::config::{
 /// A configured route, ready for the hot path.
 #[derive(Debug)]
 pub struct Route {
+    /// The route's `name` (`egress[i]` on the egress table), its label in metrics and logs.
     pub name: String,
     /// Position in the config, used to index per-route metrics without hashing labels.
     pub index: usize,
     /// `None`: every method but GET, HEAD and OPTIONS is fenced.
     fenced_methods: Option<Vec<Method>>,
     resource: Option<ResourceTemplate>,
+    /// What a fenced write without a token gets (`missing_token`).
     pub missing_token: MissingToken,
+    /// Whether admitted writes of one resource are forwarded in token order (`ordering`).
     pub ordering: Ordering,
+    /// How long a write waits for its turn under `ordering: serialize` (`barrier_timeout`,
+    /// 5 s by default).
     pub barrier_timeout: std::time::Duration,
+    /// Whether the route fences at all (`fence`); false: every request on it is forwarded
+    /// unfenced.
     pub fence: bool,
     /// The path template ends with `/`: a trailing slash in a request is then part of the match.
     slash_template: bool,
 }
 
 impl Route {
+    /// Whether `method` is fenced on this route: never with `fence: false`; with `methods`, the
+    /// listed ones in any case; without, every method but `GET`, `HEAD` and `OPTIONS`.
     pub fn fences(&self, method: &Method) -> bool {
         self.fence
             && match &self.fenced_methods {
@@ -53,7 +62,10 @@ pub enum Matched<'a> {
     Pass(&'a Route),
     /// A fenced write to `resource`.
     Fence {
+        /// The first route on the path's template that fences the method.
         route: &'a Route,
+        /// The resource id, built from the route's `resource` template (by default, the
+        /// decoded path).
         resource: ResourceId,
     },
 }
@@ -61,29 +73,41 @@ pub enum Matched<'a> {
 /// Why the resource id could not be built; the request is refused with 400.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ResourceError {
+    /// The named header (from `{header:Name}`) is missing, empty, not ASCII, sent more than
+    /// once, or has a `_` alias in the request.
     #[error("the request has no usable `{0}` header, which names the resource")]
     Header(String),
+    /// The named query parameter (from `{query:name}`) is missing, sent more than once (also
+    /// when `;` is read as a separator), not UTF-8, empty, or holds a control character.
     #[error("the request has no usable `{0}` query parameter, which names the resource")]
     Query(String),
+    /// The resource id is longer than `limits.max_resource_bytes`, the limit it holds.
     #[error("the resource id is longer than {0} bytes")]
     TooLong(usize),
+    /// The `Connection` header names the header (named) that names the resource.
     #[error(
         "the Connection header names `{0}`, which names the resource: it would be stripped in \
          transit, and the upstream would not see the value the fence checked"
     )]
     ConnectionNominated(String),
+    /// The named `-bin` header (gRPC binary metadata) is not base64.
     #[error("the `{0}` header, which names the resource, is not base64 (gRPC binary metadata)")]
     NotBase64(String),
+    /// The fenced path does not percent-decode to UTF-8.
     #[error("the path does not decode to UTF-8 text, so it names no resource")]
     NotText,
+    /// What the template built is not a resource id (empty, or with a control character).
     #[error("the request names no resource: {0}")]
     NotAnId(ResourceIdError),
 }
 
+/// The routes of one configuration, matched by path template: [`RouteTable::new`] for
+/// `routes`, [`RouteTable::egress`] for `egress.routes`.
 pub struct RouteTable {
     /// Path template → indexes of the routes sharing it, in config order.
     router: matchit::Router<Vec<usize>>,
     routes: Vec<Route>,
+    /// What a request on no route gets (`unmatched`; `forward` on the egress table).
     pub unmatched: Unmatched,
     max_resource_bytes: usize,
 }
@@ -159,6 +183,7 @@ impl RouteTable {
         }
     }
 
+    /// The routes in config order: `routes()[i].index` is `i`.
     pub fn routes(&self) -> &[Route] {
         &self.routes
     }
@@ -364,7 +389,7 @@ fn single_value<'q>(pairs: impl Iterator<Item = &'q str>, name: &str) -> Option<
 /// What a request is about (route, resource, token), as its log lines and a refusal's body
 /// name it.
 #[derive(Debug, Default, Clone, Copy)]
-pub struct Subject<'a> {
+pub(crate) struct Subject<'a> {
     pub route: Option<&'a str>,
     pub resource: Option<&'a str>,
     pub token: Option<Token>,

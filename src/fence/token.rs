@@ -159,14 +159,20 @@ impl TryFrom<i64> for Token {
 /// Why a token header was refused; each maps to 400 `invalid-token`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum TokenError {
+    /// Not `0|[1-9][0-9]{0,18}`: empty, a sign, spaces, leading zeros, anything but digits.
     #[error("the token must be a decimal integer from 0 to 9223372036854775807 without sign, spaces or leading zeros")]
     Grammar,
+    /// Digits only, but a value above 2^63 − 1 ([`MAX_TOKEN`]).
     #[error("the token exceeds 9223372036854775807")]
     TooLarge,
+    /// More than one token header line.
     #[error("more than one token header")]
     Duplicate,
+    /// A header whose name is the token header's once `_` is read as `-` (`fencing_token`),
+    /// spelled as sent.
     #[error("a header spelled `{0}` aliases the token header; use `-`, not `_`")]
     Alias(String),
+    /// The `Connection` header names the token header.
     #[error("the Connection header names the token header, which would strip it in transit")]
     ConnectionNominated,
 }

@@ -26,7 +26,9 @@ use crate::conn::BoxFuture;
 /// A granted lease.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Grant {
+    /// The resource id the lease is on.
     pub resource: String,
+    /// Who holds it: the `holder` named when it was acquired.
     pub holder: String,
     /// Unique per grant (the owner value compared on renew and release).
     pub lease_id: String,
@@ -34,11 +36,14 @@ pub struct Grant {
     pub token: Token,
 }
 
+/// What [`LeaseBackend::try_acquire`] got.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Acquired {
+    /// The lease is granted to the caller: a new grant, with a new token.
     Granted(Grant),
     /// Held by someone else (the holder id when the backend knows it).
     Held {
+        /// The holder; `None` when the backend does not know it.
         holder: Option<String>,
     },
 }
@@ -83,6 +88,8 @@ pub trait LeaseBackend: Send + Sync + 'static {
         GrantEvents::never()
     }
 
+    /// The backend's kind as `leases.backend.kind` names it (`embedded`, `redis`, `postgres`,
+    /// `etcd`).
     fn kind(&self) -> &'static str;
 }
 
@@ -100,7 +107,9 @@ pub enum GrantEvent {
 /// A receiver of grant events, and whether the subscription was live when it was created
 /// (later transitions arrive as `Lost` and `Live`).
 pub struct GrantEvents {
+    /// Whether the subscription was live when the receiver was created.
     pub live: bool,
+    /// The events from then on.
     pub events: broadcast::Receiver<GrantEvent>,
 }
 

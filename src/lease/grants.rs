@@ -196,6 +196,7 @@ impl GrantCache {
         self.state().entries.len()
     }
 
+    /// Whether the cache holds no resource.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }

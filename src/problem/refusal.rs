@@ -19,7 +19,7 @@ use crate::body::ProxyBody;
 use crate::fault::Fault;
 use crate::fence::path::PathError;
 use crate::fence::routes::ResourceError;
-pub use crate::fence::routes::Subject;
+pub(crate) use crate::fence::routes::Subject;
 use crate::fence::token::TokenError;
 use crate::lease::LeaseError;
 use crate::metrics::Outcome;

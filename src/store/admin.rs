@@ -15,6 +15,7 @@ use super::{BoxFuture, StoreError};
 /// What a store knows of one resource's maximum, cheaply.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Fence {
+    /// The resource id.
     pub resource: String,
     /// The recorded maximum; `None`: nothing recorded.
     pub max_token: Option<Token>,
@@ -55,6 +56,7 @@ impl Fence {
 /// One page of [`Inspect::list`], in resource order.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Page {
+    /// The resources of the page, in resource order.
     pub fences: Vec<Fence>,
     /// The cursor of the next page (`--after`): the last resource of this one; `None` at the
     /// end.
@@ -76,6 +78,7 @@ impl Page {
 
 /// Inspection and repair of one store's maxima.
 pub trait Inspect: Send + Sync {
+    /// The store's kind as `store.kind` names it, which `fencegate fences` reports.
     fn kind(&self) -> &'static str;
 
     /// The maximum of `resource` and what the store knows of it.

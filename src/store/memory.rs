@@ -18,6 +18,8 @@ use crate::sync::Locked;
 #[cfg(test)]
 type Between = dyn Fn(&DashMap<Box<str>, Token>) + Send + Sync;
 
+/// The `memory` store: maxima and idempotency records in this process's memory, for tests
+/// and demos; a restart forgets everything.
 #[derive(Default)]
 pub struct MemoryStore {
     maxima: DashMap<Box<str>, Token>,
@@ -34,6 +36,7 @@ pub struct MemoryStore {
 }
 
 impl MemoryStore {
+    /// An empty store.
     pub fn new() -> Self {
         Self::default()
     }
@@ -66,6 +69,7 @@ impl MemoryStore {
         }
     }
 
+    /// Resources with a recorded maximum.
     pub fn len(&self) -> usize {
         self.maxima.len()
     }
@@ -156,6 +160,7 @@ impl MemoryStore {
         ours
     }
 
+    /// Whether no maximum is recorded.
     pub fn is_empty(&self) -> bool {
         self.maxima.is_empty()
     }

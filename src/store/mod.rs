@@ -70,6 +70,8 @@ pub trait FenceStore: Send + Sync + 'static {
     /// Cheap readiness signal: false once the store is known to be unusable.
     fn healthy(&self) -> bool;
 
+    /// The store's kind as `store.kind` names it (`memory`, `embedded`, `redis`, `postgres`,
+    /// `etcd`), for logs and messages.
     fn kind(&self) -> &'static str;
 
     /// How many resets of maxima (`fencegate fences reset`) this process has seen in the

@@ -43,6 +43,7 @@ pub fn monotonic() -> Clock {
 /// Whose the `in_flight` record a claim found is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Owner {
+    /// The attempt the record names.
     pub attempt: AttemptId,
     /// The in-flight lifetime the owner claimed with (its `claim.window`), when the record
     /// says.
@@ -52,6 +53,7 @@ pub struct Owner {
 /// A remote's answer to a claim.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Claimed {
+    /// The answer, as [`FenceStore::begin_idempotent`] gives it.
     pub begin: Begin,
     /// With [`Begin::InFlight`]: the attempt that owns the record, `None` when it names none
     /// (written before attempts had ids: it keeps the server-side expiry it was written with)
@@ -74,6 +76,8 @@ impl From<Begin> for Claimed {
 
 /// One networked store's compare-and-raise, answered by the store itself, atomically.
 pub trait Remote: Send + Sync + 'static {
+    /// [`FenceStore::compare_and_raise`] of `resource` under `rule`, in one atomic step on the
+    /// store.
     fn raise<'a>(
         &'a self,
         resource: &'a str,
@@ -81,6 +85,7 @@ pub trait Remote: Send + Sync + 'static {
         rule: Rule,
     ) -> BoxFuture<'a, Result<Verdict, StoreError>>;
 
+    /// The maximum the store records for `resource`, if any.
     fn get<'a>(&'a self, resource: &'a str) -> BoxFuture<'a, Result<Option<Token>, StoreError>>;
 
     /// A cheap round trip that proves the store answers (and reconnects if needed).
@@ -108,6 +113,7 @@ pub trait Remote: Send + Sync + 'static {
         outcome: &'a Record,
     ) -> BoxFuture<'a, Result<bool, StoreError>>;
 
+    /// The store's kind as `store.kind` names it (`redis`, `postgres`, `etcd`).
     fn kind(&self) -> &'static str;
 
     /// See [`FenceStore::forget_after`]; the default refuses.
@@ -180,6 +186,7 @@ struct Sighting {
 }
 
 impl InFlightSightings {
+    /// Remembers the sightings of up to `capacity` records (0: none).
     pub fn new(capacity: usize) -> Self {
         InFlightSightings {
             map: Mutex::new(std::collections::HashMap::new()),
@@ -243,10 +250,12 @@ impl InFlightSightings {
         self.map.locked().remove(record);
     }
 
+    /// Records whose sighting is remembered.
     pub fn len(&self) -> usize {
         self.map.locked().len()
     }
 
+    /// Whether no sighting is remembered.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -262,6 +271,8 @@ impl Sighting {
     }
 }
 
+/// The [`FenceStore`] of a networked store: its [`Remote`] behind the local cache of maxima,
+/// the health latch and its probe, the retention guard and the follower of resets.
 pub struct SharedStore<R: Remote> {
     remote: Arc<R>,
     /// Shared with the follower of resets, which clears it.

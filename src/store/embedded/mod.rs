@@ -239,6 +239,9 @@ impl Shared {
     }
 }
 
+/// The `embedded` store: maxima and idempotency records in a redb file on local disk, every
+/// raise committed with an fsync before the write it admits is forwarded. The file has one
+/// writer, this store (redb locks it).
 pub struct EmbeddedStore {
     shared: Arc<Shared>,
     /// Queue to the writer thread; closing it (and waking the thread) stops the thread.

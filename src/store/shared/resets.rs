@@ -35,6 +35,7 @@ pub struct Resets {
 }
 
 impl Resets {
+    /// Resets observed since start (steps of the generation after the first read).
     pub fn observed(&self) -> u64 {
         self.observed.load(Ordering::Relaxed)
     }

@@ -107,10 +107,13 @@ impl Freshness {
         self.until_ms.fetch_max(until, Ordering::Relaxed);
     }
 
+    /// Whether a raise sent at `now` may be aged: a mark sent less than [`FRESH`] before was
+    /// written.
     pub fn fresh_at(&self, now: Instant) -> bool {
         ms_since_base(now) < self.until_ms.load(Ordering::Relaxed)
     }
 
+    /// [`Freshness::fresh_at`] now.
     pub fn fresh(&self) -> bool {
         self.fresh_at(Instant::now())
     }
