@@ -1,11 +1,10 @@
 //! Durations as the configuration, the lease API and the command line write them.
 //!
 //! Accepted: a number and a unit, or several in a row: `30s`, `30 s`, `1500ms`, `1.5s`,
-//! `2m30s`, `1h`; units `ns`, `us`, `ms`, `s`, `m`, `h`, `d` (and their long forms, as
-//! [`humantime`] reads them). A bare number has no unit and is refused with a message that
-//! says what to write. Printed back in one unit, the largest that holds the value exactly
-//! (`1500ms`, `30s`, `5m`, `1h`), so what `check` prints loads again and reads as the docs
-//! write it.
+//! `2m30s`, `1h`; units `ns`, `us`, `ms`, `s`, `m`, `h`, `d` and their long forms ([`unit`]).
+//! A bare number has no unit and is refused with a message that says what to write. Printed
+//! back in one unit, the largest that holds the value exactly (`1500ms`, `30s`, `5m`, `1h`), so
+//! what `check` prints loads again and reads as the docs write it.
 
 use std::fmt;
 use std::time::Duration;
@@ -22,7 +21,81 @@ pub fn parse(s: &str) -> Result<Duration, String> {
     if trimmed.is_empty() {
         return Err(format!("an empty value is not a duration: {HINT}"));
     }
-    humantime::parse_duration(trimmed).map_err(|_| format!("`{s}` is not a duration: {HINT}"))
+    read(trimmed).ok_or_else(|| format!("`{s}` is not a duration: {HINT}"))
+}
+
+/// `s` as spans of a number (digits, and a fraction after a `.`) and a unit, optionally
+/// separated by whitespace; `0` alone is zero. `None`: not that, or a fraction finer than a
+/// nanosecond, or more than a [`Duration`] holds.
+fn read(s: &str) -> Option<Duration> {
+    if s == "0" {
+        return Some(Duration::ZERO);
+    }
+    let digits = |s: &str| s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let mut nanos: u128 = 0;
+    let mut rest = s;
+    loop {
+        let n = digits(rest);
+        if n == 0 {
+            return None;
+        }
+        let (whole, after) = rest.split_at(n);
+        let (fraction, after) = match after.strip_prefix('.') {
+            Some(after) => {
+                let n = digits(after);
+                if n == 0 {
+                    return None;
+                }
+                let (fraction, after) = after.split_at(n);
+                (Some(fraction), after)
+            }
+            None => (None, after),
+        };
+        let after = after.trim_start();
+        let n = after
+            .find(|c: char| !c.is_ascii_alphabetic() && c != 'µ')
+            .unwrap_or(after.len());
+        let (name, after) = after.split_at(n);
+        let per = unit(name)?;
+        let mut span = whole.parse::<u128>().ok()?.checked_mul(per)?;
+        if let Some(fraction) = fraction {
+            let parts = fraction.parse::<u128>().ok()?.checked_mul(per)?;
+            let denominator = 10u128.checked_pow(u32::try_from(fraction.len()).ok()?)?;
+            if parts % denominator != 0 {
+                return None;
+            }
+            span = span.checked_add(parts / denominator)?;
+        }
+        nanos = nanos.checked_add(span)?;
+        rest = after.trim_start();
+        if rest.is_empty() {
+            break;
+        }
+    }
+    let secs = u64::try_from(nanos / 1_000_000_000).ok()?;
+    let subsec = u32::try_from(nanos % 1_000_000_000).ok()?;
+    Some(Duration::new(secs, subsec))
+}
+
+/// The nanoseconds in one `name`: `ns`, `us` (`µs`), `ms`, `s`, `m`, `h`, `d`, `w`, `M`
+/// (30.44 days), `y` (365.25 days), and their long forms (`nsec`, `usec`, `msec`, `millis`,
+/// `sec`, `secs`, `second(s)`, `min`, `mins`, `minute(s)`, `hr`, `hrs`, `hour(s)`, `day(s)`,
+/// `wk`, `wks`, `week(s)`, `month(s)`, `yr`, `yrs`, `year(s)`).
+fn unit(name: &str) -> Option<u128> {
+    const SEC: u128 = 1_000_000_000;
+    Some(match name {
+        "nanos" | "nsec" | "ns" => 1,
+        "usec" | "us" | "µs" => 1_000,
+        "millis" | "msec" | "ms" => 1_000_000,
+        "seconds" | "second" | "secs" | "sec" | "s" => SEC,
+        "minutes" | "minute" | "min" | "mins" | "m" => 60 * SEC,
+        "hours" | "hour" | "hr" | "hrs" | "h" => 3_600 * SEC,
+        "days" | "day" | "d" => 86_400 * SEC,
+        "weeks" | "week" | "wk" | "wks" | "w" => 7 * 86_400 * SEC,
+        "months" | "month" | "M" => 2_630_016 * SEC,
+        "years" | "year" | "yr" | "yrs" | "y" => 31_557_600 * SEC,
+        _ => return None,
+    })
 }
 
 /// The refusal of a value that is not a duration at all (a bare number, a boolean).
@@ -181,6 +254,40 @@ mod tests {
             ("1h", Duration::from_secs(3600)),
         ] {
             assert_eq!(parse(text), Ok(want), "{text}");
+        }
+    }
+
+    #[test]
+    fn reads_long_units_and_exact_fractions() {
+        for (text, want) in [
+            ("0", Duration::ZERO),
+            ("2 hours 5 mins", Duration::from_secs(7500)),
+            ("1day", Duration::from_secs(86_400)),
+            ("1w", Duration::from_secs(7 * 86_400)),
+            ("1.5h", Duration::from_secs(5400)),
+            ("0.25ms", Duration::from_micros(250)),
+            ("1.000000001s", Duration::new(1, 1)),
+            ("3µs", Duration::from_micros(3)),
+            ("1M", Duration::from_secs(2_630_016)),
+            ("1y", Duration::from_secs(31_557_600)),
+        ] {
+            assert_eq!(parse(text), Ok(want), "{text}");
+        }
+        for text in [
+            "1.5ns",
+            "0.0000000001s",
+            "1.",
+            ".5s",
+            "1 0s",
+            "1h30",
+            "30s,",
+            "1e3s",
+            "-1s",
+            "1S",
+            "s",
+            "18446744073709551616s",
+        ] {
+            assert!(parse(text).is_err(), "{text}");
         }
     }
 

@@ -37,28 +37,47 @@ pub struct Derived {
     pub dedup_window: Duration,
 }
 
-pub fn derive(i: &TtlInputs) -> Result<Derived, String> {
+/// Latency budgets that do not derive a TTL.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum DerivationError {
+    /// `round_to` is zero.
+    #[error("round_to must be greater than zero")]
+    ZeroRoundTo,
+    /// The budgets (or the TTL plus the p99 work, the dedup window) overflow a duration.
+    #[error("the inputs add up to more than a duration can hold")]
+    Overflow,
+    /// The budgets add up to zero.
+    #[error("the inputs add up to zero; a lease needs a positive TTL")]
+    Zero,
+    /// The TTL, rounded up, is more nanoseconds than 64 bits hold.
+    #[error("TTL too large")]
+    TooLarge,
+}
+
+pub fn derive(i: &TtlInputs) -> Result<Derived, DerivationError> {
     if i.round_to.is_zero() {
-        return Err("round_to must be greater than zero".into());
+        return Err(DerivationError::ZeroRoundTo);
     }
-    let too_large = || "the inputs add up to more than a duration can hold".to_owned();
     let base = [i.p99_rtt, i.safety_margin, i.drift_buffer]
         .into_iter()
         .try_fold(i.p99_work, Duration::checked_add)
-        .ok_or_else(too_large)?;
+        .ok_or(DerivationError::Overflow)?;
     if base.is_zero() {
-        return Err("the inputs add up to zero; a lease needs a positive TTL".into());
+        return Err(DerivationError::Zero);
     }
     let step = i.round_to.as_nanos();
     let ttl_nanos = base.as_nanos().div_ceil(step) * step;
-    let rounded = Duration::from_nanos(u64::try_from(ttl_nanos).map_err(|_| "TTL too large")?);
+    let rounded =
+        Duration::from_nanos(u64::try_from(ttl_nanos).map_err(|_| DerivationError::TooLarge)?);
     let ttl = rounded.max(MIN_TTL);
     Ok(Derived {
         base,
         rounded,
         ttl,
         renew_every: ttl / 3,
-        dedup_window: ttl.checked_add(i.p99_work).ok_or_else(too_large)?,
+        dedup_window: ttl
+            .checked_add(i.p99_work)
+            .ok_or(DerivationError::Overflow)?,
     })
 }
 
@@ -226,9 +245,10 @@ mod tests {
     fn refuses_inputs_too_large_to_add_up() {
         let mut i = inputs(800, 40, 200, 0, 500);
         i.p99_work = Duration::MAX;
+        assert_eq!(derive(&i), Err(DerivationError::Overflow));
         assert_eq!(
-            derive(&i),
-            Err("the inputs add up to more than a duration can hold".into())
+            DerivationError::Overflow.to_string(),
+            "the inputs add up to more than a duration can hold"
         );
     }
 }

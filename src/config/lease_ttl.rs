@@ -6,6 +6,7 @@ use std::time::Duration;
 use serde::{Deserialize, Deserializer, Serialize};
 
 use crate::duration::display;
+pub use crate::ttl::DerivationError;
 use crate::ttl::{derive, TtlInputs, MAX_LEASE_DURATION, MIN_TTL};
 
 /// A `leases.ttl` that cannot be used.
@@ -46,8 +47,8 @@ pub enum TtlError {
         derived: Duration,
     },
     /// The latency budgets do not add up to a TTL.
-    #[error("{0}")]
-    Derivation(String),
+    #[error(transparent)]
+    Derivation(#[from] DerivationError),
 }
 
 /// Refuses a TTL written below [`MIN_TTL`] (a derived one is raised to it instead).

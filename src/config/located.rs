@@ -107,15 +107,72 @@ fn suggestion(message: &str) -> Option<&str> {
     let (_, expected) = rest.split_once("expected ")?;
     let names = expected.split('`').skip(1).step_by(2);
     names
-        .map(|name| (strsim::damerau_levenshtein(written, name), name))
+        .map(|name| (edits(written, name), name))
         .filter(|&(edits, name)| edits <= MAX_EDITS && edits < name.len().max(written.len()))
         .min_by_key(|&(edits, _)| edits)
         .map(|(_, name)| name)
 }
 
+/// The Damerau-Levenshtein distance from `a` to `b`: the fewest insertions, deletions,
+/// substitutions and swaps of adjacent characters that make one the other (unrestricted: text
+/// between a swapped pair may be edited too), by characters.
+fn edits(a: &str, b: &str) -> usize {
+    let a: Vec<char> = a.chars().collect();
+    let b: Vec<char> = b.chars().collect();
+    if a.is_empty() || b.is_empty() {
+        return a.len().max(b.len());
+    }
+    // d[i + 1][j + 1]: the distance between the first i of `a` and the first j of `b`; row and
+    // column 0 hold a bound above any distance.
+    let width = b.len() + 2;
+    let far = a.len() + b.len();
+    let mut d = vec![0; (a.len() + 2) * width];
+    d[0] = far;
+    for i in 0..=a.len() {
+        d[(i + 1) * width] = far;
+        d[(i + 1) * width + 1] = i;
+    }
+    for j in 0..=b.len() {
+        d[j + 1] = far;
+        d[width + j + 1] = j;
+    }
+    // The last row of `a` each character was seen on.
+    let mut last_row = std::collections::HashMap::new();
+    for i in 1..=a.len() {
+        // The last column of `b` holding `a[i - 1]`, in this row.
+        let mut last_col = 0;
+        for j in 1..=b.len() {
+            let k = last_row.get(&b[j - 1]).copied().unwrap_or(0);
+            let l = last_col;
+            let same = a[i - 1] == b[j - 1];
+            if same {
+                last_col = j;
+            }
+            let substitution = d[i * width + j] + usize::from(!same);
+            let insertion = d[(i + 1) * width + j] + 1;
+            let deletion = d[i * width + j + 1] + 1;
+            let swap = d[k * width + l] + (i - k - 1) + 1 + (j - l - 1);
+            d[(i + 1) * width + j + 1] = substitution.min(insertion).min(deletion).min(swap);
+        }
+        last_row.insert(a[i - 1], i);
+    }
+    d[(a.len() + 1) * width + b.len() + 1]
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn edits_count_swaps_of_adjacent_characters() {
+        assert_eq!(edits("lsiten", "listen"), 1);
+        assert_eq!(edits("upstrem", "upstream"), 1);
+        assert_eq!(edits("kitten", "sitting"), 3);
+        // Unrestricted: `ca` -> `ac` -> `abc`, an insertion between the swapped pair.
+        assert_eq!(edits("ca", "abc"), 2);
+        assert_eq!(edits("", "tls"), 3);
+        assert_eq!(edits("é", "e"), 1);
+    }
 
     #[test]
     fn the_nearest_name_is_suggested() {

@@ -33,7 +33,7 @@ pub use env::{expand_env, EnvError};
 pub use error::{ConfigError, ParseError, SectionsError};
 pub use idempotency::IdempotencyConfig;
 pub use lease_backend::BackendConfig;
-pub use lease_ttl::{LeaseTtl, TtlError};
+pub use lease_ttl::{DerivationError, LeaseTtl, TtlError};
 pub use leases::{AcquireConfig, LeasesConfig};
 pub use limits::{BoundError, Limits, Timeouts, MAX_TIMEOUT};
 pub use located::LocatedError;
@@ -44,7 +44,7 @@ pub(crate) use remote::not_built;
 pub(crate) use remote::parse_seed;
 pub use remote::{
     ClusterConfig, ClusterError, Holder, KindError, PrefixError, RedisHa, Remote, RemoteKind,
-    SecretUrl, SentinelConfig, SentinelError, UrlError, MAX_REPLICAS, WAIT_TIMEOUT,
+    SecretUrl, SentinelConfig, SentinelError, UrlError, UrlReadError, MAX_REPLICAS, WAIT_TIMEOUT,
 };
 pub use routes::{
     MissingToken, Ordering, RouteConfig, RouteError, Unmatched, DEFAULT_BARRIER_TIMEOUT,

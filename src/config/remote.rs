@@ -8,6 +8,8 @@ use super::ClientTlsConfig;
 
 use serde::Serialize;
 
+pub use crate::conn::url::UrlReadError;
+
 /// A Redis, PostgreSQL or etcd server: a networked store or lease backend.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Remote {
@@ -195,7 +197,7 @@ impl Holder {
 }
 
 /// A `store` or `leases.backend` mapping whose fields do not fit its `kind`.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum KindError {
     /// A `url` with the `memory` or `embedded` kind.
     #[error("`url` is for the redis, postgres and etcd {}s", holder.noun())]
@@ -256,7 +258,7 @@ pub enum KindError {
 }
 
 /// A `sentinel` mapping that cannot find a primary.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum SentinelError {
     /// `sentinel.master` is empty or holds whitespace.
     #[error("`sentinel.master` is the master name the Sentinels monitor: non-empty, no spaces")]
@@ -407,7 +409,7 @@ pub(super) fn check_prefix(prefix: &str) -> Result<(), PrefixError> {
 }
 
 /// A store's or lease backend's `url` that is malformed, or does not fit its kind or `tls`.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum UrlError {
     /// An empty url, or one holding whitespace.
     #[error("a store url is non-empty and has no spaces")]
@@ -453,10 +455,13 @@ pub enum UrlError {
         /// The `sslmode` as written.
         mode: String,
     },
-    /// What the connector would refuse when it reads the url ([`crate::conn::url`]); the
-    /// reason never shows the password.
-    #[error("{0}")]
-    Unreadable(String),
+    /// What the connector would refuse when it reads the url; the reason never shows the
+    /// password.
+    #[error(transparent)]
+    Unreadable(#[from] UrlReadError),
+    /// A url of a kind this build left out (Cargo features).
+    #[error("{}", not_built(.0))]
+    NotBuilt(&'static str),
 }
 
 /// A store URL. It may carry a password, so it displays and serialises masked.
@@ -512,17 +517,22 @@ impl SecretUrl {
             },
         }?;
         // Read as the connector reads it when `run` starts, so that `check` refuses it too.
-        let read = match kind {
+        match kind {
             #[cfg(feature = "redis")]
-            RemoteKind::Redis => crate::conn::url::redis(&self.0).map(drop),
+            RemoteKind::Redis => crate::conn::url::redis(&self.0)
+                .map(drop)
+                .map_err(UrlError::Unreadable),
             #[cfg(feature = "postgres")]
-            RemoteKind::Postgres => crate::conn::url::postgres(&self.0, tls.is_some()).map(drop),
+            RemoteKind::Postgres => crate::conn::url::postgres(&self.0, tls.is_some())
+                .map(drop)
+                .map_err(UrlError::Unreadable),
             #[cfg(feature = "etcd")]
-            RemoteKind::Etcd => crate::conn::url::etcd(&self.0).map(drop),
+            RemoteKind::Etcd => crate::conn::url::etcd(&self.0)
+                .map(drop)
+                .map_err(UrlError::Unreadable),
             #[allow(unreachable_patterns)]
-            kind => Err(not_built(kind.name())),
-        };
-        read.map_err(UrlError::Unreadable)
+            kind => Err(UrlError::NotBuilt(kind.name())),
+        }
     }
 
     /// Whether the URL's scheme asks for TLS (`rediss://`, `https://`).

@@ -147,6 +147,11 @@ impl<S: System> BackendError<S> {
         Self::of(Kind::Config, detail)
     }
 
+    /// A [`Kind::Config`] error saying what `source` says, and keeping it as its source.
+    pub(crate) fn config_from(source: impl std::error::Error + Send + Sync + 'static) -> Self {
+        Self::config(source.to_string()).with_source(source)
+    }
+
     /// A [`Kind::Internal`] error, in the backend's words.
     pub fn internal(detail: impl Into<String>) -> Self {
         Self::of(Kind::Internal, detail)

@@ -8,12 +8,23 @@ use super::Failure;
 use crate::etcd::{Client, ConnectOptions, Error};
 use crate::tls::ClientTls;
 
-use super::url::etcd as parse_url;
+use super::url::{etcd as parse_url, UrlReadError};
+
+/// Why no etcd client was made.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum ClientError {
+    /// The url cannot be read.
+    #[error(transparent)]
+    Url(#[from] UrlReadError),
+    /// The client refused its endpoints or options.
+    #[error("etcd: {0}")]
+    Client(#[source] Error),
+}
 
 /// A client for `url` (TLS with `tls`, which an `https://` url has), as the store and the
 /// lease backend use it: fail fast (1s to connect, 2s per request) and keep-alive pings, so
 /// the caller's deadline decides how long to wait.
-pub(crate) async fn client(url: &str, tls: Option<Arc<ClientTls>>) -> Result<Client, String> {
+pub(crate) async fn client(url: &str, tls: Option<Arc<ClientTls>>) -> Result<Client, ClientError> {
     let url = parse_url(url)?;
     let mut options = ConnectOptions::new()
         .with_connect_timeout(Duration::from_secs(1))
@@ -27,7 +38,7 @@ pub(crate) async fn client(url: &str, tls: Option<Arc<ClientTls>>) -> Result<Cli
     }
     Client::connect(url.endpoints, Some(options))
         .await
-        .map_err(|e| format!("etcd: {e}"))
+        .map_err(ClientError::Client)
 }
 
 /// How an etcd call failed. By the gRPC status: a deadline (etcd's `request timed out`, or

@@ -18,6 +18,7 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::tls::{ChannelBinding, MakeTlsConnect, TlsConnect};
 use tokio_postgres::{NoTls, Socket};
 
+use super::url::UrlReadError;
 use super::{BoxFuture, Failure};
 use crate::sync::Locked;
 use crate::tls::ClientTls;
@@ -41,7 +42,7 @@ pub(crate) fn pool(
     url: &str,
     tls: Option<Arc<ClientTls>>,
     replicas: Option<u32>,
-) -> Result<(Pool, tokio_postgres::Config, Arc<Guard>), String> {
+) -> Result<(Pool, tokio_postgres::Config, Arc<Guard>), PoolSetupError> {
     let mut config = super::url::postgres(url, tls.is_some())?;
     let manager_config = ManagerConfig {
         recycling_method: RecyclingMethod::Fast,
@@ -59,7 +60,12 @@ pub(crate) fn pool(
         .max_size(16)
         .post_create(Hook::async_fn(move |client: &mut ClientWrapper, _| {
             let guard = Arc::clone(&checking);
-            Box::pin(async move { guard.check(client).await.map_err(HookError::message) })
+            Box::pin(async move {
+                guard
+                    .check(client)
+                    .await
+                    .map_err(|e| HookError::message(e.to_string()))
+            })
         }))
         .pre_recycle(Hook::sync_fn(move |_, metrics: &Metrics| {
             if recycling.outdated(metrics.created) {
@@ -69,8 +75,67 @@ pub(crate) fn pool(
             }
         }))
         .build()
-        .map_err(|e| format!("postgres pool: {e}"))?;
+        .map_err(PoolSetupError::Build)?;
     Ok((pool, config, guard))
+}
+
+/// Why no pool was made for a url.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum PoolSetupError {
+    /// The url cannot be read.
+    #[error(transparent)]
+    Url(#[from] UrlReadError),
+    /// deadpool refused the pool's settings.
+    #[error("postgres pool: {0}")]
+    Build(#[source] deadpool_postgres::BuildError),
+}
+
+/// Why a new connection is not used.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum CheckError {
+    /// The query that reads the session's and the server's settings failed.
+    #[error("checking the server: {}", describe(.0))]
+    Query(#[source] tokio_postgres::Error),
+    /// The session is read-only: a standby, or a primary being failed over.
+    #[error(
+        "the server is read-only (a standby, or a primary being failed over): name the primary, \
+         or every host with target_session_attrs=read-write"
+    )]
+    ReadOnly,
+    /// The server's replication falls short of `replicas`.
+    #[error(transparent)]
+    Replication(#[from] Shortfall),
+}
+
+/// How a server's replication falls short of `replicas`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum Shortfall {
+    /// Standbys are connected and no commit waits for one (`replicas` not written, or 1 or
+    /// more with no synchronous standby).
+    #[error(
+        "the PostgreSQL server replicates to its standbys asynchronously ({settings}): a \
+         failover to one can lose raises and grants already acknowledged. Make a standby \
+         synchronous (synchronous_standby_names) and set `replicas: 1`, or set `replicas: 0` to \
+         accept that window"
+    )]
+    Asynchronous {
+        /// The replication settings, in words.
+        settings: String,
+    },
+    /// Commits wait for fewer synchronous standbys than `replicas`.
+    #[error(
+        "`replicas: {replicas}` needs commits to wait for {replicas} synchronous standby(s), and \
+         the PostgreSQL server waits for {waits} ({settings}): set synchronous_standby_names \
+         (and synchronous_commit = on) on the server, or lower `replicas`"
+    )]
+    TooFewWaits {
+        /// `replicas`, as configured.
+        replicas: u32,
+        /// The synchronous standbys a commit waits for.
+        waits: u32,
+        /// The replication settings, in words.
+        settings: String,
+    },
 }
 
 /// How long the start-up check waits for a connection ([`Guard::check_at_start`]).
@@ -84,7 +149,7 @@ pub(crate) struct Guard {
     base: Instant,
     stale_before: AtomicU64,
     /// The last replication refusal, for [`Guard::refusal`] at start-up.
-    refused: Mutex<Option<String>>,
+    refused: Mutex<Option<Shortfall>>,
     /// The last warning logged, so that each new connection does not log it again.
     warned: Mutex<Option<String>>,
 }
@@ -106,7 +171,7 @@ pub(crate) struct Replication {
 pub(crate) enum Verdict {
     Fits,
     Warn(String),
-    Refuse(String),
+    Refuse(Shortfall),
 }
 
 impl Replication {
@@ -149,24 +214,20 @@ impl Replication {
             self.synchronous_standby_names, self.synchronous_commit, self.standbys
         );
         match replicas {
-            None if self.standbys > 0 && waits == 0 => Verdict::Refuse(format!(
-                "the PostgreSQL server replicates to its standbys asynchronously ({settings}): \
-                 a failover to one can lose raises and grants already acknowledged. Make a \
-                 standby synchronous (synchronous_standby_names) and set `replicas: 1`, or set \
-                 `replicas: 0` to accept that window"
-            )),
+            None if self.standbys > 0 && waits == 0 => {
+                Verdict::Refuse(Shortfall::Asynchronous { settings })
+            }
             None => Verdict::Fits,
             Some(0) if self.standbys > 0 && waits == 0 => Verdict::Warn(format!(
                 "the PostgreSQL server replicates asynchronously ({settings}) and `replicas: 0` \
                  accepts it: a failover can lose raises and grants already acknowledged"
             )),
             Some(0) => Verdict::Fits,
-            Some(n) if waits < n => Verdict::Refuse(format!(
-                "`replicas: {n}` needs commits to wait for {n} synchronous standby(s), and the \
-                 PostgreSQL server waits for {waits} ({settings}): set \
-                 synchronous_standby_names (and synchronous_commit = on) on the server, or \
-                 lower `replicas`"
-            )),
+            Some(n) if waits < n => Verdict::Refuse(Shortfall::TooFewWaits {
+                replicas: n,
+                waits,
+                settings,
+            }),
             Some(n) if self.synchronous_now < i64::from(n) => Verdict::Warn(format!(
                 "`replicas: {n}`: {} synchronous standby(s) connected now ({settings}); \
                  commits wait for the others, so raises and grants time out until they connect",
@@ -188,9 +249,9 @@ impl Guard {
         }
     }
 
-    /// Checks a new connection: refused (as a message) when its session is read-only or the
-    /// server's replication falls short of `replicas`; a shortfall that is allowed is logged.
-    async fn check(&self, client: &tokio_postgres::Client) -> Result<(), String> {
+    /// Checks a new connection: refused when its session is read-only or the server's
+    /// replication falls short of `replicas`; a shortfall that is allowed is logged.
+    async fn check(&self, client: &tokio_postgres::Client) -> Result<(), CheckError> {
         let row = client
             .query_one(
                 "SELECT current_setting('transaction_read_only') = 'on' OR pg_is_in_recovery(), \
@@ -202,13 +263,9 @@ impl Guard {
                 &[],
             )
             .await
-            .map_err(|e| format!("checking the server: {}", describe(&e)))?;
+            .map_err(CheckError::Query)?;
         if row.get::<_, bool>(0) {
-            return Err(
-                "the server is read-only (a standby, or a primary being failed over): \
-             name the primary, or every host with target_session_attrs=read-write"
-                    .into(),
-            );
+            return Err(CheckError::ReadOnly);
         }
         let replication = Replication {
             synchronous_standby_names: row.get(1),
@@ -226,9 +283,9 @@ impl Guard {
                 }
                 Ok(())
             }
-            Verdict::Refuse(message) => {
-                *self.refused.locked() = Some(message.clone());
-                Err(message)
+            Verdict::Refuse(shortfall) => {
+                *self.refused.locked() = Some(shortfall.clone());
+                Err(shortfall.into())
             }
         }
     }
@@ -251,7 +308,7 @@ impl Guard {
     }
 
     /// The replication refusal of the last connection refused for it, if any.
-    pub fn refusal(&self) -> Option<String> {
+    pub fn refusal(&self) -> Option<Shortfall> {
         self.refused.locked().clone()
     }
 
@@ -262,7 +319,7 @@ impl Guard {
         &self,
         pool: &Pool,
         wait: std::time::Duration,
-    ) -> Result<(), String> {
+    ) -> Result<(), Shortfall> {
         let _ = tokio::time::timeout(wait, pool.get()).await;
         match self.refusal() {
             Some(reason) => Err(reason),
@@ -496,10 +553,12 @@ mod tests {
         let lone = replication("", "on", 0, 0);
         assert_eq!(lone.judge(None), Verdict::Fits);
         assert_eq!(lone.judge(Some(0)), Verdict::Fits);
-        assert!(matches!(lone.judge(Some(1)), Verdict::Refuse(m) if m.contains("waits for 0")));
+        assert!(
+            matches!(lone.judge(Some(1)), Verdict::Refuse(m) if m.to_string().contains("waits for 0"))
+        );
         let asynchronous = replication("", "on", 1, 0);
         assert!(
-            matches!(asynchronous.judge(None), Verdict::Refuse(m) if m.contains("`replicas: 0`"))
+            matches!(asynchronous.judge(None), Verdict::Refuse(m) if m.to_string().contains("`replicas: 0`"))
         );
         assert!(matches!(asynchronous.judge(Some(0)), Verdict::Warn(_)));
         let off = replication("standby1", "local", 1, 1);

@@ -31,6 +31,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
+use super::url::UrlReadError;
 use super::Failure;
 use crate::config::{RedisHa, WAIT_TIMEOUT};
 use crate::tls::ClientTls;
@@ -140,12 +141,35 @@ impl Sentinels {
     }
 }
 
+/// Why a [`RedisTarget`] cannot be made (the config refuses each of these when it loads).
+#[derive(Debug, Clone, thiserror::Error)]
+pub(crate) enum TargetError {
+    /// The url cannot be read.
+    #[error(transparent)]
+    Url(#[from] UrlReadError),
+    /// `rediss://` without TLS settings, or `redis://` with them.
+    #[error("a rediss:// url goes with TLS settings, a redis:// url without")]
+    TlsMismatch,
+    /// A cluster seed that is not `host:port`.
+    #[error("cluster: `{0}` is not host:port")]
+    Seed(String),
+    /// A Sentinel's url that does not make a target.
+    #[error("sentinel: {0}")]
+    Sentinel(#[source] Box<TargetError>),
+    /// A Sentinel's url with a database.
+    #[error("a Sentinel url names no database")]
+    SentinelDatabase,
+    /// No Sentinel urls.
+    #[error("sentinel: no Sentinel urls")]
+    NoSentinels,
+}
+
 impl RedisTarget {
     /// `tls` is given exactly when the url is `rediss://` (the config checks that).
-    pub(crate) fn new(url: &str, tls: Option<Arc<ClientTls>>) -> Result<Self, String> {
+    pub(crate) fn new(url: &str, tls: Option<Arc<ClientTls>>) -> Result<Self, TargetError> {
         let url = super::url::redis(url)?;
         if url.tls != tls.is_some() {
-            return Err("a rediss:// url goes with TLS settings, a redis:// url without".into());
+            return Err(TargetError::TlsMismatch);
         }
         Ok(RedisTarget {
             host: url.host,
@@ -172,12 +196,11 @@ impl RedisTarget {
     }
 
     /// A Redis Cluster, with `seeds` (`host:port`) besides the url's node.
-    pub(crate) fn with_cluster(mut self, seeds: &[String]) -> Result<Self, String> {
+    pub(crate) fn with_cluster(mut self, seeds: &[String]) -> Result<Self, TargetError> {
         self.seeds = seeds
             .iter()
             .map(|seed| {
-                crate::config::parse_seed(seed)
-                    .ok_or_else(|| format!("cluster: `{seed}` is not host:port"))
+                crate::config::parse_seed(seed).ok_or_else(|| TargetError::Seed(seed.clone()))
             })
             .collect::<Result<_, _>>()?;
         self.cluster = true;
@@ -186,7 +209,7 @@ impl RedisTarget {
 
     /// The url's target with `ha`'s Sentinels, if it names any: each Sentinel url is read like
     /// the data nodes' (its own user and password; the same TLS).
-    pub(crate) fn with_ha(self, ha: &RedisHa) -> Result<Self, String> {
+    pub(crate) fn with_ha(self, ha: &RedisHa) -> Result<Self, TargetError> {
         if let Some(cluster) = &ha.cluster {
             return self.with_cluster(&cluster.seeds);
         }
@@ -201,20 +224,24 @@ impl RedisTarget {
 
     /// The primary of `master` as the Sentinels at `urls` say, reached with this target's
     /// settings (user, password, database) and TLS.
-    pub(crate) fn with_sentinel(mut self, master: &str, urls: &[&str]) -> Result<Self, String> {
+    pub(crate) fn with_sentinel(
+        mut self,
+        master: &str,
+        urls: &[&str],
+    ) -> Result<Self, TargetError> {
         let nodes = urls
             .iter()
             .map(|url| {
                 let node = RedisTarget::new(url, self.tls.clone())
-                    .map_err(|e| format!("sentinel: {e}"))?;
+                    .map_err(|e| TargetError::Sentinel(Box::new(e)))?;
                 if node.settings.db() != 0 {
-                    return Err("a Sentinel url names no database".to_owned());
+                    return Err(TargetError::SentinelDatabase);
                 }
                 Ok(node)
             })
-            .collect::<Result<Vec<_>, String>>()?;
+            .collect::<Result<Vec<_>, _>>()?;
         if nodes.is_empty() {
-            return Err("sentinel: no Sentinel urls".into());
+            return Err(TargetError::NoSentinels);
         }
         self.sentinel = Some(Arc::new(Sentinels {
             master: master.to_owned(),

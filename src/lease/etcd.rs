@@ -77,7 +77,7 @@ impl EtcdLeases {
     ) -> Result<Self, LeaseError> {
         let client = crate::conn::etcd::client(url, tls)
             .await
-            .map_err(LeaseError::config)?;
+            .map_err(LeaseError::config_from)?;
         Ok(EtcdLeases {
             kv: client.kv_client(),
             lease: client.lease_client(),

@@ -102,7 +102,8 @@ impl PostgresLeases {
         tls: Option<Arc<ClientTls>>,
         replicas: Option<u32>,
     ) -> Result<Self, LeaseError> {
-        let (pool, config, guard) = pool(url, tls.clone(), replicas).map_err(LeaseError::config)?;
+        let (pool, config, guard) =
+            pool(url, tls.clone(), replicas).map_err(LeaseError::config_from)?;
         let table = format!("{prefix}_leases");
         // Unquoted identifiers fold to lower case; channel names given as strings do not.
         let channel = table.to_ascii_lowercase();
@@ -178,7 +179,7 @@ impl PostgresLeases {
         self.guard
             .check_at_start(&self.pool, START_CHECK)
             .await
-            .map_err(|e| LeaseError::config(format!("leases.backend: {e}")))
+            .map_err(|e| LeaseError::config(format!("leases.backend: {e}")).with_source(e))
     }
 
     /// A failed call, with the error's causes ([`describe`]); a read-only answer retires the

@@ -139,7 +139,7 @@ impl RedisLeases {
     ) -> Result<Self, LeaseError> {
         let target = RedisTarget::new(url, tls)
             .and_then(|t| t.with_ha(ha))
-            .map_err(LeaseError::config)?;
+            .map_err(LeaseError::config_from)?;
         Ok(RedisLeases {
             conn: RedisClient::new(target, Some("lease backend"), ha.replicas, true),
             events: OnceLock::new(),

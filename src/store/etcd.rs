@@ -54,7 +54,7 @@ impl EtcdRemote {
         prefix: &str,
         tls: Option<Arc<ClientTls>>,
     ) -> Result<Self, StoreError> {
-        let client = client(url, tls).await.map_err(StoreError::config)?;
+        let client = client(url, tls).await.map_err(StoreError::config_from)?;
         Ok(EtcdRemote {
             kv: client.kv_client(),
             lease: client.lease_client(),

@@ -225,7 +225,7 @@ impl RedisRemote {
     ) -> Result<Self, StoreError> {
         let target = RedisTarget::new(url, tls)
             .and_then(|t| t.with_ha(ha))
-            .map_err(StoreError::config)?;
+            .map_err(StoreError::config_from)?;
         Ok(RedisRemote {
             conn: RedisClient::new(target, None, ha.replicas, false),
             replicas: ha.replicas,

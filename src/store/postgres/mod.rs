@@ -93,7 +93,7 @@ impl PostgresRemote {
         tls: Option<Arc<ClientTls>>,
         replicas: Option<u32>,
     ) -> Result<Self, StoreError> {
-        let (pool, _, guard) = pool(url, tls, replicas).map_err(StoreError::config)?;
+        let (pool, _, guard) = pool(url, tls, replicas).map_err(StoreError::config_from)?;
         let table = format!("{prefix}_fences");
         let records = format!("{prefix}_idempotency");
         let marks = format!("{prefix}_retention");
@@ -134,7 +134,7 @@ impl PostgresRemote {
         self.guard
             .check_at_start(&self.pool, START_CHECK)
             .await
-            .map_err(|e| StoreError::config(format!("store: {e}")))
+            .map_err(|e| StoreError::config(format!("store: {e}")).with_source(e))
     }
 
     /// A failed call, with the error's causes ([`describe`]); a read-only answer retires the
