@@ -436,4 +436,31 @@ mod tests {
         };
         assert_eq!(Some(second.token), first.token.next());
     }
+
+    /// A resource whose last token is 2^63-1 gets no higher one: the next grant is refused,
+    /// not written as 2^63, which no store could hold and every fence would refuse.
+    #[tokio::test]
+    async fn no_token_is_granted_past_the_last_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("l.db");
+        {
+            let db = Database::create(&path).unwrap();
+            let txn = db.begin_write().unwrap();
+            txn.open_table(Table::new("t.leases"))
+                .unwrap()
+                .insert("r", (Token::MAX.get(), 0, "", ""))
+                .unwrap();
+            txn.commit().unwrap();
+        }
+        let leases = EmbeddedLeases::open(&path, "t").unwrap();
+        let refused = leases
+            .try_acquire("r", "a", Duration::from_secs(30))
+            .await
+            .unwrap_err();
+        assert!(
+            refused.to_string().contains("no higher one can be granted"),
+            "{refused}"
+        );
+        assert_eq!(leases.latest_token("r").await.unwrap(), Some(Token::MAX));
+    }
 }
