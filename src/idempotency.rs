@@ -39,6 +39,35 @@ use crate::fence::verdict::{decide as fence, Rule, Verdict};
 /// Longest accepted key, in bytes (keys are visible ASCII).
 pub const MAX_KEY_BYTES: usize = 255;
 
+/// Why a request's idempotency key header was refused (`400 invalid-idempotency-key`);
+/// `name` is the header's name as the refusal spells it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KeyError {
+    /// The header came more than once.
+    #[error("more than one `{name}` header: send the key once")]
+    Repeated {
+        /// The header's name.
+        name: String,
+    },
+    /// The key is empty, or longer than [`MAX_KEY_BYTES`].
+    #[error("the `{name}` header must be 1 to {MAX_KEY_BYTES} characters, got {length}")]
+    Length {
+        /// The header's name.
+        name: String,
+        /// The key's length, in bytes.
+        length: usize,
+    },
+    /// The key holds a byte that is not visible ASCII.
+    #[error(
+        "the `{name}` header may only contain visible ASCII characters (no spaces or control \
+         bytes)"
+    )]
+    NotVisible {
+        /// The header's name.
+        name: String,
+    },
+}
+
 /// SHA-256 of what identifies a request: method (the one a method override header names,
 /// when there is one: the method the upstream acts on), normalised path, query and body.
 #[derive(Clone, Copy, PartialEq, Eq)]

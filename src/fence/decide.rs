@@ -21,7 +21,7 @@ use super::verdict::{Rule, Verdict};
 use super::{Check, Fence};
 use crate::body::ProxyBody;
 use crate::config::{MissingToken, Ordering, Unmatched};
-use crate::idempotency::MAX_KEY_BYTES;
+use crate::idempotency::{KeyError, MAX_KEY_BYTES};
 use crate::metrics::Outcome;
 use crate::problem::refusal::{spelled, Refusal, Subject, Unavailable};
 use crate::store::{FenceStore, StoreError};
@@ -431,27 +431,22 @@ impl Fence {
 
 /// The key of a request, if it has one. More than one key header, or a key that is not
 /// 1-255 visible ASCII characters, is refused.
-fn key_from_headers(headers: &HeaderMap, name: &HeaderName) -> Result<Option<String>, String> {
+fn key_from_headers(headers: &HeaderMap, name: &HeaderName) -> Result<Option<String>, KeyError> {
     let mut values = headers.get_all(name).iter();
     let Some(value) = values.next() else {
         return Ok(None);
     };
     let name = spelled(name);
     if values.next().is_some() {
-        return Err(format!("more than one `{name}` header: send the key once"));
+        return Err(KeyError::Repeated { name });
     }
     let bytes = value.as_bytes();
     if bytes.is_empty() || bytes.len() > MAX_KEY_BYTES {
-        return Err(format!(
-            "the `{name}` header must be 1 to {MAX_KEY_BYTES} characters, got {}",
-            bytes.len()
-        ));
+        let length = bytes.len();
+        return Err(KeyError::Length { name, length });
     }
     if !bytes.iter().all(|b| (0x21..=0x7e).contains(b)) {
-        return Err(format!(
-            "the `{name}` header may only contain visible ASCII characters (no spaces or \
-             control bytes)"
-        ));
+        return Err(KeyError::NotVisible { name });
     }
     Ok(Some(String::from_utf8_lossy(bytes).into_owned()))
 }

@@ -21,6 +21,7 @@ use crate::fence::path::PathError;
 use crate::fence::routes::ResourceError;
 pub(crate) use crate::fence::routes::Subject;
 use crate::fence::token::TokenError;
+use crate::idempotency::KeyError;
 use crate::lease::LeaseError;
 use crate::metrics::Outcome;
 use crate::store::StoreError;
@@ -55,7 +56,7 @@ pub enum Refusal {
     },
     NoRoute,
     /// Idempotency: malformed or duplicate key header.
-    InvalidIdempotencyKey(String),
+    InvalidIdempotencyKey(KeyError),
     /// Idempotency: the body is read whole to fingerprint it, up to this many bytes.
     RequestTooLarge {
         limit: usize,
@@ -372,7 +373,7 @@ impl Refusal {
                 }
             }
             Refusal::NoRoute => "no configured route matches and `unmatched` is `reject`".into(),
-            Refusal::InvalidIdempotencyKey(e) => e.clone(),
+            Refusal::InvalidIdempotencyKey(e) => e.to_string(),
             Refusal::RequestTooLarge { limit } => format!(
                 "an idempotent write's body is read whole to fingerprint it; this one is larger \
                  than idempotency.max_request_bytes ({limit} bytes); nothing was recorded"

@@ -113,12 +113,21 @@ pub async fn wait_log(
     within: Duration,
 ) -> Result<Value, String> {
     let found = tokio::time::timeout(within, async {
+        // The last lines before it, to say why a process that exits early did.
+        let mut before = std::collections::VecDeque::with_capacity(5);
         while let Some(line) = logs.recv().await {
             if line["message"] == message {
                 return Ok(line);
             }
+            if before.len() == 5 {
+                before.pop_front();
+            }
+            before.push_back(line.to_string());
         }
-        Err(format!("process exited before logging `{message}`"))
+        let before = Vec::from(before).join("\n  ");
+        Err(format!(
+            "process exited before logging `{message}`; its last lines:\n  {before}"
+        ))
     });
     found
         .await

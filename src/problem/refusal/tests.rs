@@ -159,7 +159,9 @@ fn each_refusal_kind_is_one_row_of_the_table() {
             max_step: 1,
         },
         Refusal::NoRoute,
-        Refusal::InvalidIdempotencyKey(String::new()),
+        Refusal::InvalidIdempotencyKey(KeyError::Repeated {
+            name: "Idempotency-Key".into(),
+        }),
         Refusal::RequestTooLarge { limit: 1 },
         Refusal::InvalidRequest(String::new()),
         Refusal::IdempotencyInFlight,
