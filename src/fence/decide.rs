@@ -81,6 +81,13 @@ pub(crate) struct Fenced {
     pub(crate) attach: bool,
 }
 
+/// A write's `Idempotency-Key`, on a route where keys apply, with the settings they are
+/// handled by.
+pub(crate) struct Key {
+    pub(crate) key: String,
+    pub(crate) settings: Arc<crate::config::IdempotencyConfig>,
+}
+
 /// A fenced write past its token check that has to wait before its send.
 pub(crate) struct Later {
     pub(crate) route: usize,
@@ -88,7 +95,7 @@ pub(crate) struct Later {
     pub(crate) token: Token,
     pub(crate) normalised: String,
     /// The write's `Idempotency-Key`, on a route where keys apply.
-    pub(crate) key: Option<String>,
+    pub(crate) key: Option<Key>,
 }
 
 impl Fence {
@@ -200,7 +207,10 @@ impl Fence {
         };
         let key = match (&self.idempotency, self.idempotent[index]) {
             (Some(settings), true) => match key_from_headers(req.headers(), &settings.header.0) {
-                Ok(key) => key,
+                Ok(key) => key.map(|key| Key {
+                    key,
+                    settings: Arc::clone(settings),
+                }),
                 Err(e) => return refuse(Refusal::InvalidIdempotencyKey(e), resource, Some(token)),
             },
             _ => None,

@@ -15,6 +15,7 @@ use http::{HeaderMap, Response, StatusCode};
 use tokio::time::Instant;
 
 use super::barrier::Ticket;
+use super::decide::Key;
 use super::routes::Route;
 use super::{Fence, ResourceId, Token};
 use crate::config::Ordering;
@@ -55,12 +56,51 @@ fn header_map(fields: Vec<(String, Vec<u8>)>) -> HeaderMap {
     map
 }
 
+/// A keyed write's body, read whole to be fingerprinted: at most `limit` bytes, within
+/// `within` (the upstream timeout). Refused otherwise, with nothing recorded.
+pub(crate) async fn read_body<B>(body: B, limit: usize, within: Duration) -> Result<Bytes, Refusal>
+where
+    B: http_body::Body<Data = Bytes>,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    use http_body_util::BodyExt;
+    let read = tokio::time::timeout(within, http_body_util::Limited::new(body, limit).collect());
+    match read.await {
+        Ok(Ok(collected)) => Ok(collected.to_bytes()),
+        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
+            Err(Refusal::RequestTooLarge { limit })
+        }
+        Ok(Err(e)) => Err(Refusal::InvalidRequest(format!(
+            "the request body could not be read: {e}; nothing was recorded"
+        ))),
+        Err(_) => Err(Refusal::InvalidRequest(format!(
+            "the request body did not arrive within {}; nothing was recorded",
+            crate::duration::display(within)
+        ))),
+    }
+}
+
+/// The fingerprint of a keyed write: the method the receiver acts on (an override header's
+/// when there is one; a malformed or repeated override was refused before this), the
+/// normalised path, the query and the body.
+pub(crate) fn fingerprint(
+    parts: &http::request::Parts,
+    normalised: &str,
+    body: &[u8],
+) -> Fingerprint {
+    let effective = super::method::method_override(&parts.headers)
+        .ok()
+        .flatten();
+    let effective = effective.as_ref().unwrap_or(&parts.method);
+    Fingerprint::of(effective.as_str(), normalised, parts.uri.query(), body)
+}
+
 /// A keyed write whose body has been read, ready to be claimed.
 pub(crate) struct KeyedWrite<'a> {
     pub(crate) route: &'a Route,
     pub(crate) resource: &'a ResourceId,
     pub(crate) token: Token,
-    pub(crate) key: String,
+    pub(crate) key: Key,
     /// Method (as overridden), normalised path, query and body.
     pub(crate) fingerprint: Fingerprint,
     /// How long the write may take once sent (the upstream timeout): its in-flight record
@@ -123,10 +163,7 @@ impl Fence {
             fingerprint,
             send_within,
         } = write;
-        let settings = self
-            .idempotency
-            .as_ref()
-            .expect("keyed routes exist only with the idempotency section");
+        let Key { key, settings } = key;
         let mut superseded = None;
         if let Some(refusal) = self.check_authority(resource, token).await {
             match refusal {

@@ -23,7 +23,7 @@ pub mod verdict;
 pub use resource::{ResourceId, ResourceIdError};
 pub use token::Token;
 
-pub(crate) use decide::{Decision, Fenced, Later, Pass, Refused};
+pub(crate) use decide::{Decision, Fenced, Key, Later, Pass, Refused};
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -65,7 +65,7 @@ pub struct Fence {
     /// `timeouts.store`: how long a raise (or the authority) may take.
     store_timeout: Duration,
     /// Idempotency keys: the section, and per route (indexed like the table) whether it applies.
-    pub(crate) idempotency: Option<IdempotencyConfig>,
+    pub(crate) idempotency: Option<Arc<IdempotencyConfig>>,
     idempotent: Vec<bool>,
 }
 
@@ -147,7 +147,7 @@ impl Fence {
             .iter()
             .map(|r| r.idempotent(idempotency))
             .collect();
-        let idempotency = idempotency.cloned();
+        let idempotency = idempotency.cloned().map(Arc::new);
         Self::build(
             config,
             table,
@@ -165,7 +165,7 @@ impl Fence {
         config: &Config,
         table: RouteTable,
         check: Check,
-        idempotency: Option<IdempotencyConfig>,
+        idempotency: Option<Arc<IdempotencyConfig>>,
         idempotent: Vec<bool>,
         barriers: Arc<Barriers>,
         metrics: Arc<Metrics>,

@@ -13,16 +13,14 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{Request, Response};
 use http_body::Body;
-use http_body_util::{BodyExt, Full, Limited};
+use http_body_util::Full;
 use tokio::time::Instant;
 use tower_service::Service;
 
 use super::{refusal, FenceBody, RequestBody};
-use crate::fence::keyed::{replay, Keyed, KeyedWrite};
-use crate::fence::method::method_override;
-use crate::fence::{Fence, Later, Refused};
+use crate::fence::keyed::{fingerprint, read_body, replay, Keyed, KeyedWrite};
+use crate::fence::{Fence, Key, Later, Refused};
 use crate::idempotency::recording::Recording;
-use crate::idempotency::Fingerprint;
 use crate::metrics::Outcome;
 use crate::problem::refusal::Refusal;
 
@@ -31,7 +29,7 @@ pub(super) struct Call<S> {
     pub(super) fence: Arc<Fence>,
     pub(super) inner: S,
     pub(super) later: Later,
-    pub(super) key: String,
+    pub(super) key: Key,
     /// How long the service may take (`timeouts.upstream`).
     pub(super) send_within: Duration,
     pub(super) grpc: bool,
@@ -74,38 +72,12 @@ where
         let response = fence.answer_refused(refused, &head, started);
         Ok(refusal(response, grpc))
     };
-    let limit = fence
-        .idempotency
-        .as_ref()
-        .map_or(0, |settings| settings.max_request_bytes);
-    let read = tokio::time::timeout(send_within, Limited::new(body, limit).collect()).await;
-    let body = match read {
-        Ok(Ok(collected)) => collected.to_bytes(),
-        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
-            return refuse(Refusal::RequestTooLarge { limit })
-        }
-        Ok(Err(e)) => {
-            return refuse(Refusal::InvalidRequest(format!(
-                "the request body could not be read: {e}; nothing was recorded"
-            )))
-        }
-        Err(_) => {
-            return refuse(Refusal::InvalidRequest(format!(
-                "the request body did not arrive within {}; nothing was recorded",
-                crate::duration::display(send_within)
-            )))
-        }
+    let limit = key.settings.max_request_bytes;
+    let body = match read_body(body, limit, send_within).await {
+        Ok(body) => body,
+        Err(refusal_kind) => return refuse(refusal_kind),
     };
-    // The method the service acts on: an override header's when there is one (a malformed or
-    // repeated override was refused before this), or the request's own.
-    let effective = method_override(&parts.headers).ok().flatten();
-    let effective = effective.as_ref().unwrap_or(&parts.method);
-    let fingerprint = Fingerprint::of(
-        effective.as_str(),
-        &later.normalised,
-        parts.uri.query(),
-        &body,
-    );
+    let fingerprint = fingerprint(&parts, &later.normalised, &body);
     let route = fence.route(later.route);
     let keyed = fence
         .begin_keyed(KeyedWrite {

@@ -6,18 +6,15 @@
 //! [`crate::idempotency::recording`]'s part.
 
 use http::{Request, Response};
-use http_body_util::{BodyExt, Either, Full, Limited};
+use http_body_util::{Either, Full};
 use hyper::body::Incoming;
 
 use super::access::{log_access, sent_bytes, Access, Timing};
 use super::{Proxy, Write};
 use crate::body::ProxyBody;
-use crate::fence::keyed::{replay, Keyed, KeyedWrite};
-use crate::fence::method::method_override;
-use crate::fence::Fence;
-use crate::idempotency::Fingerprint;
+use crate::fence::keyed::{fingerprint, read_body, replay, Keyed, KeyedWrite};
+use crate::fence::{Fence, Key};
 use crate::metrics::Outcome;
-use crate::problem::refusal::Refusal;
 
 impl Proxy {
     /// A fenced write with an idempotency key.
@@ -25,7 +22,7 @@ impl Proxy {
         &self,
         req: Request<Incoming>,
         write: Write,
-        key: String,
+        key: Key,
     ) -> Response<ProxyBody> {
         let route = self.fence.route(write.route);
         let subject = write.subject(route);
@@ -35,11 +32,6 @@ impl Proxy {
             write.token,
             write.started,
         );
-        let settings = self
-            .fence
-            .idempotency
-            .as_ref()
-            .expect("idempotent routes exist only with the idempotency section");
         let method = req.method().clone();
         // The request as it came, for the access line (the other lines have the normalised
         // path).
@@ -51,38 +43,17 @@ impl Proxy {
         };
 
         let (parts, body) = req.into_parts();
-        let limit = settings.max_request_bytes;
-        let read =
-            tokio::time::timeout(self.timeouts.upstream, Limited::new(body, limit).collect()).await;
+        let limit = key.settings.max_request_bytes;
+        let read = read_body(body, limit, self.timeouts.upstream).await;
         let body = match read {
-            Ok(Ok(collected)) => {
-                let body = collected.to_bytes();
-                if let Some(head) = &head {
-                    head.received
-                        .store(body.len() as u64, std::sync::atomic::Ordering::Relaxed);
-                }
-                body
-            }
-            Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
-                return refuse(Refusal::RequestTooLarge { limit })
-            }
-            Ok(Err(e)) => {
-                return refuse(Refusal::InvalidRequest(format!(
-                    "the request body could not be read: {e}; nothing was recorded"
-                )))
-            }
-            Err(_) => {
-                return refuse(Refusal::InvalidRequest(format!(
-                    "the request body did not arrive within {}; nothing was recorded",
-                    crate::duration::display(self.timeouts.upstream)
-                )))
-            }
+            Ok(body) => body,
+            Err(refusal) => return refuse(refusal),
         };
-        // The method the upstream acts on: an override header's when there is one (a
-        // malformed or repeated override was refused before this), or the request's own.
-        let effective = method_override(&parts.headers).ok().flatten();
-        let effective = effective.as_ref().unwrap_or(&parts.method);
-        let fingerprint = Fingerprint::of(effective.as_str(), normalised, parts.uri.query(), &body);
+        if let Some(head) = &head {
+            head.received
+                .store(body.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        }
+        let fingerprint = fingerprint(&parts, normalised, &body);
         // Authoritative mode is asked once the body is in: a slow body gives the lease all the
         // time it needs to pass on.
         let keyed = self

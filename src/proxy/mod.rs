@@ -302,7 +302,7 @@ impl Proxy {
         self: Arc<Self>,
         req: Request<Incoming>,
         write: Write,
-        key: Option<String>,
+        key: Option<crate::fence::Key>,
     ) -> Response<ProxyBody> {
         let route = self.fence.route(write.route);
         if let Some(key) = key {

@@ -79,7 +79,7 @@ async fn call(
     read(response).await
 }
 
-async fn read(response: Response<FenceBody<Full<Bytes>>>) -> Reply {
+pub(super) async fn read(response: Response<FenceBody<Full<Bytes>>>) -> Reply {
     let (parts, body) = response.into_parts();
     Reply {
         status: parts.status,

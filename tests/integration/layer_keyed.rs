@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 use fencegate::config::Config;
-use fencegate::layer::{FenceBody, FenceLayer, FenceService, RequestBody};
+use fencegate::layer::{FenceLayer, FenceService, RequestBody};
 use fencegate::store::{FenceStore, MemoryStore};
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
@@ -15,6 +15,7 @@ use tokio::sync::Notify;
 use tower::{Layer, Service, ServiceExt};
 
 use crate::common::Reply;
+use crate::layer::read;
 
 const KEYED: &str = "store: { kind: memory }
 idempotency: { window: 1m }
@@ -93,15 +94,6 @@ fn put(token: &str, key: &str, body: &'static str) -> Request<Full<Bytes>> {
 async fn call(service: &mut FenceService<Inner>, req: Request<Full<Bytes>>) -> Reply {
     let response = service.ready().await.unwrap().call(req).await.unwrap();
     read(response).await
-}
-
-async fn read(response: Response<FenceBody<Full<Bytes>>>) -> Reply {
-    let (parts, body) = response.into_parts();
-    Reply {
-        status: parts.status,
-        headers: parts.headers,
-        body: body.collect().await.unwrap().to_bytes(),
-    }
 }
 
 #[tokio::test]
