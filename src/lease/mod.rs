@@ -19,6 +19,8 @@ mod error;
 #[cfg(feature = "etcd")]
 mod etcd;
 pub mod grants;
+#[cfg(test)]
+mod model;
 #[cfg(feature = "postgres")]
 mod postgres;
 #[cfg(feature = "redis")]
