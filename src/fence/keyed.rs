@@ -95,6 +95,23 @@ pub(crate) fn fingerprint(
     Fingerprint::of(effective.as_str(), normalised, parts.uri.query(), body)
 }
 
+/// How long a claim's in-flight record lives: the idempotency `window`, and at least as long
+/// as its attempt may still be sent from the claim on (the store's answer to the claim, the
+/// `barrier` turn, the send within `send_within`, and the store's answer to the outcome, each
+/// bounded), so that a retry cannot execute alongside it (checked in `fence::keyed::model`).
+pub(crate) fn in_flight_window(
+    window: Duration,
+    barrier: Duration,
+    send_within: Duration,
+    store_timeout: Duration,
+) -> Duration {
+    window.max(
+        barrier
+            .saturating_add(send_within)
+            .saturating_add(store_timeout.saturating_mul(2)),
+    )
+}
+
 /// A keyed write whose body has been read, ready to be claimed.
 pub(crate) struct KeyedWrite<'a> {
     pub(crate) route: &'a Route,
@@ -178,11 +195,8 @@ impl Fence {
             Ordering::Serialize => route.barrier_timeout,
             Ordering::None => Duration::ZERO,
         };
-        let in_flight = settings.window().max(
-            barrier
-                .saturating_add(send_within)
-                .saturating_add(self.store_timeout.saturating_mul(2)),
-        );
+        let in_flight =
+            in_flight_window(settings.window(), barrier, send_within, self.store_timeout);
         let claim = Claim {
             token,
             fingerprint,
@@ -292,3 +306,6 @@ impl Fence {
         }
     }
 }
+
+#[cfg(test)]
+mod model;
