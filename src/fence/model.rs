@@ -294,10 +294,6 @@ fn off_by_one(current: Option<Token>, token: Token, rule: Rule) -> Verdict {
     }
 }
 
-fn check(model: Fencing) -> (usize, Option<Vec<String>>) {
-    explore(model, PROPERTY)
-}
-
 /// Runs the checker on `model` to the end; returns the number of distinct states and the
 /// trace that breaks `property`, if one does, as readable lines. Shared by the models of the
 /// crate (this one and `idempotency::model`).
@@ -325,24 +321,47 @@ where
     (states, trace)
 }
 
-#[test]
-fn the_protocol_admits_no_lower_token_after_a_higher_one() {
-    let (states, trace) = check(model(true, decide));
+/// Explores `model` and fails with the counterexample if `property` breaks, or if it visited
+/// fewer than `at_least` states (an exploration too small to mean much).
+pub(crate) fn assert_holds<M>(model: M, property: &'static str, at_least: usize)
+where
+    M: Model + Send + Sync + 'static,
+    M::State: Clone + Eq + std::hash::Hash + std::fmt::Debug + Send + Sync,
+    M::Action: Clone + PartialEq + std::fmt::Debug + Send + Sync,
+{
+    let (states, trace) = explore(model, property);
     if let Some(trace) = trace {
         panic!("counterexample:\n{}", trace.join("\n"));
     }
     assert!(
-        states > 10_000,
-        "the exploration is too small to mean much: {states}"
+        states >= at_least,
+        "the exploration is too small: {states} states"
     );
+}
+
+/// Explores `model`, a negative control that must break `property`: prints the counterexample
+/// (`what` says which mutation) and returns it.
+pub(crate) fn counterexample<M>(model: M, property: &'static str, what: &str) -> Vec<String>
+where
+    M: Model + Send + Sync + 'static,
+    M::State: Clone + Eq + std::hash::Hash + std::fmt::Debug + Send + Sync,
+    M::Action: Clone + PartialEq + std::fmt::Debug + Send + Sync,
+{
+    let (_, trace) = explore(model, property);
+    let trace = trace.unwrap_or_else(|| panic!("went unnoticed: {what}"));
+    println!("counterexample ({what}):\n{}", trace.join("\n"));
+    trace
+}
+
+#[test]
+fn the_protocol_admits_no_lower_token_after_a_higher_one() {
+    assert_holds(model(true, decide), PROPERTY, 10_000);
 }
 
 /// Negative control: the mutated decision is caught, with a trace.
 #[test]
 fn a_mutated_decision_is_caught_with_a_counterexample() {
-    let (_, trace) = check(model(true, off_by_one));
-    let trace = trace.expect("the mutation went unnoticed");
-    println!("counterexample (mutated decision):\n{}", trace.join("\n"));
+    let trace = counterexample(model(true, off_by_one), PROPERTY, "mutated decision");
     assert!(trace.iter().any(|a| a.contains("Grant")));
 }
 
@@ -350,8 +369,6 @@ fn a_mutated_decision_is_caught_with_a_counterexample() {
 /// and the checker shows how.
 #[test]
 fn acknowledging_before_the_replica_is_caught_by_a_failover() {
-    let (_, trace) = check(model(false, decide));
-    let trace = trace.expect("the failover window went unnoticed");
-    println!("counterexample (no WAIT, failover):\n{}", trace.join("\n"));
+    let trace = counterexample(model(false, decide), PROPERTY, "no WAIT, failover");
     assert!(trace.iter().any(|a| a.contains("Failover")));
 }

@@ -14,6 +14,8 @@
 use crate::fence::token::Token;
 use stateright::{Model, Property};
 
+use crate::fence::model::{assert_holds, counterexample};
+
 use super::{decide, AttemptId, Begin, Claim, Fingerprint, Phase, Record};
 use crate::config::EqualTokens;
 use crate::fence::verdict::Rule;
@@ -207,10 +209,6 @@ fn runs_completed_again(existing: Option<&Record>, current: Option<Token>, claim
     }
 }
 
-fn check(model: Keyed) -> (usize, Option<Vec<String>>) {
-    crate::fence::model::explore(model, PROPERTY)
-}
-
 fn model(decide: Decide) -> Keyed {
     Keyed {
         holders: 3,
@@ -221,24 +219,16 @@ fn model(decide: Decide) -> Keyed {
 
 #[test]
 fn a_key_is_applied_at_most_once_but_after_an_unknown_outcome() {
-    let (states, trace) = check(model(decide));
-    if let Some(trace) = trace {
-        panic!("counterexample:\n{}", trace.join("\n"));
-    }
-    assert!(
-        states > 1_000,
-        "the exploration is too small to mean much: {states}"
-    );
+    assert_holds(model(decide), PROPERTY, 1_000);
 }
 
 /// Negative control: a decision that runs a completed key again is caught, with a trace.
 #[test]
 fn running_a_completed_key_again_is_caught_with_a_counterexample() {
-    let (_, trace) = check(model(runs_completed_again));
-    let trace = trace.expect("the mutation went unnoticed");
-    println!(
-        "counterexample (completed key run again):\n{}",
-        trace.join("\n")
+    let trace = counterexample(
+        model(runs_completed_again),
+        PROPERTY,
+        "completed key run again",
     );
     assert!(trace.iter().any(|a| a.contains("Complete")));
 }

@@ -60,8 +60,10 @@ where
         started,
     } = call;
     let (parts, body) = req.into_parts();
-    // The request's head, for the refusal's body and log line.
-    let head = Request::from_parts(parts.clone(), ());
+    // What a refusal's log line names of the request: its method and path (not its headers).
+    let mut head = Request::new(());
+    *head.method_mut() = parts.method.clone();
+    *head.uri_mut() = parts.uri.clone();
     let refuse = |refusal_kind: Refusal| {
         let refused = Refused {
             refusal: refusal_kind,

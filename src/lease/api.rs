@@ -415,15 +415,18 @@ fn parse_request(body: &[u8]) -> Result<AcquireRequest, BodyError> {
     })
 }
 
-/// The resource id of a lease API path: its segment percent-decoded once.
+/// The resource id of a lease API path: its segment percent-decoded once, held to the rule
+/// of every resource id ([`crate::fence::resource::ResourceId`]: not empty, no control
+/// character).
 fn resource_id(encoded: &str) -> Result<String, ResourceIdError> {
-    if encoded.is_empty() {
-        return Err(ResourceIdError::Empty);
-    }
-    match percent_encoding::percent_decode_str(encoded).decode_utf8() {
-        Err(_) => Err(ResourceIdError::NotUtf8),
-        Ok(r) if r.chars().any(char::is_control) => Err(ResourceIdError::Control),
-        Ok(r) => Ok(r.into_owned()),
+    use crate::fence::resource::{ResourceId, ResourceIdError as Rule};
+    let decoded = percent_encoding::percent_decode_str(encoded)
+        .decode_utf8()
+        .map_err(|_| ResourceIdError::NotUtf8)?;
+    match ResourceId::new(decoded) {
+        Ok(id) => Ok(id.into()),
+        Err(Rule::Empty) => Err(ResourceIdError::Empty),
+        Err(Rule::Control) => Err(ResourceIdError::Control),
     }
 }
 

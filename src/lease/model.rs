@@ -22,6 +22,7 @@ use stateright::{Model, Property};
 use tokio::time::Instant;
 
 use super::schedule::{renew_delay, valid_until};
+use crate::fence::model::{assert_holds, counterexample};
 
 /// One step of model time.
 const TICK: Duration = Duration::from_millis(100);
@@ -230,39 +231,30 @@ fn model(check: &'static str, deadline: Deadline, schedule: Schedule) -> Renewal
 
 #[test]
 fn the_agent_never_believes_a_lease_the_backend_let_go() {
-    let (states, trace) = crate::fence::model::explore(model(SAFE, production, renew_delay), SAFE);
-    if let Some(trace) = trace {
-        panic!("counterexample:\n{}", trace.join("\n"));
-    }
-    assert!(states > 1_000, "the exploration is too small: {states}");
+    assert_holds(model(SAFE, production, renew_delay), SAFE, 1_000);
 }
 
 #[test]
 fn with_prompt_round_trips_the_renewal_schedule_keeps_the_lease() {
-    let (states, trace) = crate::fence::model::explore(model(KEPT, production, renew_delay), KEPT);
-    if let Some(trace) = trace {
-        panic!("counterexample:\n{}", trace.join("\n"));
-    }
-    assert!(states > 100, "the exploration is too small: {states}");
+    assert_holds(model(KEPT, production, renew_delay), KEPT, 100);
 }
 
 /// Negative control: a deadline from the answer outlives the backend's lease.
 #[test]
 fn a_deadline_from_the_answer_is_caught_with_a_counterexample() {
-    let (_, trace) = crate::fence::model::explore(model(SAFE, from_answer, renew_delay), SAFE);
-    let trace = trace.expect("the late deadline went unnoticed");
-    println!(
-        "counterexample (deadline from the answer):\n{}",
-        trace.join("\n")
-    );
+    let what = "deadline from the answer";
+    let trace = counterexample(model(SAFE, from_answer, renew_delay), SAFE, what);
     assert!(trace.iter().any(|a| a.contains("Answer")));
 }
 
-/// Negative control: renewing once a TTL loses the lease even on a prompt network.
+/// Negative control: renewing once a TTL loses the lease even on a prompt network: it lapses
+/// (its deadline passes) before the first renewal is due.
 #[test]
 fn renewing_once_a_ttl_is_caught_with_a_counterexample() {
-    let (_, trace) = crate::fence::model::explore(model(KEPT, production, once_a_ttl), KEPT);
-    let trace = trace.expect("the late renewal went unnoticed");
-    println!("counterexample (renewal once a TTL):\n{}", trace.join("\n"));
-    assert!(trace.iter().any(|a| a.contains("Tick")));
+    let trace = counterexample(
+        model(KEPT, production, once_a_ttl),
+        KEPT,
+        "renewal once a TTL",
+    );
+    assert!(trace.iter().all(|a| a.contains("Tick")), "{trace:?}");
 }
