@@ -123,47 +123,55 @@ where
                     body: Full::new(body),
                 },
             );
-            // In a task of its own: a server that drops this future (its client went away)
-            // must not cancel the write half-way. Past `send_within` it is aborted, as the
-            // sidecar gives up on an upstream, and its outcome is unknown.
-            let mut task = tokio::spawn(inner.call(req));
-            let answer = match tokio::time::timeout(send_within, &mut task).await {
-                Ok(Ok(answer)) => answer,
-                Ok(Err(e)) => std::panic::resume_unwind(e.into_panic()),
-                Err(_) => {
-                    task.abort();
-                    attempt.unknown().await;
-                    return refuse(Refusal::UpstreamTimeout(send_within));
+            // The call and the recording of its answer run in a task of their own: a server
+            // that drops this future (its client went away) cancels neither the write nor its
+            // record, which would otherwise say `unknown` while the write may still be under
+            // way, and let a retry run alongside it. Past `send_within` the call is dropped, as
+            // the sidecar gives up on an upstream, and the outcome is unknown.
+            let task = tokio::spawn(async move {
+                let response = match tokio::time::timeout(send_within, inner.call(req)).await {
+                    Err(_) => {
+                        attempt.unknown().await;
+                        return Sent::TimedOut;
+                    }
+                    Ok(Err(e)) => {
+                        attempt.unknown().await;
+                        return Sent::Failed(e);
+                    }
+                    Ok(Ok(response)) => response,
+                };
+                let (parts, body) = response.into_parts();
+                let body = if body.is_end_stream() {
+                    // A response without a body may never be polled: record it before it goes.
+                    attempt.record_empty(parts.status, &parts.headers).await;
+                    FenceBody::Inner {
+                        body,
+                        _ticket: ticket,
+                    }
+                } else {
+                    let recording =
+                        Recording::new(body, ticket, parts.status, parts.headers.clone(), attempt);
+                    FenceBody::Recorded { body: recording }
+                };
+                Sent::Answered(Response::from_parts(parts, body))
+            });
+            match task.await {
+                Err(e) => std::panic::resume_unwind(e.into_panic()),
+                Ok(Sent::TimedOut) => refuse(Refusal::UpstreamTimeout(send_within)),
+                Ok(Sent::Failed(e)) => Err(e),
+                Ok(Sent::Answered(response)) => {
+                    let code = response.status().as_u16();
+                    fence.answered(Some(later.route), Outcome::Admitted, &method, code, started);
+                    Ok(response)
                 }
-            };
-            let response = match answer {
-                Ok(response) => response,
-                Err(e) => {
-                    attempt.unknown().await;
-                    return Err(e);
-                }
-            };
-            fence.answered(
-                Some(later.route),
-                Outcome::Admitted,
-                &method,
-                response.status().as_u16(),
-                started,
-            );
-            let (parts, body) = response.into_parts();
-            let body = if body.is_end_stream() {
-                // A response without a body may never be polled: record it before it goes.
-                attempt.record_empty(parts.status, &parts.headers).await;
-                FenceBody::Inner {
-                    body,
-                    _ticket: ticket,
-                }
-            } else {
-                let recording =
-                    Recording::new(body, ticket, parts.status, parts.headers.clone(), attempt);
-                FenceBody::Recorded { body: recording }
-            };
-            Ok(Response::from_parts(parts, body))
+            }
         }
     }
+}
+
+/// How the service's call of an executed keyed write ended.
+enum Sent<R, E> {
+    Answered(R),
+    Failed(E),
+    TimedOut,
 }

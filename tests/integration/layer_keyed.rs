@@ -173,3 +173,36 @@ async fn a_service_that_does_not_answer_leaves_the_outcome_unknown() {
     assert_eq!(retry.status, StatusCode::CREATED);
     assert_eq!(*ran.lock().unwrap(), ["100"]);
 }
+
+/// A server that drops the call (its client went away) while the service runs the write:
+/// the key stays in flight until the service has answered and its answer is recorded, so a
+/// retry meanwhile is refused, not run alongside; afterwards it is replayed.
+#[tokio::test]
+async fn a_dropped_call_keeps_its_key_in_flight_until_the_service_answers() {
+    let (entered, gate) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let answers = Answers::Gated {
+        entered: Arc::clone(&entered),
+        gate: Arc::clone(&gate),
+    };
+    let (service, ran) = keyed(&Arc::new(MemoryStore::new()), answers);
+    let first = tokio::spawn(service.clone().oneshot(put("5", "pay-1", "100")));
+    entered.notified().await;
+    first.abort();
+    assert!(matches!(first.await, Err(e) if e.is_cancelled()));
+    let mut retry = service.clone();
+    let reply = call(&mut retry, put("5", "pay-1", "100")).await;
+    reply.assert_problem(409, "urn:fencegate:idempotency-in-flight");
+    // The service finishes the dropped call; its answer becomes the key's record.
+    gate.notify_one();
+    let replayed = loop {
+        let reply = call(&mut retry, put("5", "pay-1", "100")).await;
+        if reply.status != StatusCode::CONFLICT {
+            break reply;
+        }
+        tokio::task::yield_now().await;
+    };
+    assert_eq!(replayed.status, StatusCode::CREATED);
+    assert_eq!(replayed.body, "ran 100");
+    assert_eq!(replayed.headers["idempotent-replayed"], "true");
+    assert_eq!(*ran.lock().unwrap(), ["100"]);
+}
