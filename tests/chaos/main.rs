@@ -4,8 +4,9 @@
 //! `cargo test --test chaos` runs, in order:
 //! 1. the checker's own tests: each invariant fires on a hand-made bad history;
 //! 2. the fenced scenario for `FENCEGATE_CHAOS_SECS` seconds of fault injection (default
-//!    35, at least three rounds of every fault kind: about 80 s with the failovers), which
-//!    must show no violation. The clock-step fault needs libfaketime (skipped without it).
+//!    35, at least three rounds of every fault kind: about three minutes with the failovers),
+//!    which must show no violation. The clock-step fault needs libfaketime, the slow-disk
+//!    fault a C compiler (`cc`); each is skipped without.
 //!    The partition fault needs root, `ip` and `nft`; without them it
 //!    is reported as `SKIPPED partition fault: <reason>` and the other faults run. The
 //!    failover faults need `redis-server` (Sentinel), PostgreSQL's server binaries and
@@ -25,6 +26,7 @@ mod ledger;
 mod netns;
 mod procs;
 mod record;
+mod relay;
 mod replicated;
 mod scenario;
 

@@ -35,6 +35,10 @@ pub(super) async fn inject(
         Fault::ConfigReload => config_reload(ctx, group, rig, evidence, &mut note_text).await,
         Fault::ClockStep => clock_step(ctx, group, round, rig, evidence, &mut note_text).await,
         Fault::FullDisk => full_disk(ctx, group, round, rig, evidence, &mut note_text).await,
+        Fault::SlowDisk => slow_disk(ctx, group, round, rig, evidence, &mut note_text).await,
+        Fault::StoreLatency => {
+            store_latency(ctx, group, round, rig, evidence, &mut note_text).await
+        }
         Fault::RedisFailover
         | Fault::RedisDeposed
         | Fault::PostgresFailover
@@ -1189,6 +1193,221 @@ pub(super) async fn lossy_link(
     let first = ctx
         .rec
         .wait_ok(end, 1, Duration::from_secs(20), |o| o.writer == name)
+        .await;
+    Ok((end, first))
+}
+
+/// The slow-disk fault's fsync delays: within `timeouts.store` and past it, in turn.
+const SLOW_SYNC_WITHIN: Duration = Duration::from_millis(200);
+const SLOW_SYNC_PAST: Duration = Duration::from_millis(900);
+/// The added-latency fault's one-way delays (a store round trip takes twice it): within
+/// `timeouts.store` and past it, in turn.
+const LATENCY_WITHIN: Duration = Duration::from_millis(100);
+const LATENCY_PAST: Duration = Duration::from_millis(400);
+/// How long the disk stays slow, or the link, while the group writes and the probes run.
+const SLOW_DWELL: Duration = Duration::from_millis(1500);
+
+/// One probe: a keyed write with token 1 to a resource nobody wrote before, so that its raise
+/// must reach the store. Its op id, its answer and how long the answer took.
+struct Probe {
+    op: String,
+    resource: String,
+    answer: Option<(u16, bool)>,
+    took: Duration,
+}
+
+/// Probes `fence` one after another for `dwell`, each on a resource of its own.
+async fn probe_new_resources(
+    fence: SocketAddr,
+    tag: &str,
+    round: usize,
+    dwell: Duration,
+) -> Vec<Probe> {
+    let until = std::time::Instant::now() + dwell;
+    let mut probes = Vec::new();
+    for i in 0.. {
+        if std::time::Instant::now() >= until {
+            break;
+        }
+        let id = format!("{tag}{round}x{i}");
+        let key = format!("{tag}{i}");
+        let started = std::time::Instant::now();
+        let answer = keyed_put(fence, &format!("/accounts/{id}"), 1, &key, round).await;
+        probes.push(Probe {
+            op: format!("clk{round}-{key}"),
+            resource: format!("account:{id}"),
+            answer,
+            took: started.elapsed(),
+        });
+    }
+    probes
+}
+
+/// What probes made while a store was slow show: within `timeouts.store`, every one admitted
+/// and none answered before `floor` (so none was forwarded before the store's answer); past
+/// it, every one refused `503 store-unavailable` and none committed at the ledger.
+fn judge_probes(
+    ctx: &Ctx,
+    evidence: &mut Evidence,
+    what: &str,
+    probes: &[Probe],
+    past: bool,
+    floor: Duration,
+) -> String {
+    let admitted = probes
+        .iter()
+        .filter(|p| p.answer.is_some_and(|(s, _)| s == 200))
+        .count();
+    let quickest = probes.iter().map(|p| p.took).min().unwrap_or_default();
+    let committed: std::collections::HashSet<String> =
+        ctx.ledger.log().into_iter().map(|(c, _)| c.op).collect();
+    if past {
+        let refused = probes
+            .iter()
+            .filter(|p| p.answer.is_some_and(|(s, _)| s == 503))
+            .count();
+        let forwarded = probes.iter().filter(|p| committed.contains(&p.op)).count();
+        note(
+            evidence,
+            &format!(
+                "{what} past timeouts.store: every probe refused 503, none reached the ledger"
+            ),
+            !probes.is_empty() && refused == probes.len() && forwarded == 0,
+        );
+        format!(
+            "{} probes: {refused} refused 503, {forwarded} at the ledger",
+            probes.len()
+        )
+    } else {
+        note(
+            evidence,
+            &format!(
+                "{what} within timeouts.store: every probe admitted, none answered before the store could answer"
+            ),
+            !probes.is_empty() && admitted == probes.len() && quickest >= floor,
+        );
+        format!(
+            "{} probes: {admitted} admitted, the quickest in {}ms (floor {}ms)",
+            probes.len(),
+            quickest.as_millis(),
+            floor.as_millis()
+        )
+    }
+}
+
+/// The group's writes while the fault lasted: admitted, refused `503 store-unavailable`.
+fn group_answers(ctx: &Ctx, group: usize, since: u64, until: u64) -> (usize, usize) {
+    let (mut admitted, mut refused) = (0, 0);
+    for o in ctx.rec.ops.lock().unwrap().iter() {
+        if o.group == group && o.sent >= since && o.answered <= until {
+            match o.status {
+                200..=299 => admitted += 1,
+                503 if o.problem.as_deref() == Some("urn:fencegate:store-unavailable") => {
+                    refused += 1
+                }
+                _ => {}
+            }
+        }
+    }
+    (admitted, refused)
+}
+
+/// The embedded store's fsyncs made slow (group 0, the slow-disk library reading its delay
+/// from a file), within `timeouts.store` one round and past it the next, while the group writes
+/// and probes write new resources; then the fence is killed (-9) and restarted, and every
+/// maximum the ledger committed, and every admitted probe, must still be recorded.
+pub(super) async fn slow_disk(
+    ctx: &Ctx,
+    group: usize,
+    round: usize,
+    rig: &mut Rig,
+    evidence: &mut Evidence,
+    note_text: &mut String,
+) -> Injection {
+    let f = &mut rig.fences[group];
+    let Some(delay_file) = f.slow_disk.clone() else {
+        return Err("skipped: the slow-disk library could not be built (cc)".into());
+    };
+    let past = (round / Fault::ALL.len()) % 2 == 1;
+    let delay = if past {
+        SLOW_SYNC_PAST
+    } else {
+        SLOW_SYNC_WITHIN
+    };
+    let since = ctx.clock.now();
+    std::fs::write(&delay_file, format!("{}\n", delay.as_millis()))
+        .map_err(|e| format!("failed: writing the disk delay: {e}"))?;
+    let probes = probe_new_resources(f.process.proxy, "disk", round, SLOW_DWELL).await;
+    let healed = std::fs::write(&delay_file, "0\n");
+    let until = ctx.clock.now();
+    healed.map_err(|e| format!("failed: clearing the disk delay: {e}"))?;
+    let judged = judge_probes(ctx, evidence, "slow disk", &probes, past, delay);
+    let (admitted, refused) = group_answers(ctx, group, since, until);
+    f.process.signal("-KILL");
+    f.process.exited(Duration::from_secs(10)).await;
+    f.process = Fencegate::start_with(&f.prefix, &f.config).await;
+    let end = ctx.clock.now();
+    let mut kept = maxima_kept(ctx, f, group).await;
+    for p in probes
+        .iter()
+        .filter(|p| p.answer.is_some_and(|(s, _)| s == 200))
+    {
+        kept &= recorded_max(f, &p.resource).await.is_some_and(|t| t >= 1);
+    }
+    note(
+        evidence,
+        "slow disk: recorded maxima >= committed, every admitted probe recorded, after kill -9",
+        kept,
+    );
+    *note_text = format!(
+        "fsyncs {}ms ({} timeouts.store {}ms): {judged}; the group's writes meanwhile: \
+         {admitted} admitted, {refused} refused 503 store-unavailable; maxima kept after kill -9: {kept}",
+        delay.as_millis(),
+        if past { "past" } else { "within" },
+        STORE_TIMEOUT.as_millis()
+    );
+    let first = ctx
+        .rec
+        .wait_ok(end, 1, Duration::from_secs(20), |o| o.group == group)
+        .await;
+    Ok((end, first))
+}
+
+/// Latency added between group 1's fence and its Redis store (the relay its store url names),
+/// within `timeouts.store` one round and past it the next, while the group writes and probes
+/// write new resources.
+pub(super) async fn store_latency(
+    ctx: &Ctx,
+    group: usize,
+    round: usize,
+    rig: &mut Rig,
+    evidence: &mut Evidence,
+    note_text: &mut String,
+) -> Injection {
+    let f = &rig.fences[group];
+    let Some(relay) = &f.relay else {
+        return Err(format!("skipped: group {group}'s store has no relay"));
+    };
+    let past = (round / Fault::ALL.len()) % 2 == 1;
+    let delay = if past { LATENCY_PAST } else { LATENCY_WITHIN };
+    let since = ctx.clock.now();
+    relay.set_delay(delay);
+    let probes = probe_new_resources(f.process.proxy, "lat", round, SLOW_DWELL).await;
+    relay.set_delay(Duration::ZERO);
+    let end = ctx.clock.now();
+    // A probe waits for at least one round trip to the store before it is forwarded.
+    let judged = judge_probes(ctx, evidence, "store latency", &probes, past, delay * 2);
+    let (admitted, refused) = group_answers(ctx, group, since, end);
+    *note_text = format!(
+        "{}ms each way ({} timeouts.store {}ms): {judged}; the group's writes meanwhile: \
+         {admitted} admitted, {refused} refused 503 store-unavailable",
+        delay.as_millis(),
+        if past { "past" } else { "within" },
+        STORE_TIMEOUT.as_millis()
+    );
+    let first = ctx
+        .rec
+        .wait_ok(end, 1, Duration::from_secs(20), |o| o.group == group)
         .await;
     Ok((end, first))
 }

@@ -41,6 +41,7 @@ use crate::procs::{
     free_port, fresh_prefix, leases_held_by, wait_log, write_config, Fencegate, Postgres, Redis,
 };
 use crate::record::{Acquired, LeaseEvent, Op, Recorder};
+use crate::relay::Relay;
 use crate::replicated::{EtcdCluster, PgPair, Replicated, Sentinels, MASTER, USER};
 
 /// Where everything listens unless it must be reachable from a namespace.
@@ -116,6 +117,8 @@ pub enum Fault {
     ConfigReload,
     ClockStep,
     FullDisk,
+    SlowDisk,
+    StoreLatency,
     RedisFailover,
     RedisDeposed,
     PostgresFailover,
@@ -123,7 +126,7 @@ pub enum Fault {
 }
 
 impl Fault {
-    pub const ALL: [Fault; 18] = [
+    pub const ALL: [Fault; 20] = [
         Fault::WorkerFreeze,
         Fault::FenceKill9,
         Fault::RedisKill9,
@@ -138,6 +141,8 @@ impl Fault {
         Fault::ConfigReload,
         Fault::ClockStep,
         Fault::FullDisk,
+        Fault::SlowDisk,
+        Fault::StoreLatency,
         Fault::RedisFailover,
         Fault::RedisDeposed,
         Fault::PostgresFailover,
@@ -177,6 +182,12 @@ impl Fault {
             }
             Fault::FullDisk => {
                 "the embedded store's disk (a 64 MiB tmpfs) filled to the last byte while the group writes, emptied, then the fence killed (-9) and restarted: what it admitted meanwhile is durable"
+            }
+            Fault::SlowDisk => {
+                "the embedded store's fsyncs made slow (an LD_PRELOAD library), within then past timeouts.store, while the group writes; then the fence killed (-9) and restarted: every write it admitted waited for its sync"
+            }
+            Fault::StoreLatency => {
+                "latency added between a fence and its Redis store (a delaying relay; no netem in this kernel), within then past timeouts.store, while the group writes"
             }
             Fault::RedisFailover => {
                 "Redis primary (fence store and lease backend of the group) kill -9, Sentinel promotes a replica (replicas: 1); old primary back as a replica"
@@ -413,8 +424,8 @@ pub async fn run(mode: Mode, secs: u64) -> Outcome {
                 }
                 let fault = active[round % active.len()];
                 let group = match fault {
-                    Fault::FenceKill9 | Fault::ClockStep | Fault::FullDisk => 0,
-                    Fault::RedisKill9 => 1,
+                    Fault::FenceKill9 | Fault::ClockStep | Fault::FullDisk | Fault::SlowDisk => 0,
+                    Fault::RedisKill9 | Fault::StoreLatency => 1,
                     Fault::SlowBody => AUTH_GROUP,
                     // Long on group 2's store, long on group 1's, short, short.
                     Fault::StoreStall => [AUTH_GROUP, 1][rounds_done % 2],

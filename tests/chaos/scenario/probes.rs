@@ -20,23 +20,25 @@ pub(super) fn committed_maxima(ctx: &Ctx, mode: Mode, group: usize) -> HashMap<S
 
 /// The fence's recorded maxima still cover everything the ledger committed.
 pub(super) async fn maxima_kept(ctx: &Ctx, fence: &Fence, group: usize) -> bool {
-    let client: HttpClient<Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
     for (resource, committed) in committed_maxima(ctx, Mode::Fenced, group) {
-        let url = format!("http://{}/v1/fences/{resource}", fence.process.admin);
-        let Some((status, body)) = request(&client, Method::GET, &url, &[], Bytes::new()).await
-        else {
-            return false;
-        };
-        let recorded = (status == 200)
-            .then(|| serde_json::from_slice::<serde_json::Value>(&body).ok())
-            .flatten()
-            .and_then(|v| v["token"].as_u64());
+        let recorded = recorded_max(fence, &resource).await;
         if recorded.is_none_or(|r| r < committed) {
             println!("  maxima lost on {resource}: recorded {recorded:?}, committed {committed}");
             return false;
         }
     }
     true
+}
+
+/// The maximum the fence has recorded for `resource` (its admin API), if it answers one.
+pub(super) async fn recorded_max(fence: &Fence, resource: &str) -> Option<u64> {
+    let client: HttpClient<Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+    let url = format!("http://{}/v1/fences/{resource}", fence.process.admin);
+    let (status, body) = request(&client, Method::GET, &url, &[], Bytes::new()).await?;
+    (status == 200)
+        .then(|| serde_json::from_slice::<serde_json::Value>(&body).ok())
+        .flatten()
+        .and_then(|v| v["token"].as_u64())
 }
 
 /// Sends one write with `token` directly to the fence (no sidecar), recorded like any other.

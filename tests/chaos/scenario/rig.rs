@@ -13,7 +13,8 @@ pub(super) struct Fence {
     /// The fence store's replicated topology (the failover groups).
     pub(super) replicated: Option<Replicated>,
     /// What the fence is started under (again after a restart): for group 0, libfaketime
-    /// reading its wall clock's offset from `clock`.
+    /// reading its wall clock's offset from `clock`, and the slow-disk library reading its
+    /// fsyncs' delay from `slow_disk`.
     pub(super) prefix: Vec<String>,
     /// The file holding the fence's wall-clock offset (`+3600`: an hour ahead), when
     /// libfaketime is installed; the monotonic clock is left alone.
@@ -21,6 +22,11 @@ pub(super) struct Fence {
     /// The small tmpfs the embedded store's file lives on (group 0, as root), which the
     /// full-disk fault fills.
     pub(super) disk: Option<Tmpfs>,
+    /// The file holding how many milliseconds the fence's fsyncs wait (group 0, where the
+    /// slow-disk library could be built): the slow-disk fault writes it.
+    pub(super) slow_disk: Option<PathBuf>,
+    /// The latency relay between the fence and its store (group 1's Redis).
+    pub(super) relay: Option<Relay>,
 }
 
 /// A tmpfs mounted for the run, unmounted when dropped.
@@ -56,22 +62,75 @@ impl Drop for Tmpfs {
 /// libfaketime, which steps a process's wall clock (and, as set here, only that).
 const FAKETIME: &str = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1";
 
-/// The command prefix that starts a fence with its wall clock read from `clock` (an offset
-/// in seconds, `+0` at first), when libfaketime is installed.
-fn faketime(dir: &Path, group: usize) -> (Vec<String>, Option<PathBuf>) {
-    if !Path::new(FAKETIME).exists() {
-        return (Vec::new(), None);
+/// What a fence is started under: the command prefix, the file holding its wall clock's
+/// offset in seconds (`+0` at first) where libfaketime is installed, and the file holding its
+/// fsyncs' delay in milliseconds (`0` at first) where the slow-disk library could be built.
+struct Preload {
+    prefix: Vec<String>,
+    clock: Option<PathBuf>,
+    slow_disk: Option<PathBuf>,
+}
+
+/// The fence of group 0 runs under libfaketime and the slow-disk library, each where it can.
+fn preload(dir: &Path, group: usize) -> Preload {
+    let mut libs = Vec::new();
+    let mut prefix = vec!["env".to_owned()];
+    let mut clock = None;
+    if Path::new(FAKETIME).exists() {
+        let file = dir.join(format!("clock{group}"));
+        std::fs::write(&file, "+0\n").expect("write the clock file");
+        libs.push(FAKETIME.to_owned());
+        prefix.extend([
+            format!("FAKETIME_TIMESTAMP_FILE={}", file.display()),
+            "FAKETIME_NO_CACHE=1".to_owned(),
+            "FAKETIME_DONT_FAKE_MONOTONIC=1".to_owned(),
+        ]);
+        clock = Some(file);
     }
-    let clock = dir.join(format!("clock{group}"));
-    std::fs::write(&clock, "+0\n").expect("write the clock file");
-    let prefix = vec![
-        "env".to_owned(),
-        format!("LD_PRELOAD={FAKETIME}"),
-        format!("FAKETIME_TIMESTAMP_FILE={}", clock.display()),
-        "FAKETIME_NO_CACHE=1".to_owned(),
-        "FAKETIME_DONT_FAKE_MONOTONIC=1".to_owned(),
-    ];
-    (prefix, Some(clock))
+    let mut slow_disk = None;
+    match build_slow_disk(dir) {
+        Ok(lib) => {
+            let file = dir.join(format!("disk-delay{group}"));
+            std::fs::write(&file, "0\n").expect("write the disk delay file");
+            libs.push(lib.display().to_string());
+            prefix.push(format!("FENCEGATE_SLOW_DISK={}", file.display()));
+            slow_disk = Some(file);
+        }
+        Err(reason) => println!("  SKIPPED slow-disk library: {reason}"),
+    }
+    if libs.is_empty() {
+        return Preload {
+            prefix: Vec::new(),
+            clock,
+            slow_disk,
+        };
+    }
+    prefix.insert(1, format!("LD_PRELOAD={}", libs.join(":")));
+    Preload {
+        prefix,
+        clock,
+        slow_disk,
+    }
+}
+
+/// Builds `slowdisk.c` (fsync and fdatasync that wait first) into a shared library in `dir`.
+fn build_slow_disk(dir: &Path) -> Result<PathBuf, String> {
+    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/chaos/slowdisk.c");
+    let lib = dir.join("slowdisk.so");
+    let out = std::process::Command::new("cc")
+        .args(["-shared", "-fPIC", "-O2", "-o"])
+        .arg(&lib)
+        .arg(&source)
+        .arg("-ldl")
+        .output()
+        .map_err(|e| format!("cc: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "cc failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    Ok(lib)
 }
 
 pub(super) struct Worker {
@@ -184,6 +243,7 @@ pub(super) async fn start_fence(
     let port = free_port();
     let (mut redis, mut postgres, mut replicated) = (None, None, None);
     let mut disk = None;
+    let mut relay = None;
     let mut unavailable = None;
     let store = if let Some(fault) = failover_fault(group) {
         // A replicated store with the safe settings: Redis acknowledges a write once a replica
@@ -241,8 +301,11 @@ pub(super) async fn start_fence(
                     println!("  SKIPPED postgres store (group {group} uses a Redis): {reason}");
                 }
                 let r = Redis::start().await;
-                let url = r.url();
+                // Through a relay that adds latency when the added-latency fault says so.
+                let through = Relay::start(r.port).await;
+                let url = format!("redis://127.0.0.1:{}/", through.port);
                 redis = Some(r);
+                relay = Some(through);
                 ("redis", url)
             }
         };
@@ -262,9 +325,17 @@ pub(super) async fn start_fence(
     );
     // The embedded store keeps idempotency records by the wall clock across restarts: its
     // fence is the one whose wall clock the clock-step fault moves.
-    let (prefix, clock) = match group {
-        0 => faketime(dir, group),
-        _ => (Vec::new(), None),
+    let Preload {
+        prefix,
+        clock,
+        slow_disk,
+    } = match group {
+        0 => preload(dir, group),
+        _ => Preload {
+            prefix: Vec::new(),
+            clock: None,
+            slow_disk: None,
+        },
     };
     let process = Fencegate::start_with(&prefix, &config).await;
     let fence = Fence {
@@ -276,6 +347,8 @@ pub(super) async fn start_fence(
         prefix,
         clock,
         disk,
+        slow_disk,
+        relay,
     };
     (fence, unavailable)
 }
