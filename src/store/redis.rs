@@ -28,12 +28,13 @@
 //! Connections are fencegate's own (`conn::redis`), shared with the Redis lease backend.
 
 mod admin;
+mod batch;
 
 use crate::fence::token::Token;
 use redis::Script;
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -47,44 +48,55 @@ use crate::conn::BoxFuture;
 use crate::idempotency::{AttemptId, Begin, Claim, Record};
 use crate::tls::ClientTls;
 
-/// KEYS[1] = maximum key, ARGV[1] = token (canonical decimal), ARGV[2] = `fence.retention` in
-/// milliseconds ('0': none): a raised maximum expires that long after its raise; without
-/// retention a maximum it reads but does not raise loses any expiry an earlier run gave it.
-/// ARGV[3] = '1' when writes are acknowledged by replicas (`WAIT`) and equal tokens pass: a
-/// token equal to the maximum then writes the maximum again, unchanged (`KEEPTTL`), so that
-/// this connection's `WAIT` covers it (`WAIT` counts only what the waiting connection wrote,
-/// and the maximum may be another's, refused `503` because its replicas did not acknowledge it).
-/// ARGV[4] = the lowest maximum the token may be raised from (`token.max_step`,
+/// One or more compare-and-raises, in order ([`batch`]). For the i-th raise, KEYS[i] = its
+/// maximum key, and four arguments from ARGV[4i-3]: the token (canonical decimal);
+/// `fence.retention` in milliseconds ('0': none): a raised maximum expires that long after its
+/// raise, and without retention a maximum it reads but does not raise loses any expiry an
+/// earlier run gave it; '1' when writes are acknowledged by replicas (`WAIT`) and equal tokens
+/// pass: a token equal to the maximum then writes the maximum again, unchanged (`KEEPTTL`), so
+/// that this connection's `WAIT` covers it (`WAIT` counts only what the waiting connection
+/// wrote, and the maximum may be another's, refused `503` because its replicas did not
+/// acknowledge it); the lowest maximum the token may be raised from (`token.max_step`,
 /// [`Rule::floor`]; '' for none): below it, or with no maximum, the token is too far.
-/// Returns the previous maximum ('' if none) and 1 if the token raised it, 0 if not, 2 if it is
-/// too far above it.
+/// Returns, per raise, the previous maximum ('' if none) and 1 if the token raised it, 0 if
+/// not, 2 if it is too far above it.
 const RAISE: &str = r"
-local current = redis.call('GET', KEYS[1])
-local token = ARGV[1]
-local floor = ARGV[4]
-if current then
-  if token == current and ARGV[3] == '1' then
-    redis.call('SET', KEYS[1], current, 'KEEPTTL')
-  end
-  if #token < #current or (#token == #current and token <= current) then
-    if ARGV[2] == '0' then
-      redis.call('PERSIST', KEYS[1])
+local out = {}
+for i = 1, #KEYS do
+  local key = KEYS[i]
+  local token = ARGV[4 * i - 3]
+  local aging = ARGV[4 * i - 2]
+  local floor = ARGV[4 * i]
+  local current = redis.call('GET', key)
+  local answer = nil
+  if current then
+    if token == current and ARGV[4 * i - 1] == '1' then
+      redis.call('SET', key, current, 'KEEPTTL')
     end
-    return {current, 0}
+    if #token < #current or (#token == #current and token <= current) then
+      if aging == '0' then
+        redis.call('PERSIST', key)
+      end
+      answer = {current, 0}
+    end
   end
-end
-if floor ~= '' and (not current or #current < #floor or (#current == #floor and current < floor)) then
-  if current and ARGV[2] == '0' then
-    redis.call('PERSIST', KEYS[1])
+  if not answer and floor ~= '' and (not current or #current < #floor or (#current == #floor and current < floor)) then
+    if current and aging == '0' then
+      redis.call('PERSIST', key)
+    end
+    answer = {current or '', 2}
   end
-  return {current or '', 2}
+  if not answer then
+    if aging ~= '0' then
+      redis.call('SET', key, token, 'PX', aging)
+    else
+      redis.call('SET', key, token)
+    end
+    answer = {current or '', 1}
+  end
+  out[i] = answer
 end
-if ARGV[2] ~= '0' then
-  redis.call('SET', KEYS[1], token, 'PX', ARGV[2])
-else
-  redis.call('SET', KEYS[1], token)
-end
-return {current or '', 1}
+return out
 ";
 
 /// `idempotency::decide`, transcribed. KEYS[1] = maximum key, KEYS[2] = record key;
@@ -200,8 +212,11 @@ return 0
 
 pub struct RedisRemote {
     /// Connected on first use, so fencegate starts (not ready) while Redis is still down.
-    conn: RedisClient,
+    conn: Arc<RedisClient>,
     script: Script,
+    /// The queue raises share script calls through (one server, not a Cluster), started by
+    /// the first raise.
+    raises: OnceLock<batch::Batcher>,
     begin: Script,
     finish: Script,
     keep: Script,
@@ -227,7 +242,8 @@ impl RedisRemote {
             .and_then(|t| t.with_ha(ha))
             .map_err(StoreError::config_from)?;
         Ok(RedisRemote {
-            conn: RedisClient::new(target, None, ha.replicas, false),
+            conn: Arc::new(RedisClient::new(target, None, ha.replicas, false)),
+            raises: OnceLock::new(),
             replicas: ha.replicas,
             script: Script::new(RAISE),
             begin: Script::new(BEGIN),
@@ -366,43 +382,39 @@ impl Remote for RedisRemote {
         token: Token,
         rule: Rule,
     ) -> BoxFuture<'a, Result<Verdict, StoreError>> {
-        let floor = rule.floor(token).map(|f| f.to_string()).unwrap_or_default();
-        let equal = rule.equal;
+        let equal = rule.equal == EqualTokens::Allow;
+        let raise = batch::Raise {
+            key: self.key(resource),
+            token: token.to_string(),
+            aging_ms: self.aging_ms(),
+            rewrite_equal: self.replicas > 0 && equal,
+            equal_passes: equal,
+            floor: rule.floor(token).map(|f| f.to_string()).unwrap_or_default(),
+        };
         Box::pin(async move {
-            let key = self.key(resource);
-            let (key, floor, text) = (&key, &floor, &token.to_string());
-            let ((previous, raised), lag) = self
-                .conn
-                .call(key, |mut s| async move {
-                    let reply: (String, u8) = self
-                        .script
-                        .key(key)
-                        .arg(text)
-                        .arg(self.aging_ms())
-                        .arg(flag(self.replicas > 0 && equal == EqualTokens::Allow))
-                        .arg(floor)
-                        .invoke_async(&mut s.conn)
-                        .await?;
-                    // An equal token admitted is acknowledged like a raise: the script wrote
-                    // the maximum again for this WAIT to cover.
-                    let admitted =
-                        reply.1 == 1 || (&reply.0 == text && equal == EqualTokens::Allow);
-                    let lag = if admitted {
-                        s.replicated().await?
-                    } else {
-                        Ok(())
-                    };
-                    Ok((reply, lag))
-                })
-                .await
-                .map_err(unavailable)?;
-            lag.map_err(lagging)?;
-            let previous = if previous.is_empty() {
+            let answer = if self.conn.is_cluster() {
+                let mut answers =
+                    batch::send(&self.conn, &self.script, std::slice::from_ref(&raise)).await?;
+                answers
+                    .pop()
+                    .ok_or_else(|| StoreError::corrupt("redis: no answer to a raise"))?
+            } else {
+                self.raises
+                    .get_or_init(|| {
+                        batch::Batcher::start(Arc::clone(&self.conn), self.script.clone())
+                    })
+                    .raise(raise)
+                    .await?
+            };
+            // An equal token admitted is acknowledged like a raise: the script wrote the
+            // maximum again for the WAIT to cover.
+            answer.lag.map_err(lagging)?;
+            let previous = if answer.previous.is_empty() {
                 None
             } else {
-                Some(parse(&previous)?)
+                Some(parse(&answer.previous)?)
             };
-            match raised {
+            match answer.code {
                 1 => Ok(Verdict::Admitted { previous }),
                 2 => Ok(Verdict::TooFar { current: previous }),
                 // Not raised: the token is at most the maximum; equal may still pass.

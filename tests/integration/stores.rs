@@ -566,6 +566,117 @@ async fn redis_readonly_reply_makes_a_new_connection() {
     assert_eq!(redis_connections(service.port).await - before, 4);
 }
 
+/// The script calls a Redis server has run (`EVALSHA` and `EVAL`).
+async fn redis_script_calls(port: u16) -> u64 {
+    let info = redis_cli(port, &["INFO", "commandstats"]).await;
+    info.lines()
+        .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
+        .filter_map(|l| {
+            l.split([':', ',']).find_map(|f| f.strip_prefix("calls=")?.parse::<u64>().ok())
+        })
+        .sum()
+}
+
+/// A Redis store of its own server, and that server.
+async fn redis_store_alone(extra: &str) -> (Arc<dyn FenceStore>, Service) {
+    let service = Service::start(Kind::Redis).await;
+    let config = Config::parse(&format!(
+        "upstream: http://127.0.0.1:1\nstore: {{ kind: redis, url: '{}', prefix: {}{extra} }}\n",
+        service.url(),
+        fresh_prefix()
+    ))
+    .unwrap();
+    (store::open(&config.store).await.unwrap(), service)
+}
+
+/// Concurrent raises share script calls: 200 at once take far fewer than 200 calls, and each
+/// is answered as it would be alone (every raise of a fresh resource admitted over nothing,
+/// a stale one refused against the maximum, an equal one passed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_concurrent_raises_share_script_calls() {
+    let (store, service) = redis_store_alone("").await;
+    assert_eq!(
+        store
+            .compare_and_raise(&rid("held"), tk(10), Allow.into())
+            .await
+            .unwrap(),
+        Verdict::Admitted { previous: None }
+    );
+    let before = redis_script_calls(service.port).await;
+    let mut tasks = Vec::new();
+    for i in 0..200u64 {
+        let store = Arc::clone(&store);
+        tasks.push(tokio::spawn(async move {
+            let (resource, token) = match i % 4 {
+                0 => ("held".to_owned(), 5),
+                1 => ("held".to_owned(), 10),
+                _ => (format!("fresh{i}"), i),
+            };
+            let verdict = store
+                .compare_and_raise(&rid(&resource), tk(token), Allow.into())
+                .await
+                .unwrap();
+            (i, verdict)
+        }));
+    }
+    for t in tasks {
+        let (i, verdict) = t.await.unwrap();
+        let want = match i % 4 {
+            0 => Verdict::Stale { current: tk(10) },
+            1 => Verdict::Admitted {
+                previous: Some(tk(10)),
+            },
+            _ => Verdict::Admitted { previous: None },
+        };
+        assert_eq!(verdict, want, "raise {i}");
+    }
+    let calls = redis_script_calls(service.port).await - before;
+    assert!(calls < 100, "200 concurrent raises took {calls} script calls");
+    assert_eq!(store.current(&rid("held")).await.unwrap(), Some(tk(10)));
+    assert_eq!(store.current(&rid("fresh198")).await.unwrap(), Some(tk(198)));
+}
+
+/// With `replicas: 1` and no replica, an admitted raise is refused (`WAIT` counts none), and a
+/// stale raise sent in the same script call is refused as stale, not for its neighbour's
+/// replicas.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_batched_raises_wait_for_replicas_each_on_its_own_account() {
+    let (store, _service) = redis_store_alone(", replicas: 1").await;
+    let lagging = store
+        .compare_and_raise(&rid("r"), tk(10), Allow.into())
+        .await
+        .unwrap_err();
+    assert!(lagging.to_string().contains("replicas"), "{lagging}");
+    let mut tasks = Vec::new();
+    for i in 0..40u64 {
+        let store = Arc::clone(&store);
+        tasks.push(tokio::spawn(async move {
+            let token = if i % 2 == 0 { 3 } else { 20 + i };
+            (
+                i,
+                store
+                    .compare_and_raise(&rid("r"), tk(token), Allow.into())
+                    .await,
+            )
+        }));
+    }
+    // A `WAIT` holds the connection it runs on, so a call behind one may time out instead;
+    // what no stale raise may get is its neighbour's refusal for the replicas.
+    let mut stale = 0;
+    for t in tasks {
+        match t.await.unwrap() {
+            (i, Ok(Verdict::Stale { current })) if i % 2 == 0 => {
+                assert!(current >= tk(10));
+                stale += 1;
+            }
+            (i, Err(e)) if i % 2 == 0 => assert!(!e.to_string().contains("replicas"), "{e}"),
+            (i, Err(_)) if i % 2 == 1 => {}
+            (i, other) => panic!("raise {i}: {other:?}"),
+        }
+    }
+    assert!(stale > 0, "no stale raise was answered");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_killed_and_back() {
     store_killed_and_back(Kind::Postgres).await
