@@ -1,4 +1,5 @@
-//! Maxima in Redis: one Lua script per compare-and-raise, atomic on the server.
+//! Maxima in Redis: compare-and-raise in a Lua script, atomic on the server; concurrent raises
+//! share one script call ([`batch`]).
 //!
 //! Tokens are stored and compared as canonical decimal strings (shorter is smaller, then
 //! lexicographic), never as Lua numbers: those are doubles and lose precision above 2^53.
