@@ -433,6 +433,9 @@ async fn wait_for(mut flag: watch::Receiver<bool>) {
 }
 
 #[cfg(test)]
+mod model;
+
+#[cfg(test)]
 mod tests {
     use super::*;
 
