@@ -273,7 +273,7 @@ impl Agent {
             // Held here by another holder, the backend says so too, and the loop below waits
             // for it like for any other holder; a lost or released lease is forgotten.
             if state.forgotten_on_acquire() {
-                self.leases.locked().remove(resource);
+                self.forget(resource, &existing);
             }
         }
         let _acquiring = self.start_acquiring(resource, holder, ttl);
@@ -325,6 +325,16 @@ impl Agent {
                 // Checked at the top of the loop.
                 _ = draining.changed() => {}
             }
+        }
+    }
+
+    /// Forgets `lost`, listed for `resource`, unless another lease is listed there by now:
+    /// an acquisition running alongside may have been granted one since `lost` was read,
+    /// and that one stays (forgotten, it would be renewed but never attached nor released).
+    fn forget(&self, resource: &str, lost: &Arc<Lease>) {
+        let mut leases = self.leases.locked();
+        if leases.get(resource).is_some_and(|l| Arc::ptr_eq(l, lost)) {
+            leases.remove(resource);
         }
     }
 
