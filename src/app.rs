@@ -347,7 +347,8 @@ impl LeaseSide {
         })
     }
 
-    /// Serves the lease API and egress until stopped, drains, then releases every lease.
+    /// Serves the lease API and egress until stopped, then shuts down in the order of
+    /// [`LEASE_SHUTDOWN`]: the egress drain, the release of every lease, the lease API's drain.
     async fn serve(self, settings: ServerSettings, stopped: watch::Receiver<bool>) {
         let agent = Arc::clone(&self.agent);
         let api = Arc::new(LeaseApi {
@@ -361,7 +362,7 @@ impl LeaseSide {
                 agent.start_draining();
             }
         };
-        let api_task = tokio::spawn(serve(
+        let mut api_task = Some(tokio::spawn(serve(
             self.api_listener,
             ServerSettings {
                 max_connections: 256,
@@ -369,33 +370,70 @@ impl LeaseSide {
             },
             move |req, _peer| Arc::clone(&api).handle(req),
             draining,
-        ));
-        match self.egress_listener {
-            Some((listener, proxy)) => {
-                // As on the fence listener: each client connection keeps its own upstream
-                // connection and formatted address.
-                let own = ConnUpstream::default();
-                serve(
-                    listener,
-                    settings,
-                    move |req, peer| Arc::clone(&proxy).handle_on(req, peer, Some(own.share())),
-                    wait_for(stopped),
-                )
-                .await
+        )));
+        let mut egress_task = self.egress_listener.map(|(listener, proxy)| {
+            // As on the fence listener: each client connection keeps its own upstream
+            // connection and formatted address.
+            let own = ConnUpstream::default();
+            tokio::spawn(serve(
+                listener,
+                settings,
+                move |req, peer| Arc::clone(&proxy).handle_on(req, peer, Some(own.share())),
+                wait_for(stopped.clone()),
+            ))
+        });
+        wait_for(stopped).await;
+        for step in LEASE_SHUTDOWN {
+            match step {
+                Shutdown::Egress => {
+                    if let Some(task) = egress_task.take() {
+                        let _ = task.await;
+                    }
+                }
+                Shutdown::Release => {
+                    // Event streams see `released`, then end, which lets the lease API's
+                    // drain finish.
+                    agent.release_all().await;
+                    tracing::info!("leases released");
+                }
+                Shutdown::Api => {
+                    if let Some(task) = api_task.take() {
+                        let _ = task.await;
+                    }
+                }
             }
-            None => wait_for(stopped).await,
         }
-        // In-flight work is done (or its drain timed out): now give the leases back. Event
-        // streams see `released`, then end, which lets the lease API's drain finish.
-        agent.release_all().await;
-        tracing::info!("leases released");
-        let _ = api_task.await;
     }
 }
+
+/// A step of the lease side's shutdown, once its listeners have been told to stop.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Shutdown {
+    /// The egress listener's drain: it returns once every in-flight egress request has
+    /// finished, or once `leases.drain_timeout` has passed (requests still running then go
+    /// on).
+    Egress,
+    /// Every lease is released on the backend ([`Agent::release_all`]).
+    Release,
+    /// The lease API listener's drain (bounded by `leases.drain_timeout` too): waiting
+    /// acquisitions have ended at SIGTERM, and events streams end once the leases are
+    /// released.
+    Api,
+}
+
+/// The order of the lease side's shutdown: the leases are released only once the in-flight
+/// egress writes, which carry their tokens, are done (or their drain timed out), and before
+/// the lease API's drain, whose events streams end with the release. The drain model
+/// (`app::model`) explores this order.
+pub(crate) const LEASE_SHUTDOWN: [Shutdown; 3] =
+    [Shutdown::Egress, Shutdown::Release, Shutdown::Api];
 
 async fn wait_for(mut flag: watch::Receiver<bool>) {
     let _ = flag.wait_for(|stop| *stop).await;
 }
+
+#[cfg(test)]
+mod model;
 
 #[cfg(test)]
 mod tests {

@@ -13,7 +13,7 @@ use tokio::time::Instant;
 use crate::lease::backend::Grant;
 
 /// A lease's `state`, as the lease API and the events stream show it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum State {
     /// An acquisition under way: tried once, or waiting for the holder to let go; no grant
@@ -39,6 +39,35 @@ impl State {
             State::Draining => "draining",
             State::Expired => "expired",
             State::Released => "released",
+        }
+    }
+
+    /// Held or draining: the states in which the lease is still ours, until its deadline. Only
+    /// such a lease is renewed, or lost.
+    pub(crate) fn live(self) -> bool {
+        matches!(self, State::Held | State::Draining)
+    }
+
+    /// Whether the token of a lease in this state is attached to egress writes: only while it
+    /// is held, so never once draining has begun, nor after a loss or a release.
+    pub(crate) fn attaches(self) -> bool {
+        self == State::Held
+    }
+
+    /// What draining (SIGTERM) turns this state into, if it changes it: a held lease turns
+    /// `draining`; any other state stays as it is.
+    pub(crate) fn drained(self) -> Option<State> {
+        (self == State::Held).then_some(State::Draining)
+    }
+
+    /// Whether a new acquisition of the resource forgets a lease listed in this state: a lost
+    /// or released lease is only replaced by an explicit new request, and forgotten when one
+    /// starts; one still ours (held, for another holder, or draining) stays listed, and the
+    /// acquisition waits for it like for any other holder.
+    pub(crate) fn forgotten_on_acquire(self) -> bool {
+        match self {
+            State::Expired | State::Released => true,
+            State::Acquiring | State::Held | State::Draining => false,
         }
     }
 }
@@ -83,7 +112,7 @@ impl Lease {
     /// [`State::Expired`], even before the renewer declares it lost.
     pub fn state(&self) -> State {
         let snap = *self.snapshot.borrow();
-        if live(snap.state) && Instant::now() >= snap.valid_until {
+        if snap.state.live() && Instant::now() >= snap.valid_until {
             // The renewer declares it lost at the deadline; the view must not lag behind.
             State::Expired
         } else {
@@ -106,9 +135,4 @@ impl Lease {
     pub(super) fn transition(&self, step: impl FnOnce(&mut Snapshot) -> bool) -> bool {
         self.snapshot.send_if_modified(step)
     }
-}
-
-/// Held or draining: the states in which the lease is still ours, until its deadline.
-pub(super) fn live(state: State) -> bool {
-    matches!(state, State::Held | State::Draining)
 }

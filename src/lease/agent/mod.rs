@@ -24,7 +24,7 @@ use tokio::time::Instant;
 
 mod lease;
 
-use lease::{live, Snapshot};
+use lease::Snapshot;
 pub use lease::{Event, Lease, State};
 
 use super::backend::{Acquired, Grant, LeaseBackend, LeaseError};
@@ -62,6 +62,14 @@ impl Drop for Acquiring<'_> {
             }
         }
     }
+}
+
+/// Whether an acquisition may go on towards a grant, and keep one the backend made: never
+/// once draining has begun, so that nothing is granted after the drain's snapshot of the
+/// leases it releases. Asked when an acquisition starts, before each attempt, and when a grant
+/// arrives (under the `leases` lock, which draining takes too).
+pub(crate) fn may_grant(draining: bool) -> bool {
+    !draining
 }
 
 /// Why an acquisition did not return a lease.
@@ -226,7 +234,7 @@ impl Agent {
     /// The token to attach to a write for `resource`, if a lease is held and locally valid now.
     pub fn token_for(&self, resource: &str) -> Option<Token> {
         let lease = self.get(resource)?;
-        (lease.state() == State::Held).then_some(lease.grant.token)
+        lease.state().attaches().then_some(lease.grant.token)
     }
 
     /// Acquires `resource` for `holder`: try once, then retry with backoff (woken early by the
@@ -238,7 +246,7 @@ impl Agent {
         ttl: Option<Duration>,
         wait: Duration,
     ) -> Result<Arc<Lease>, AcquireError> {
-        if self.is_draining() {
+        if !may_grant(self.is_draining()) {
             return Err(AcquireError::Draining);
         }
         let ttl = ttl.unwrap_or(self.ttl.ttl);
@@ -258,15 +266,14 @@ impl Agent {
             });
         }
         if let Some(existing) = self.get(resource) {
-            match existing.state() {
-                State::Held if existing.grant.holder == holder => return Ok(existing),
-                // Held here by another holder: the backend says so too, and the loop below
-                // waits for it like for any other holder.
-                State::Held | State::Acquiring | State::Draining => {}
-                // A lost or released lease is only replaced by an explicit new request, as this.
-                State::Expired | State::Released => {
-                    self.leases.locked().remove(resource);
-                }
+            let state = existing.state();
+            if state == State::Held && existing.grant.holder == holder {
+                return Ok(existing);
+            }
+            // Held here by another holder, the backend says so too, and the loop below waits
+            // for it like for any other holder; a lost or released lease is forgotten.
+            if state.forgotten_on_acquire() {
+                self.forget(resource, &existing);
             }
         }
         let _acquiring = self.start_acquiring(resource, holder, ttl);
@@ -276,7 +283,7 @@ impl Agent {
         let deadline = started.checked_add(wait).unwrap_or(started);
         let mut attempt = 0;
         loop {
-            if *draining.borrow_and_update() {
+            if !may_grant(*draining.borrow_and_update()) {
                 return Err(AcquireError::Draining);
             }
             let sent = Instant::now();
@@ -321,6 +328,16 @@ impl Agent {
         }
     }
 
+    /// Forgets `lost`, listed for `resource`, unless another lease is listed there by now:
+    /// an acquisition running alongside may have been granted one since `lost` was read,
+    /// and that one stays (forgotten, it would be renewed but never attached nor released).
+    fn forget(&self, resource: &str, lost: &Arc<Lease>) {
+        let mut leases = self.leases.locked();
+        if leases.get(resource).is_some_and(|l| Arc::ptr_eq(l, lost)) {
+            leases.remove(resource);
+        }
+    }
+
     /// Whether shutdown has begun.
     pub fn is_draining(&self) -> bool {
         *self.draining.borrow()
@@ -350,7 +367,7 @@ impl Agent {
     ) -> Result<Arc<Lease>, Grant> {
         let lease = {
             let mut leases = self.leases.locked();
-            if self.is_draining() {
+            if !may_grant(self.is_draining()) {
                 return Err(grant);
             }
             let lease = Arc::new(Lease {
@@ -403,7 +420,7 @@ impl Agent {
                     // a lease released or lost meanwhile stays so.
                     let until = valid_until(sent, lease.ttl, self.ttl.drift_buffer);
                     let extended = lease.transition(|s| {
-                        live(s.state) && {
+                        s.state.live() && {
                             s.valid_until = s.valid_until.max(until);
                             true
                         }
@@ -439,7 +456,7 @@ impl Agent {
     fn lose(&self, lease: &Arc<Lease>, why: &str) {
         let now = Instant::now();
         let lost = lease.transition(|s| {
-            live(s.state) && {
+            s.state.live() && {
                 s.state = State::Expired;
                 s.valid_until = now;
                 true
@@ -491,7 +508,7 @@ impl Agent {
         let now = Instant::now();
         let mut was_held = false;
         lease.transition(|s| {
-            was_held = live(s.state) && now < s.valid_until;
+            was_held = s.state.live() && now < s.valid_until;
             s.state = State::Released;
             s.valid_until = now;
             true
@@ -522,11 +539,12 @@ impl Agent {
         let leases = self.leases.locked();
         self.draining.send_replace(true);
         for lease in leases.values() {
-            lease.transition(|s| {
-                s.state == State::Held && {
-                    s.state = State::Draining;
+            lease.transition(|s| match s.state.drained() {
+                Some(drained) => {
+                    s.state = drained;
                     true
                 }
+                None => false,
             });
         }
     }

@@ -117,6 +117,32 @@ async fn a_waiter_at_drain_is_refused_and_nothing_is_left_held() {
     assert!(matches!(next, Acquired::Granted(_)), "{next:?}");
 }
 
+/// A new acquisition forgets the lost or released lease it read, not one listed since by an
+/// acquisition running alongside: that one stays listed, so its token is attached and the
+/// drain releases it.
+#[tokio::test(start_paused = true)]
+async fn an_acquisition_forgets_only_the_lease_it_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let agent = agent(&dir).await;
+    let read = agent
+        .acquire("r", "w1", None, Duration::ZERO)
+        .await
+        .unwrap();
+    agent.release("r").await.unwrap().unwrap();
+    assert_eq!(read.state(), State::Released);
+    // Another acquisition is granted the resource after `read` was read.
+    let newer = agent
+        .acquire("r", "w2", None, Duration::ZERO)
+        .await
+        .unwrap();
+    agent.forget("r", &read);
+    let listed = agent.get("r").expect("the newer lease is still listed");
+    assert!(Arc::ptr_eq(&listed, &newer));
+    assert_eq!(agent.token_for("r"), Some(newer.grant.token));
+    agent.forget("r", &newer);
+    assert!(agent.get("r").is_none());
+}
+
 /// The drain's last step cannot run ahead of its first: releasing everything drains too.
 #[tokio::test(start_paused = true)]
 async fn releasing_everything_grants_nothing_more() {
