@@ -24,9 +24,10 @@ TARGETS = [
     "fg-etcd",
     "fg2-memory",
     "fg2-embedded",
+    "fg2-redis",
 ]
 # The shared stores, each with the name of its server.
-SHARED = {"fg-redis": "redis-server", "fg-postgres": "PostgreSQL", "fg-etcd": "etcd"}
+SHARED = {"fg-redis": "redis-server", "fg2-redis": "redis-server", "fg-postgres": "PostgreSQL", "fg-etcd": "etcd"}
 NAMES = {
     "direct": "direct (no proxy)",
     "direct-halt": "direct, cores left to halt (the embedded store's reference)",
@@ -40,6 +41,7 @@ NAMES = {
     "fg-etcd": "fencegate, etcd store",
     "fg2-memory": "fencegate (--compare binary), memory store",
     "fg2-embedded": "fencegate (--compare binary), embedded store",
+    "fg2-redis": "fencegate (--compare binary), redis store",
 }
 WORKLOADS = {
     "get": "GET pass-through (unmatched path, forwarded unfenced)",

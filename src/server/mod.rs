@@ -228,7 +228,7 @@ async fn drain_connections(addr: Option<SocketAddr>, drain: &Drain, limit: Durat
                 addr = addr.map(tracing::field::display),
                 open = drain.count(),
                 drain = %crate::duration::display(limit),
-                "connections still open after the drain timeout; closing them"
+                "connections still open after the drain timeout; no longer waiting for them (they close when the process exits)"
             );
         }
     }

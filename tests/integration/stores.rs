@@ -572,7 +572,8 @@ async fn redis_script_calls(port: u16) -> u64 {
     info.lines()
         .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
         .filter_map(|l| {
-            l.split([':', ',']).find_map(|f| f.strip_prefix("calls=")?.parse::<u64>().ok())
+            l.split([':', ','])
+                .find_map(|f| f.strip_prefix("calls=")?.parse::<u64>().ok())
         })
         .sum()
 }
@@ -631,9 +632,15 @@ async fn redis_concurrent_raises_share_script_calls() {
         assert_eq!(verdict, want, "raise {i}");
     }
     let calls = redis_script_calls(service.port).await - before;
-    assert!(calls < 100, "200 concurrent raises took {calls} script calls");
+    assert!(
+        calls < 100,
+        "200 concurrent raises took {calls} script calls"
+    );
     assert_eq!(store.current(&rid("held")).await.unwrap(), Some(tk(10)));
-    assert_eq!(store.current(&rid("fresh198")).await.unwrap(), Some(tk(198)));
+    assert_eq!(
+        store.current(&rid("fresh198")).await.unwrap(),
+        Some(tk(198))
+    );
 }
 
 /// With `replicas: 1` and no replica, an admitted raise is refused (`WAIT` counts none), and a
