@@ -11,8 +11,12 @@
 //! idle, it is timed from the moment it was actually written, so the generator's own timer
 //! slack (a sleeping thread wakes 50-100 µs late) is not charged to the server.
 //!
-//! Usage: fixed_rate ADDR RATE SECONDS WARMUP_SECONDS CONNECTIONS get|put [RESOURCES TOKEN_BASE]
+//! Usage: fixed_rate ADDR RATE SECONDS WARMUP_SECONDS CONNECTIONS get|put [RESOURCES TOKEN_BASE
+//!        [ROUTES last|spread]]
 //!   get: `GET /items/42`; put: `PUT /accounts/{i % RESOURCES}` with `Fencing-Token: TOKEN_BASE+i`.
+//!   With ROUTES (bench/growth's route table of ROUTES routes), put writes to
+//!   `/r{k}/accounts/{i % RESOURCES}` instead: k is the last route (ROUTES-1) for `last`, or
+//!   `i * 7919 % ROUTES` for `spread` (a stride, so consecutive writes land far apart in the table).
 //! Prints one line: `RESULT sent=.. ok=.. non2xx=.. errors=.. late=.. p50_us=.. p90_us=..
 //! p99_us=.. p999_us=.. max_us=.. svc_p50_us=.. svc_p99_us=.. total=..` (`svc_*`: service time
 //! from the write, not corrected; `late`: requests that found their connection busy; `total`:
@@ -32,13 +36,17 @@ struct Args {
     put: bool,
     resources: u64,
     token_base: u64,
+    /// Routes of bench/growth's table (0: the plain `/accounts/{id}` path).
+    routes: u64,
+    /// Every write to the last route, or spread over the table.
+    spread: bool,
 }
 
 fn parse_args() -> Args {
     let a: Vec<String> = std::env::args().collect();
     if a.len() < 7 {
         eprintln!(
-            "usage: {} ADDR RATE SECONDS WARMUP CONNECTIONS get|put [RESOURCES TOKEN_BASE]",
+            "usage: {} ADDR RATE SECONDS WARMUP CONNECTIONS get|put [RESOURCES TOKEN_BASE [ROUTES last|spread]]",
             a[0]
         );
         std::process::exit(2);
@@ -52,6 +60,8 @@ fn parse_args() -> Args {
         put: a[6] == "put",
         resources: a.get(7).map_or(10_000, |s| s.parse().expect("RESOURCES")),
         token_base: a.get(8).map_or(1, |s| s.parse().expect("TOKEN_BASE")),
+        routes: a.get(9).map_or(0, |s| s.parse().expect("ROUTES")),
+        spread: a.get(10).is_some_and(|s| s == "spread"),
     }
 }
 
@@ -74,8 +84,13 @@ fn request_bytes(args: &Args, i: u64) -> Vec<u8> {
     let host = args.addr;
     if args.put {
         let body = b"{\"balance\":100}\n";
+        let prefix = match (args.routes, args.spread) {
+            (0, _) => String::new(),
+            (n, false) => format!("/r{}", n - 1),
+            (n, true) => format!("/r{}", i.wrapping_mul(7919) % n),
+        };
         let mut r = format!(
-            "PUT /accounts/{} HTTP/1.1\r\nHost: {host}\r\nFencing-Token: {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+            "PUT {prefix}/accounts/{} HTTP/1.1\r\nHost: {host}\r\nFencing-Token: {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
             i % args.resources,
             args.token_base + i,
             body.len()

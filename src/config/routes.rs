@@ -4,6 +4,7 @@
 //! carries the route's own line and column. The egress routes' list ([`super::egress`]) is
 //! checked with the same parts.
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use serde::{Deserialize, Deserializer, Serialize};
@@ -135,6 +136,9 @@ impl Shape for RouteConfig {
 /// `routes`.
 pub(super) fn routes<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<RouteConfig>, D::Error> {
     let mut paths = Paths::new("routes");
+    // Name → index of the route that has it: each route is checked against those before it
+    // by lookup, so that a list of thousands of routes loads in time linear in its length.
+    let mut names: HashMap<String, usize> = HashMap::new();
     checked::from_seq_each(
         d,
         "a route: a mapping with `name` and `path`",
@@ -142,7 +146,7 @@ pub(super) fn routes<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<RouteConfig>
             if route.name.is_empty() {
                 return Err(RouteError::NoName);
             }
-            if let Some(j) = earlier.iter().position(|r| r.name == route.name) {
+            if let Some(&j) = names.get(&route.name) {
                 return Err(RouteError::NameTaken {
                     name: route.name.clone(),
                     other: j,
@@ -157,7 +161,9 @@ pub(super) fn routes<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<RouteConfig>
             if let Some(template) = &route.resource {
                 uses_captures("resource", template, &route.path)?;
             }
-            paths.add(earlier, route)
+            paths.add(earlier, route)?;
+            names.insert(route.name.clone(), earlier.len());
+            Ok(())
         },
     )
 }
@@ -322,6 +328,10 @@ pub(super) fn uses_captures(
 pub(super) struct Paths {
     list: &'static str,
     router: matchit::Router<()>,
+    /// Path template → indexes of the routes on it, in list order: a route finds those on
+    /// its path by lookup, not by a scan of every route before it (which made loading a list
+    /// quadratic in its length).
+    on_path: HashMap<String, Vec<usize>>,
 }
 
 impl Paths {
@@ -329,22 +339,18 @@ impl Paths {
         Paths {
             list,
             router: matchit::Router::new(),
+            on_path: HashMap::new(),
         }
     }
 
     /// Adds the route after `earlier`, or says why the router cannot have it.
     pub(super) fn add<R: Shape>(&mut self, earlier: &[R], route: &R) -> Result<(), RouteError> {
         let (list, i, path) = (self.list, earlier.len(), route.path());
-        let same: Vec<(usize, &R)> = earlier
-            .iter()
-            .enumerate()
-            .filter(|(_, r)| r.path().source == path.source)
-            .collect();
-        if !same.is_empty() {
+        if let Some(same) = self.on_path.get_mut(&path.source) {
             // One path, several routes: allowed when they fence different methods, else the
             // later one would never see the method.
-            for (j, other) in same {
-                if let Some(method) = shared_fenced_method(other, route) {
+            for &j in same.iter() {
+                if let Some(method) = shared_fenced_method(&earlier[j], route) {
                     return Err(RouteError::SameMethod {
                         list,
                         other: j,
@@ -354,9 +360,11 @@ impl Paths {
                     });
                 }
             }
+            same.push(i);
             return Ok(());
         }
         if self.router.insert(path.source.as_str(), ()).is_ok() {
+            self.on_path.insert(path.source.clone(), vec![i]);
             return Ok(());
         }
         // Find the route it conflicts with: the first earlier path that conflicts on its own.

@@ -3,6 +3,7 @@
 
 use crate::fence::Token;
 use std::borrow::Cow;
+use std::collections::HashMap;
 
 use http::{HeaderMap, Method};
 
@@ -161,11 +162,17 @@ impl RouteTable {
     ) -> Self {
         let mut router = matchit::Router::new();
         let mut groups: Vec<(String, Vec<usize>)> = Vec::new();
+        // Path → its group in `groups`: found by lookup, so that building a table of
+        // thousands of routes takes time linear in their number.
+        let mut group_of: HashMap<&str, usize> = HashMap::new();
         let routes = configured
             .map(|(path, route)| {
-                match groups.iter_mut().find(|(p, _)| *p == path.source) {
-                    Some((_, members)) => members.push(route.index),
-                    None => groups.push((path.source.clone(), vec![route.index])),
+                match group_of.get(path.source.as_str()) {
+                    Some(&g) => groups[g].1.push(route.index),
+                    None => {
+                        group_of.insert(&path.source, groups.len());
+                        groups.push((path.source.clone(), vec![route.index]));
+                    }
                 }
                 route
             })

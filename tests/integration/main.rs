@@ -32,6 +32,7 @@ mod poison;
 mod process;
 mod proxy;
 mod retention;
+mod route_table;
 mod sentinel;
 mod services;
 mod store_tls;
