@@ -423,7 +423,7 @@ impl History {
 }
 
 /// A write the primary holds but that a failover could lose, so it is not acknowledged.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub(crate) enum Unconfirmed {
     /// Fewer replicas than configured acknowledged it in time.
     Lagging { acked: u32, wanted: u32 },
@@ -719,11 +719,6 @@ impl RedisClient {
 
     pub(crate) fn target(&self) -> &RedisTarget {
         &self.target
-    }
-
-    /// Whether keys are spread over the nodes of a Redis Cluster.
-    pub(crate) fn is_cluster(&self) -> bool {
-        matches!(self.nodes, Nodes::Cluster(_))
     }
 
     /// Runs `op` on a connection to the primary that holds `key` (the one server, or the

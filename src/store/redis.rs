@@ -1,5 +1,4 @@
-//! Maxima in Redis: compare-and-raise in a Lua script, atomic on the server; concurrent raises
-//! share one script call ([`batch`]).
+//! Maxima in Redis: one Lua script per compare-and-raise, atomic on the server.
 //!
 //! Tokens are stored and compared as canonical decimal strings (shorter is smaller, then
 //! lexicographic), never as Lua numbers: those are doubles and lose precision above 2^53.
@@ -29,13 +28,12 @@
 //! Connections are fencegate's own (`conn::redis`), shared with the Redis lease backend.
 
 mod admin;
-mod batch;
 
 use crate::fence::token::Token;
 use redis::Script;
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -49,55 +47,44 @@ use crate::conn::BoxFuture;
 use crate::idempotency::{AttemptId, Begin, Claim, Record};
 use crate::tls::ClientTls;
 
-/// One or more compare-and-raises, in order ([`batch`]). For the i-th raise, KEYS[i] = its
-/// maximum key, and four arguments from ARGV[4i-3]: the token (canonical decimal);
-/// `fence.retention` in milliseconds ('0': none): a raised maximum expires that long after its
-/// raise, and without retention a maximum it reads but does not raise loses any expiry an
-/// earlier run gave it; '1' when writes are acknowledged by replicas (`WAIT`) and equal tokens
-/// pass: a token equal to the maximum then writes the maximum again, unchanged (`KEEPTTL`), so
-/// that this connection's `WAIT` covers it (`WAIT` counts only what the waiting connection
-/// wrote, and the maximum may be another's, refused `503` because its replicas did not
-/// acknowledge it); the lowest maximum the token may be raised from (`token.max_step`,
+/// KEYS[1] = maximum key, ARGV[1] = token (canonical decimal), ARGV[2] = `fence.retention` in
+/// milliseconds ('0': none): a raised maximum expires that long after its raise; without
+/// retention a maximum it reads but does not raise loses any expiry an earlier run gave it.
+/// ARGV[3] = '1' when writes are acknowledged by replicas (`WAIT`) and equal tokens pass: a
+/// token equal to the maximum then writes the maximum again, unchanged (`KEEPTTL`), so that
+/// this connection's `WAIT` covers it (`WAIT` counts only what the waiting connection wrote,
+/// and the maximum may be another's, refused `503` because its replicas did not acknowledge it).
+/// ARGV[4] = the lowest maximum the token may be raised from (`token.max_step`,
 /// [`Rule::floor`]; '' for none): below it, or with no maximum, the token is too far.
-/// Returns, per raise, the previous maximum ('' if none) and 1 if the token raised it, 0 if
-/// not, 2 if it is too far above it.
+/// Returns the previous maximum ('' if none) and 1 if the token raised it, 0 if not, 2 if it is
+/// too far above it.
 const RAISE: &str = r"
-local out = {}
-for i = 1, #KEYS do
-  local key = KEYS[i]
-  local token = ARGV[4 * i - 3]
-  local aging = ARGV[4 * i - 2]
-  local floor = ARGV[4 * i]
-  local current = redis.call('GET', key)
-  local answer = nil
-  if current then
-    if token == current and ARGV[4 * i - 1] == '1' then
-      redis.call('SET', key, current, 'KEEPTTL')
-    end
-    if #token < #current or (#token == #current and token <= current) then
-      if aging == '0' then
-        redis.call('PERSIST', key)
-      end
-      answer = {current, 0}
-    end
+local current = redis.call('GET', KEYS[1])
+local token = ARGV[1]
+local floor = ARGV[4]
+if current then
+  if token == current and ARGV[3] == '1' then
+    redis.call('SET', KEYS[1], current, 'KEEPTTL')
   end
-  if not answer and floor ~= '' and (not current or #current < #floor or (#current == #floor and current < floor)) then
-    if current and aging == '0' then
-      redis.call('PERSIST', key)
+  if #token < #current or (#token == #current and token <= current) then
+    if ARGV[2] == '0' then
+      redis.call('PERSIST', KEYS[1])
     end
-    answer = {current or '', 2}
+    return {current, 0}
   end
-  if not answer then
-    if aging ~= '0' then
-      redis.call('SET', key, token, 'PX', aging)
-    else
-      redis.call('SET', key, token)
-    end
-    answer = {current or '', 1}
-  end
-  out[i] = answer
 end
-return out
+if floor ~= '' and (not current or #current < #floor or (#current == #floor and current < floor)) then
+  if current and ARGV[2] == '0' then
+    redis.call('PERSIST', KEYS[1])
+  end
+  return {current or '', 2}
+end
+if ARGV[2] ~= '0' then
+  redis.call('SET', KEYS[1], token, 'PX', ARGV[2])
+else
+  redis.call('SET', KEYS[1], token)
+end
+return {current or '', 1}
 ";
 
 /// `idempotency::decide`, transcribed. KEYS[1] = maximum key, KEYS[2] = record key;
@@ -213,11 +200,8 @@ return 0
 
 pub struct RedisRemote {
     /// Connected on first use, so fencegate starts (not ready) while Redis is still down.
-    conn: Arc<RedisClient>,
+    conn: RedisClient,
     script: Script,
-    /// The queue raises share script calls through (one server, not a Cluster), started by
-    /// the first raise.
-    raises: OnceLock<batch::Batcher>,
     begin: Script,
     finish: Script,
     keep: Script,
@@ -243,8 +227,7 @@ impl RedisRemote {
             .and_then(|t| t.with_ha(ha))
             .map_err(StoreError::config_from)?;
         Ok(RedisRemote {
-            conn: Arc::new(RedisClient::new(target, None, ha.replicas, false)),
-            raises: OnceLock::new(),
+            conn: RedisClient::new(target, None, ha.replicas, false),
             replicas: ha.replicas,
             script: Script::new(RAISE),
             begin: Script::new(BEGIN),
@@ -383,39 +366,43 @@ impl Remote for RedisRemote {
         token: Token,
         rule: Rule,
     ) -> BoxFuture<'a, Result<Verdict, StoreError>> {
-        let equal = rule.equal == EqualTokens::Allow;
-        let raise = batch::Raise {
-            key: self.key(resource),
-            token: token.to_string(),
-            aging_ms: self.aging_ms(),
-            rewrite_equal: self.replicas > 0 && equal,
-            equal_passes: equal,
-            floor: rule.floor(token).map(|f| f.to_string()).unwrap_or_default(),
-        };
+        let floor = rule.floor(token).map(|f| f.to_string()).unwrap_or_default();
+        let equal = rule.equal;
         Box::pin(async move {
-            let answer = if self.conn.is_cluster() {
-                let mut answers =
-                    batch::send(&self.conn, &self.script, std::slice::from_ref(&raise)).await?;
-                answers
-                    .pop()
-                    .ok_or_else(|| StoreError::corrupt("redis: no answer to a raise"))?
-            } else {
-                self.raises
-                    .get_or_init(|| {
-                        batch::Batcher::start(Arc::clone(&self.conn), self.script.clone())
-                    })
-                    .raise(raise)
-                    .await?
-            };
-            // An equal token admitted is acknowledged like a raise: the script wrote the
-            // maximum again for the WAIT to cover.
-            answer.lag.map_err(lagging)?;
-            let previous = if answer.previous.is_empty() {
+            let key = self.key(resource);
+            let (key, floor, text) = (&key, &floor, &token.to_string());
+            let ((previous, raised), lag) = self
+                .conn
+                .call(key, |mut s| async move {
+                    let reply: (String, u8) = self
+                        .script
+                        .key(key)
+                        .arg(text)
+                        .arg(self.aging_ms())
+                        .arg(flag(self.replicas > 0 && equal == EqualTokens::Allow))
+                        .arg(floor)
+                        .invoke_async(&mut s.conn)
+                        .await?;
+                    // An equal token admitted is acknowledged like a raise: the script wrote
+                    // the maximum again for this WAIT to cover.
+                    let admitted =
+                        reply.1 == 1 || (&reply.0 == text && equal == EqualTokens::Allow);
+                    let lag = if admitted {
+                        s.replicated().await?
+                    } else {
+                        Ok(())
+                    };
+                    Ok((reply, lag))
+                })
+                .await
+                .map_err(unavailable)?;
+            lag.map_err(lagging)?;
+            let previous = if previous.is_empty() {
                 None
             } else {
-                Some(parse(&answer.previous)?)
+                Some(parse(&previous)?)
             };
-            match answer.code {
+            match raised {
                 1 => Ok(Verdict::Admitted { previous }),
                 2 => Ok(Verdict::TooFar { current: previous }),
                 // Not raised: the token is at most the maximum; equal may still pass.

@@ -1,7 +1,4 @@
-//! A large route table: it loads in time linear in its number of routes, and its last route
-//! fences as the first does.
-
-use std::time::{Duration, Instant};
+//! A large route table: it loads, and its last route fences as the first does.
 
 use crate::common::*;
 
@@ -17,35 +14,12 @@ fn routes(n: usize) -> String {
     yaml
 }
 
-/// From the config text to a started fencegate with `n` routes, the fastest of two starts
-/// (other tests share the machine).
-async fn start_time(upstream: &str, n: usize) -> Duration {
-    let yaml = routes(n);
-    let mut best = Duration::MAX;
-    for _ in 0..2 {
-        let started = Instant::now();
-        let fg = fencegate(upstream, &yaml).await;
-        best = best.min(started.elapsed());
-        fg.shutdown();
-    }
-    best
-}
-
-/// Eight times the routes take about eight times as long to load: 0.23 s and 2.0 s for 5,000
-/// and 40,000 in a debug build. When each route was checked against every route before it
-/// (names, paths) and grouped by a scan of the groups so far, it was 71 times (0.61 s and
-/// 43 s). 20 is the bar.
+/// A table of 40,000 routes loads and its last route fences as the first would. (How long it
+/// takes to load is measured by `bench/run --growth`, not here: when each route was checked
+/// against every route before it, 40,000 took 6.2 s of CPU in a release build, 0.24 s since.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn forty_thousand_routes_load_in_linear_time_and_the_last_one_fences() {
+async fn forty_thousand_routes_load_and_the_last_one_fences() {
     let up = Upstream::start().await;
-    let small = start_time(&up.url(), 5_000).await;
-    let large = start_time(&up.url(), 40_000).await;
-    assert!(
-        large < small * 20,
-        "5,000 routes loaded in {small:?}, 40,000 in {large:?}: {:.1} times as long",
-        large.as_secs_f64() / small.as_secs_f64()
-    );
-
     let fg = fencegate(&up.url(), &routes(40_000)).await;
     let url = format!("http://{}/r39999/accounts/7", fg.listen);
     let reply = send("PUT", &url, &[("fencing-token", "5")], "x").await;
