@@ -97,8 +97,9 @@ pub(crate) fn fingerprint(
 
 /// How long a claim's in-flight record lives: the idempotency `window`, and at least as long
 /// as its attempt may still be sent from the claim on (the store's answer to the claim, the
-/// `barrier` turn, the send within `send_within`, and the store's answer to the outcome, each
-/// bounded), so that a retry cannot execute alongside it (checked in `fence::keyed::model`).
+/// `barrier` turn, the authority's second answer under `fence.authority: leases`, the send
+/// within `send_within`, and the store's answer to the outcome, each bounded), so that a
+/// retry cannot execute alongside it (checked in `fence::keyed::model`).
 pub(crate) fn in_flight_window(
     window: Duration,
     barrier: Duration,
@@ -108,7 +109,7 @@ pub(crate) fn in_flight_window(
     window.max(
         barrier
             .saturating_add(send_within)
-            .saturating_add(store_timeout.saturating_mul(2)),
+            .saturating_add(store_timeout.saturating_mul(3)),
     )
 }
 
@@ -189,8 +190,8 @@ impl Fence {
             }
         }
         // The in-flight record must outlive the attempt, or a retry could execute alongside it:
-        // it lives at least as long as the send may take, plus the store's two answers. The
-        // outcome then lives `window`.
+        // it lives at least as long as the send may take, plus the store's answers and the
+        // authority's second one. The outcome then lives `window`.
         let barrier = match route.ordering {
             Ordering::Serialize => route.barrier_timeout,
             Ordering::None => Duration::ZERO,
