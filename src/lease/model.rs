@@ -3,8 +3,9 @@
 //! time, and lets it expire otherwise, after which a rival takes it. Time advances in ticks
 //! of [`TICK`]; a renewal's request and its answer take any number of ticks (a slow network,
 //! a stalled agent), unless the model is `prompt`. Every timing is the production one: the
-//! agent renews [`renew_delay`] after a renewal is sent (TTL/3 with jitter, each of three
-//! jitters explored), and believes the lease valid until [`valid_until`] (the send time of the
+//! agent renews [`renew_delay`] after the previous renewal's answer, as `Agent::renew_loop`
+//! sleeps it once the answer is in (TTL/3 with jitter, each of three jitters explored, rounded
+//! down to ticks), and believes the lease valid until [`valid_until`] (the send time of the
 //! renewal the backend granted, plus the TTL, minus the drift buffer).
 //!
 //! Properties:
@@ -53,10 +54,16 @@ struct Renewal {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq)]
 enum Renew {
-    /// Sent at this tick, not yet at the backend.
-    Sent(u8),
+    /// Sent at tick `at`, not yet at the backend; `unit` is the jitter of the delay the agent
+    /// sleeps once the answer is in.
+    Sent { at: u8, unit: usize },
     /// The backend answered (extended or not); the answer is on its way.
-    Answered { sent: u8, at: u8, renewed: bool },
+    Answered {
+        sent: u8,
+        at: u8,
+        renewed: bool,
+        unit: usize,
+    },
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq)]
@@ -74,7 +81,8 @@ struct State {
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum Action {
     Tick,
-    /// The agent sends a renewal, and schedules the next one with this jitter.
+    /// The agent sends a renewal; once its answer is in, it schedules the next one with this
+    /// jitter.
     Send(usize),
     /// The backend handles the renewal.
     Handle,
@@ -125,7 +133,7 @@ impl Model for Renewal {
         // its answer within a tick: time waits for them.
         let waiting = self.prompt
             && match state.renewal {
-                Some(Renew::Sent(sent)) | Some(Renew::Answered { at: sent, .. }) => {
+                Some(Renew::Sent { at: sent, .. }) | Some(Renew::Answered { at: sent, .. }) => {
                     state.now > sent
                 }
                 None => due,
@@ -137,7 +145,7 @@ impl Model for Renewal {
             actions.extend((0..UNITS.len()).map(Action::Send));
         }
         match state.renewal {
-            Some(Renew::Sent(_)) => actions.push(Action::Handle),
+            Some(Renew::Sent { .. }) => actions.push(Action::Handle),
             Some(Renew::Answered { .. }) => actions.push(Action::Answer),
             None => {}
         }
@@ -152,12 +160,13 @@ impl Model for Renewal {
         match action {
             Action::Tick => state.now += 1,
             Action::Send(unit) => {
-                state.renewal = Some(Renew::Sent(state.now));
-                let delay = (self.schedule)(TTL, UNITS[unit]);
-                state.next_renew = state.now.saturating_add(ticks(delay));
+                state.renewal = Some(Renew::Sent {
+                    at: state.now,
+                    unit,
+                });
             }
             Action::Handle => {
-                let Some(Renew::Sent(sent)) = state.renewal else {
+                let Some(Renew::Sent { at: sent, unit }) = state.renewal else {
                     return None;
                 };
                 // The backend extends a lease that has not expired or passed on.
@@ -169,13 +178,23 @@ impl Model for Renewal {
                     sent,
                     at: state.now,
                     renewed,
+                    unit,
                 });
             }
             Action::Answer => {
-                let Some(Renew::Answered { sent, renewed, .. }) = state.renewal else {
+                let Some(Renew::Answered {
+                    sent,
+                    renewed,
+                    unit,
+                    ..
+                }) = state.renewal
+                else {
                     return None;
                 };
                 state.renewal = None;
+                // `renew_loop` sleeps `renew_delay` once the answer is in.
+                let delay = (self.schedule)(TTL, UNITS[unit]);
+                state.next_renew = state.now.saturating_add(ticks(delay));
                 state.valid_until = renewed.then(|| {
                     let deadline = (self.deadline)(at(origin, sent), at(origin, state.now));
                     since(origin, deadline)
