@@ -12,11 +12,13 @@
 //! same metrics and logged in the same `WARN` line (the access log is the sidecar's). A
 //! refused request never reaches the inner service; an admitted one reaches it unchanged but
 //! for a path that was not normal, which it gets as the fence read it (as the sidecar forwards
-//! it). Under `ordering: serialize` the response body holds the barrier's ticket until it has
+//! it), and, for a write with an `Idempotency-Key`, a body the fence read whole (request
+//! trailers left out, as the sidecar leaves them out). Under `ordering: serialize` the response body holds the barrier's ticket until it has
 //! been read to its end or dropped, as the proxy's does.
 //!
 //! Of the configuration, what is about the sidecar (`listen`, `admin`, `upstream`, `tls`,
-//! `timeouts` other than `store`, `limits` other than `max_resource_bytes`, `access_log`) is
+//! `timeouts` other than `store` and, with `idempotency`, `upstream`, `limits` other than
+//! `max_resource_bytes`, `access_log`) is
 //! not used; [`Config::parse_fence`] reads a configuration without `upstream`.
 //!
 //! With an `idempotency` section, a write carrying a key is handled as the sidecar handles it

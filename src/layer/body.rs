@@ -77,11 +77,12 @@ pin_project_lite::pin_project! {
         /// A refusal fencegate wrote, `body` (problem+json, or empty for a gRPC call).
         Refusal { #[pin] body: Full<Bytes> },
         /// The inner service's answer to a write with an `Idempotency-Key`, `body`, copied for
-        /// the key's record as it is sent (and holding the barrier's ticket, if any).
-        Recorded { #[pin] body: Recording<B> },
+        /// the key's record as it is sent (and holding the barrier's ticket, if any). Boxed,
+        /// as the proxy's body boxes it: every other answer would be as large as a recording.
+        Recorded { body: Box<Recording<B>> },
         /// A write with an `Idempotency-Key` answered from its record: the recorded body,
-        /// then its trailers, `body`.
-        Replayed { #[pin] body: Replay },
+        /// then its trailers, `body` (boxed, as above).
+        Replayed { body: Box<Replay> },
     }
 }
 
@@ -96,8 +97,10 @@ impl<B: Body<Data = Bytes> + Send + 'static> Body for FenceBody<B> {
         match self.project() {
             FenceBodyProj::Inner { body, .. } => body.poll_frame(cx),
             FenceBodyProj::Refusal { body } => body.poll_frame(cx).map_err(|never| match never {}),
-            FenceBodyProj::Recorded { body } => body.poll_frame(cx),
-            FenceBodyProj::Replayed { body } => body.poll_frame(cx).map_err(|never| match never {}),
+            FenceBodyProj::Recorded { body } => Pin::new(body.as_mut()).poll_frame(cx),
+            FenceBodyProj::Replayed { body } => Pin::new(body.as_mut())
+                .poll_frame(cx)
+                .map_err(|never| match never {}),
         }
     }
 

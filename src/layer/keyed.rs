@@ -113,7 +113,7 @@ where
                 started,
             );
             Ok(replay(response, |bytes, trailers| FenceBody::Replayed {
-                body: crate::body::replay(bytes, trailers),
+                body: Box::new(crate::body::replay(bytes, trailers)),
             }))
         }
         Keyed::Execute { attempt, ticket } => {
@@ -151,7 +151,9 @@ where
                 } else {
                     let recording =
                         Recording::new(body, ticket, parts.status, parts.headers.clone(), attempt);
-                    FenceBody::Recorded { body: recording }
+                    FenceBody::Recorded {
+                        body: Box::new(recording),
+                    }
                 };
                 Sent::Answered(Response::from_parts(parts, body))
             });
