@@ -18,12 +18,15 @@
 //! after the other; the lease API's drain ends once the acquisition has returned, or at the
 //! same timeout; then the process exits, and whatever it still had under way dies with it.
 //!
-//! Every decision is the production one: the egress attaches a lease's token only in a state
-//! that [`LeaseState::attaches`]; only a [`LeaseState::live`] lease lapses or is renewed, and
-//! a renewal's answer never writes the state (one compare-and-set on the snapshot as it is
-//! then); an acquisition goes on, and keeps a grant, only if [`may_grant`], and at its start
+//! Every decision but one is the production one: the egress attaches a lease's token only in
+//! a state that [`LeaseState::attaches`]; only a [`LeaseState::live`] lease lapses; an
+//! acquisition goes on, and keeps a grant, only if [`may_grant`], and at its start
 //! forgets a listed lease that is [`LeaseState::forgotten_on_acquire`]; the shutdown's order
 //! is [`LEASE_SHUTDOWN`]; the remote fence answers with [`decide`] and [`Verdict::raised`].
+//! The one that is the model's own: a renewal's answer never writes the state (`renewal`
+//! below stands for `Agent::renew_loop`'s compare-and-set, which
+//! `lease::agent::tests::a_renewal_answered_before_draining_does_not_bring_the_token_back`
+//! tests); its negative control checks the model, not the code.
 //!
 //! Properties, one per run (the checker stops at the first counterexample of any property it
 //! checks), with one lease (and the second and fourth with two as well):
@@ -47,7 +50,7 @@ use stateright::{Model, Property};
 
 use super::{Shutdown, LEASE_SHUTDOWN};
 use crate::config::EqualTokens;
-use crate::fence::model::{assert_holds, counterexample};
+use crate::fence::model::{assert_holds, counterexample, off_by_one};
 use crate::fence::verdict::{decide, Rule, Verdict};
 use crate::fence::Token;
 use crate::lease::agent::{may_grant, State as LeaseState};
@@ -618,14 +621,6 @@ fn writes_back(read: LeaseState, _now: LeaseState) -> Option<LeaseState> {
 /// Mutation: grants go on while draining.
 fn grants_while_draining(_draining: bool) -> bool {
     true
-}
-
-/// Mutation: [`decide`] with `<=` where `<` belongs.
-fn off_by_one(current: Option<Token>, token: Token, rule: Rule) -> Verdict {
-    match current {
-        Some(c) if token.next().is_some_and(|next| next < c) => Verdict::Stale { current: c },
-        _ => decide(current.map(|c| c.min(token)), token, rule),
-    }
 }
 
 #[test]

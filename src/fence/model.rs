@@ -287,7 +287,7 @@ fn model(wait: bool, decide: Decide) -> Fencing {
 }
 
 /// [`decide`] with `<=` where `<` belongs: the token just below the maximum passes.
-fn off_by_one(current: Option<Token>, token: Token, rule: Rule) -> Verdict {
+pub(crate) fn off_by_one(current: Option<Token>, token: Token, rule: Rule) -> Verdict {
     match current {
         Some(c) if token.next().is_some_and(|next| next < c) => Verdict::Stale { current: c },
         _ => decide(current.map(|c| c.min(token)), token, rule),
@@ -295,8 +295,8 @@ fn off_by_one(current: Option<Token>, token: Token, rule: Rule) -> Verdict {
 }
 
 /// Runs the checker on `model` to the end; returns the number of distinct states and the
-/// trace that breaks `property`, if one does, as readable lines. Shared by the models of the
-/// crate (this one and `idempotency::model`).
+/// trace that breaks `property`, if one does, as readable lines. Shared by the crate's models,
+/// through [`assert_holds`] and [`counterexample`].
 pub(crate) fn explore<M>(model: M, property: &'static str) -> (usize, Option<Vec<String>>)
 where
     M: Model + Send + Sync + 'static,
