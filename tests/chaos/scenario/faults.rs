@@ -2,12 +2,15 @@
 
 use super::*;
 
-/// Injects one fault, ends it, and measures the recovery.
+/// Injects one fault, ends it, and measures the recovery. `round` counts every fault injected
+/// before (ids made from it are the run's own); `nth`, the faults of this kind injected before,
+/// which picks a fault's variant in turn (a victim, a length within or past a timeout).
 pub(super) async fn inject(
     ctx: &Ctx,
     fault: Fault,
     group: usize,
     round: usize,
+    nth: usize,
     rig: &mut Rig,
     evidence: &mut Evidence,
 ) -> Injected {
@@ -16,9 +19,7 @@ pub(super) async fn inject(
     // A failover's length: from the kill to the promotion (a new leader).
     let mut lasted = None;
     let ran = match fault {
-        Fault::WorkerFreeze => {
-            worker_freeze(ctx, group, round, rig, evidence, &mut note_text).await
-        }
+        Fault::WorkerFreeze => worker_freeze(ctx, group, nth, rig, evidence, &mut note_text).await,
         Fault::FenceKill9 | Fault::FenceSigterm => {
             fence_restart(ctx, fault, group, rig, evidence).await
         }
@@ -26,7 +27,7 @@ pub(super) async fn inject(
         Fault::FenceFreeze => fence_freeze(ctx, group, rig, &mut note_text).await,
         Fault::Partition => partition(ctx, group, rig, evidence, &mut note_text).await,
         Fault::LossyLink => lossy_link(ctx, group, rig, evidence, &mut note_text).await,
-        Fault::StoreStall => store_stall(ctx, group, round, rig, evidence, &mut note_text).await,
+        Fault::StoreStall => store_stall(ctx, group, nth, rig, evidence, &mut note_text).await,
         Fault::SlowBody => slow_body(ctx, group, rig, evidence, &mut note_text).await,
         Fault::SigtermWaiting => {
             sigterm_waiting(ctx, group, round, rig, evidence, &mut note_text).await
@@ -35,9 +36,13 @@ pub(super) async fn inject(
         Fault::ConfigReload => config_reload(ctx, group, rig, evidence, &mut note_text).await,
         Fault::ClockStep => clock_step(ctx, group, round, rig, evidence, &mut note_text).await,
         Fault::FullDisk => full_disk(ctx, group, round, rig, evidence, &mut note_text).await,
-        Fault::SlowDisk => slow_disk(ctx, group, round, rig, evidence, &mut note_text).await,
+        Fault::SlowDisk => {
+            let past = nth % 2 == 1;
+            slow_disk(ctx, group, round, past, rig, evidence, &mut note_text).await
+        }
         Fault::StoreLatency => {
-            store_latency(ctx, group, round, rig, evidence, &mut note_text).await
+            let past = nth % 2 == 1;
+            store_latency(ctx, group, round, past, rig, evidence, &mut note_text).await
         }
         Fault::RedisFailover
         | Fault::RedisDeposed
@@ -87,7 +92,7 @@ pub(super) type Evidence = HashMap<String, (usize, usize)>;
 pub(super) async fn worker_freeze(
     ctx: &Ctx,
     group: usize,
-    round: usize,
+    nth: usize,
     rig: &mut Rig,
     evidence: &mut Evidence,
     note_text: &mut String,
@@ -97,7 +102,7 @@ pub(super) async fn worker_freeze(
     let in_group: Vec<usize> = (0..workers.len())
         .filter(|&i| workers[i].group == group)
         .collect();
-    let victim = in_group[(round / Fault::ALL.len()) % in_group.len()];
+    let victim = in_group[nth % in_group.len()];
     let w = &mut workers[victim];
     let Some((resource, token)) = holding_with_writes_left(w).await else {
         return Err(format!("skipped: {} never held a lease", w.name));
@@ -378,7 +383,7 @@ pub(super) async fn partition(
 pub(super) async fn store_stall(
     ctx: &Ctx,
     group: usize,
-    round: usize,
+    nth: usize,
     rig: &mut Rig,
     evidence: &mut Evidence,
     note_text: &mut String,
@@ -386,7 +391,7 @@ pub(super) async fn store_stall(
     let fences = &mut rig.fences;
     let rec = &ctx.rec;
     // Longer than `timeouts.store` twice (both stores), then shorter twice.
-    let long = (round / Fault::ALL.len() / 2) % 2 == 0;
+    let long = (nth / 2) % 2 == 0;
     let stall = if long { STALL_LONG } else { STALL_SHORT };
     // A keyed write of the group first reaches the ledger and stays there (a slow
     // commit, within the fence's upstream timeout but past its writer's patience, so
@@ -985,6 +990,11 @@ pub(super) async fn clock_step(
     Ok((end, first_ok))
 }
 
+/// The op id (and idempotency key) of the harness's keyed write `key` in fault round `round`.
+fn keyed_op(round: usize, key: &str) -> String {
+    format!("clk{round}-{key}")
+}
+
 /// A `PUT` of `path` with `token` and the idempotency key `key` (made unique by `round`),
 /// straight to the fence: its status and whether it was answered from the key's record.
 async fn keyed_put(
@@ -994,7 +1004,7 @@ async fn keyed_put(
     key: &str,
     round: usize,
 ) -> Option<(u16, bool)> {
-    let op = format!("clk{round}-{key}");
+    let op = keyed_op(round, key);
     let body = format!("clock step {round} {key}");
     let request = format!(
         "PUT {path} HTTP/1.1\r\nhost: fence\r\nconnection: close\r\nfencing-token: {token}\r\n\
@@ -1075,18 +1085,7 @@ pub(super) async fn full_disk(
         "full disk: once it has room, the fence takes writes again without a restart",
         again.is_some_and(|(status, _)| status == 200),
     );
-    let (mut admitted, mut refused) = (0, 0);
-    for o in ctx.rec.ops.lock().unwrap().iter() {
-        if o.group == group && o.sent >= since && o.answered <= until {
-            match o.status {
-                200..=299 => admitted += 1,
-                503 if o.problem.as_deref() == Some("urn:fencegate:store-unavailable") => {
-                    refused += 1
-                }
-                _ => {}
-            }
-        }
-    }
+    let (admitted, refused) = group_answers(ctx, group, since, until);
     f.process.signal("-KILL");
     f.process.exited(Duration::from_secs(10)).await;
     f.process = Fencegate::start_with(&f.prefix, &f.config).await;
@@ -1234,7 +1233,7 @@ async fn probe_new_resources(
         let started = std::time::Instant::now();
         let answer = keyed_put(fence, &format!("/accounts/{id}"), 1, &key, round).await;
         probes.push(Probe {
-            op: format!("clk{round}-{key}"),
+            op: keyed_op(round, &key),
             resource: format!("account:{id}"),
             answer,
             took: started.elapsed(),
@@ -1320,6 +1319,7 @@ pub(super) async fn slow_disk(
     ctx: &Ctx,
     group: usize,
     round: usize,
+    past: bool,
     rig: &mut Rig,
     evidence: &mut Evidence,
     note_text: &mut String,
@@ -1328,7 +1328,6 @@ pub(super) async fn slow_disk(
     let Some(delay_file) = f.slow_disk.clone() else {
         return Err("skipped: the slow-disk library could not be built (cc)".into());
     };
-    let past = (round / Fault::ALL.len()) % 2 == 1;
     let delay = if past {
         SLOW_SYNC_PAST
     } else {
@@ -1380,6 +1379,7 @@ pub(super) async fn store_latency(
     ctx: &Ctx,
     group: usize,
     round: usize,
+    past: bool,
     rig: &mut Rig,
     evidence: &mut Evidence,
     note_text: &mut String,
@@ -1388,7 +1388,6 @@ pub(super) async fn store_latency(
     let Some(relay) = &f.relay else {
         return Err(format!("skipped: group {group}'s store has no relay"));
     };
-    let past = (round / Fault::ALL.len()) % 2 == 1;
     let delay = if past { LATENCY_PAST } else { LATENCY_WITHIN };
     let since = ctx.clock.now();
     relay.set_delay(delay);

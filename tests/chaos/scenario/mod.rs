@@ -434,7 +434,16 @@ pub async fn run(mode: Mode, secs: u64) -> Outcome {
                     Fault::EtcdLeaderKill => ETCD_GROUP,
                     _ => rounds_done % BASE_GROUPS,
                 };
-                let injected = inject(&ctx, fault, group, round, &mut rig, &mut evidence).await;
+                let injected = inject(
+                    &ctx,
+                    fault,
+                    group,
+                    round,
+                    rounds_done,
+                    &mut rig,
+                    &mut evidence,
+                )
+                .await;
                 println!(
                     "  [{:>6.1}s] {:?} on group {}: {:?} down, recovery {:?} {}",
                     started.elapsed().as_secs_f64(),
@@ -462,7 +471,8 @@ pub async fn run(mode: Mode, secs: u64) -> Outcome {
             }
         }
         Mode::Naive => {
-            let injected = inject(&ctx, Fault::WorkerFreeze, 0, 0, &mut rig, &mut evidence).await;
+            let injected =
+                inject(&ctx, Fault::WorkerFreeze, 0, 0, 0, &mut rig, &mut evidence).await;
             println!(
                 "  [{:>6.1}s] {:?} on group {}: {:?} down, recovery {:?} {}",
                 started.elapsed().as_secs_f64(),
