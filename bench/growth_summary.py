@@ -5,31 +5,17 @@ Reads meta.txt and growth-{routes,start,idle,body}.tsv from WORK_DIR. Every figu
 over the rounds (over the three starts for start-up); CPU is the proxy process's utime+stime
 (nginx's worker included) from /proc/<pid>/stat over the measured wrk run.
 """
-import csv
-import os
-import statistics
 import sys
 
+from workdir import med, read_meta, read_tsv
+
 WORK = sys.argv[1]
-meta = {}
-for line in open(os.path.join(WORK, "meta.txt")):
-    if "=" in line:
-        k, v = line.rstrip("\n").split("=", 1)
-        meta[k] = v
+meta = read_meta(WORK)
 HZ = float(meta.get("clk_tck", "100"))
 
 
 def rows(name):
-    path = os.path.join(WORK, name)
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return list(csv.DictReader(f, delimiter="\t"))
-
-
-def med(values):
-    values = [float(v) for v in values if v not in ("", None)]
-    return statistics.median(values) if values else None
+    return read_tsv(WORK, name)
 
 
 def fmt(v, digits=0):

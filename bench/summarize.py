@@ -7,8 +7,9 @@ Reads meta.txt, throughput.tsv, fixed.tsv, memory.tsv and profile/ from WORK_DIR
 
 import csv
 import os
-import statistics
 import sys
+
+from workdir import med, read_meta, read_tsv
 
 WORK = sys.argv[1]
 TARGETS = [
@@ -49,36 +50,13 @@ WORKLOADS = {
 }
 
 
-def read_meta():
-    meta = {}
-    with open(os.path.join(WORK, "meta.txt")) as f:
-        for line in f:
-            if "=" in line:
-                k, v = line.rstrip("\n").split("=", 1)
-                meta[k] = v
-    return meta
-
-
-def read_tsv(name):
-    path = os.path.join(WORK, name)
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return list(csv.DictReader(f, delimiter="\t"))
-
-
-def med(values):
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
-
-
 def fmt(v, digits=0, suffix=""):
     if v is None:
         return "-"
     return f"{v:,.{digits}f}{suffix}"
 
 
-meta = read_meta()
+meta = read_meta(WORK)
 clk = float(meta.get("clk_tck", "100"))
 out = []
 p = out.append
@@ -184,7 +162,7 @@ p(
 p("")
 
 # ---------------------------------------------------------------- throughput
-rows = read_tsv("throughput.tsv")
+rows = read_tsv(WORK, "throughput.tsv")
 summary = {}
 
 
@@ -285,7 +263,7 @@ if rows:
         p("")
 
 # ---------------------------------------------------------------- fixed rate
-fixed = read_tsv("fixed.tsv")
+fixed = read_tsv(WORK, "fixed.tsv")
 fsum = {}
 
 
@@ -455,7 +433,7 @@ if shared:
     p("")
 
 # ---------------------------------------------------------------- memory
-mem = read_tsv("memory.tsv")
+mem = read_tsv(WORK, "memory.tsv")
 msum = {}
 if mem:
     p("## Memory")
@@ -483,7 +461,7 @@ if mem:
         )
     p("")
 
-emb = read_tsv("memory-embedded.tsv")
+emb = read_tsv(WORK, "memory-embedded.tsv")
 esum = {}
 if emb:
     p("## The embedded store with many resources")
