@@ -26,9 +26,18 @@ TARGETS = [
     "fg2-memory",
     "fg2-embedded",
     "fg2-redis",
+    "fg2-postgres",
+    "fg2-etcd",
 ]
 # The shared stores, each with the name of its server.
-SHARED = {"fg-redis": "redis-server", "fg2-redis": "redis-server", "fg-postgres": "PostgreSQL", "fg-etcd": "etcd"}
+SHARED = {
+    "fg-redis": "redis-server",
+    "fg2-redis": "redis-server",
+    "fg-postgres": "PostgreSQL",
+    "fg2-postgres": "PostgreSQL",
+    "fg-etcd": "etcd",
+    "fg2-etcd": "etcd",
+}
 NAMES = {
     "direct": "direct (no proxy)",
     "direct-halt": "direct, cores left to halt (the embedded store's reference)",
@@ -43,6 +52,8 @@ NAMES = {
     "fg2-memory": "fencegate (--compare binary), memory store",
     "fg2-embedded": "fencegate (--compare binary), embedded store",
     "fg2-redis": "fencegate (--compare binary), redis store",
+    "fg2-postgres": "fencegate (--compare binary), postgres store",
+    "fg2-etcd": "fencegate (--compare binary), etcd store",
 }
 WORKLOADS = {
     "get": "GET pass-through (unmatched path, forwarded unfenced)",
@@ -169,7 +180,7 @@ summary = {}
 def store_cpu(target, rs, requests):
     """The median over runs of the shared store server's CPU us per request; None for a target
     without one, or a server whose CPU was not measured (a PostgreSQL not on this machine)."""
-    if target not in SHARED or (target == "fg-postgres" and meta.get("postgres_measured") == "0"):
+    if target not in SHARED or (target.endswith("-postgres") and meta.get("postgres_measured") == "0"):
         return None
     return med(
         [

@@ -1,4 +1,4 @@
-//! Maxima in etcd: one transaction per compare-and-raise.
+//! Maxima in etcd: one transaction per compare-and-raise, or one for a batch of them.
 //!
 //! Values are 20-digit zero-padded decimals, so etcd's byte-wise value comparison is numeric
 //! comparison. The transaction: if the key does not exist, create it; else, in a nested
@@ -6,7 +6,9 @@
 //! it. etcd applies the whole transaction atomically at one revision. A token above
 //! `token.max_step` ([`Rule::floor`]) is raised by one transaction that compares the stored
 //! value with both bounds (below the token, above the floor minus one; a value comparison on
-//! a missing key fails, so a missing maximum is too far), reading it either way.
+//! a missing key fails, so a missing maximum is too far), reading it either way. Concurrent
+//! raises without a floor share a transaction ([`super::shared::batch`]): the outer one
+//! compares nothing and holds each raise's transaction nested, for its own key.
 //!
 //! Idempotency records live at `/{prefix}/idempotency/{resource}\x1f{key}` (the JSON of
 //! [`Record::encode`]), each attached to a lease whose TTL is the record's window rounded up
@@ -29,6 +31,7 @@ use crate::etcd::{
     Compare, CompareOp, KvClient, LeaseClient, PutOptions, Txn, TxnOp, TxnOpResponse,
 };
 
+use super::shared::batch::Raise;
 use super::shared::{Claimed, Remote};
 use super::{decide, record_key, Rule, StoreError, Verdict};
 use crate::conn::etcd::{client, failure};
@@ -45,6 +48,9 @@ pub struct EtcdRemote {
     /// Leases that expire idempotency records.
     lease: LeaseClient,
     prefix: String,
+    /// Set once etcd refused a batch for its size (a `--max-txn-ops` below [`BATCH`]): raises
+    /// then go one transaction each.
+    one_by_one: std::sync::atomic::AtomicBool,
 }
 
 impl EtcdRemote {
@@ -59,6 +65,7 @@ impl EtcdRemote {
             kv: client.kv_client(),
             lease: client.lease_client(),
             prefix: prefix.to_owned(),
+            one_by_one: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -92,6 +99,15 @@ impl EtcdRemote {
                 let _ = client.revoke(id).await;
             });
         }
+    }
+
+    /// Each of `raises` in a transaction of its own, one after another.
+    async fn raise_each(&self, raises: &[Raise]) -> Vec<Result<Verdict, StoreError>> {
+        let mut verdicts = Vec::with_capacity(raises.len());
+        for r in raises {
+            verdicts.push(self.raise(&r.resource, r.token, r.rule).await);
+        }
+        verdicts
     }
 
     /// The record and the maximum of a resource, read at one revision.
@@ -267,6 +283,56 @@ fn parse(value: &[u8]) -> Result<Token, StoreError> {
         .ok_or_else(|| StoreError::corrupt("etcd holds a non-token maximum"))
 }
 
+/// Raises in one transaction at most: etcd refuses a transaction of more than
+/// `--max-txn-ops` operations in any branch (128 by default).
+const BATCH: usize = 64;
+
+/// What etcd answers to a transaction of more operations than its `--max-txn-ops`.
+const TOO_MANY_OPS: &str = "too many operations in txn request";
+
+/// The raise of `key` to `value` with no floor: if the key does not exist, create it; else,
+/// in a nested transaction, if the stored value is below, read it and overwrite it; else read
+/// it.
+fn raise_txn(key: String, value: String) -> Txn {
+    let existing = Txn::new()
+        .when([Compare::value(key.clone(), CompareOp::Less, value.clone())])
+        .and_then([
+            TxnOp::get(key.clone(), None),
+            TxnOp::put(key.clone(), value.clone(), None),
+        ])
+        .or_else([TxnOp::get(key.clone(), None)]);
+    Txn::new()
+        .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
+        .and_then([TxnOp::put(key, value, None)])
+        .or_else([TxnOp::txn(existing)])
+}
+
+/// The verdict of `token` from the answer to its [`raise_txn`]: whether it succeeded (the key
+/// was created) and its operations' answers.
+fn raise_verdict(
+    created: bool,
+    answers: Vec<TxnOpResponse>,
+    token: Token,
+    rule: Rule,
+) -> Result<Verdict, StoreError> {
+    if created {
+        return Ok(Verdict::Admitted { previous: None });
+    }
+    let inner = answers
+        .into_iter()
+        .find_map(|r| match r {
+            TxnOpResponse::Txn(inner) => Some(inner),
+            _ => None,
+        })
+        .ok_or_else(|| StoreError::corrupt("etcd: malformed transaction answer"))?;
+    let current = read_value(&inner.op_responses())?;
+    if inner.succeeded() {
+        Ok(Verdict::Admitted { previous: current })
+    } else {
+        Ok(decide(current, token, rule))
+    }
+}
+
 /// The value read by the first `Get` among transaction responses.
 fn read_value(responses: &[TxnOpResponse]) -> Result<Option<Token>, StoreError> {
     for response in responses {
@@ -311,35 +377,71 @@ impl Remote for EtcdRemote {
                     decide(current, token, rule)
                 });
             }
-            let existing = Txn::new()
-                .when([Compare::value(key.clone(), CompareOp::Less, value.clone())])
-                .and_then([
-                    TxnOp::get(key.clone(), None),
-                    TxnOp::put(key.clone(), value.clone(), None),
-                ])
-                .or_else([TxnOp::get(key.clone(), None)]);
-            let txn = Txn::new()
-                .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
-                .and_then([TxnOp::put(key, value, None)])
-                .or_else([TxnOp::txn(existing)]);
-            let response = self.kv.clone().txn(txn).await.map_err(unavailable)?;
-            if response.succeeded() {
-                return Ok(Verdict::Admitted { previous: None });
+            let response = self
+                .kv
+                .clone()
+                .txn(raise_txn(key, value))
+                .await
+                .map_err(unavailable)?;
+            raise_verdict(response.succeeded(), response.op_responses(), token, rule)
+        })
+    }
+
+    fn batch_limit(&self) -> usize {
+        BATCH
+    }
+
+    fn raise_many<'a>(
+        &'a self,
+        raises: &'a [Raise],
+    ) -> BoxFuture<'a, Result<Vec<Result<Verdict, StoreError>>, StoreError>> {
+        use std::sync::atomic::Ordering::Relaxed;
+        Box::pin(async move {
+            if self.one_by_one.load(Relaxed) {
+                return Ok(self.raise_each(raises).await);
             }
-            let inner = response
-                .op_responses()
-                .into_iter()
-                .find_map(|r| match r {
-                    TxnOpResponse::Txn(inner) => Some(inner),
-                    _ => None,
+            // Each raise a nested transaction of its own, so each compares and writes its own
+            // key; the outer one, with no comparison, runs them all at one revision.
+            let txn = Txn::new().and_then(
+                raises
+                    .iter()
+                    .map(|r| TxnOp::txn(raise_txn(self.key(&r.resource), padded(r.token))))
+                    .collect::<Vec<_>>(),
+            );
+            let response = match self.kv.clone().txn(txn).await {
+                Ok(response) => response,
+                Err(e) if e.to_string().contains(TOO_MANY_OPS) => {
+                    // Nothing was applied: etcd checks the size before it proposes.
+                    if !self.one_by_one.swap(true, Relaxed) {
+                        tracing::warn!(
+                            error = %e,
+                            "etcd refused {} raises in one transaction (its --max-txn-ops is \
+                             below {BATCH}): raises go one transaction each from now on",
+                            raises.len()
+                        );
+                    }
+                    return Ok(self.raise_each(raises).await);
+                }
+                Err(e) => return Err(unavailable(e)),
+            };
+            let answers = response.op_responses();
+            if answers.len() != raises.len() {
+                return Err(StoreError::corrupt(format!(
+                    "etcd: {} answers to {} raises",
+                    answers.len(),
+                    raises.len()
+                )));
+            }
+            Ok(raises
+                .iter()
+                .zip(answers)
+                .map(|(r, answer)| match answer {
+                    TxnOpResponse::Txn(one) => {
+                        raise_verdict(one.succeeded(), one.op_responses(), r.token, r.rule)
+                    }
+                    _ => Err(StoreError::corrupt("etcd: malformed transaction answer")),
                 })
-                .ok_or_else(|| StoreError::corrupt("etcd: malformed transaction answer"))?;
-            let current = read_value(&inner.op_responses())?;
-            if inner.succeeded() {
-                Ok(Verdict::Admitted { previous: current })
-            } else {
-                Ok(decide(current, token, rule))
-            }
+                .collect())
         })
     }
 

@@ -15,6 +15,7 @@
 //! The first sighting is no earlier than the attempt's start, so the takeover is never early,
 //! whatever any wall clock does.
 
+pub mod batch;
 pub mod resets;
 pub mod retention;
 use crate::fence::resource::ResourceId;
@@ -84,6 +85,29 @@ pub trait Remote: Send + Sync + 'static {
         token: Token,
         rule: Rule,
     ) -> BoxFuture<'a, Result<Verdict, StoreError>>;
+
+    /// Most raises [`Remote::raise_many`] takes in one call; 1 (the default): it takes
+    /// none, and every raise is a call of its own.
+    fn batch_limit(&self) -> usize {
+        1
+    }
+
+    /// [`Remote::raise`] of each of `raises` (distinct resources, none with a
+    /// [`Rule::floor`]) in one call to the store, each decided by its own rule and answered
+    /// on its own account ([`batch`]). An `Err` is the whole call's failure. The default
+    /// raises them one after another.
+    fn raise_many<'a>(
+        &'a self,
+        raises: &'a [batch::Raise],
+    ) -> BoxFuture<'a, Result<Vec<Result<Verdict, StoreError>>, StoreError>> {
+        Box::pin(async move {
+            let mut verdicts = Vec::with_capacity(raises.len());
+            for r in raises {
+                verdicts.push(self.raise(&r.resource, r.token, r.rule).await);
+            }
+            Ok(verdicts)
+        })
+    }
 
     /// The maximum the store records for `resource`, if any.
     fn get<'a>(&'a self, resource: &'a str) -> BoxFuture<'a, Result<Option<Token>, StoreError>>;
@@ -290,6 +314,8 @@ pub struct SharedStore<R: Remote> {
     resets: Arc<resets::Resets>,
     /// Follows the store's reset generation ([`resets`]); stopped when the store is dropped.
     follow: tokio::task::JoinHandle<()>,
+    /// The queue that sends concurrent raises together, when the remote takes batches.
+    batcher: Option<batch::Batcher>,
 }
 
 /// Probe cadence: every `HEALTHY_PROBE` while healthy; from `MIN_BACKOFF` doubling to
@@ -322,6 +348,8 @@ impl<R: Remote> SharedStore<R> {
             Arc::clone(&cache),
             Arc::clone(&seen),
         ));
+        let batcher =
+            (remote.batch_limit() > 1).then(|| batch::Batcher::start(Arc::clone(&remote)));
         SharedStore {
             remote,
             cache,
@@ -333,6 +361,30 @@ impl<R: Remote> SharedStore<R> {
             checks,
             resets: seen,
             follow,
+            batcher,
+        }
+    }
+
+    /// The remote's compare-and-raise, sent with others when the remote takes batches. A
+    /// raise with a floor (`token.max_step`) is always sent alone.
+    async fn raise(
+        &self,
+        resource: &ResourceId,
+        token: Token,
+        rule: Rule,
+    ) -> Result<Verdict, StoreError> {
+        match &self.batcher {
+            Some(batcher) if rule.floor(token).is_none() => {
+                let resource = resource.as_ref().to_owned();
+                batcher
+                    .raise(batch::Raise {
+                        resource,
+                        token,
+                        rule,
+                    })
+                    .await
+            }
+            _ => self.remote.raise(resource, token, rule).await,
         }
     }
 
@@ -436,7 +488,7 @@ impl<R: Remote> FenceStore for SharedStore<R> {
         Box::pin(async move {
             self.guard.admit().await?;
             let era = self.cache.era();
-            let result = self.remote.raise(resource, token, rule).await;
+            let result = self.raise(resource, token, rule).await;
             self.record(&result);
             match &result {
                 Ok(Verdict::Admitted { .. }) => self.cache.observe_in(era, resource, token),

@@ -53,7 +53,7 @@ pub struct Service {
     pub port: u16,
     child: Option<Child>,
     dir: tempfile::TempDir,
-    /// Redis: more arguments for `redis-server` (`--replicaof …`).
+    /// Redis and etcd: more arguments for the server (`--replicaof …`, `--max-txn-ops …`).
     extra: Vec<String>,
     /// Redis: run as a Sentinel with this configuration (it rewrites the file, kept in `dir`).
     sentinel_conf: Option<String>,
@@ -73,6 +73,12 @@ impl Service {
     pub async fn start_redis_with(args: &[&str]) -> Service {
         let args = args.iter().map(|a| (*a).to_owned()).collect();
         Self::start_with(Kind::Redis, args, None).await
+    }
+
+    /// An etcd server with more `etcd` arguments.
+    pub async fn start_etcd_with(args: &[&str]) -> Service {
+        let args = args.iter().map(|a| (*a).to_owned()).collect();
+        Self::start_with(Kind::Etcd, args, None).await
     }
 
     /// A Redis Sentinel with configuration `conf` (its `port` comes from the command line).
@@ -179,6 +185,7 @@ impl Service {
                     "--log-level",
                     "error",
                 ]);
+                c.args(&self.extra);
                 c
             }
             Kind::Postgres => {

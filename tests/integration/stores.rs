@@ -277,6 +277,176 @@ async fn many_resources(store: Arc<dyn FenceStore>) {
     assert!(store.healthy());
 }
 
+/// 200 raises at once, of one held resource (stale and equal tokens), one climbing resource
+/// (racing tokens) and fresh ones: each answered as it would be alone, however the store
+/// groups them.
+async fn concurrent_mixed(store: Arc<dyn FenceStore>) {
+    assert_eq!(
+        store
+            .compare_and_raise(&rid("held"), tk(10), Allow.into())
+            .await
+            .unwrap(),
+        Verdict::Admitted { previous: None }
+    );
+    let mut tasks = Vec::new();
+    for i in 0..200u64 {
+        let store = Arc::clone(&store);
+        tasks.push(tokio::spawn(async move {
+            let (resource, token) = match i % 5 {
+                0 => ("held".to_owned(), 5),
+                1 => ("held".to_owned(), 10),
+                2 => ("climb".to_owned(), i),
+                _ => (format!("fresh{i}"), i + 1),
+            };
+            let verdict = store
+                .compare_and_raise(&rid(&resource), tk(token), Allow.into())
+                .await
+                .unwrap();
+            (i, token, verdict)
+        }));
+    }
+    let mut climbed = None;
+    for t in tasks {
+        let (i, token, verdict) = t.await.unwrap();
+        match (i % 5, verdict) {
+            (0, v) => assert_eq!(v, Verdict::Stale { current: tk(10) }, "raise {i}"),
+            (1, v) => assert_eq!(
+                v,
+                Verdict::Admitted {
+                    previous: Some(tk(10))
+                },
+                "raise {i}"
+            ),
+            (2, Verdict::Admitted { previous }) => {
+                assert!(previous.is_none_or(|p| p < tk(token)), "raise {i}");
+                climbed = climbed.max(Some(token));
+            }
+            (2, Verdict::Stale { current }) => assert!(current > tk(token), "raise {i}"),
+            (_, v) => assert_eq!(v, Verdict::Admitted { previous: None }, "raise {i}"),
+        }
+    }
+    assert_eq!(climbed, Some(197), "the highest climbing token is admitted");
+    assert_eq!(store.current(&rid("held")).await.unwrap(), Some(tk(10)));
+    assert_eq!(store.current(&rid("climb")).await.unwrap(), Some(tk(197)));
+    assert_eq!(
+        store.current(&rid("fresh199")).await.unwrap(),
+        Some(tk(200))
+    );
+}
+
+/// 150 raises of fresh resources (`{name}0` to `{name}149`) at once on `store`.
+async fn raise_fresh_at_once(store: &Arc<dyn FenceStore>, name: &'static str) {
+    let mut tasks = Vec::new();
+    for i in 0..150u64 {
+        let store = Arc::clone(store);
+        tasks.push(tokio::spawn(async move {
+            store
+                .compare_and_raise(&rid(&format!("{name}{i}")), tk(i + 1), Allow.into())
+                .await
+                .unwrap()
+        }));
+    }
+    for t in tasks {
+        assert_eq!(t.await.unwrap(), Verdict::Admitted { previous: None });
+    }
+    assert_eq!(
+        store.current(&rid(&format!("{name}149"))).await.unwrap(),
+        Some(tk(150))
+    );
+}
+
+/// Concurrent raises share PostgreSQL statements, and so commits: the 150 rows of 150 raises
+/// at once were written by far fewer than 150 transactions (each row's `xmin`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_concurrent_raises_share_commits() {
+    let prefix = fresh_prefix();
+    let store = store::open(&postgres_config(&prefix).store).await.unwrap();
+    raise_fresh_at_once(&store, "fresh").await;
+    let admin = postgres_admin().await;
+    let row = admin
+        .query_one(
+            &format!("SELECT count(*), count(DISTINCT xmin::text) FROM {prefix}_fences"),
+            &[],
+        )
+        .await
+        .unwrap();
+    let (rows, transactions): (i64, i64) = (row.get(0), row.get(1));
+    assert_eq!(rows, 150);
+    assert!(
+        transactions < 100,
+        "150 concurrent raises took {transactions} transactions"
+    );
+    admin
+        .batch_execute(&format!(
+            "DROP TABLE IF EXISTS {prefix}_fences, {prefix}_idempotency, {prefix}_retention"
+        ))
+        .await
+        .unwrap();
+}
+
+/// Concurrent raises share etcd transactions: the 150 keys of 150 raises at once were written
+/// at far fewer than 150 revisions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_concurrent_raises_share_transactions() {
+    let dir = tempfile::tempdir().unwrap();
+    let (yaml, etcd) = store_yaml("etcd", &dir).await;
+    let etcd = etcd.unwrap();
+    let config = Config::parse(&format!("upstream: http://127.0.0.1:1\n{yaml}")).unwrap();
+    let store = store::open(&config.store).await.unwrap();
+    raise_fresh_at_once(&store, "fresh").await;
+    let out = tokio::process::Command::new("etcdctl")
+        .env("ETCDCTL_API", "3")
+        .arg(format!("--endpoints=http://127.0.0.1:{}", etcd.port))
+        .args(["get", "/", "--prefix", "-w", "json"])
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let kvs = json["kvs"].as_array().unwrap();
+    let fences: Vec<_> = kvs
+        .iter()
+        .filter(|kv| {
+            use base64::Engine;
+            let key = base64::engine::general_purpose::STANDARD
+                .decode(kv["key"].as_str().unwrap())
+                .unwrap();
+            String::from_utf8(key).unwrap().contains("/fences/fresh")
+        })
+        .collect();
+    assert_eq!(fences.len(), 150);
+    let revisions: std::collections::HashSet<i64> = fences
+        .iter()
+        .map(|kv| kv["mod_revision"].as_i64().unwrap())
+        .collect();
+    assert!(
+        revisions.len() < 100,
+        "150 concurrent raises took {} transactions",
+        revisions.len()
+    );
+}
+
+/// An etcd that takes fewer operations in a transaction than a batch holds (`--max-txn-ops
+/// 8`): the first batch it refuses is raised one transaction each, and so is every raise
+/// after it; every raise is answered as alone, none refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_refusing_large_transactions_gets_raises_one_by_one() {
+    let etcd = Service::start_etcd_with(&["--max-txn-ops", "8"]).await;
+    let config = Config::parse(&format!(
+        "upstream: http://127.0.0.1:1\nstore: {{ kind: etcd, url: '{}', prefix: {} }}\n",
+        etcd.url(),
+        fresh_prefix()
+    ))
+    .unwrap();
+    let store = store::open(&config.store).await.unwrap();
+    raise_fresh_at_once(&store, "fresh").await;
+    raise_fresh_at_once(&store, "again").await;
+}
+
 macro_rules! conformance {
     ($($kind:ident),*) => {$(
         mod $kind {
@@ -289,6 +459,8 @@ macro_rules! conformance {
             async fn concurrent_racing() { let (s, _g, _d) = open(stringify!($kind)).await; super::concurrent_racing(s).await }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn many_resources() { let (s, _g, _d) = open(stringify!($kind)).await; super::many_resources(s).await }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn concurrent_mixed() { let (s, _g, _d) = open(stringify!($kind)).await; super::concurrent_mixed(s).await }
         }
     )*};
 }

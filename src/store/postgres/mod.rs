@@ -12,6 +12,11 @@
 //! says why (stale, equal, or too far: each true at the time of that read); if that read finds
 //! a maximum that has meanwhile risen to within the step, the raise is tried again.
 //!
+//! Concurrent raises without a floor share a statement, and so a commit
+//! ([`super::shared::batch`]): the same upsert over `unnest` of the batch's resources and
+//! tokens, one row each, given in the resources' order so that batches lock rows in one order.
+//! The maxima of those it did not raise are read in one more statement.
+//!
 //! Idempotency records live in `<prefix>_idempotency`, one row per `(resource, key)`: the phase
 //! code, token, fingerprint and (`in_flight` rows only) attempt id and in-flight lifetime as
 //! columns (for the conditional outcome write and the takeover; these columns are added to
@@ -43,6 +48,9 @@ mod admin;
 mod records;
 mod retention;
 
+/// Raises in one statement at most.
+const BATCH: usize = 64;
+
 use crate::fence::token::Token;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -52,6 +60,7 @@ use tokio::time::Instant;
 use deadpool_postgres::Pool;
 use tokio::sync::OnceCell;
 
+use super::shared::batch::Raise;
 use super::shared::{Claimed, Remote};
 use super::{decide, Rule, StoreError, Verdict};
 use crate::conn::postgres::{describe, failure, pool, Guard, START_CHECK};
@@ -72,6 +81,10 @@ pub struct PostgresRemote {
     raise_sql: String,
     /// The raise of a token above `token.max_step`: an existing maximum at least the floor.
     raise_from_sql: String,
+    /// The raise of several tokens without a floor, one per resource ([`Remote::raise_many`]).
+    raise_many_sql: String,
+    /// The maxima of several resources.
+    get_many_sql: String,
     get_sql: String,
     records: String,
     /// The table of the retention mark ([`crate::store::retention`]).
@@ -116,6 +129,19 @@ impl PostgresRemote {
                      raised_at = CASE WHEN $3 THEN now() END \
                  WHERE f.resource = $1 AND f.max_token < $2 AND f.max_token >= $4 \
                  RETURNING prev_token"
+            ),
+            raise_many_sql: format!(
+                "INSERT INTO {table} AS f (resource, max_token, prev_token, raised_at) \
+                 SELECT r, t, NULL, CASE WHEN $3 THEN now() END \
+                 FROM unnest($1::text[], $2::bigint[]) AS i(r, t) \
+                 ON CONFLICT (resource) DO UPDATE \
+                 SET max_token = EXCLUDED.max_token, prev_token = f.max_token, \
+                     raised_at = EXCLUDED.raised_at \
+                 WHERE f.max_token < EXCLUDED.max_token \
+                 RETURNING resource, prev_token"
+            ),
+            get_many_sql: format!(
+                "SELECT resource, max_token FROM {table} WHERE resource = ANY($1::text[])"
             ),
             forget: Forget::new(&table, &marks),
             get_sql: format!("SELECT max_token FROM {table} WHERE resource = $1"),
@@ -291,6 +317,80 @@ impl Remote for PostgresRemote {
                     return Ok(verdict);
                 }
             }
+        })
+    }
+
+    fn batch_limit(&self) -> usize {
+        BATCH
+    }
+
+    fn raise_many<'a>(
+        &'a self,
+        raises: &'a [Raise],
+    ) -> BoxFuture<'a, Result<Vec<Result<Verdict, StoreError>>, StoreError>> {
+        Box::pin(async move {
+            // Rows are locked in the order they are given, so every batch gives them in one
+            // order: two batches (of this sidecar or another) never wait on each other's rows
+            // in a cycle.
+            let mut order: Vec<usize> = (0..raises.len()).collect();
+            order.sort_unstable_by(|&a, &b| raises[a].resource.cmp(&raises[b].resource));
+            let resources: Vec<&str> = order.iter().map(|&i| &*raises[i].resource).collect();
+            let tokens: Vec<i64> = order.iter().map(|&i| raises[i].token.to_i64()).collect();
+            let client = self.client().await?;
+            let raise = client
+                .prepare_cached(&self.raise_many_sql)
+                .await
+                .map_err(|e| self.failed(&e))?;
+            let aging = self.aging();
+            let rows = client
+                .query(&raise, &[&resources, &tokens, &aging])
+                .await
+                .map_err(|e| self.failed(&e))?;
+            let mut raised = std::collections::HashMap::with_capacity(rows.len());
+            for row in &rows {
+                let previous: Option<i64> = row.get(1);
+                raised.insert(row.get::<_, &str>(0), previous.map(token_of).transpose()?);
+            }
+            // The others were not raised: their maxima decide them, read in one statement.
+            let rest: Vec<&str> = resources
+                .iter()
+                .copied()
+                .filter(|r| !raised.contains_key(r))
+                .collect();
+            let mut current = std::collections::HashMap::with_capacity(rest.len());
+            if !rest.is_empty() {
+                let get = client
+                    .prepare_cached(&self.get_many_sql)
+                    .await
+                    .map_err(|e| self.failed(&e))?;
+                for row in client
+                    .query(&get, &[&rest])
+                    .await
+                    .map_err(|e| self.failed(&e))?
+                {
+                    current.insert(row.get::<_, String>(0), token_of(row.get(1))?);
+                }
+            }
+            drop(client);
+            let mut verdicts = Vec::with_capacity(raises.len());
+            for r in raises {
+                let verdict = match raised.get(&*r.resource) {
+                    Some(previous) => Verdict::Admitted {
+                        previous: *previous,
+                    },
+                    None => {
+                        let verdict = decide(current.get(&r.resource).copied(), r.token, r.rule);
+                        if verdict.raised(r.token) {
+                            // Forgotten since the statement (retention, a reset): alone, again.
+                            verdicts.push(self.raise(&r.resource, r.token, r.rule).await);
+                            continue;
+                        }
+                        verdict
+                    }
+                };
+                verdicts.push(Ok(verdict));
+            }
+            Ok(verdicts)
         })
     }
 
