@@ -31,7 +31,7 @@ use crate::etcd::{
     Compare, CompareOp, KvClient, LeaseClient, PutOptions, Txn, TxnOp, TxnOpResponse,
 };
 
-use super::shared::batch::Raise;
+use super::shared::batch::{one_by_one, Raise};
 use super::shared::{Claimed, Remote};
 use super::{decide, record_key, Rule, StoreError, Verdict};
 use crate::conn::etcd::{client, failure};
@@ -50,7 +50,7 @@ pub struct EtcdRemote {
     prefix: String,
     /// Set once etcd refused a batch for its size (a `--max-txn-ops` below [`BATCH`]): raises
     /// then go one transaction each.
-    one_by_one: std::sync::atomic::AtomicBool,
+    unbatched: std::sync::atomic::AtomicBool,
 }
 
 impl EtcdRemote {
@@ -65,7 +65,7 @@ impl EtcdRemote {
             kv: client.kv_client(),
             lease: client.lease_client(),
             prefix: prefix.to_owned(),
-            one_by_one: std::sync::atomic::AtomicBool::new(false),
+            unbatched: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -99,15 +99,6 @@ impl EtcdRemote {
                 let _ = client.revoke(id).await;
             });
         }
-    }
-
-    /// Each of `raises` in a transaction of its own, one after another.
-    async fn raise_each(&self, raises: &[Raise]) -> Vec<Result<Verdict, StoreError>> {
-        let mut verdicts = Vec::with_capacity(raises.len());
-        for r in raises {
-            verdicts.push(self.raise(&r.resource, r.token, r.rule).await);
-        }
-        verdicts
     }
 
     /// The record and the maximum of a resource, read at one revision.
@@ -397,8 +388,8 @@ impl Remote for EtcdRemote {
     ) -> BoxFuture<'a, Result<Vec<Result<Verdict, StoreError>>, StoreError>> {
         use std::sync::atomic::Ordering::Relaxed;
         Box::pin(async move {
-            if self.one_by_one.load(Relaxed) {
-                return Ok(self.raise_each(raises).await);
+            if self.unbatched.load(Relaxed) {
+                return Ok(one_by_one(self, raises).await);
             }
             // Each raise a nested transaction of its own, so each compares and writes its own
             // key; the outer one, with no comparison, runs them all at one revision.
@@ -412,7 +403,7 @@ impl Remote for EtcdRemote {
                 Ok(response) => response,
                 Err(e) if e.to_string().contains(TOO_MANY_OPS) => {
                     // Nothing was applied: etcd checks the size before it proposes.
-                    if !self.one_by_one.swap(true, Relaxed) {
+                    if !self.unbatched.swap(true, Relaxed) {
                         tracing::warn!(
                             error = %e,
                             "etcd refused {} raises in one transaction (its --max-txn-ops is \
@@ -420,7 +411,7 @@ impl Remote for EtcdRemote {
                             raises.len()
                         );
                     }
-                    return Ok(self.raise_each(raises).await);
+                    return Ok(one_by_one(self, raises).await);
                 }
                 Err(e) => return Err(unavailable(e)),
             };

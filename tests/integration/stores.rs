@@ -384,6 +384,57 @@ async fn postgres_concurrent_raises_share_commits() {
         .unwrap();
 }
 
+/// A raise PostgreSQL refuses (a resource id too long for its index) fails alone: the raises
+/// that shared its statement are sent again each alone and answered as if it had not been
+/// there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_raise_the_server_refuses_fails_alone() {
+    let prefix = fresh_prefix();
+    let store = store::open(&postgres_config(&prefix).store).await.unwrap();
+    // 9,000 letters that do not compress below the index's limit of about 2,700 bytes.
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    let long: String = (0..9000)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            char::from(b'a' + (x % 26) as u8)
+        })
+        .collect();
+    let mut tasks = Vec::new();
+    for i in 0..150u64 {
+        let store = Arc::clone(&store);
+        let resource = if i == 100 {
+            long.clone()
+        } else {
+            format!("fresh{i}")
+        };
+        tasks.push(tokio::spawn(async move {
+            let answer = store
+                .compare_and_raise(&rid(&resource), tk(i + 1), Allow.into())
+                .await;
+            (i, answer)
+        }));
+    }
+    for t in tasks {
+        match t.await.unwrap() {
+            (100, answer) => assert!(answer.is_err(), "{answer:?}"),
+            (i, answer) => assert_eq!(
+                answer.unwrap(),
+                Verdict::Admitted { previous: None },
+                "raise {i}"
+            ),
+        }
+    }
+    postgres_admin()
+        .await
+        .batch_execute(&format!(
+            "DROP TABLE IF EXISTS {prefix}_fences, {prefix}_idempotency, {prefix}_retention"
+        ))
+        .await
+        .unwrap();
+}
+
 /// Concurrent raises share etcd transactions: the 150 keys of 150 raises at once were written
 /// at far fewer than 150 revisions.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

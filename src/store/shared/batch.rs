@@ -12,8 +12,10 @@
 //! A batch holds each resource once (one statement or transaction may not write a key
 //! twice): a second raise of a resource already in the batch waits for the next call. Each
 //! raise is decided by its own rule, as it would be alone, and answered on its own account:
-//! one raise's verdict is never another's. When the call fails, every raise in it gets the
-//! error, so each is refused as if it had failed alone (fail closed).
+//! one raise's verdict is never another's. When the server refuses the call, or answers what
+//! does not parse, that may be one raise's doing (a resource id it cannot hold): each raise is
+//! then sent alone, so that only those that fail alone are refused. When the server cannot be
+//! reached, every raise in the call gets that error (fail closed).
 //!
 //! A raise whose caller stopped waiting (its `timeouts.store` passed) before its batch was
 //! sent is left out of it: it was answered `503` already, so it need not change the maximum.
@@ -24,7 +26,7 @@ use std::sync::Arc;
 use tokio::sync::{mpsc, oneshot, Semaphore};
 
 use super::Remote;
-use crate::store::{Rule, StoreError, Token, Verdict};
+use crate::store::{ErrorKind, Rule, StoreError, Token, Verdict};
 
 /// Calls under way at once; more raises wait in the queue and share the next call.
 pub const CALLS: usize = 4;
@@ -119,6 +121,18 @@ async fn drive<R: Remote>(remote: Arc<R>, mut waiting: mpsc::UnboundedReceiver<(
     }
 }
 
+/// Each of `raises` by the remote's own [`Remote::raise`], one after another.
+pub async fn one_by_one<R: Remote + ?Sized>(
+    remote: &R,
+    raises: &[Raise],
+) -> Vec<Result<Verdict, StoreError>> {
+    let mut verdicts = Vec::with_capacity(raises.len());
+    for r in raises {
+        verdicts.push(remote.raise(&r.resource, r.token, r.rule).await);
+    }
+    verdicts
+}
+
 /// One call for `batch`: the remote's own raise for one, its batch call for more.
 async fn send<R: Remote>(remote: &R, batch: Vec<(Raise, Answer)>) {
     let (raises, answers): (Vec<Raise>, Vec<Answer>) = batch.into_iter().unzip();
@@ -144,6 +158,15 @@ async fn send<R: Remote>(remote: &R, batch: Vec<(Raise, Answer)>) {
             ));
             for answer in answers {
                 let _ = answer.send(Err(e.clone()));
+            }
+        }
+        // The server refused the call, or answered what does not parse: that may be one
+        // raise's doing (a resource id it cannot hold), so each is sent alone, and only the
+        // raises that fail alone are refused.
+        Err(e) if matches!(e.kind(), ErrorKind::Refused | ErrorKind::Corrupt) => {
+            tracing::debug!(store = remote.kind(), error = %e, "a batch of raises failed; raising each alone");
+            for (answer, verdict) in answers.into_iter().zip(one_by_one(remote, &raises).await) {
+                let _ = answer.send(verdict);
             }
         }
         Err(e) => {
