@@ -70,6 +70,13 @@ impl State {
             State::Acquiring | State::Held | State::Draining => false,
         }
     }
+
+    /// Whether a new acquisition gives back to the backend a lease listed in this state as it
+    /// forgets it: a lost lease may still be held there (its renewals failed, the backend's
+    /// TTL not yet over), and nobody would release it any more; a released one is gone.
+    pub(crate) fn given_back_on_acquire(self) -> bool {
+        self == State::Expired
+    }
 }
 
 /// A lease transition or renewal, as sent on the events stream.

@@ -271,9 +271,14 @@ impl Agent {
                 return Ok(existing);
             }
             // Held here by another holder, the backend says so too, and the loop below waits
-            // for it like for any other holder; a lost or released lease is forgotten.
+            // for it like for any other holder; a lost or released lease is forgotten, and a
+            // lost one given back, so that neither this acquisition nor the next holder waits
+            // for its TTL, nor does it outlive a drain.
             if state.forgotten_on_acquire() {
                 self.forget(resource, &existing);
+                if state.given_back_on_acquire() {
+                    self.give_back_lost(&existing.grant).await;
+                }
             }
         }
         let _acquiring = self.start_acquiring(resource, holder, ttl);
@@ -341,6 +346,25 @@ impl Agent {
     /// Whether shutdown has begun.
     pub fn is_draining(&self) -> bool {
         *self.draining.borrow()
+    }
+
+    /// Releases on the backend a lost lease an acquisition forgot: the backend releases it
+    /// only if it still holds that grant (its lease id), so a newer grant is never touched.
+    async fn give_back_lost(&self, grant: &Grant) {
+        let released = self.backend.release(grant).await;
+        let (released, error) = match released {
+            Ok(released) => (released, None),
+            Err(e) => (false, Some(e.to_string())),
+        };
+        tracing::info!(
+            resource = grant.resource,
+            holder_id = grant.holder,
+            lease_id = grant.lease_id,
+            fencing_token = grant.token.get(),
+            released,
+            error,
+            "lost lease given back before a new acquisition"
+        );
     }
 
     /// Returns a grant that arrived after draining began to the backend.

@@ -143,6 +143,34 @@ async fn an_acquisition_forgets_only_the_lease_it_read() {
     assert!(agent.get("r").is_none());
 }
 
+/// A lost lease the backend still holds (its renewals failed, its TTL not over) is given back
+/// when a new acquisition of the resource forgets it: the new one is granted at once, where it
+/// waited for the TTL before, and nothing of the lost one outlives a drain.
+#[tokio::test(start_paused = true)]
+async fn an_acquisition_gives_back_the_lost_lease_it_forgets() {
+    let dir = tempfile::tempdir().unwrap();
+    let agent = agent(&dir).await;
+    let lost = agent
+        .acquire("r", "w1", None, Duration::ZERO)
+        .await
+        .unwrap();
+    agent.lose(&lost, "renewals failed");
+    assert_eq!(lost.state(), State::Expired);
+    let latest = agent.backend().latest_token("r").await.unwrap();
+    assert_eq!(latest, Some(lost.grant.token));
+    let new = agent
+        .acquire("r", "w2", None, Duration::ZERO)
+        .await
+        .expect("granted at once: the lost lease was given back");
+    assert!(new.grant.token > lost.grant.token);
+    assert!(agent.get("r").is_some_and(|l| Arc::ptr_eq(&l, &new)));
+    agent.release_all().await;
+    assert!(
+        !agent.backend().release(&new.grant).await.unwrap(),
+        "the drain released the new lease"
+    );
+}
+
 /// The drain's last step cannot run ahead of its first: releasing everything drains too.
 #[tokio::test(start_paused = true)]
 async fn releasing_everything_grants_nothing_more() {
