@@ -277,7 +277,8 @@ impl Agent {
             if state.forgotten_on_acquire() {
                 self.forget(resource, &existing);
                 if state.given_back_on_acquire() {
-                    self.give_back_lost(&existing.grant).await;
+                    let why = "lost lease given back before a new acquisition";
+                    self.give_back(&existing.grant, why).await;
                 }
             }
         }
@@ -301,7 +302,8 @@ impl Agent {
                     return match self.hold(grant, ttl, sent) {
                         Ok(lease) => Ok(lease),
                         Err(grant) => {
-                            self.give_back(&grant).await;
+                            let why = "lease granted while draining; given back";
+                            self.give_back(&grant, why).await;
                             Err(AcquireError::Draining)
                         }
                     };
@@ -348,11 +350,11 @@ impl Agent {
         *self.draining.borrow()
     }
 
-    /// Releases on the backend a lost lease an acquisition forgot: the backend releases it
-    /// only if it still holds that grant (its lease id), so a newer grant is never touched.
-    async fn give_back_lost(&self, grant: &Grant) {
-        let released = self.backend.release(grant).await;
-        let (released, error) = match released {
+    /// Releases `grant` on the backend, which releases it only if it still holds that grant
+    /// (its lease id), so a newer grant is never touched: a grant that arrived after draining
+    /// began, or a lost lease an acquisition forgot. `why` is the log line.
+    async fn give_back(&self, grant: &Grant, why: &'static str) {
+        let (released, error) = match self.backend.release(grant).await {
             Ok(released) => (released, None),
             Err(e) => (false, Some(e.to_string())),
         };
@@ -363,21 +365,7 @@ impl Agent {
             fencing_token = grant.token.get(),
             released,
             error,
-            "lost lease given back before a new acquisition"
-        );
-    }
-
-    /// Returns a grant that arrived after draining began to the backend.
-    async fn give_back(&self, grant: &Grant) {
-        let released = self.backend.release(grant).await;
-        let error = released.err().map(|e| e.to_string());
-        tracing::info!(
-            resource = grant.resource,
-            holder_id = grant.holder,
-            lease_id = grant.lease_id,
-            fencing_token = grant.token.get(),
-            error,
-            "lease granted while draining; given back"
+            "{why}"
         );
     }
 
