@@ -379,7 +379,11 @@ impl Remote for EtcdRemote {
     }
 
     fn batch_limit(&self) -> usize {
-        BATCH
+        if self.unbatched.load(std::sync::atomic::Ordering::Relaxed) {
+            1
+        } else {
+            BATCH
+        }
     }
 
     fn raise_many<'a>(
@@ -402,7 +406,8 @@ impl Remote for EtcdRemote {
             let response = match self.kv.clone().txn(txn).await {
                 Ok(response) => response,
                 Err(e) if e.to_string().contains(TOO_MANY_OPS) => {
-                    // Nothing was applied: etcd checks the size before it proposes.
+                    // Nothing was applied: etcd checks the size before it proposes. The raises
+                    // are sent again, each alone, and so is every raise from now on.
                     if !self.unbatched.swap(true, Relaxed) {
                         tracing::warn!(
                             error = %e,
@@ -411,17 +416,19 @@ impl Remote for EtcdRemote {
                             raises.len()
                         );
                     }
-                    return Ok(one_by_one(self, raises).await);
+                    return Err(unavailable(e));
                 }
                 Err(e) => return Err(unavailable(e)),
             };
             let answers = response.op_responses();
             if answers.len() != raises.len() {
-                return Err(StoreError::corrupt(format!(
+                // Applied, but not answered raise by raise: each is refused, none sent again.
+                let e = StoreError::corrupt(format!(
                     "etcd: {} answers to {} raises",
                     answers.len(),
                     raises.len()
-                )));
+                ));
+                return Ok(raises.iter().map(|_| Err(e.clone())).collect());
             }
             Ok(raises
                 .iter()

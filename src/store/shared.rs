@@ -87,15 +87,18 @@ pub trait Remote: Send + Sync + 'static {
     ) -> BoxFuture<'a, Result<Verdict, StoreError>>;
 
     /// Most raises [`Remote::raise_many`] takes in one call; 1 (the default): it takes
-    /// none, and every raise is a call of its own.
+    /// none, and every raise is a call of its own. A remote that takes batches may turn this
+    /// to 1 later (an etcd that refuses them): raises then go around the queue.
     fn batch_limit(&self) -> usize {
         1
     }
 
     /// [`Remote::raise`] of each of `raises` (distinct resources, none with a
     /// [`Rule::floor`]) in one call to the store, each decided by its own rule and answered
-    /// on its own account ([`batch`]). An `Err` is the whole call's failure. The default
-    /// raises them one after another.
+    /// on its own account ([`batch`]). An `Err` is the whole call's failure, and says that
+    /// none of them took effect: the raises are then sent again, each alone, if the server
+    /// refused the call. Once any may have taken effect, errors are answered raise by raise.
+    /// The default raises them one by one.
     fn raise_many<'a>(
         &'a self,
         raises: &'a [batch::Raise],
@@ -360,7 +363,8 @@ impl<R: Remote> SharedStore<R> {
     }
 
     /// The remote's compare-and-raise, sent with others when the remote takes batches. A
-    /// raise with a floor (`token.max_step`) is always sent alone.
+    /// raise with a floor (`token.max_step`) is always sent alone, and so is every raise once
+    /// the remote stopped taking batches.
     async fn raise(
         &self,
         resource: &ResourceId,
@@ -368,7 +372,7 @@ impl<R: Remote> SharedStore<R> {
         rule: Rule,
     ) -> Result<Verdict, StoreError> {
         match &self.batcher {
-            Some(batcher) if rule.floor(token).is_none() => {
+            Some(batcher) if rule.floor(token).is_none() && self.remote.batch_limit() > 1 => {
                 let resource = resource.as_ref().to_owned();
                 batcher
                     .raise(batch::Raise {

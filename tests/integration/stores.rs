@@ -481,9 +481,29 @@ async fn etcd_concurrent_raises_share_transactions() {
     );
 }
 
+/// How many transactions an etcd refused as too large: `grpc_server_handled_total` of `Txn`
+/// with code `InvalidArgument`, from its `/metrics`.
+async fn etcd_txns_refused(port: u16) -> u64 {
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let text = raw(
+        addr,
+        b"GET /metrics HTTP/1.1\r\nHost: etcd\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    text.lines()
+        .filter(|l| l.starts_with("grpc_server_handled_total{"))
+        .filter(|l| {
+            l.contains("grpc_code=\"InvalidArgument\"") && l.contains("grpc_method=\"Txn\"")
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum()
+}
+
 /// An etcd that takes fewer operations in a transaction than a batch holds (`--max-txn-ops
-/// 8`): the first batch it refuses is raised one transaction each, and so is every raise
-/// after it; every raise is answered as alone, none refused.
+/// 8`): the batches it refuses are raised one transaction each, and so is every raise after
+/// the first refusal; every raise is answered as alone, none refused. etcd refused only the
+/// batches under way when the first refusal came back (at most the queue's four calls),
+/// however many raises followed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn etcd_refusing_large_transactions_gets_raises_one_by_one() {
     let etcd = Service::start_etcd_with(&["--max-txn-ops", "8"]).await;
@@ -496,6 +516,11 @@ async fn etcd_refusing_large_transactions_gets_raises_one_by_one() {
     let store = store::open(&config.store).await.unwrap();
     raise_fresh_at_once(&store, "fresh").await;
     raise_fresh_at_once(&store, "again").await;
+    let refused = etcd_txns_refused(etcd.port).await;
+    assert!(
+        (1..=4).contains(&refused),
+        "etcd refused {refused} transactions"
+    );
 }
 
 macro_rules! conformance {

@@ -261,6 +261,28 @@ fn token_of(v: i64) -> Result<Token, StoreError> {
         .map_err(|_| StoreError::corrupt(format!("postgres holds a negative maximum {v}")))
 }
 
+impl PostgresRemote {
+    /// The maxima of `resources` (those recorded), each parsed on its own.
+    async fn maxima(
+        &self,
+        client: &deadpool_postgres::Object,
+        resources: &[&str],
+    ) -> Result<std::collections::HashMap<String, Result<Token, StoreError>>, StoreError> {
+        let get = client
+            .prepare_cached(&self.get_many_sql)
+            .await
+            .map_err(|e| self.failed(&e))?;
+        let rows = client
+            .query(&get, &[&resources])
+            .await
+            .map_err(|e| self.failed(&e))?;
+        Ok(rows
+            .iter()
+            .map(|row| (row.get::<_, String>(0), token_of(row.get(1))))
+            .collect())
+    }
+}
+
 impl Remote for PostgresRemote {
     fn raise<'a>(
         &'a self,
@@ -346,10 +368,13 @@ impl Remote for PostgresRemote {
                 .query(&raise, &[&resources, &tokens, &aging])
                 .await
                 .map_err(|e| self.failed(&e))?;
+            // The statement has committed: from here on, an error is the answer of the raises
+            // it concerns, never the call's (the call's error would have them sent again).
             let mut raised = std::collections::HashMap::with_capacity(rows.len());
             for row in &rows {
                 let previous: Option<i64> = row.get(1);
-                raised.insert(row.get::<_, &str>(0), previous.map(token_of).transpose()?);
+                let previous = previous.map(token_of).transpose();
+                raised.insert(row.get::<_, &str>(0), previous);
             }
             // The others were not raised: their maxima decide them, read in one statement.
             let rest: Vec<&str> = resources
@@ -357,38 +382,31 @@ impl Remote for PostgresRemote {
                 .copied()
                 .filter(|r| !raised.contains_key(r))
                 .collect();
-            let mut current = std::collections::HashMap::with_capacity(rest.len());
-            if !rest.is_empty() {
-                let get = client
-                    .prepare_cached(&self.get_many_sql)
-                    .await
-                    .map_err(|e| self.failed(&e))?;
-                for row in client
-                    .query(&get, &[&rest])
-                    .await
-                    .map_err(|e| self.failed(&e))?
-                {
-                    current.insert(row.get::<_, String>(0), token_of(row.get(1))?);
-                }
-            }
+            let current = if rest.is_empty() {
+                Ok(std::collections::HashMap::new())
+            } else {
+                self.maxima(&client, &rest).await
+            };
             drop(client);
             let mut verdicts = Vec::with_capacity(raises.len());
             for r in raises {
-                let verdict = match raised.get(&*r.resource) {
-                    Some(previous) => Verdict::Admitted {
-                        previous: *previous,
-                    },
-                    None => {
-                        let verdict = decide(current.get(&r.resource).copied(), r.token, r.rule);
-                        if verdict.raised(r.token) {
-                            // Forgotten since the statement (retention, a reset): alone, again.
-                            verdicts.push(self.raise(&r.resource, r.token, r.rule).await);
-                            continue;
-                        }
-                        verdict
+                let current = match (raised.get(&*r.resource), &current) {
+                    (Some(previous), _) => {
+                        let admitted = |previous| Verdict::Admitted { previous };
+                        verdicts.push(previous.clone().map(admitted));
+                        continue;
                     }
+                    (None, Err(e)) => Err(e.clone()),
+                    (None, Ok(maxima)) => maxima.get(&r.resource).cloned().transpose(),
                 };
-                verdicts.push(Ok(verdict));
+                let verdict = current.map(|current| decide(current, r.token, r.rule));
+                if verdict.as_ref().is_ok_and(|v| v.raised(r.token)) {
+                    // Not raised by the statement, yet passes against the maximum read after
+                    // it: forgotten since (retention, a reset). Alone, again.
+                    verdicts.push(self.raise(&r.resource, r.token, r.rule).await);
+                } else {
+                    verdicts.push(verdict);
+                }
             }
             Ok(verdicts)
         })

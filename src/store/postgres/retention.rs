@@ -45,11 +45,15 @@ impl Forget {
             index: format!(
                 "CREATE INDEX CONCURRENTLY IF NOT EXISTS {table}_raised ON {table} (raised_at)"
             ),
+            // The rows are locked as they are picked, skipping those a raise holds (it makes
+            // them young again): a batch of raises locks rows in resource order, this in the
+            // table's, and waiting for each other's rows would deadlock.
             delete: format!(
                 "DELETE FROM {table} \
                  WHERE ctid = ANY (ARRAY(\
                    SELECT ctid FROM {table} \
-                   WHERE raised_at < now() - make_interval(secs => $1) LIMIT $2)) \
+                   WHERE raised_at < now() - make_interval(secs => $1) LIMIT $2 \
+                   FOR UPDATE SKIP LOCKED)) \
                    AND raised_at < now() - make_interval(secs => $1)"
             ),
             retention_ms: AtomicU64::new(0),
@@ -64,7 +68,8 @@ impl Forget {
             keep: format!(
                 "UPDATE {table} SET raised_at = NULL \
                  WHERE ctid = ANY (ARRAY(\
-                   SELECT ctid FROM {table} WHERE raised_at IS NOT NULL LIMIT $1)) \
+                   SELECT ctid FROM {table} WHERE raised_at IS NOT NULL LIMIT $1 \
+                   FOR UPDATE SKIP LOCKED)) \
                    AND raised_at IS NOT NULL"
             ),
         }

@@ -10,17 +10,19 @@
 //! by the remote's own [`Remote::raise`]: batching changes nothing until the store is busy.
 //!
 //! A batch holds each resource once (one statement or transaction may not write a key
-//! twice): a second raise of a resource already in the batch waits for the next call. Each
+//! twice): a second raise of a resource already in the batch is sent alone at once, beside
+//! the calls, as every raise was before they were batched, so that one busy resource is not
+//! held to the queue's calls. Each
 //! raise is decided by its own rule, as it would be alone, and answered on its own account:
 //! one raise's verdict is never another's. When the server refuses the call, or answers what
-//! does not parse, that may be one raise's doing (a resource id it cannot hold): each raise is
-//! then sent alone, so that only those that fail alone are refused. When the server cannot be
-//! reached, every raise in the call gets that error (fail closed).
+//! does not parse, before any of it took effect, that may be one raise's doing (a resource id
+//! it cannot hold): each raise is then sent alone, so that only those that fail alone are
+//! refused. When the server cannot be reached, every raise in the call gets that error (fail
+//! closed).
 //!
 //! A raise whose caller stopped waiting (its `timeouts.store` passed) before its batch was
 //! sent is left out of it: it was answered `503` already, so it need not change the maximum.
 
-use std::collections::VecDeque;
 use std::sync::Arc;
 
 use tokio::sync::{mpsc, oneshot, Semaphore};
@@ -73,52 +75,52 @@ impl Batcher {
 /// Whenever a call is free, takes the waiting raises (up to the remote's limit, each
 /// resource once) and sends them in one call.
 async fn drive<R: Remote>(remote: Arc<R>, mut waiting: mpsc::UnboundedReceiver<(Raise, Answer)>) {
-    let limit = remote.batch_limit().max(1);
     let calls = Arc::new(Semaphore::new(CALLS));
-    // Raises of a resource that was in the batch being filled: first in the next one.
-    let mut held: VecDeque<(Raise, Answer)> = VecDeque::new();
     loop {
         let Ok(call) = Arc::clone(&calls).acquire_owned().await else {
             return;
         };
-        let first = match held.pop_front() {
-            Some(first) => first,
-            None => match waiting.recv().await {
-                Some(first) => first,
-                None => return,
-            },
+        let Some(first) = waiting.recv().await else {
+            return;
         };
+        // Read each time: a remote may stop taking batches.
+        let limit = remote.batch_limit().max(1);
         let mut batch = vec![first];
-        let mut later = VecDeque::new();
         while batch.len() < limit {
-            let next = match held.pop_front() {
-                Some(next) => next,
-                None => match waiting.try_recv() {
-                    Ok(next) => next,
-                    Err(_) => break,
-                },
+            let Ok(next) = waiting.try_recv() else {
+                break;
             };
             if next.1.is_closed() {
                 continue;
             }
             if batch.iter().any(|(r, _)| r.resource == next.0.resource) {
-                later.push_back(next);
+                // One resource's raises cannot share a call: it goes alone, beside the calls,
+                // as before raises were batched (one busy resource is not held to four calls).
+                alone(&remote, next);
             } else {
                 batch.push(next);
             }
         }
-        later.append(&mut held);
-        held = later;
         batch.retain(|(_, answer)| !answer.is_closed());
         if batch.is_empty() {
             continue;
         }
         let remote = Arc::clone(&remote);
         tokio::spawn(async move {
-            send(&*remote, batch).await;
+            send(&remote, batch).await;
             drop(call);
         });
     }
+}
+
+/// Sends `raise` by the remote's own [`Remote::raise`], in a task of its own, outside the
+/// calls the queue counts.
+fn alone<R: Remote>(remote: &Arc<R>, (raise, answer): (Raise, Answer)) {
+    let remote = Arc::clone(remote);
+    tokio::spawn(async move {
+        let verdict = remote.raise(&raise.resource, raise.token, raise.rule).await;
+        let _ = answer.send(verdict);
+    });
 }
 
 /// Each of `raises` by the remote's own [`Remote::raise`], one after another.
@@ -134,15 +136,16 @@ pub async fn one_by_one<R: Remote + ?Sized>(
 }
 
 /// One call for `batch`: the remote's own raise for one, its batch call for more.
-async fn send<R: Remote>(remote: &R, batch: Vec<(Raise, Answer)>) {
-    let (raises, answers): (Vec<Raise>, Vec<Answer>) = batch.into_iter().unzip();
-    if let [one] = raises.as_slice() {
-        let verdict = remote.raise(&one.resource, one.token, one.rule).await;
-        if let Some(answer) = answers.into_iter().next() {
-            let _ = answer.send(verdict);
-        }
+async fn send<R: Remote>(remote: &Arc<R>, batch: Vec<(Raise, Answer)>) {
+    if batch.len() == 1 {
+        let Some((raise, answer)) = batch.into_iter().next() else {
+            return;
+        };
+        let verdict = remote.raise(&raise.resource, raise.token, raise.rule).await;
+        let _ = answer.send(verdict);
         return;
     }
+    let (raises, answers): (Vec<Raise>, Vec<Answer>) = batch.into_iter().unzip();
     match remote.raise_many(&raises).await {
         Ok(verdicts) if verdicts.len() == raises.len() => {
             for (answer, verdict) in answers.into_iter().zip(verdicts) {
@@ -160,13 +163,18 @@ async fn send<R: Remote>(remote: &R, batch: Vec<(Raise, Answer)>) {
                 let _ = answer.send(Err(e.clone()));
             }
         }
-        // The server refused the call, or answered what does not parse: that may be one
-        // raise's doing (a resource id it cannot hold), so each is sent alone, and only the
-        // raises that fail alone are refused.
+        // The server refused the call, or answered what does not parse, and none of it took
+        // effect ([`Remote::raise_many`]): that may be one raise's doing (a resource id it
+        // cannot hold), so each is sent again alone, all at once, and only the raises that
+        // fail alone are refused.
         Err(e) if matches!(e.kind(), ErrorKind::Refused | ErrorKind::Corrupt) => {
-            tracing::debug!(store = remote.kind(), error = %e, "a batch of raises failed; raising each alone");
-            for (answer, verdict) in answers.into_iter().zip(one_by_one(remote, &raises).await) {
-                let _ = answer.send(verdict);
+            tracing::debug!(
+                store = remote.kind(),
+                error = %e,
+                "a batch of raises was refused; raising each alone"
+            );
+            for waiting in raises.into_iter().zip(answers) {
+                alone(remote, waiting);
             }
         }
         Err(e) => {
@@ -276,8 +284,8 @@ mod tests {
     }
 
     /// While every call is busy, raises wait and share the next call: up to the remote's
-    /// limit, each resource once (a second raise of one waits for the call after), each
-    /// answered with its own verdict; a raise whose caller stopped waiting is left out.
+    /// limit, each resource once (a second raise of one is sent alone), each answered with its
+    /// own verdict; a raise whose caller stopped waiting is left out.
     #[tokio::test(flavor = "current_thread")]
     async fn waiting_raises_share_a_call_each_resource_once() {
         let remote = Arc::new(Held {
@@ -328,9 +336,10 @@ mod tests {
         let calls = remote.calls.lock().unwrap().clone();
         let mut batches: Vec<Vec<String>> = calls[CALLS..].to_vec();
         batches.iter_mut().for_each(|b| b.sort());
+        batches.sort();
         assert_eq!(
             batches,
-            [vec!["a", "b", "c"], vec!["a"]]
+            [vec!["a"], vec!["a", "b", "c"]]
                 .map(|b| b.into_iter().map(String::from).collect::<Vec<_>>())
                 .to_vec(),
             "the calls after the busy ones: {calls:?}"
