@@ -552,7 +552,9 @@ fn a_history_that_fits_no_order_is_refused() {
 }
 
 /// A store whose compare-and-raise reads, pauses, then writes: two raises that overlap both
-/// read the same maximum, and the later write may lower it.
+/// read the same maximum, and the later write may lower it. The pause is about as long as a
+/// client's pace between calls, so that raises of one resource overlap many times in every
+/// run (with 1 ms they overlapped a few times, and a run could hold no lowering at all).
 #[derive(Default)]
 struct Racy {
     maxima: Mutex<std::collections::HashMap<String, Token>>,
@@ -567,7 +569,7 @@ impl FenceStore for Racy {
     ) -> BoxFuture<'a, Result<Verdict, StoreError>> {
         Box::pin(async move {
             let read = self.maxima.lock().unwrap().get(resource.as_str()).copied();
-            tokio::time::sleep(Duration::from_millis(1)).await;
+            tokio::time::sleep(Duration::from_millis(40)).await;
             let verdict = store::decide(read, token, rule);
             if let Verdict::Admitted { .. } = verdict {
                 self.maxima
