@@ -31,7 +31,7 @@ use crate::etcd::{
     Compare, CompareOp, KvClient, LeaseClient, PutOptions, Txn, TxnOp, TxnOpResponse,
 };
 
-use super::shared::batch::{one_by_one, Raise};
+use super::shared::batch::Raise;
 use super::shared::{Claimed, Remote};
 use super::{decide, record_key, Rule, StoreError, Verdict};
 use crate::conn::etcd::{client, failure};
@@ -392,9 +392,6 @@ impl Remote for EtcdRemote {
     ) -> BoxFuture<'a, Result<Vec<Result<Verdict, StoreError>>, StoreError>> {
         use std::sync::atomic::Ordering::Relaxed;
         Box::pin(async move {
-            if self.unbatched.load(Relaxed) {
-                return Ok(one_by_one(self, raises).await);
-            }
             // Each raise a nested transaction of its own, so each compares and writes its own
             // key; the outer one, with no comparison, runs them all at one revision.
             let txn = Txn::new().and_then(
@@ -420,19 +417,10 @@ impl Remote for EtcdRemote {
                 }
                 Err(e) => return Err(unavailable(e)),
             };
-            let answers = response.op_responses();
-            if answers.len() != raises.len() {
-                // Applied, but not answered raise by raise: each is refused, none sent again.
-                let e = StoreError::corrupt(format!(
-                    "etcd: {} answers to {} raises",
-                    answers.len(),
-                    raises.len()
-                ));
-                return Ok(raises.iter().map(|_| Err(e.clone())).collect());
-            }
+            // A short answer makes a short list, which the queue refuses raise by raise.
             Ok(raises
                 .iter()
-                .zip(answers)
+                .zip(response.op_responses())
                 .map(|(r, answer)| match answer {
                     TxnOpResponse::Txn(one) => {
                         raise_verdict(one.succeeded(), one.op_responses(), r.token, r.rule)

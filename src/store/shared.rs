@@ -103,7 +103,13 @@ pub trait Remote: Send + Sync + 'static {
         &'a self,
         raises: &'a [batch::Raise],
     ) -> BoxFuture<'a, Result<Vec<Result<Verdict, StoreError>>, StoreError>> {
-        Box::pin(async move { Ok(batch::one_by_one(self, raises).await) })
+        Box::pin(async move {
+            let mut verdicts = Vec::with_capacity(raises.len());
+            for r in raises {
+                verdicts.push(self.raise(&r.resource, r.token, r.rule).await);
+            }
+            Ok(verdicts)
+        })
     }
 
     /// The maximum the store records for `resource`, if any.

@@ -12,8 +12,8 @@
 //! A batch holds each resource once (one statement or transaction may not write a key
 //! twice): a second raise of a resource already in the batch is sent alone at once, beside
 //! the calls, as every raise was before they were batched, so that one busy resource is not
-//! held to the queue's calls. Each
-//! raise is decided by its own rule, as it would be alone, and answered on its own account:
+//! held to the queue's calls. Each raise is decided by its own rule, as it would be alone,
+//! and answered on its own account:
 //! one raise's verdict is never another's. When the server refuses the call, or answers what
 //! does not parse, before any of it took effect, that may be one raise's doing (a resource id
 //! it cannot hold): each raise is then sent alone, so that only those that fail alone are
@@ -123,18 +123,6 @@ fn alone<R: Remote>(remote: &Arc<R>, (raise, answer): (Raise, Answer)) {
     });
 }
 
-/// Each of `raises` by the remote's own [`Remote::raise`], one after another.
-pub async fn one_by_one<R: Remote + ?Sized>(
-    remote: &R,
-    raises: &[Raise],
-) -> Vec<Result<Verdict, StoreError>> {
-    let mut verdicts = Vec::with_capacity(raises.len());
-    for r in raises {
-        verdicts.push(remote.raise(&r.resource, r.token, r.rule).await);
-    }
-    verdicts
-}
-
 /// One call for `batch`: the remote's own raise for one, its batch call for more.
 async fn send<R: Remote>(remote: &Arc<R>, batch: Vec<(Raise, Answer)>) {
     if batch.len() == 1 {
@@ -152,6 +140,7 @@ async fn send<R: Remote>(remote: &Arc<R>, batch: Vec<(Raise, Answer)>) {
                 let _ = answer.send(verdict);
             }
         }
+        // Applied, but not answered raise by raise: each is refused, none sent again.
         Ok(verdicts) => {
             let e = StoreError::corrupt(format!(
                 "{}: {} answers to {} raises",
