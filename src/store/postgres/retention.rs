@@ -141,6 +141,22 @@ impl PostgresRemote {
     }
 }
 
+impl PostgresRemote {
+    /// One pass forgetting the maxima raised more than `secs` ago, now, in this task; one
+    /// statement taking the age of [`PURGE_BATCH`] maxima away with `keep`.
+    #[cfg(test)]
+    pub(super) async fn forget_pass(&self, secs: f64, keep: bool) -> Result<u64, StoreError> {
+        if keep {
+            let client = self.client().await?;
+            return client
+                .execute(&self.forget.keep, &[&PURGE_BATCH])
+                .await
+                .map_err(|e| self.failed(&e));
+        }
+        forget(&self.pool, &self.forget.index, &self.forget.delete, secs).await
+    }
+}
+
 /// Deletes the maxima raised more than `secs` ago, creating the index of `raised_at` first if
 /// it is missing. Returns how many it deleted.
 async fn forget(pool: &Pool, index: &str, delete: &str, secs: f64) -> Result<u64, StoreError> {

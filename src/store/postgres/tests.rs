@@ -107,3 +107,128 @@ async fn an_abandoned_table_set_up_returns_no_aborted_transaction_to_the_pool() 
         .await
         .unwrap();
 }
+
+/// Whether a session running a statement on `table` that starts with `statement` waits for
+/// a lock.
+async fn waiting_for_a_lock(admin: &tokio_postgres::Client, statement: &str, table: &str) -> bool {
+    let row = admin
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE pid <> pg_backend_pid() AND wait_event_type = 'Lock' AND query LIKE $1",
+            &[&format!("{statement}%{table}%")],
+        )
+        .await
+        .unwrap();
+    row.get::<_, i64>(0) > 0
+}
+
+/// A retention pass (deleting old maxima, or taking their ages away) and a batch of raises
+/// over the same rows never wait for each other in a cycle. The batch locks its rows in
+/// resource order (`a`, then `b`); the pass picks them in the table's (`b`, then `a`). Here
+/// another session holds `b` while the pass starts and the batch locks `a`, then lets go:
+/// a pass that waited for `b` would then hold it and wait for `a`, held by the batch waiting
+/// for `b`, and PostgreSQL would abort one of them ("deadlock detected"). A pass that skips
+/// the rows others hold never waits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retention_pass_and_a_batch_of_raises_never_wait_for_each_other() {
+    for keep in [false, true] {
+        let prefix = fresh_prefix();
+        let table = format!("{prefix}_fences");
+        let remote = Arc::new(PostgresRemote::new(URL, &prefix, None, None).unwrap());
+        let allow: Rule = EqualTokens::Allow.into();
+        // The tables and the index of `raised_at`, then two old maxima, `b` first in the
+        // table and in age.
+        for resource in ["b", "a"] {
+            let raised = remote.raise(resource, 1.into(), allow).await.unwrap();
+            assert_eq!(raised, Verdict::Admitted { previous: None });
+        }
+        assert_eq!(remote.forget_pass(3600.0, false).await.unwrap(), 0);
+        let admin = admin().await;
+        for (resource, age) in [("b", 7200), ("a", 3600)] {
+            admin
+                .execute(
+                    &format!(
+                        "UPDATE {table} SET raised_at = now() - make_interval(secs => $1) \
+                         WHERE resource = $2"
+                    ),
+                    &[&f64::from(age), &resource],
+                )
+                .await
+                .unwrap();
+        }
+        let holder = admin_tx(&table).await;
+
+        let pass = {
+            let remote = Arc::clone(&remote);
+            tokio::spawn(async move { remote.forget_pass(60.0, keep).await })
+        };
+        let statement = if keep { "UPDATE" } else { "DELETE" };
+        // The pass either waits for `b` or has gone past it.
+        while !pass.is_finished() && !waiting_for_a_lock(&admin, statement, &table).await {
+            tokio::task::yield_now().await;
+        }
+        let batch = {
+            let remote = Arc::clone(&remote);
+            tokio::spawn(async move {
+                let raises = [("a", 2u32), ("b", 2)].map(|(resource, token)| Raise {
+                    resource: resource.to_owned(),
+                    token: token.into(),
+                    rule: allow,
+                });
+                remote.raise_many(&raises).await
+            })
+        };
+        while !waiting_for_a_lock(&admin, "INSERT", &table).await {
+            tokio::task::yield_now().await;
+        }
+        holder
+            .batch_execute("COMMIT")
+            .await
+            .expect("the holding session commits");
+
+        let passed = tokio::time::timeout(Duration::from_secs(20), pass)
+            .await
+            .expect("the pass ended")
+            .unwrap();
+        let batched = tokio::time::timeout(Duration::from_secs(20), batch)
+            .await
+            .expect("the batch ended")
+            .unwrap();
+        let verdicts = batched.unwrap_or_else(|e| panic!("keep {keep}: the batch failed: {e}"));
+        passed.unwrap_or_else(|e| panic!("keep {keep}: the pass failed: {e}"));
+        // `a` was forgotten or raised from 1, `b` (held while the pass picked) raised from 1.
+        assert!(
+            matches!(
+                verdicts[0],
+                Ok(Verdict::Admitted {
+                    previous: None | Some(_)
+                })
+            ),
+            "a: {:?}",
+            verdicts[0]
+        );
+        assert!(
+            matches!(verdicts[1], Ok(Verdict::Admitted { previous: Some(p) }) if p == 1.into()),
+            "b: {:?}",
+            verdicts[1]
+        );
+        admin
+            .batch_execute(&format!(
+                "DROP TABLE {table}, {prefix}_idempotency, {prefix}_retention"
+            ))
+            .await
+            .unwrap();
+    }
+}
+
+/// A session of its own, in a transaction holding the row of `b` in `table`.
+async fn admin_tx(table: &str) -> tokio_postgres::Client {
+    let holder = admin().await;
+    holder
+        .batch_execute(&format!(
+            "BEGIN; SELECT 1 FROM {table} WHERE resource = 'b' FOR UPDATE"
+        ))
+        .await
+        .unwrap();
+    holder
+}
