@@ -176,6 +176,12 @@ impl Guard {
         .unwrap_or(u64::MAX)
     }
 
+    /// When a check `wait` from now is due, in ms of `clock` since `opened`.
+    fn due_after(&self, wait: Duration) -> u64 {
+        self.now_ms()
+            .saturating_add(u64::try_from(wait.as_millis()).unwrap_or(u64::MAX))
+    }
+
     /// Wakes the task if a check is due (by this store's clock).
     fn poke(&self) {
         let due = self.due_ms.load(Ordering::Relaxed);
@@ -294,6 +300,12 @@ impl Guard {
         let mut backoff = MIN_BACKOFF;
         loop {
             let generation = self.generation.load(Ordering::Acquire);
+            // The next check is due [`CHECK_EVERY`] after this one starts, and due from now
+            // on: an admission that finds it due while this check runs asks for the next one
+            // (it takes `due_ms`), rather than finding it unset and asking for nothing. Set
+            // before the status says ready, so an admission that passes the gate can wake it.
+            self.due_ms
+                .store(self.due_after(CHECK_EVERY), Ordering::Relaxed);
             let result = check(&*remote, &mut seen, &self.clock).await;
             if self.generation.load(Ordering::Acquire) != generation {
                 continue;
@@ -304,17 +316,14 @@ impl Guard {
                     CHECK_EVERY
                 }
                 Err(_) => {
+                    // Retried after the backoff, or at once by the next admission (the
+                    // status says failed).
                     let wait = backoff;
                     backoff = (backoff * 2).min(MAX_BACKOFF);
+                    self.due_ms.store(self.due_after(wait), Ordering::Relaxed);
                     wait
                 }
             };
-            // Due before the status says ready: an admission that passes the gate can wake
-            // the next check.
-            let due = self
-                .now_ms()
-                .saturating_add(u64::try_from(wait.as_millis()).unwrap_or(u64::MAX));
-            self.due_ms.store(due, Ordering::Relaxed);
             self.finish(generation, result, remote.kind());
             self.wait(wait, generation).await;
         }
@@ -447,5 +456,128 @@ mod tests {
         assert!(CHECK_EVERY < FRESH);
         assert!(QUIET >= FRESH + Duration::from_secs(60));
         assert!(MARK_SLACK > FRESH + Duration::from_secs(60));
+    }
+
+    /// A remote of a run without retention that finds a mark: its reads of the mark wait for
+    /// a permit each, and are counted.
+    struct SlowMark {
+        gate: tokio::sync::Semaphore,
+        reads: AtomicU64,
+    }
+
+    impl Remote for SlowMark {
+        fn raise<'a>(
+            &'a self,
+            _: &'a str,
+            _: crate::fence::token::Token,
+            _: crate::store::Rule,
+        ) -> crate::store::BoxFuture<'a, Result<crate::store::Verdict, StoreError>> {
+            unreachable!()
+        }
+
+        fn get<'a>(
+            &'a self,
+            _: &'a str,
+        ) -> crate::store::BoxFuture<'a, Result<Option<crate::fence::token::Token>, StoreError>>
+        {
+            unreachable!()
+        }
+
+        fn ping(&self) -> crate::store::BoxFuture<'_, Result<(), StoreError>> {
+            unreachable!()
+        }
+
+        fn begin_idempotent<'a>(
+            &'a self,
+            _: &'a str,
+            _: &'a str,
+            _: &'a crate::idempotency::Claim,
+            _: Option<crate::idempotency::AttemptId>,
+        ) -> crate::store::BoxFuture<'a, Result<super::super::Claimed, StoreError>> {
+            unreachable!()
+        }
+
+        fn finish_idempotent<'a>(
+            &'a self,
+            _: &'a str,
+            _: &'a str,
+            _: &'a crate::idempotency::Claim,
+            _: &'a crate::idempotency::Record,
+        ) -> crate::store::BoxFuture<'a, Result<bool, StoreError>> {
+            unreachable!()
+        }
+
+        fn kind(&self) -> &'static str {
+            "slow mark"
+        }
+
+        fn forgets(&self) -> bool {
+            true
+        }
+
+        fn read_mark(&self) -> crate::store::BoxFuture<'_, Result<Option<String>, StoreError>> {
+            Box::pin(async move {
+                self.reads.fetch_add(1, Ordering::SeqCst);
+                self.gate.acquire().await.unwrap().forget();
+                Ok(Some("3600000 a".into()))
+            })
+        }
+
+        fn keep_all(&self) -> crate::store::BoxFuture<'_, Result<u64, StoreError>> {
+            Box::pin(async { Ok(0) })
+        }
+    }
+
+    /// An admission that finds the next check due while a check is still running asks for
+    /// it: that check starts as soon as the running one ends, not [`CHECK_EVERY`] after (by
+    /// the real clock). Before, the next check was made due only once the running one had
+    /// ended, and an admission in between asked for nothing; a test that moved the store's
+    /// clock while a check ran waited a minute for the next one.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_admission_during_a_check_that_finds_the_next_one_due_asks_for_it() {
+        let offset = Arc::new(AtomicU64::new(0));
+        let base = Instant::now();
+        let read = Arc::clone(&offset);
+        let clock: Clock =
+            Arc::new(move || base + Duration::from_secs(read.load(Ordering::SeqCst)));
+        let remote = Arc::new(SlowMark {
+            gate: tokio::sync::Semaphore::new(0),
+            reads: AtomicU64::new(0),
+        });
+        let guard = Guard::new(true, clock);
+        tokio::spawn(Arc::clone(&guard).run(Arc::clone(&remote)));
+        let reads_reach = |n: u64| {
+            let remote = Arc::clone(&remote);
+            async move {
+                let reached = async {
+                    while remote.reads.load(Ordering::SeqCst) < n {
+                        tokio::task::yield_now().await;
+                    }
+                };
+                tokio::time::timeout(Duration::from_secs(10), reached)
+                    .await
+                    .is_ok()
+            }
+        };
+        // The first admission starts the first check, which waits in its read of the mark.
+        let first = tokio::spawn({
+            let guard = Arc::clone(&guard);
+            async move { guard.admit().await }
+        });
+        assert!(reads_reach(1).await, "the first check started");
+        // A minute on, by the store's clock, an admission finds the next check due.
+        offset.fetch_add(CHECK_EVERY.as_secs(), Ordering::SeqCst);
+        let second = tokio::spawn({
+            let guard = Arc::clone(&guard);
+            async move { guard.admit().await }
+        });
+        remote.gate.add_permits(1);
+        first.await.unwrap().unwrap();
+        second.await.unwrap().unwrap();
+        assert!(
+            reads_reach(2).await,
+            "the check asked for during the first did not start within 10s"
+        );
+        remote.gate.add_permits(1);
     }
 }
