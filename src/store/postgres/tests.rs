@@ -156,7 +156,7 @@ async fn a_retention_pass_and_a_batch_of_raises_never_wait_for_each_other() {
                 .await
                 .unwrap();
         }
-        let holder = admin_tx(&table).await;
+        let holder = holding_row(&table, "b").await;
 
         let pass = {
             let remote = Arc::clone(&remote);
@@ -221,14 +221,110 @@ async fn a_retention_pass_and_a_batch_of_raises_never_wait_for_each_other() {
     }
 }
 
-/// A session of its own, in a transaction holding the row of `b` in `table`.
-async fn admin_tx(table: &str) -> tokio_postgres::Client {
+/// A session of its own, in a transaction holding the row of `resource` in `table`.
+async fn holding_row(table: &str, resource: &str) -> tokio_postgres::Client {
     let holder = admin().await;
     holder
         .batch_execute(&format!(
-            "BEGIN; SELECT 1 FROM {table} WHERE resource = 'b' FOR UPDATE"
+            "BEGIN; SELECT 1 FROM {table} WHERE resource = '{resource}' FOR UPDATE"
         ))
         .await
         .unwrap();
     holder
+}
+
+/// Once a batch's statement has committed, an error after it is the answer of the raises it
+/// concerns, not the call's: a call's error means nothing took effect, and would have every
+/// raise sent again alone, where one already raised would find its own token (refused under
+/// `token.equal: reject`). Here `x` is stale, so the statement raises only `y` and leaves `x`
+/// to the read that follows; that read waits for a table lock another session took as the
+/// statement committed, and its connection is ended while it waits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_that_fails_after_its_statement_committed_answers_each_raise() {
+    let prefix = fresh_prefix();
+    let table = format!("{prefix}_fences");
+    let remote = Arc::new(PostgresRemote::new(URL, &prefix, None, None).unwrap());
+    let allow: Rule = EqualTokens::Allow.into();
+    let raised = remote.raise("x", 5u32.into(), allow).await.unwrap();
+    assert_eq!(raised, Verdict::Admitted { previous: None });
+    let admin = admin().await;
+    // The statement waits for `x`'s row...
+    let row_holder = holding_row(&table, "x").await;
+    let batch = {
+        let remote = Arc::clone(&remote);
+        tokio::spawn(async move {
+            let raises = [("x", 3u32), ("y", 1)].map(|(resource, token)| Raise {
+                resource: resource.to_owned(),
+                token: token.into(),
+                rule: allow,
+            });
+            remote.raise_many(&raises).await
+        })
+    };
+    while !waiting_for_a_lock(&admin, "INSERT", &table).await {
+        tokio::task::yield_now().await;
+    }
+    // ... and a session asking for the whole table waits behind it, then gets the table as it
+    // commits, before the read.
+    let locking = {
+        let table = table.clone();
+        tokio::spawn(async move {
+            let holder = self::admin().await;
+            holder
+                .batch_execute(&format!(
+                    "BEGIN; LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE"
+                ))
+                .await
+                .unwrap();
+            holder
+        })
+    };
+    while !waiting_for_a_lock(&admin, "BEGIN", &table).await {
+        tokio::task::yield_now().await;
+    }
+    row_holder.batch_execute("COMMIT").await.unwrap();
+    let table_holder = locking.await.unwrap();
+    while !waiting_for_a_lock(&admin, "SELECT", &table).await {
+        tokio::task::yield_now().await;
+    }
+    let ended = admin
+        .query_one(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
+             WHERE wait_event_type = 'Lock' AND query LIKE $1",
+            &[&format!("SELECT%{table}%")],
+        )
+        .await
+        .unwrap();
+    assert_eq!(ended.get::<_, i64>(0), 1);
+    let verdicts = tokio::time::timeout(Duration::from_secs(20), batch)
+        .await
+        .expect("the batch ended")
+        .unwrap()
+        .unwrap_or_else(|e| panic!("the call failed whole, after its statement committed: {e}"));
+    assert!(
+        verdicts[0].is_err(),
+        "x, left to the read: {:?}",
+        verdicts[0]
+    );
+    assert!(
+        matches!(verdicts[1], Ok(Verdict::Admitted { previous: None })),
+        "y, raised by the statement: {:?}",
+        verdicts[1]
+    );
+    table_holder.batch_execute("ROLLBACK").await.unwrap();
+    let maxima = admin
+        .query(
+            &format!("SELECT resource, max_token FROM {table} ORDER BY resource"),
+            &[],
+        )
+        .await
+        .unwrap();
+    let maxima: Vec<(String, i64)> = maxima.iter().map(|r| (r.get(0), r.get(1))).collect();
+    assert_eq!(maxima, [("x".to_owned(), 5), ("y".to_owned(), 1)]);
+    admin
+        .batch_execute(&format!(
+            "DROP TABLE {table}, {prefix}_idempotency, {prefix}_retention"
+        ))
+        .await
+        .unwrap();
 }
