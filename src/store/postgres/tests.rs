@@ -167,20 +167,7 @@ async fn a_retention_pass_and_a_batch_of_raises_never_wait_for_each_other() {
         while !pass.is_finished() && !waiting_for_a_lock(&admin, statement, &table).await {
             tokio::task::yield_now().await;
         }
-        let batch = {
-            let remote = Arc::clone(&remote);
-            tokio::spawn(async move {
-                let raises = [("a", 2u32), ("b", 2)].map(|(resource, token)| Raise {
-                    resource: resource.to_owned(),
-                    token: token.into(),
-                    rule: allow,
-                });
-                remote.raise_many(&raises).await
-            })
-        };
-        while !waiting_for_a_lock(&admin, "INSERT", &table).await {
-            tokio::task::yield_now().await;
-        }
+        let batch = batch_waiting(&remote, [("a", 2), ("b", 2)], &admin, &table).await;
         holder
             .batch_execute("COMMIT")
             .await
@@ -221,6 +208,29 @@ async fn a_retention_pass_and_a_batch_of_raises_never_wait_for_each_other() {
     }
 }
 
+/// Two raises sent as one batch (under `token.equal: allow`), once its statement waits for a
+/// row lock.
+async fn batch_waiting(
+    remote: &Arc<PostgresRemote>,
+    raises: [(&'static str, u32); 2],
+    admin: &tokio_postgres::Client,
+    table: &str,
+) -> tokio::task::JoinHandle<Result<Vec<Result<Verdict, StoreError>>, StoreError>> {
+    let remote = Arc::clone(remote);
+    let batch = tokio::spawn(async move {
+        let raises = raises.map(|(resource, token)| Raise {
+            resource: resource.to_owned(),
+            token: token.into(),
+            rule: EqualTokens::Allow.into(),
+        });
+        remote.raise_many(&raises).await
+    });
+    while !waiting_for_a_lock(admin, "INSERT", table).await {
+        tokio::task::yield_now().await;
+    }
+    batch
+}
+
 /// A session of its own, in a transaction holding the row of `resource` in `table`.
 async fn holding_row(table: &str, resource: &str) -> tokio_postgres::Client {
     let holder = admin().await;
@@ -250,20 +260,7 @@ async fn a_batch_that_fails_after_its_statement_committed_answers_each_raise() {
     let admin = admin().await;
     // The statement waits for `x`'s row...
     let row_holder = holding_row(&table, "x").await;
-    let batch = {
-        let remote = Arc::clone(&remote);
-        tokio::spawn(async move {
-            let raises = [("x", 3u32), ("y", 1)].map(|(resource, token)| Raise {
-                resource: resource.to_owned(),
-                token: token.into(),
-                rule: allow,
-            });
-            remote.raise_many(&raises).await
-        })
-    };
-    while !waiting_for_a_lock(&admin, "INSERT", &table).await {
-        tokio::task::yield_now().await;
-    }
+    let batch = batch_waiting(&remote, [("x", 3), ("y", 1)], &admin, &table).await;
     // ... and a session asking for the whole table waits behind it, then gets the table as it
     // commits, before the read.
     let locking = {
