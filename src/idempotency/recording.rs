@@ -39,10 +39,11 @@ use crate::store::{BoxFuture, FenceStore, StoreError};
 
 /// An executed attempt: where and how to record its outcome.
 ///
-/// Its outcome is written exactly once: by [`Attempt::record_empty`], [`Attempt::unknown`],
-/// or the [`Recording`] that carries it. An attempt dropped before any of these (its client
-/// went away while it waited for its barrier turn, or the process is shutting down) records
-/// `unknown` on its way out, so that its key does not stay in flight for a whole window.
+/// Its outcome is written exactly once: by [`Attempt::answered`] (for an answer without a
+/// body), [`Attempt::unknown`], or the [`Recording`] that carries it. An attempt dropped
+/// before any of these (its client went away while it waited for its barrier turn, or the
+/// process is shutting down) records `unknown` on its way out, so that its key does not stay
+/// in flight for a whole window.
 pub struct Attempt {
     /// Taken when the outcome is written.
     pub(crate) writer: Option<Writer>,
@@ -164,7 +165,7 @@ impl Attempt {
     }
 
     /// The upstream answered without a body (a gRPC trailers-only response among them).
-    pub fn record_empty(self, status: StatusCode, head: &HeaderMap) -> Finish {
+    fn record_empty(self, status: StatusCode, head: &HeaderMap) -> Finish {
         let record = self.outcome(status, head, None, Some(Kept::default()));
         self.finish(record)
     }
@@ -304,6 +305,41 @@ pub struct Recording<B> {
     /// The last frame, held back until the record is written: a server that knows the length
     /// stops polling after the last byte, so the end must not be waited for.
     held: Option<Frame<Bytes>>,
+}
+
+/// An executed attempt's answer, made ready to record its outcome ([`Attempt::answered`]).
+pub enum Recorded<B> {
+    /// The answer has no body: its outcome was recorded before the response goes, as a server
+    /// never polls an empty body.
+    Empty {
+        /// The (empty) body, to go out as it is.
+        body: B,
+        /// To be held with the body.
+        ticket: Option<Ticket>,
+    },
+    /// The body records the outcome once read to its end, or in the background when dropped
+    /// unread.
+    Streaming(Box<Recording<B>>),
+}
+
+impl Attempt {
+    /// The upstream's answer to this attempt (`status`, `head`, `body`), made ready to record
+    /// its outcome, whoever reads or drops the response from here on; `ticket` is held until
+    /// the body has ended.
+    pub async fn answered<B: Body<Data = Bytes> + Send + 'static>(
+        self,
+        status: StatusCode,
+        head: &HeaderMap,
+        body: B,
+        ticket: Option<Ticket>,
+    ) -> Recorded<B> {
+        if body.is_end_stream() {
+            self.record_empty(status, head).await;
+            return Recorded::Empty { body, ticket };
+        }
+        let recording = Recording::new(body, ticket, status, head.clone(), self);
+        Recorded::Streaming(Box::new(recording))
+    }
 }
 
 /// What recording the rest of a body after its client left needs.

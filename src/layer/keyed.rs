@@ -4,7 +4,7 @@
 //! `read the body (bounded) → fingerprint →` the fence's claim ([`crate::fence::keyed`])
 //! `→ refuse | replay | call the service and record its answer`. The service's answer is
 //! recorded as the sidecar records the upstream's: a response without a body at once, any
-//! other as its body is sent ([`Recording`]); a service that fails, or does not answer within
+//! other as its body is sent ([`Recording`](crate::idempotency::recording::Recording)); a service that fails, or does not answer within
 //! `timeouts.upstream` (whose call is then dropped), leaves the outcome unknown.
 
 use std::sync::Arc;
@@ -20,7 +20,7 @@ use tower_service::Service;
 use super::{refusal, FenceBody, RequestBody};
 use crate::fence::keyed::{fingerprint, read_body, replay, Keyed, KeyedWrite};
 use crate::fence::{Fence, Key, Later, Refused};
-use crate::idempotency::recording::Recording;
+use crate::idempotency::recording::Recorded;
 use crate::metrics::Outcome;
 use crate::problem::refusal::Refusal;
 
@@ -141,19 +141,15 @@ where
                     Ok(Ok(response)) => response,
                 };
                 let (parts, body) = response.into_parts();
-                let body = if body.is_end_stream() {
-                    // A response without a body may never be polled: record it before it goes.
-                    attempt.record_empty(parts.status, &parts.headers).await;
-                    FenceBody::Inner {
+                let body = match attempt
+                    .answered(parts.status, &parts.headers, body, ticket)
+                    .await
+                {
+                    Recorded::Empty { body, ticket } => FenceBody::Inner {
                         body,
                         _ticket: ticket,
-                    }
-                } else {
-                    let recording =
-                        Recording::new(body, ticket, parts.status, parts.headers.clone(), attempt);
-                    FenceBody::Recorded {
-                        body: Box::new(recording),
-                    }
+                    },
+                    Recorded::Streaming(body) => FenceBody::Recorded { body },
                 };
                 Sent::Answered(Response::from_parts(parts, body))
             });

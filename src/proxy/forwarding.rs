@@ -25,7 +25,7 @@ use crate::fence::barrier::Ticket;
 use crate::fence::path;
 use crate::fence::routes::Route;
 use crate::headers;
-use crate::idempotency::recording::{Attempt, Recording};
+use crate::idempotency::recording::{Attempt, Recorded};
 use crate::metrics::Outcome;
 use crate::problem::grpc;
 use crate::problem::refusal::{Refusal, Subject};
@@ -474,26 +474,16 @@ pub(super) async fn settle(
     };
     let (mut parts, inner) = response.into_parts();
     headers::strip_hop_by_hop(&mut parts.headers);
-    let body = if http_body::Body::is_end_stream(&inner) {
-        // A response without a body (204, Content-Length: 0) is never polled by the server:
-        // record it before it goes out.
-        attempt.record_empty(parts.status, &parts.headers).await;
-        ProxyBody::Upstream {
-            inner,
+    let body = match attempt
+        .answered(parts.status, &parts.headers, inner, ticket)
+        .await
+    {
+        Recorded::Empty { body, ticket } => ProxyBody::Upstream {
+            inner: body,
             _ticket: ticket,
             tally: None,
-        }
-    } else {
-        ProxyBody::Recording {
-            body: Box::new(Recording::new(
-                inner,
-                ticket,
-                parts.status,
-                parts.headers.clone(),
-                attempt,
-            )),
-            tally: None,
-        }
+        },
+        Recorded::Streaming(body) => ProxyBody::Recording { body, tally: None },
     };
     Ok(Response::from_parts(parts, body))
 }
