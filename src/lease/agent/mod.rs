@@ -428,6 +428,16 @@ impl Agent {
                     self.metrics.lease.renewals_ok.inc();
                     #[cfg(test)]
                     self.pause.renewed().await;
+                    // An answer taken in only after the deadline (the process was stopped
+                    // while it waited: the timeout above polls the answer first) comes too
+                    // late, as if the timeout had fired: the backend may have let the lease go
+                    // and granted it again meanwhile.
+                    if Instant::now() >= deadline {
+                        return self.lose(
+                            &lease,
+                            "the local validity deadline passed during a renewal",
+                        );
+                    }
                     // Only the deadline moves: held stays held, draining stays draining, and
                     // a lease released or lost meanwhile stays so.
                     let until = valid_until(sent, lease.ttl, self.ttl.drift_buffer);

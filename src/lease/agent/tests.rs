@@ -71,6 +71,32 @@ async fn a_renewal_answered_before_draining_does_not_bring_the_token_back() {
     assert_eq!(agent.token_for("r"), None);
 }
 
+/// A renewal whose answer is taken in only after the local deadline has passed (the process
+/// was stopped with the answer waiting, as SIGSTOP or a long pause stops it; the renewal's
+/// timeout polls the answer first) loses the lease: the backend may have let it go and
+/// granted it again meanwhile. It was announced `renewed`, still `held`: an app that went by
+/// the event believed it held the lease after its next holder had it.
+#[tokio::test(start_paused = true)]
+async fn a_renewal_answer_taken_in_after_the_local_deadline_loses_the_lease() {
+    let dir = tempfile::tempdir().unwrap();
+    let agent = agent(&dir).await;
+    let mut events = agent.subscribe();
+    let lease = agent
+        .acquire("r", "w1", None, Duration::ZERO)
+        .await
+        .unwrap();
+    assert_eq!(events.recv().await.unwrap().event, "held");
+    agent.pause.armed.store(true, Ordering::SeqCst);
+    agent.pause.reached.notified().await;
+    // Stopped with the backend's yes in hand, for a whole TTL.
+    tokio::time::advance(lease.ttl).await;
+    agent.pause.resume.notify_one();
+    let next = events.recv().await.unwrap();
+    assert_eq!((next.event, next.state), ("lost", State::Expired));
+    assert_eq!(lease.state(), State::Expired);
+    assert_eq!(agent.token_for("r"), None);
+}
+
 /// `resource` held by w9, and w8 waiting for it (up to 10 s) in a task of its own.
 async fn held_and_waited_for(
     agent: &Arc<Agent>,
