@@ -142,17 +142,9 @@ impl PostgresRemote {
 }
 
 impl PostgresRemote {
-    /// One pass forgetting the maxima raised more than `secs` ago, now, in this task; one
-    /// statement taking the age of [`PURGE_BATCH`] maxima away with `keep`.
+    /// One pass forgetting the maxima raised more than `secs` ago, now, in this task.
     #[cfg(test)]
-    pub(super) async fn forget_pass(&self, secs: f64, keep: bool) -> Result<u64, StoreError> {
-        if keep {
-            let client = self.client().await?;
-            return client
-                .execute(&self.forget.keep, &[&PURGE_BATCH])
-                .await
-                .map_err(|e| self.failed(&e));
-        }
+    pub(super) async fn forget_now(&self, secs: f64) -> Result<u64, StoreError> {
         forget(&self.pool, &self.forget.index, &self.forget.delete, secs).await
     }
 }

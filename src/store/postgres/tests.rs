@@ -142,7 +142,7 @@ async fn a_retention_pass_and_a_batch_of_raises_never_wait_for_each_other() {
             let raised = remote.raise(resource, 1.into(), allow).await.unwrap();
             assert_eq!(raised, Verdict::Admitted { previous: None });
         }
-        assert_eq!(remote.forget_pass(3600.0, false).await.unwrap(), 0);
+        assert_eq!(remote.forget_now(3600.0).await.unwrap(), 0);
         let admin = admin().await;
         for (resource, age) in [("b", 7200), ("a", 3600)] {
             admin
@@ -160,7 +160,12 @@ async fn a_retention_pass_and_a_batch_of_raises_never_wait_for_each_other() {
 
         let pass = {
             let remote = Arc::clone(&remote);
-            tokio::spawn(async move { remote.forget_pass(60.0, keep).await })
+            tokio::spawn(async move {
+                match keep {
+                    true => remote.keep_all().await,
+                    false => remote.forget_now(60.0).await,
+                }
+            })
         };
         let statement = if keep { "UPDATE" } else { "DELETE" };
         // The pass either waits for `b` or has gone past it.

@@ -115,22 +115,24 @@ async fn drive<R: Remote>(remote: Arc<R>, mut waiting: mpsc::UnboundedReceiver<(
 
 /// Sends `raise` by the remote's own [`Remote::raise`], in a task of its own, outside the
 /// calls the queue counts.
-fn alone<R: Remote>(remote: &Arc<R>, (raise, answer): (Raise, Answer)) {
+fn alone<R: Remote>(remote: &Arc<R>, waiting: (Raise, Answer)) {
     let remote = Arc::clone(remote);
-    tokio::spawn(async move {
-        let verdict = remote.raise(&raise.resource, raise.token, raise.rule).await;
-        let _ = answer.send(verdict);
-    });
+    tokio::spawn(async move { raise_alone(&*remote, waiting).await });
+}
+
+/// `raise` by the remote's own [`Remote::raise`], its verdict sent to `answer`.
+async fn raise_alone<R: Remote>(remote: &R, (raise, answer): (Raise, Answer)) {
+    let verdict = remote.raise(&raise.resource, raise.token, raise.rule).await;
+    let _ = answer.send(verdict);
 }
 
 /// One call for `batch`: the remote's own raise for one, its batch call for more.
 async fn send<R: Remote>(remote: &Arc<R>, batch: Vec<(Raise, Answer)>) {
+    let mut batch = batch;
     if batch.len() == 1 {
-        let Some((raise, answer)) = batch.into_iter().next() else {
-            return;
-        };
-        let verdict = remote.raise(&raise.resource, raise.token, raise.rule).await;
-        let _ = answer.send(verdict);
+        if let Some(one) = batch.pop() {
+            raise_alone(&**remote, one).await;
+        }
         return;
     }
     let (raises, answers): (Vec<Raise>, Vec<Answer>) = batch.into_iter().unzip();
