@@ -594,7 +594,9 @@ impl Agent {
             lease_id: lease.grant.lease_id.clone(),
             fencing_token: lease.grant.token,
             ttl_ms: lease.ttl.as_millis(),
-            state: lease.snapshot.borrow().state,
+            // As the lease API shows it: a lease whose local deadline has passed is expired,
+            // whatever transition is announced.
+            state: lease.state(),
         };
         // One line per transition: `lost` and `renew_failed` have their own WARN line, with
         // the reason; a successful renewal is a DEBUG line (one per lease every TTL/3).

@@ -48,19 +48,28 @@ async fn until(what: &str, f: impl Fn() -> bool) {
     panic!("never: {what}");
 }
 
-#[tokio::test(start_paused = true)]
-async fn a_renewal_answered_before_draining_does_not_bring_the_token_back() {
-    let dir = tempfile::tempdir().unwrap();
-    let agent = agent(&dir).await;
+/// `r` acquired by w1 (its `held` event read), and its next renewal stopped right after the
+/// backend said yes (resumed with `pause.resume`); the events from there on.
+async fn held_until_a_renewal_is_answered(
+    agent: &Arc<Agent>,
+) -> (Arc<Lease>, tokio::sync::broadcast::Receiver<Event>) {
     let mut events = agent.subscribe();
     let lease = agent
         .acquire("r", "w1", None, Duration::ZERO)
         .await
         .unwrap();
     assert_eq!(events.recv().await.unwrap().event, "held");
-    // The next renewal stops right after the backend said yes; draining starts there.
     agent.pause.armed.store(true, Ordering::SeqCst);
     agent.pause.reached.notified().await;
+    (lease, events)
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_renewal_answered_before_draining_does_not_bring_the_token_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let agent = agent(&dir).await;
+    // The next renewal stops right after the backend said yes; draining starts there.
+    let (lease, mut events) = held_until_a_renewal_is_answered(&agent).await;
     agent.start_draining();
     assert_eq!(lease.state(), State::Draining);
     assert_eq!(agent.token_for("r"), None);
@@ -80,19 +89,37 @@ async fn a_renewal_answered_before_draining_does_not_bring_the_token_back() {
 async fn a_renewal_answer_taken_in_after_the_local_deadline_loses_the_lease() {
     let dir = tempfile::tempdir().unwrap();
     let agent = agent(&dir).await;
-    let mut events = agent.subscribe();
-    let lease = agent
-        .acquire("r", "w1", None, Duration::ZERO)
-        .await
-        .unwrap();
-    assert_eq!(events.recv().await.unwrap().event, "held");
-    agent.pause.armed.store(true, Ordering::SeqCst);
-    agent.pause.reached.notified().await;
+    let (lease, mut events) = held_until_a_renewal_is_answered(&agent).await;
     // Stopped with the backend's yes in hand, for a whole TTL.
     tokio::time::advance(lease.ttl).await;
     agent.pause.resume.notify_one();
     let next = events.recv().await.unwrap();
     assert_eq!((next.event, next.state), ("lost", State::Expired));
+    assert_eq!(lease.state(), State::Expired);
+    assert_eq!(agent.token_for("r"), None);
+}
+
+/// A grant taken in only after the local deadline counted from its request (the process was
+/// stopped while the answer waited) is announced as what it is: `held`, state `expired`,
+/// then `lost`. Its `held` event said `held` before, as a late renewal's `renewed` did.
+#[tokio::test(start_paused = true)]
+async fn a_grant_taken_in_after_its_local_deadline_is_announced_expired() {
+    let dir = tempfile::tempdir().unwrap();
+    let agent = agent(&dir).await;
+    let mut events = agent.subscribe();
+    let ttl = Duration::from_millis(1500);
+    let sent = Instant::now();
+    let Acquired::Granted(grant) = agent.backend().try_acquire("r", "w1", ttl).await.unwrap()
+    else {
+        panic!("not granted");
+    };
+    // Stopped with the grant in hand, for a whole TTL.
+    tokio::time::advance(ttl).await;
+    let lease = agent.hold(grant, ttl, sent).expect("not draining");
+    let held = events.recv().await.unwrap();
+    assert_eq!((held.event, held.state), ("held", State::Expired));
+    let lost = events.recv().await.unwrap();
+    assert_eq!((lost.event, lost.state), ("lost", State::Expired));
     assert_eq!(lease.state(), State::Expired);
     assert_eq!(agent.token_for("r"), None);
 }
