@@ -18,8 +18,8 @@
 //!
 //! [`RedisConn::replicated`] is `WAIT`: after a write, the caller waits until the configured
 //! number of replicas acknowledged it, so that a failover keeps what was acknowledged; with
-//! Sentinel, nothing is acknowledged while a Sentinel says a failover may be under way
-//! ([`watch`]).
+//! Sentinel, until every replica the Sentinels could promote did (when that is more), and
+//! nothing is acknowledged while a Sentinel says a failover may be under way ([`watch`]).
 
 mod cluster;
 mod watch;
@@ -111,7 +111,7 @@ impl Sentinels {
         for i in 0..n {
             let at = (first + i) % n;
             let node = &self.nodes[at];
-            match self.ask(node).await {
+            match self.ask(at, node).await {
                 Ok(Some(addr)) => {
                     self.first.store(at, Ordering::Relaxed);
                     return Ok(addr);
@@ -130,14 +130,23 @@ impl Sentinels {
         )))
     }
 
-    async fn ask(&self, node: &RedisTarget) -> Result<Option<(String, u16)>, RedisError> {
+    /// Sentinel `at` (`node`) names the primary, and says which replicas it could promote
+    /// (so that the first write on a new connection already waits for them; a refusal of that
+    /// is left to the Sentinel's follower to report).
+    async fn ask(
+        &self,
+        at: usize,
+        node: &RedisTarget,
+    ) -> Result<Option<(String, u16)>, RedisError> {
         let config = AsyncConnectionConfig::new().set_response_timeout(Some(RESPONSE_TIMEOUT));
         let mut conn = node.dial(&node.host, node.port, config).await?;
-        redis::cmd("SENTINEL")
+        let primary = redis::cmd("SENTINEL")
             .arg("GET-MASTER-ADDR-BY-NAME")
             .arg(&self.master)
             .query_async(&mut conn)
-            .await
+            .await?;
+        let _ = watch::ask_replicas(&self.watch, at, &self.master, &mut conn).await;
+        Ok(primary)
     }
 }
 
@@ -258,6 +267,11 @@ impl RedisTarget {
     fn doubt(&self) -> Option<String> {
         let sentinels = self.sentinel.as_ref()?;
         sentinels.watch.doubt(&sentinels.master)
+    }
+
+    /// How many replicas the Sentinels could promote (0 without Sentinel).
+    fn promotable(&self) -> u32 {
+        self.sentinel.as_ref().map_or(0, |s| s.watch.promotable())
     }
 
     /// How many times the Sentinels announced a new primary.
@@ -446,8 +460,9 @@ impl std::fmt::Display for Unconfirmed {
         match self {
             Unconfirmed::Lagging { acked, wanted } => write!(
                 f,
-                "redis: {acked} of the {wanted} replicas asked for acknowledged the write within \
-                 {}ms (WAIT); it is on the primary, but a failover could lose it",
+                "redis: {acked} of the {wanted} replicas asked for (`replicas`, or with \
+                 Sentinel every replica a failover could promote) acknowledged the write \
+                 within {}ms (WAIT); it is on the primary, but a failover could lose it",
                 WAIT_TIMEOUT.as_millis()
             ),
             Unconfirmed::Doubt(why) => write!(f, "redis: {why}"),
@@ -477,16 +492,15 @@ impl RedisConn {
         conn: &mut MultiplexedConnection,
     ) -> Result<Result<(), Unconfirmed>, RedisError> {
         if self.replicas > 0 {
+            // Every replica a failover could promote, and at least the configured number.
+            let wanted = self.replicas.max(self.target.promotable());
             let acked: u32 = redis::cmd("WAIT")
-                .arg(self.replicas)
+                .arg(wanted)
                 .arg(u64::try_from(WAIT_TIMEOUT.as_millis()).unwrap_or(u64::MAX))
                 .query_async(conn)
                 .await?;
-            if acked < self.replicas {
-                return Ok(Err(Unconfirmed::Lagging {
-                    acked,
-                    wanted: self.replicas,
-                }));
+            if acked < wanted {
+                return Ok(Err(Unconfirmed::Lagging { acked, wanted }));
             }
         }
         Ok(match self.target.doubt() {

@@ -2,7 +2,9 @@
 //! - a Redis primary with two replicas and three Sentinels (quorum 2, down after 3 s: with 1 s,
 //!   on a loaded 2-core machine, a Sentinel sometimes took the primary it had just promoted for
 //!   down and a second failover left two primaries with a replica each for a moment, and
-//!   acknowledged writes were lost; see docs/reliability.md, finding 18);
+//!   acknowledged writes were lost; see docs/reliability.md, finding 18). Each node has its own
+//!   `replica-priority`, so the Sentinels promote by priority, not by offset: the replica a
+//!   failover promotes is as often the one that lags as the one that is ahead (finding 25);
 //! - a PostgreSQL primary with one synchronous standby (`pg_basebackup -R`), on two ports that
 //!   the fence's multi-host url names; after a promotion a new standby is made from the new
 //!   primary on the old primary's port, so every round starts replicated again;
@@ -83,6 +85,8 @@ fn fields(flat: &[String]) -> std::collections::HashMap<&str, &str> {
 /// A Redis data node or Sentinel: its port, process and directory (AOF, Sentinel config).
 struct RedisProc {
     port: u16,
+    /// `replica-priority` as a data node (unused by a Sentinel).
+    priority: u32,
     child: Option<Child>,
     dir: tempfile::TempDir,
 }
@@ -91,6 +95,7 @@ impl RedisProc {
     fn new() -> RedisProc {
         RedisProc {
             port: free_port(),
+            priority: 100,
             child: None,
             dir: tempfile::tempdir().unwrap(),
         }
@@ -109,7 +114,8 @@ impl RedisProc {
                 "always",
             ])
             // A replica that needs a full copy gets it at once, not after waiting for others.
-            .args(["--repl-diskless-sync-delay", "0", "--dir"])
+            .args(["--repl-diskless-sync-delay", "0"])
+            .args(["--replica-priority", &self.priority.to_string(), "--dir"])
             .arg(self.dir.path())
             .args(["--user", "fencegate", "on", ">chaos", "~*", "&*", "+@all"]);
         if let Some(primary) = of {
@@ -188,6 +194,9 @@ impl Sentinels {
     /// Started and settled, or why not.
     pub async fn start() -> Result<Sentinels, String> {
         let mut nodes: Vec<RedisProc> = (0..3).map(|_| RedisProc::new()).collect();
+        for (node, priority) in nodes.iter_mut().zip([30, 20, 10]) {
+            node.priority = priority;
+        }
         let primary = nodes[0].port;
         nodes[0].spawn_node(None).await?;
         for node in &mut nodes[1..] {

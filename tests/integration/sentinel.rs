@@ -251,6 +251,63 @@ async fn sentinel_with_replica_acknowledgement_refuses_a_raise_a_failover_could_
     assert_eq!(received, [6]);
 }
 
+/// Two replicas, the Sentinels preferring B (`replica-priority`), `replicas: 1`: B is stopped
+/// and its replication link cut, so only A can acknowledge token 7; the primary is killed, B
+/// resumed and promoted. `WAIT 1` would acknowledge 7 through A alone and the promotion of B
+/// would lose it (stale 6 then admitted after 7 was forwarded); the write must wait for every
+/// replica the Sentinels could promote, so 7 is refused 503, never forwarded, and 6 after the
+/// failover is no violation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_raise_waits_for_every_replica_the_sentinels_could_promote() {
+    // Down after 5 s: B, stopped for under a second, is never taken for down (and so stays
+    // promotable in the Sentinels' eyes and in fencegate's count).
+    let mut topology = SentinelTopology::start_preferring(
+        &format!("sentinel down-after-milliseconds {MASTER} 5000\n"),
+        Some(1),
+    )
+    .await;
+    let up = Upstream::start().await;
+    let yaml = store_yaml(&topology, Some(1));
+    let a = fencegate(&up.url(), &yaml).await;
+    let b = fencegate(&up.url(), &yaml).await;
+    assert_eq!(put(&a, "9", "1").await.status, 200);
+    assert_eq!(put(&b, "9", "2").await.status, 200);
+
+    // B's end of its replication link, as B lists its primary's connection.
+    let (primary, preferred) = (topology.primary.port, topology.replicas[1].port);
+    let link = redis_cli_at(preferred, &["CLIENT", "LIST", "TYPE", "master"]).await;
+    let laddr = link
+        .split_whitespace()
+        .find_map(|f| f.strip_prefix("laddr="))
+        .unwrap_or_else(|| panic!("no replication link on B: {link}"))
+        .to_owned();
+    topology.replicas[1].pause();
+    let cut = redis_cli_at(primary, &["CLIENT", "KILL", "ADDR", &laddr]).await;
+    assert_eq!(cut.trim(), "1", "B's link was not cut");
+    let seven = put(&a, "1", "7").await;
+    let acked = redis_cli_at(primary, &["WAIT", "1", "0"]).await;
+    assert_eq!(acked.trim(), "1", "A acknowledges what B lacks");
+    topology.primary.kill().await;
+    topology.replicas[1].resume();
+
+    let six = once_answered(&b, "1", "6").await;
+    let promoted = topology.wait_promoted().await;
+    assert_eq!(promoted, preferred, "the Sentinels promoted A, not B");
+    println!(
+        "preferred replica lagging (replicas: 1, two replicas): 7 answered {}, stale 6 after \
+         the failover {}",
+        seven.status, six.status
+    );
+    seven.assert_problem(503, "urn:fencegate:store-unavailable");
+    assert!(
+        seven.text().contains("1 of the 2 replicas"),
+        "{}",
+        seven.text()
+    );
+    assert_eq!(six.status, 200);
+    assert_eq!(received(&up, "1"), [6], "a stale token after a newer one");
+}
+
 /// A token equal to a maximum another connection raised, while the replicas do not acknowledge
 /// (stopped, still connected): refused like the raise itself. `WAIT` covers only what the
 /// waiting connection wrote, so the script writes the maximum again before it; without that,
@@ -633,17 +690,12 @@ async fn a_grant_after_a_failover_that_lost_grants_never_repeats_a_token() {
     );
 }
 
-/// The Sentinel user docs/stores.md documents (`resetchannels &* -@all +sentinel|get-master-addr-by-name +subscribe +ping`), as the only rights fencegate has on the
-/// Sentinels: finding the primary and following the events both work with it. Each Sentinel
-/// shows fencegate's watch subscribed (as that user, to its eleven channels), and none logged a
-/// refused command.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_documented_sentinel_acl_rule_is_enough() {
-    let topology = SentinelTopology::start_with(
-        "user fg on >pw resetchannels &* -@all +sentinel|get-master-addr-by-name +subscribe \
-         +ping\n",
-    )
-    .await;
+/// fencegate through Sentinels whose only user for it is `fg` with `rights`; once one write
+/// is admitted and every Sentinel shows the watch subscribed as `fg` to its eleven channels,
+/// what each Sentinel's `ACL LOG` says it refused.
+async fn through_sentinel_user(rights: &str) -> Vec<String> {
+    let topology =
+        SentinelTopology::start_with(&format!("user fg on >pw resetchannels &* {rights}\n")).await;
     let up = Upstream::start().await;
     let urls: Vec<String> = topology
         .sentinels
@@ -659,6 +711,7 @@ async fn the_documented_sentinel_acl_rule_is_enough() {
     let fg = fencegate(&up.url(), &yaml).await;
     assert_eq!(put(&fg, "1", "1").await.status, 200);
     let deadline = Instant::now() + Duration::from_secs(30);
+    let mut refused = Vec::new();
     for sentinel in &topology.sentinels {
         loop {
             let clients = redis_cli_at(sentinel.port, &["CLIENT", "LIST"]).await;
@@ -674,7 +727,30 @@ async fn the_documented_sentinel_acl_rule_is_enough() {
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        let refused = redis_cli_at(sentinel.port, &["ACL", "LOG"]).await;
+        refused.push(redis_cli_at(sentinel.port, &["ACL", "LOG"]).await);
+    }
+    refused
+}
+
+/// The Sentinel user docs/stores.md documents (`resetchannels &* -@all
+/// +sentinel|get-master-addr-by-name +sentinel|replicas +subscribe +ping`), as the only rights
+/// fencegate has on the Sentinels: finding the primary, following the events and counting the
+/// promotable replicas all work with it, and no Sentinel logged a refused command.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_documented_sentinel_acl_rule_is_enough() {
+    let rights = "-@all +sentinel|get-master-addr-by-name +sentinel|replicas +subscribe +ping";
+    for refused in through_sentinel_user(rights).await {
         assert_eq!(refused.trim(), "", "a Sentinel refused fencegate a command");
+    }
+}
+
+/// A Sentinel user without `+sentinel|replicas` (the rule an earlier fencegate documented):
+/// writes still pass, waiting for the configured `replicas` only, and the watch stays
+/// subscribed; the refusal is in the Sentinels' log (and fencegate's, as a warning).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sentinel_user_that_may_not_list_replicas_still_finds_the_primary() {
+    let rights = "-@all +sentinel|get-master-addr-by-name +subscribe +ping";
+    for refused in through_sentinel_user(rights).await {
+        assert!(refused.contains("sentinel|replicas"), "{refused}");
     }
 }

@@ -444,10 +444,25 @@ impl SentinelTopology {
 
     /// [`SentinelTopology::start`], with `extra` lines in each Sentinel's configuration.
     pub async fn start_with(extra: &str) -> SentinelTopology {
+        Self::start_preferring(extra, None).await
+    }
+
+    /// [`SentinelTopology::start_with`]; `preferred`: the replica (0 or 1) given
+    /// `replica-priority 1` (the other keeps 100) before the Sentinels start, so that they
+    /// promote it whatever its offset.
+    pub async fn start_preferring(extra: &str, preferred: Option<usize>) -> SentinelTopology {
         let primary = Service::start(Kind::Redis).await;
         let mut replicas = Vec::new();
         for _ in 0..2 {
             replicas.push(Service::start_redis_replica(primary.port).await);
+        }
+        if let Some(at) = preferred {
+            let set = redis_cli_at(
+                replicas[at].port,
+                &["CONFIG", "SET", "replica-priority", "1"],
+            )
+            .await;
+            assert_eq!(set.trim(), "OK");
         }
         let conf = format!(
             "sentinel monitor {MASTER} 127.0.0.1 {} 2\n\

@@ -16,6 +16,15 @@
 //! `+switch-master` from any Sentinel, which also makes the connection re-discover the
 //! primary before its next command instead of at its first `READONLY`.
 //!
+//! `WAIT` for a fixed number of replicas is not enough either: the Sentinels promote the
+//! replica with the best `replica-priority`, then the highest replication offset they last
+//! read (`INFO`, refreshed every 1 to 10 s), so with two replicas a write one of them
+//! acknowledged is lost when the other is promoted. So each Sentinel is also asked, on every
+//! heartbeat, after each of its events and whenever the primary is looked up, which replicas
+//! it could promote (`SENTINEL REPLICAS`: neither subjectively nor objectively down, nor
+//! disconnected, `replica-priority` not 0), and a write is acknowledged only once every one of
+//! them holds it ([`Watch::promotable`]).
+//!
 //! What this narrows and what it does not: a promotion follows the first `+sdown` by at least
 //! the quorum's agreement and an election (Sentinel round trips), and the event reaches
 //! fencegate in one, so in practice no write is acknowledged on a primary being replaced. It
@@ -23,7 +32,8 @@
 //! dropped when its connection is lost, so that one Sentinel gone does not stop every write),
 //! and an event still in flight when a write's `WAIT` returns is not seen by it.
 
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::Weak;
 use std::time::Duration;
 
@@ -57,6 +67,10 @@ const ODOWN: u8 = 2;
 /// One Sentinel is failing the master over.
 const FAILOVER: u8 = 4;
 
+/// A Sentinel's count of promotable replicas that is not known (not asked yet, refused, or
+/// the Sentinel cannot be heard).
+const UNKNOWN: u32 = u32::MAX;
+
 /// Each Sentinel's word on the master, and how many failovers were seen.
 #[derive(Debug)]
 pub(super) struct Watch {
@@ -66,6 +80,10 @@ pub(super) struct Watch {
     /// `+switch-master` events seen: a connection made before the last one is to a primary
     /// that was replaced.
     switches: AtomicU64,
+    /// Per Sentinel: how many replicas it could promote, as it last said ([`UNKNOWN`]).
+    promotable: Vec<AtomicU32>,
+    /// The largest count any Sentinel gave last, kept while no Sentinel can be heard.
+    last_promotable: AtomicU32,
 }
 
 impl Watch {
@@ -73,7 +91,29 @@ impl Watch {
         Watch {
             flags: (0..sentinels).map(|_| AtomicU8::new(0)).collect(),
             switches: AtomicU64::new(0),
+            promotable: (0..sentinels).map(|_| AtomicU32::new(UNKNOWN)).collect(),
+            last_promotable: AtomicU32::new(0),
         }
+    }
+
+    /// How many replicas a write must reach before it is acknowledged, so that whichever
+    /// replica a failover promotes holds it: the most any Sentinel heard now could promote
+    /// (Sentinels disagree for the moment one of them notices a replica down or back), or,
+    /// with none heard, the last count known (0 before any).
+    pub(super) fn promotable(&self) -> u32 {
+        self.promotable
+            .iter()
+            .map(|n| n.load(Ordering::Acquire))
+            .filter(|n| *n != UNKNOWN)
+            .max()
+            .unwrap_or_else(|| self.last_promotable.load(Ordering::Acquire))
+    }
+
+    /// Sentinel `at` says it could promote `n` replicas.
+    pub(super) fn set_promotable(&self, at: usize, n: u32) {
+        self.promotable[at].store(n, Ordering::Release);
+        self.last_promotable
+            .store(self.promotable(), Ordering::Release);
     }
 
     /// Why no write may be acknowledged now, if a Sentinel says a failover may be under way.
@@ -133,7 +173,48 @@ impl Watch {
     /// Sentinel `at` cannot be heard: its word no longer counts.
     fn forget(&self, at: usize) {
         self.flags[at].store(0, Ordering::Release);
+        self.promotable[at].store(UNKNOWN, Ordering::Release);
     }
+}
+
+/// How many of the replicas in a `SENTINEL REPLICAS` answer the Sentinel could promote: not
+/// down (`s_down`, `o_down`), not `disconnected` from it, `replica-priority` not 0 (what the
+/// Sentinel's own choice skips first; a replica it skips for lag or a stale `INFO` is still
+/// counted, which can only hold acknowledgements back).
+fn promotable(replicas: &[HashMap<String, String>]) -> u32 {
+    let count = replicas
+        .iter()
+        .filter(|r| {
+            let flags = r.get("flags").map_or("", String::as_str);
+            let unusable = flags
+                .split(',')
+                .any(|f| matches!(f, "s_down" | "o_down" | "disconnected"));
+            let never = ["slave-priority", "replica-priority"]
+                .iter()
+                .any(|k| r.get(*k).is_some_and(|p| p == "0"));
+            !unusable && !never
+        })
+        .count();
+    u32::try_from(count).unwrap_or(UNKNOWN - 1)
+}
+
+/// Asks Sentinel `at` on `conn` which replicas of `master` it could promote, and records the
+/// count; a refusal (the Sentinel user lacks `sentinel|replicas`) is logged once per
+/// connection by the caller through the returned error.
+pub(super) async fn ask_replicas<C: redis::aio::ConnectionLike>(
+    watch: &Watch,
+    at: usize,
+    master: &str,
+    conn: &mut C,
+) -> Result<u32, redis::RedisError> {
+    let replicas: Vec<HashMap<String, String>> = redis::cmd("SENTINEL")
+        .arg("REPLICAS")
+        .arg(master)
+        .query_async(conn)
+        .await?;
+    let n = promotable(&replicas);
+    watch.set_promotable(at, n);
+    Ok(n)
 }
 
 /// Follows Sentinel `at` of `sentinels` until they are dropped.
@@ -154,25 +235,27 @@ pub(super) async fn follow(sentinels: Weak<Sentinels>, at: usize) {
                 if let Err(e) = conn.subscribe(&CHANNELS).await {
                     tracing::debug!(error = %e, "a Sentinel's events cannot be followed");
                 } else {
+                    // The first tick is at once: the count of promotable replicas is asked
+                    // for as soon as the events are followed.
                     let mut heartbeat = tokio::time::interval(HEARTBEAT);
                     heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                    let mut refused = false;
                     loop {
                         tokio::select! {
                             push = rx.recv() => match push {
                                 Some(push) => {
                                     let Some(s) = sentinels.upgrade() else { return };
-                                    if !event(&s, at, &push) {
+                                    if !event(&s, at, &push)
+                                        || !refresh(&s, at, &mut conn, &mut refused).await
+                                    {
                                         break;
                                     }
                                 }
                                 None => break,
                             },
                             _ = heartbeat.tick() => {
-                                if sentinels.strong_count() == 0 {
-                                    return;
-                                }
-                                let pong = redis::cmd("PING").query_async::<Value>(&mut conn).await;
-                                if pong.is_err() {
+                                let Some(s) = sentinels.upgrade() else { return };
+                                if !refresh(&s, at, &mut conn, &mut refused).await {
                                     break;
                                 }
                             }
@@ -187,6 +270,35 @@ pub(super) async fn follow(sentinels: Weak<Sentinels>, at: usize) {
             None => return,
         }
         tokio::time::sleep(REDIAL).await;
+    }
+}
+
+/// Asks Sentinel `at` which replicas it could promote (a `PING` once it refused that);
+/// `false` if the connection failed. A refusal is logged once per connection, and the
+/// Sentinel's count stays unknown.
+async fn refresh(
+    sentinels: &Sentinels,
+    at: usize,
+    conn: &mut redis::aio::MultiplexedConnection,
+    refused: &mut bool,
+) -> bool {
+    if *refused {
+        return redis::cmd("PING").query_async::<Value>(conn).await.is_ok();
+    }
+    match ask_replicas(&sentinels.watch, at, &sentinels.master, conn).await {
+        Ok(_) => true,
+        Err(e) if e.is_io_error() || e.is_timeout() || e.is_connection_dropped() => false,
+        Err(e) => {
+            tracing::warn!(
+                error = %e,
+                sentinel = at + 1,
+                "a Sentinel will not say which replicas it could promote (`SENTINEL REPLICAS`; \
+                 the Sentinel user needs `+sentinel|replicas`): writes wait only for the \
+                 configured `replicas`, and a failover that promotes another replica loses them"
+            );
+            *refused = true;
+            true
+        }
     }
 }
 
@@ -271,5 +383,53 @@ mod tests {
         w.apply(2, "m", "+sdown", "master m 127.0.0.1 6380");
         w.forget(2);
         assert_eq!(w.doubt("m"), None);
+    }
+
+    fn replica(flags: &str, priority: &str) -> HashMap<String, String> {
+        [
+            ("flags", flags),
+            ("slave-priority", priority),
+            ("ip", "127.0.0.1"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect()
+    }
+
+    #[test]
+    fn a_replica_counts_unless_down_disconnected_or_never_promoted() {
+        assert_eq!(promotable(&[]), 0);
+        let replicas = [
+            replica("slave", "100"),
+            replica("slave", "1"),
+            replica("s_down,slave", "100"),
+            replica("slave,o_down", "100"),
+            replica("slave,disconnected", "100"),
+            replica("slave", "0"),
+        ];
+        assert_eq!(promotable(&replicas), 2);
+    }
+
+    #[test]
+    fn the_most_any_heard_sentinel_could_promote_is_waited_for() {
+        let w = Watch::new(3);
+        assert_eq!(w.promotable(), 0, "nothing known yet");
+        w.set_promotable(0, 2);
+        w.set_promotable(1, 1);
+        assert_eq!(w.promotable(), 2, "one Sentinel still sees a replica up");
+        w.set_promotable(0, 1);
+        assert_eq!(w.promotable(), 1);
+        w.set_promotable(2, 2);
+        w.forget(2);
+        assert_eq!(
+            w.promotable(),
+            1,
+            "a Sentinel that cannot be heard does not count"
+        );
+        // With none heard, the last count stands: losing the Sentinels lowers nothing.
+        w.set_promotable(1, 2);
+        w.forget(0);
+        w.forget(1);
+        assert_eq!(w.promotable(), 2);
     }
 }
