@@ -19,7 +19,8 @@
 //! [`RedisConn::replicated`] is `WAIT`: after a write, the caller waits until the configured
 //! number of replicas acknowledged it, so that a failover keeps what was acknowledged; with
 //! Sentinel, until every replica the Sentinels could promote did (when that is more), and
-//! nothing is acknowledged while a Sentinel says a failover may be under way ([`watch`]).
+//! nothing is acknowledged while a Sentinel says a failover may be under way ([`watch`]); in a
+//! Redis Cluster, until every replica the slot map lists for the primary did ([`cluster`]).
 
 mod cluster;
 mod watch;
@@ -27,7 +28,7 @@ mod watch;
 use redis::aio::MultiplexedConnection;
 use redis::{AsyncConnectionConfig, ErrorKind, ProtocolVersion, RedisConnectionInfo, RedisError};
 
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -395,8 +396,14 @@ pub(crate) struct RedisConn {
     /// health latch logs for the store).
     log_as: Option<&'static str>,
     failing: AtomicBool,
-    /// How many replicas [`RedisConn::replicated`] waits for.
+    /// How many replicas [`RedisConn::replicated`] waits for, at least.
     replicas: u32,
+    /// In a Redis Cluster: how many replicas the slot map lists for this primary (`CLUSTER
+    /// SLOTS` leaves failed ones out), every one of which could be promoted in its place.
+    promotable: AtomicU32,
+    /// The last `WAIT` fell short: in a Redis Cluster, the slot map is asked again (a replica
+    /// the cluster has since marked failed is then no longer waited for).
+    short: AtomicBool,
 }
 
 /// The connection in use, and what is known of it.
@@ -460,9 +467,9 @@ impl std::fmt::Display for Unconfirmed {
         match self {
             Unconfirmed::Lagging { acked, wanted } => write!(
                 f,
-                "redis: {acked} of the {wanted} replicas asked for (`replicas`, or with \
-                 Sentinel every replica a failover could promote) acknowledged the write \
-                 within {}ms (WAIT); it is on the primary, but a failover could lose it",
+                "redis: {acked} of the {wanted} replicas asked for (`replicas`, or every \
+                 replica a failover could promote) acknowledged the write within {}ms (WAIT); \
+                 it is on the primary, but a failover could lose it",
                 WAIT_TIMEOUT.as_millis()
             ),
             Unconfirmed::Doubt(why) => write!(f, "redis: {why}"),
@@ -480,6 +487,8 @@ impl RedisConn {
             log_as,
             failing: AtomicBool::new(false),
             replicas,
+            promotable: AtomicU32::new(0),
+            short: AtomicBool::new(false),
         }
     }
 
@@ -493,12 +502,16 @@ impl RedisConn {
     ) -> Result<Result<(), Unconfirmed>, RedisError> {
         if self.replicas > 0 {
             // Every replica a failover could promote, and at least the configured number.
-            let wanted = self.replicas.max(self.target.promotable());
+            let wanted = self
+                .replicas
+                .max(self.target.promotable())
+                .max(self.promotable.load(Ordering::Acquire));
             let acked: u32 = redis::cmd("WAIT")
                 .arg(wanted)
                 .arg(u64::try_from(WAIT_TIMEOUT.as_millis()).unwrap_or(u64::MAX))
                 .query_async(conn)
                 .await?;
+            self.short.store(acked < wanted, Ordering::Release);
             if acked < wanted {
                 return Ok(Err(Unconfirmed::Lagging { acked, wanted }));
             }

@@ -344,6 +344,75 @@ async fn cluster_with_replica_acknowledgement_refuses_a_raise_a_failover_could_l
     assert!(next > 1);
 }
 
+/// Two replicas per shard, `replicas: 1`: replica B is stopped and its replication link cut,
+/// so only replica A can acknowledge token 7; the primary is killed, B resumed and made primary
+/// (`CLUSTER FAILOVER TAKEOVER`: the cluster's own election favours the replica with the
+/// highest offset, but does not guarantee it). `WAIT 1` would acknowledge 7 through A and the
+/// promotion of B would lose it (stale 6 then admitted after 7 was forwarded); the write must
+/// wait for every replica the slot map lists for its primary, so 7 is refused 503, never
+/// forwarded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_raise_waits_for_every_replica_of_its_shard() {
+    let mut topology = ClusterTopology::start_with_replicas(2).await;
+    let up = Upstream::start().await;
+    let prefix = fresh_prefix();
+    let yaml = store_yaml(&topology, &prefix, Some(1));
+    let a = fencegate(&up.url(), &yaml).await;
+    let b = fencegate(&up.url(), &yaml).await;
+    let slot = topology
+        .slot_of(&format!("{prefix}:{{account:1}}:max"))
+        .await;
+    let (primary, _) = topology.shard_of(slot).await;
+    let known = topology.cluster_nodes_at(primary.port).await;
+    let replicas: Vec<&ClusterNode> = known
+        .iter()
+        .filter(|n| n.of.as_deref() == Some(primary.id.as_str()))
+        .collect();
+    assert_eq!(replicas.len(), 2, "{known:?}");
+    let lagging = replicas[1].port;
+    assert_eq!(put(&a, "1", "5").await.status, 200);
+    assert_eq!(put(&b, "2", "5").await.status, 200);
+
+    // B's end of its replication link, as B lists its primary's connection.
+    let link = redis_cli_at(lagging, &["CLIENT", "LIST", "TYPE", "master"]).await;
+    let laddr = link
+        .split_whitespace()
+        .find_map(|f| f.strip_prefix("laddr="))
+        .unwrap_or_else(|| panic!("no replication link on B: {link}"))
+        .to_owned();
+    topology.node(lagging).pause();
+    let cut = redis_cli_at(primary.port, &["CLIENT", "KILL", "ADDR", &laddr]).await;
+    assert_eq!(cut.trim(), "1", "B's link was not cut");
+    let seven = put(&a, "1", "7").await;
+    let acked = redis_cli_at(primary.port, &["WAIT", "1", "0"]).await;
+    assert_eq!(acked.trim(), "1", "A acknowledges what B lacks");
+    topology.node(primary.port).kill().await;
+    topology.node(lagging).resume();
+    let taken = redis_cli_at(lagging, &["CLUSTER", "FAILOVER", "TAKEOVER"]).await;
+    assert_eq!(taken.trim(), "OK");
+    let promoted = topology.wait_promoted(slot, primary.port).await;
+    assert_eq!(promoted, lagging, "A was promoted, not B");
+
+    let six = once_answered(&b, "1", "6").await;
+    println!(
+        "cluster, two replicas, the promoted one lagging (replicas: 1): 7 answered {}, stale 6 \
+         after the failover {}",
+        seven.status, six.status
+    );
+    seven.assert_problem(503, "urn:fencegate:store-unavailable");
+    assert!(
+        seven.text().contains("1 of the 2 replicas"),
+        "{}",
+        seven.text()
+    );
+    assert_eq!(six.status, 200);
+    assert_eq!(
+        received(&up, "1"),
+        [5, 6],
+        "a stale token after a newer one"
+    );
+}
+
 /// A resharding moves the slot of a resource from one primary to another while fencegate
 /// writes: during the migration, the source answers `ASK` for the key already moved, and
 /// fencegate asks the target (`ASKING`); once the slot is the target's, the source answers
@@ -494,7 +563,7 @@ async fn fences_list_reads_every_shard() {
 }
 
 /// The data nodes' ACL line docs/stores.md gives, plus what its Redis Cluster section adds
-/// (`+cluster|slots +asking +wait`), for `prefix`, on every node: the store and the lease
+/// (`+cluster|slots +cluster|nodes +asking +wait`), for `prefix`, on every node: the store and the lease
 /// backend work with exactly these rights across every shard, and no node logged a refused
 /// command.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -510,9 +579,12 @@ async fn the_documented_cluster_acl_rule_is_enough() {
         .unwrap()
         .replace("fencegate:", &format!("{prefix}:"))
         .replace(">PASSWORD", ">pw");
-    assert!(docs.contains("plus `+cluster|slots` (the slot map) and\n`+asking`"));
+    assert!(docs.contains(
+        "plus `+cluster|slots` (the slot map),\n`+cluster|nodes` (each primary's replicas) and \
+         `+asking`"
+    ));
     let mut args: Vec<&str> = line.split(' ').collect();
-    args.extend(["+cluster|slots", "+asking", "+wait"]);
+    args.extend(["+cluster|slots", "+cluster|nodes", "+asking", "+wait"]);
     for node in &topology.nodes {
         assert_eq!(redis_cli_at(node.port, &args).await.trim(), "OK");
     }

@@ -834,6 +834,8 @@ async fn etcd_healthy(port: u16) -> bool {
 /// one lag and still see it promoted).
 pub struct ClusterTopology {
     pub nodes: Vec<Service>,
+    /// Replicas per primary.
+    pub per_shard: usize,
 }
 
 /// One line of `CLUSTER NODES`.
@@ -851,8 +853,13 @@ pub struct ClusterNode {
 
 impl ClusterTopology {
     pub async fn start() -> ClusterTopology {
+        Self::start_with_replicas(1).await
+    }
+
+    /// Three primaries with `per_shard` replicas each.
+    pub async fn start_with_replicas(per_shard: usize) -> ClusterTopology {
         let mut nodes = Vec::new();
-        for _ in 0..6 {
+        for _ in 0..3 * (1 + per_shard) {
             nodes.push(
                 Service::start_redis_with(&[
                     "--cluster-enabled",
@@ -872,18 +879,22 @@ impl ClusterTopology {
         let out = tokio::process::Command::new("redis-cli")
             .args(["--cluster", "create"])
             .args(&addrs)
-            .args(["--cluster-replicas", "1", "--cluster-yes"])
+            .args([
+                "--cluster-replicas",
+                &per_shard.to_string(),
+                "--cluster-yes",
+            ])
             .output()
             .await
             .unwrap();
         assert!(out.status.success(), "redis-cli --cluster create: {out:?}");
-        let topology = ClusterTopology { nodes };
+        let topology = ClusterTopology { nodes, per_shard };
         topology.wait_settled().await;
         topology
     }
 
     /// Every live node says the cluster is ok and knows three primaries with all slots and
-    /// three replicas whose links are up.
+    /// their replicas, whose links are up.
     pub async fn wait_settled(&self) {
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
@@ -893,7 +904,8 @@ impl ClusterTopology {
                 settled &= info.contains("cluster_state:ok");
                 let known = self.cluster_nodes_at(node.port).await;
                 settled &= known.iter().filter(|n| n.primary && !n.failed).count() == 3
-                    && known.iter().filter(|n| !n.primary && !n.failed).count() == 3;
+                    && known.iter().filter(|n| !n.primary && !n.failed).count()
+                        == 3 * self.per_shard;
                 let replication = redis_cli_at(node.port, &["INFO", "replication"]).await;
                 if replication.contains("role:slave") {
                     settled &= replication.contains("master_link_status:up");

@@ -11,12 +11,19 @@
 //! promoted replica, without every request asking the cluster for its map; while no node gives
 //! a map at all, the calls within [`MIN_REFRESH`] of the last attempt get its reason at once.
 //!
+//! With the map, `CLUSTER NODES` says how many replicas each primary has that the cluster has
+//! not marked failed, and a write on a primary waits for every one of them: the
+//! cluster's election favours the replica with the highest offset but does not guarantee it,
+//! so `WAIT` for fewer could acknowledge a write the promoted replica lacks. While a primary's
+//! `WAIT` falls short, the map is asked again every [`SHORT_REFRESH`], so a replica the cluster
+//! has since marked failed stops holding writes back.
+//!
 //! Every key fencegate writes in one script carries its resource in a hash tag
 //! (`{prefix}:{<resource>}:…`), so one script touches one slot, and the guarantees of a single
 //! primary hold per slot: `WAIT` on the slot's primary, and the lease backend's record of that
 //! primary's replication id.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -32,6 +39,17 @@ const SLOTS: u16 = 16384;
 
 /// At most one slot-map refresh in this long (a `MOVED` reply still points its slot at once).
 const MIN_REFRESH: Duration = Duration::from_millis(50);
+
+/// How often the map is asked again while a primary's replicas do not all acknowledge.
+const SHORT_REFRESH: Duration = Duration::from_secs(1);
+
+/// One range of the slot map: its first and last slot, its primary's host and port, and how
+/// many replicas that primary has that the cluster has not marked failed (`CLUSTER NODES`).
+type SlotRange = (u16, u16, String, u16, u32);
+
+/// One range of a `CLUSTER SLOTS` answer: first and last slot, the primary's host, port and
+/// node id (empty if not given).
+type ListedRange = (u16, u16, String, u16, String);
 
 /// The slot of `key`: CRC16 (XMODEM) of its hash tag, the part between the first `{` and the
 /// next `}` if that is not empty, else of the whole key.
@@ -95,6 +113,15 @@ struct Map {
 }
 
 impl Map {
+    /// Whether `node`'s last `WAIT` fell short and the map is older than [`SHORT_REFRESH`]: a
+    /// replica it lists may have failed since, and then it is no longer waited for.
+    fn asks_again(&self, node: &RedisConn) -> bool {
+        node.short.load(Ordering::Acquire)
+            && self
+                .refreshed
+                .is_none_or(|at| at.elapsed() >= SHORT_REFRESH)
+    }
+
     fn find(&self, slot: u16) -> Option<&Arc<RedisConn>> {
         let at = self.ranges.partition_point(|r| r.last < slot);
         self.ranges
@@ -154,6 +181,8 @@ pub(super) struct Cluster {
     refreshing: tokio::sync::Mutex<()>,
     /// The node that answered `CLUSTER SLOTS` last, in [`Cluster::askable`]'s order.
     first: AtomicUsize,
+    /// A node refused `CLUSTER NODES` (logged once).
+    nodes_refused: AtomicBool,
 }
 
 impl Cluster {
@@ -171,6 +200,7 @@ impl Cluster {
             map: Mutex::default(),
             refreshing: tokio::sync::Mutex::new(()),
             first: AtomicUsize::new(0),
+            nodes_refused: AtomicBool::new(false),
         }
     }
 
@@ -197,7 +227,7 @@ impl Cluster {
         let seen = {
             let map = self.map();
             match map.find(slot) {
-                Some(node) if !map.stale => return Ok(Arc::clone(node)),
+                Some(node) if !map.stale && !map.asks_again(node) => return Ok(Arc::clone(node)),
                 _ => map.generation,
             }
         };
@@ -310,33 +340,73 @@ impl Cluster {
     }
 
     /// `CLUSTER SLOTS` of the node at `host:port`.
-    async fn ask(&self, host: &str, port: u16) -> Result<Vec<(u16, u16, String, u16)>, RedisError> {
+    async fn ask(&self, host: &str, port: u16) -> Result<Vec<SlotRange>, RedisError> {
         let config = AsyncConnectionConfig::new().set_response_timeout(Some(RESPONSE_TIMEOUT));
         let mut conn = self.target.dial(host, port, config).await?;
         let reply: Value = redis::cmd("CLUSTER")
             .arg("SLOTS")
             .query_async(&mut conn)
             .await?;
-        parse_slots(&reply, host).ok_or_else(|| {
+        let listed = parse_slots(&reply, host).ok_or_else(|| {
             RedisError::from((
                 redis::ErrorKind::UnexpectedReturnType,
                 "CLUSTER SLOTS",
                 format!("an answer fencegate cannot read: {reply:?}"),
             ))
-        })
+        })?;
+        // `CLUSTER SLOTS` lists replicas too, but Redis caches that answer and leaves out
+        // replicas it last saw at offset 0, so the count comes from `CLUSTER NODES`.
+        let nodes = match redis::cmd("CLUSTER")
+            .arg("NODES")
+            .query_async::<String>(&mut conn)
+            .await
+        {
+            Ok(nodes) => nodes,
+            Err(e) if e.is_io_error() || e.is_timeout() || e.is_connection_dropped() => {
+                return Err(e)
+            }
+            Err(e) => {
+                if !self.nodes_refused.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(
+                        error = %e,
+                        "the Redis Cluster will not list its nodes (`CLUSTER NODES`; the user \
+                         needs `+cluster|nodes`): writes wait only for the configured \
+                         `replicas`, and a failover that promotes another replica loses them"
+                    );
+                }
+                String::new()
+            }
+        };
+        Ok(listed
+            .into_iter()
+            .map(|(first, last, host, port, id)| {
+                let replicas = replicas_of(&nodes, &id);
+                (first, last, host, port, replicas)
+            })
+            .collect())
     }
 
     /// A new map, keeping the connections of primaries it still names.
-    fn install(&self, slots: Vec<(u16, u16, String, u16)>) {
+    /// Each primary is told how many replicas it has, the most any of its ranges lists.
+    fn install(&self, slots: Vec<SlotRange>) {
         let mut ranges: Vec<Range> = Vec::with_capacity(slots.len());
-        for (first, last, host, port) in slots {
+        let mut replicas: Vec<(Arc<RedisConn>, u32)> = Vec::new();
+        for (first, last, host, port, listed) in slots {
             let known = ranges
                 .iter()
                 .map(|r| &r.node)
                 .find(|n| n.target.host == host && n.target.port == port)
                 .cloned();
             let node = known.unwrap_or_else(|| self.node(&host, port));
+            match replicas.iter_mut().find(|(n, _)| Arc::ptr_eq(n, &node)) {
+                Some((_, most)) => *most = (*most).max(listed),
+                None => replicas.push((Arc::clone(&node), listed)),
+            }
             ranges.push(Range { first, last, node });
+        }
+        for (node, listed) in replicas {
+            node.promotable.store(listed, Ordering::Release);
+            node.short.store(false, Ordering::Release);
         }
         ranges.sort_by_key(|r| r.first);
         let mut map = self.map();
@@ -348,9 +418,32 @@ impl Cluster {
     }
 }
 
+/// How many replicas of the primary `id` a `CLUSTER NODES` answer lists that the cluster has
+/// not marked failed (`fail`; a `fail?`, suspected by one node only, can still be promoted and
+/// counts), nor lacks an address for.
+fn replicas_of(nodes: &str, id: &str) -> u32 {
+    if id.is_empty() {
+        return 0;
+    }
+    let count = nodes
+        .lines()
+        .filter(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let (Some(flags), Some(of)) = (fields.get(2), fields.get(3)) else {
+                return false;
+            };
+            *of == id
+                && !flags
+                    .split(',')
+                    .any(|f| matches!(f, "fail" | "noaddr" | "handshake"))
+        })
+        .count();
+    u32::try_from(count).unwrap_or(u32::MAX)
+}
+
 /// The ranges of a `CLUSTER SLOTS` reply asked of `asked`, with their primaries
 /// (`[first, last, [host, port, id, …], replicas…]`; an empty host is the node asked).
-fn parse_slots(reply: &Value, asked: &str) -> Option<Vec<(u16, u16, String, u16)>> {
+fn parse_slots(reply: &Value, asked: &str) -> Option<Vec<ListedRange>> {
     let int = |v: &Value| match v {
         Value::Int(n) => u16::try_from(*n).ok(),
         _ => None,
@@ -382,7 +475,8 @@ fn parse_slots(reply: &Value, asked: &str) -> Option<Vec<(u16, u16, String, u16)
         } else {
             host
         };
-        slots.push((first, last, host, port));
+        let id = primary.get(2).and_then(text).unwrap_or_default();
+        slots.push((first, last, host, port, id));
     }
     Some(slots)
 }
@@ -428,8 +522,8 @@ mod tests {
         assert_eq!(
             parse_slots(&reply, "seed").unwrap(),
             [
-                (0, 5460, "10.0.0.1".to_owned(), 7000),
-                (5461, 16383, "seed".to_owned(), 7001)
+                (0, 5460, "10.0.0.1".to_owned(), 7000, "id".to_owned()),
+                (5461, 16383, "seed".to_owned(), 7001, "id".to_owned())
             ]
         );
         let bad = Value::Array(vec![Value::Array(vec![Value::Int(9), Value::Int(3)])]);
@@ -458,7 +552,10 @@ mod tests {
     fn a_moved_slot_splits_its_range() {
         let target = RedisTarget::new("redis://127.0.0.1:7000/", None).unwrap();
         let cluster = Cluster::new(target, None, 0, false);
-        cluster.install(vec![(0, 99, "a".into(), 1), (100, 199, "b".into(), 2)]);
+        cluster.install(vec![
+            (0, 99, "a".into(), 1, 1),
+            (100, 199, "b".into(), 2, 1),
+        ]);
         cluster.moved(50, "b", 2);
         let map = cluster.map();
         let port = |slot| map.find(slot).map(|n| n.target.port);
@@ -475,5 +572,20 @@ mod tests {
             [Some(1), Some(1), Some(2), Some(1), Some(1), Some(2), None]
         );
         assert!(map.stale);
+    }
+
+    #[test]
+    fn a_primary_counts_its_replicas_that_have_not_failed() {
+        let nodes = "\
+p1 127.0.0.1:7000@17000 myself,master - 0 0 1 connected 0-5460
+r1 127.0.0.1:7003@17003 slave p1 0 1 1 connected
+r2 127.0.0.1:7004@17004 slave,fail? p1 0 1 1 connected
+r3 127.0.0.1:7005@17005 slave,fail p1 0 1 1 disconnected
+r4 127.0.0.1:7006@17006 slave p2 0 1 2 connected
+";
+        assert_eq!(replicas_of(nodes, "p1"), 2);
+        assert_eq!(replicas_of(nodes, "p2"), 1);
+        assert_eq!(replicas_of(nodes, "p3"), 0);
+        assert_eq!(replicas_of(nodes, ""), 0);
     }
 }
