@@ -124,6 +124,10 @@ pub struct Agent {
     /// draining in between.
     #[cfg(test)]
     pause: tests::Pause,
+    /// Holds an acquisition between the backend's grant and its use, so that tests can stop
+    /// the clock there.
+    #[cfg(test)]
+    grant_pause: tests::Pause,
 }
 
 impl Agent {
@@ -148,6 +152,8 @@ impl Agent {
             metrics,
             #[cfg(test)]
             pause: tests::Pause::default(),
+            #[cfg(test)]
+            grant_pause: tests::Pause::default(),
         })
     }
 
@@ -295,18 +301,36 @@ impl Agent {
             let sent = Instant::now();
             let outcome = match self.backend.try_acquire(resource, holder, ttl).await {
                 Ok(Acquired::Granted(grant)) => {
-                    self.metrics
-                        .lease
-                        .acquisition
-                        .observe(started.elapsed().as_secs_f64());
-                    return match self.hold(grant, ttl, sent) {
-                        Ok(lease) => Ok(lease),
-                        Err(grant) => {
-                            let why = "lease granted while draining; given back";
-                            self.give_back(&grant, why).await;
-                            Err(AcquireError::Draining)
-                        }
-                    };
+                    #[cfg(test)]
+                    self.grant_pause.wait_if_armed().await;
+                    // A grant taken in at or after its local deadline (counted from the
+                    // request: the backend answered slower than the TTL, or this process was
+                    // stopped while the answer waited) is no lease: it may have expired on the
+                    // backend and gone to another holder. Given back, it counts as an answer
+                    // that came too late.
+                    if Instant::now() >= valid_until(sent, ttl, self.ttl.drift_buffer) {
+                        let why = "lease granted past its local deadline; given back";
+                        self.give_back(&grant, why).await;
+                        AcquireError::Unavailable(LeaseError::timeout(format!(
+                            "the grant arrived {} ms after it was asked for, past the lease's \
+                             local deadline (its TTL of {} ms less the drift buffer)",
+                            sent.elapsed().as_millis(),
+                            ttl.as_millis()
+                        )))
+                    } else {
+                        self.metrics
+                            .lease
+                            .acquisition
+                            .observe(started.elapsed().as_secs_f64());
+                        return match self.hold(grant, ttl, sent) {
+                            Ok(lease) => Ok(lease),
+                            Err(grant) => {
+                                let why = "lease granted while draining; given back";
+                                self.give_back(&grant, why).await;
+                                Err(AcquireError::Draining)
+                            }
+                        };
+                    }
                 }
                 Ok(Acquired::Held { holder }) => AcquireError::Held { holder },
                 Err(e) => AcquireError::Unavailable(e),
@@ -427,7 +451,7 @@ impl Agent {
                 Ok(Ok(true)) => {
                     self.metrics.lease.renewals_ok.inc();
                     #[cfg(test)]
-                    self.pause.renewed().await;
+                    self.pause.wait_if_armed().await;
                     // An answer taken in only after the deadline (the process was stopped
                     // while it waited: the timeout above polls the answer first) comes too
                     // late, as if the timeout had fired: the backend may have let the lease go

@@ -4,18 +4,18 @@ use super::*;
 use std::sync::atomic::{AtomicBool, Ordering};
 use tokio::sync::Notify;
 
-/// A pause point in the renewal loop, armed by a test for one renewal.
+/// A pause point in the agent (a renewal's or a grant's answer), armed by a test for once.
 #[derive(Default)]
 pub(super) struct Pause {
     armed: AtomicBool,
-    /// Told when an armed renewal has the backend's answer.
+    /// Told when the armed point has the backend's answer.
     reached: Notify,
     /// Lets it go on.
     resume: Notify,
 }
 
 impl Pause {
-    pub(super) async fn renewed(&self) {
+    pub(super) async fn wait_if_armed(&self) {
         if self.armed.swap(false, Ordering::SeqCst) {
             self.reached.notify_one();
             self.resume.notified().await;
@@ -122,6 +122,47 @@ async fn a_grant_taken_in_after_its_local_deadline_is_announced_expired() {
     assert_eq!((lost.event, lost.state), ("lost", State::Expired));
     assert_eq!(lease.state(), State::Expired);
     assert_eq!(agent.token_for("r"), None);
+}
+
+/// A grant taken in only after the local deadline counted from its request (the backend's
+/// answer waited while the process was stopped) is no lease: it is given back, never
+/// announced nor listed, and the acquisition (with no `wait` left) answers that the backend's
+/// answer came too late. It was answered as a lease before, in state `expired`: an app that
+/// looked only at the status took it for held.
+#[tokio::test(start_paused = true)]
+async fn a_grant_taken_in_after_its_local_deadline_is_given_back_not_answered() {
+    let dir = tempfile::tempdir().unwrap();
+    let agent = agent(&dir).await;
+    let mut events = agent.subscribe();
+    agent.grant_pause.armed.store(true, Ordering::SeqCst);
+    let acquiring = tokio::spawn({
+        let agent = Arc::clone(&agent);
+        async move { agent.acquire("r", "w1", None, Duration::ZERO).await }
+    });
+    agent.grant_pause.reached.notified().await;
+    // Stopped with the grant in hand, for a whole TTL.
+    tokio::time::advance(agent.default_ttl()).await;
+    agent.grant_pause.resume.notify_one();
+    match acquiring.await.unwrap() {
+        Err(AcquireError::Unavailable(e)) => {
+            assert_eq!(e.kind(), crate::conn::error::Kind::Timeout);
+            assert!(
+                e.to_string().contains("past the lease's local deadline"),
+                "{e}"
+            );
+        }
+        other => panic!("{:?}", other.map(|l| l.grant.clone())),
+    }
+    assert!(agent.get("r").is_none());
+    assert_eq!(agent.token_for("r"), None);
+    assert!(events.try_recv().is_err(), "a lease was announced");
+    // Given back: the next holder gets it at once.
+    let next = agent
+        .backend()
+        .try_acquire("r", "w2", agent.default_ttl())
+        .await
+        .unwrap();
+    assert!(matches!(next, Acquired::Granted(_)));
 }
 
 /// `resource` held by w9, and w8 waiting for it (up to 10 s) in a task of its own.
