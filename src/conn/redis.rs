@@ -398,8 +398,9 @@ pub(crate) struct RedisConn {
     failing: AtomicBool,
     /// How many replicas [`RedisConn::replicated`] waits for, at least.
     replicas: u32,
-    /// In a Redis Cluster: how many replicas the slot map lists for this primary (`CLUSTER
-    /// SLOTS` leaves failed ones out), every one of which could be promoted in its place.
+    /// In a Redis Cluster: how many replicas this primary has that the cluster has not marked
+    /// failed (`CLUSTER NODES`, read with the slot map), every one of which could be promoted
+    /// in its place.
     promotable: AtomicU32,
     /// The last `WAIT` fell short: in a Redis Cluster, the slot map is asked again (a replica
     /// the cluster has since marked failed is then no longer waited for).
