@@ -1007,6 +1007,12 @@ impl Drop for Command<'_> {
 
 /// How a Redis call failed: timed out (ours, the connect or response timeout), an error reply
 /// or a failed `AUTH` (refused), an answer of the wrong type (corrupt), else unreachable.
+/// Whether `e` says the connection failed (unreachable, broken, no answer in time), not that
+/// the server refused or answered something unreadable: the connection is then dropped.
+fn connection_failed(e: &RedisError) -> bool {
+    matches!(failure(e), Failure::Unreachable | Failure::Timeout)
+}
+
 pub(crate) fn failure(e: &RedisError) -> Failure {
     if e.is_timeout() {
         return Failure::Timeout;

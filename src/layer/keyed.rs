@@ -4,8 +4,9 @@
 //! `read the body (bounded) → fingerprint →` the fence's claim ([`crate::fence::keyed`])
 //! `→ refuse | replay | call the service and record its answer`. The service's answer is
 //! recorded as the sidecar records the upstream's: a response without a body at once, any
-//! other as its body is sent ([`Recording`](crate::idempotency::recording::Recording)); a service that fails, or does not answer within
-//! `timeouts.upstream` (whose call is then dropped), leaves the outcome unknown.
+//! other as its body is sent ([`Recording`](crate::idempotency::recording::Recording)); a
+//! service that fails, or does not answer within `timeouts.upstream` (whose call is then
+//! dropped), leaves the outcome unknown.
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -547,6 +547,52 @@ async fn fences_list_reads_every_shard() {
     assert_eq!(listed(&all.json()), expected);
 }
 
+/// Sets, on every node, the data nodes' ACL line docs/stores.md gives (for `prefix`) plus
+/// `extra`, as user `fencegate`; returns the url of node 0 as that user.
+async fn cluster_user(topology: &ClusterTopology, prefix: &str, extra: &[&str]) -> String {
+    let docs =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/stores.md")).unwrap();
+    let line = docs
+        .lines()
+        .find(|l| l.starts_with("ACL SETUSER fencegate on >PASSWORD "))
+        .unwrap()
+        .replace("fencegate:", &format!("{prefix}:"))
+        .replace(">PASSWORD", ">pw");
+    let mut args: Vec<&str> = line.split(' ').collect();
+    args.extend(extra);
+    for node in &topology.nodes {
+        assert_eq!(redis_cli_at(node.port, &args).await.trim(), "OK");
+    }
+    format!("redis://fencegate:pw@127.0.0.1:{}/", topology.nodes[0].port)
+}
+
+/// A user without `+cluster|nodes` (the rule an earlier fencegate documented): the slot map is
+/// still read and writes pass on every shard, waiting for the configured `replicas` only; the
+/// refusal is in the nodes' `ACL LOG` (and fencegate's log, as a warning).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_user_that_may_not_list_nodes_still_writes() {
+    let topology = ClusterTopology::start().await;
+    let up = Upstream::start().await;
+    let prefix = fresh_prefix();
+    let url = cluster_user(&topology, &prefix, &["+cluster|slots", "+asking", "+wait"]).await;
+    let fg = fencegate(
+        &up.url(),
+        &format!(
+            "store: {{ kind: redis, url: '{url}', prefix: {prefix}, cluster: {} }}\n{ACCOUNTS}",
+            topology.yaml()
+        ),
+    )
+    .await;
+    for i in 1..=6 {
+        assert_eq!(put(&fg, &i.to_string(), "5").await.status, 200);
+    }
+    let mut logs = String::new();
+    for node in &topology.nodes {
+        logs.push_str(&redis_cli_at(node.port, &["ACL", "LOG"]).await);
+    }
+    assert!(logs.contains("cluster|nodes"), "{logs}");
+}
+
 /// The data nodes' ACL line docs/stores.md gives, plus what its Redis Cluster section adds
 /// (`+cluster|slots +cluster|nodes +asking +wait`), for `prefix`, on every node: the store and the lease
 /// backend work with exactly these rights across every shard, and no node logged a refused
@@ -558,22 +604,16 @@ async fn the_documented_cluster_acl_rule_is_enough() {
     let prefix = fresh_prefix();
     let docs =
         std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/stores.md")).unwrap();
-    let line = docs
-        .lines()
-        .find(|l| l.starts_with("ACL SETUSER fencegate on >PASSWORD "))
-        .unwrap()
-        .replace("fencegate:", &format!("{prefix}:"))
-        .replace(">PASSWORD", ">pw");
     assert!(docs.contains(
         "plus `+cluster|slots` (the slot map),\n`+cluster|nodes` (each primary's replicas) and \
          `+asking`"
     ));
-    let mut args: Vec<&str> = line.split(' ').collect();
-    args.extend(["+cluster|slots", "+cluster|nodes", "+asking", "+wait"]);
-    for node in &topology.nodes {
-        assert_eq!(redis_cli_at(node.port, &args).await.trim(), "OK");
-    }
-    let url = format!("redis://fencegate:pw@127.0.0.1:{}/", topology.nodes[0].port);
+    let url = cluster_user(
+        &topology,
+        &prefix,
+        &["+cluster|slots", "+cluster|nodes", "+asking", "+wait"],
+    )
+    .await;
     let a = fencegate(
         &up.url(),
         &format!(

@@ -326,6 +326,33 @@ async fn a_raise_waits_for_every_replica_the_sentinels_could_promote() {
     assert_eq!(received(&up, "1"), [6], "a stale token after a newer one");
 }
 
+/// The price of waiting for every promotable replica: one that stops answering (`SIGSTOP`)
+/// holds every write back (`503`, never forwarded) until the Sentinels take it for down; then
+/// the replica left acknowledges, without a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_that_stops_answering_holds_writes_back_until_the_sentinels_take_it_for_down() {
+    let topology = SentinelTopology::start().await;
+    let up = Upstream::start().await;
+    let fg = fencegate(&up.url(), &store_yaml(&topology, None)).await;
+    assert_eq!(put(&fg, "1", "1").await.status, 200);
+    topology.replicas[1].pause();
+    let stopped = Instant::now();
+    let held = put(&fg, "1", "2").await;
+    held.assert_problem(503, "urn:fencegate:store-unavailable");
+    assert!(
+        held.text().contains("1 of the 2 replicas"),
+        "{}",
+        held.text()
+    );
+    let admitted = first_admitted(&fg, "1", 3).await;
+    println!(
+        "a replica stopped: writes refused 503 for {}ms (down-after-milliseconds 1000)",
+        stopped.elapsed().as_millis()
+    );
+    topology.replicas[1].resume();
+    assert_eq!(received(&up, "1"), [1, admitted]);
+}
+
 /// A token equal to a maximum another connection raised, while the replicas do not acknowledge
 /// (stopped, still connected): refused like the raise itself. `WAIT` covers only what the
 /// waiting connection wrote, so the script writes the maximum again before it; without that,

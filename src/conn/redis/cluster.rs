@@ -31,7 +31,7 @@ use tokio::time::Instant;
 
 use redis::{AsyncConnectionConfig, RedisError, Value};
 
-use super::{no_primary, RedisConn, RedisTarget, RESPONSE_TIMEOUT};
+use super::{connection_failed, no_primary, RedisConn, RedisTarget, RESPONSE_TIMEOUT};
 use crate::sync::Locked;
 
 /// Slots in a Redis Cluster.
@@ -362,9 +362,7 @@ impl Cluster {
             .await
         {
             Ok(nodes) => nodes,
-            Err(e) if e.is_io_error() || e.is_timeout() || e.is_connection_dropped() => {
-                return Err(e)
-            }
+            Err(e) if connection_failed(&e) => return Err(e),
             Err(e) => {
                 if !self.nodes_refused.swap(true, Ordering::Relaxed) {
                     tracing::warn!(
@@ -386,27 +384,20 @@ impl Cluster {
             .collect())
     }
 
-    /// A new map, keeping the connections of primaries it still names.
-    /// Each primary is told how many replicas it has, the most any of its ranges lists.
+    /// A new map, keeping the connections of primaries it still names; each primary is told
+    /// how many replicas it has now.
     fn install(&self, slots: Vec<SlotRange>) {
         let mut ranges: Vec<Range> = Vec::with_capacity(slots.len());
-        let mut replicas: Vec<(Arc<RedisConn>, u32)> = Vec::new();
-        for (first, last, host, port, listed) in slots {
+        for (first, last, host, port, replicas) in slots {
             let known = ranges
                 .iter()
                 .map(|r| &r.node)
                 .find(|n| n.target.host == host && n.target.port == port)
                 .cloned();
             let node = known.unwrap_or_else(|| self.node(&host, port));
-            match replicas.iter_mut().find(|(n, _)| Arc::ptr_eq(n, &node)) {
-                Some((_, most)) => *most = (*most).max(listed),
-                None => replicas.push((Arc::clone(&node), listed)),
-            }
-            ranges.push(Range { first, last, node });
-        }
-        for (node, listed) in replicas {
-            node.promotable.store(listed, Ordering::Release);
+            node.promotable.store(replicas, Ordering::Release);
             node.short.store(false, Ordering::Release);
+            ranges.push(Range { first, last, node });
         }
         ranges.sort_by_key(|r| r.first);
         let mut map = self.map();
@@ -428,11 +419,12 @@ fn replicas_of(nodes: &str, id: &str) -> u32 {
     let count = nodes
         .lines()
         .filter(|line| {
-            let fields: Vec<&str> = line.split_whitespace().collect();
-            let (Some(flags), Some(of)) = (fields.get(2), fields.get(3)) else {
+            // `<id> <address> <flags> <primary's id> …`
+            let mut fields = line.split_whitespace().skip(2);
+            let (Some(flags), Some(of)) = (fields.next(), fields.next()) else {
                 return false;
             };
-            *of == id
+            of == id
                 && !flags
                     .split(',')
                     .any(|f| matches!(f, "fail" | "noaddr" | "handshake"))

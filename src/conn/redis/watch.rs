@@ -40,7 +40,7 @@ use std::time::Duration;
 use redis::{AsyncConnectionConfig, ProtocolVersion, PushInfo, PushKind, Value};
 use tokio::sync::mpsc;
 
-use super::Sentinels;
+use super::{connection_failed, Sentinels};
 
 /// The channels followed: the master's down states, a failover's steps, its end.
 const CHANNELS: [&str; 11] = [
@@ -199,22 +199,20 @@ fn promotable(replicas: &[HashMap<String, String>]) -> u32 {
 }
 
 /// Asks Sentinel `at` on `conn` which replicas of `master` it could promote, and records the
-/// count; a refusal (the Sentinel user lacks `sentinel|replicas`) is logged once per
-/// connection by the caller through the returned error.
+/// count.
 pub(super) async fn ask_replicas<C: redis::aio::ConnectionLike>(
     watch: &Watch,
     at: usize,
     master: &str,
     conn: &mut C,
-) -> Result<u32, redis::RedisError> {
+) -> Result<(), redis::RedisError> {
     let replicas: Vec<HashMap<String, String>> = redis::cmd("SENTINEL")
         .arg("REPLICAS")
         .arg(master)
         .query_async(conn)
         .await?;
-    let n = promotable(&replicas);
-    watch.set_promotable(at, n);
-    Ok(n)
+    watch.set_promotable(at, promotable(&replicas));
+    Ok(())
 }
 
 /// Follows Sentinel `at` of `sentinels` until they are dropped.
@@ -286,8 +284,8 @@ async fn refresh(
         return redis::cmd("PING").query_async::<Value>(conn).await.is_ok();
     }
     match ask_replicas(&sentinels.watch, at, &sentinels.master, conn).await {
-        Ok(_) => true,
-        Err(e) if e.is_io_error() || e.is_timeout() || e.is_connection_dropped() => false,
+        Ok(()) => true,
+        Err(e) if connection_failed(&e) => false,
         Err(e) => {
             tracing::warn!(
                 error = %e,

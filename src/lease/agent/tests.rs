@@ -99,9 +99,10 @@ async fn a_renewal_answer_taken_in_after_the_local_deadline_loses_the_lease() {
     assert_eq!(agent.token_for("r"), None);
 }
 
-/// A grant taken in only after the local deadline counted from its request (the process was
-/// stopped while the answer waited) is announced as what it is: `held`, state `expired`,
-/// then `lost`. Its `held` event said `held` before, as a late renewal's `renewed` did.
+/// A lease listed with a deadline already past is announced as what it is: `held`, state
+/// `expired`, then `lost` (its `held` event said `held` before, as a late renewal's `renewed`
+/// did). `acquire` no longer lists such a grant (it gives it back: the test below); this
+/// holds it directly, for the events' deadline-aware state.
 #[tokio::test(start_paused = true)]
 async fn a_grant_taken_in_after_its_local_deadline_is_announced_expired() {
     let dir = tempfile::tempdir().unwrap();

@@ -127,8 +127,7 @@ async fn raise_alone<R: Remote>(remote: &R, (raise, answer): (Raise, Answer)) {
 }
 
 /// One call for `batch`: the remote's own raise for one, its batch call for more.
-async fn send<R: Remote>(remote: &Arc<R>, batch: Vec<(Raise, Answer)>) {
-    let mut batch = batch;
+async fn send<R: Remote>(remote: &Arc<R>, mut batch: Vec<(Raise, Answer)>) {
     if batch.len() == 1 {
         if let Some(one) = batch.pop() {
             raise_alone(&**remote, one).await;
